@@ -1,0 +1,665 @@
+"""Aggregation of training logs and per-token fits into small result tables (SPEC §2, §3.3, §4.4).
+
+``aggregate(data_dir, out_dir, cfg)`` reads, under ``data_dir``:
+``train/run=<run>/steps.parquet``, ``models/<run>/final/run.json``,
+``fits/model=<m>/layer=<l>/fn=<class>/part-*.parquet`` and ``perturb/...`` (same partitioning), and writes:
+
+- ``out_dir/tables/<name>.parquet`` for every name in ``TABLES`` (always all of them; a study that was not
+  run gives empty tables with the documented columns):
+  ``runs``, ``curves``, ``recipes``, ``geometry``, ``geometry_pooled``, ``angles``, ``correlations``,
+  ``claims``. Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
+- ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
+  left out rather than written as null::
+
+      {"train":    {<run>:   {"final_val_loss", "final_train_loss", "diverged", "median_step_time_s",
+                              "median_hilbert_bound", "median_tightness", "median_equi_ratio"}},
+       "recipes":  {<arch>:  {<recipe>: {"val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon"}}},
+       "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
+                                     "median_proj_full", "median_proj_res", "spearman_pooled",
+                                     "spearman_ci_low", "spearman_ci_high"}}},
+       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false}}}}
+
+  Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
+- ``out_dir/plots/<series>/<name>.csv`` for ``dvc plots``, one file per line so that a directory is one
+  plot: ``train_loss/<run>.csv`` and ``val_loss/<run>.csv`` (step, run, train_loss|val_loss),
+  ``hilbert/<run>.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
+  ``spearman/<model>__<fn>.csv`` (layer, model, fn, spearman, ci_low, ci_high; model as in partition paths).
+
+Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from scipy import stats as sps
+
+from pipeline.config import ARCHS, ReportConfig
+from pipeline.store import MANIFEST_DIR, complete_files
+
+TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
+
+# ----------------------------------------------------------------------------------- data contracts
+FIT_METRICS = (
+    "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
+    "proj_full_global", "proj_res_global", "norm_full", "norm_res",
+)  # fmt: skip
+PERTURB_METRICS = ("kl", "kl_seq")
+
+STEPS_SCHEMA = pa.schema(
+    [("step", pa.int64()), ("tokens", pa.int64())]
+    + [(c, pa.float64()) for c in ("lr", "train_loss", "val_loss", "step_time_s", "head_diam")]
+    + [("head_diam_sampled", pa.bool_())]
+    + [(c, pa.float64()) for c in ("head_update_rms", "head_update_spectral", "hilbert_realized",
+                                   "hilbert_bound", "equi_ratio")]  # fmt: skip
+)
+# The vector column `patched` is deliberately absent: datasets are opened with these schemas only.
+FITS_SCHEMA = pa.schema(
+    [(c, pa.int32()) for c in ("seq_id", "pos", "token_id", "k")]
+    + [(c, pa.float64()) for c in FIT_METRICS]
+    + [("n_nonfinite", pa.int32())]
+)
+PERTURB_SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float64()), ("kl_seq", pa.float64())])
+ACTIVATIONS_SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("token_id", pa.int32())])
+
+RUN_PARTITIONS = pa.schema([("run", pa.string())])
+FIT_PARTITIONS = pa.schema([("model", pa.string()), ("layer", pa.int32()), ("fn", pa.string())])
+ACTIVATION_PARTITIONS = pa.schema([("model", pa.string()), ("layer", pa.int32())])
+
+RUN_JSON_SCHEMA = pa.schema(
+    [("run", pa.string()), ("arch", pa.string()), ("recipe", pa.string()), ("seed", pa.int64()),
+     ("steps", pa.int64()), ("steps_done", pa.int64()), ("tokens", pa.int64()),
+     ("final_train_loss", pa.float64()), ("final_val_loss", pa.float64()), ("diverged", pa.bool_()),
+     ("diverged_at_step", pa.int64()), ("wall_time_s", pa.float64()), ("n_params", pa.int64()),
+     ("params_hash", pa.string())]
+)  # fmt: skip
+
+# `<arch>-<recipe>-s<seed>`: groups 1, 2, 3 (for runs whose run.json is missing).
+RUN_ID = r"^([a-z0-9_.]+)-([a-z0-9_.]+)-s([0-9]+)$"
+
+# ------------------------------------------------------------------------------ claims (SPEC §4.4)
+COS_NEAR_ONE = 0.9
+LARGE_ANGLE_DEG = 60.0
+SPEARMAN_STRONG = 0.7
+SIGNIFICANCE = 0.05
+MIN_SEEDS_FOR_TEST = 3
+BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
+ANGLE_BIN_DEG = 10
+MAX_CURVE_POINTS = 1000
+BASELINE_RECIPE = "muon"
+
+
+# ------------------------------------------------------------------------------------ reading data
+def dataset_files(root: Path, verify: bool = True) -> list[str]:
+    """The Parquet files of the hive-partitioned dataset under ``root`` that count as written.
+
+    With shard manifests (``root/_manifests``, pipeline/store.py) only the files of complete shards, checked
+    (sha256 with ``verify``); a dataset written without the shard store is read whole (the store's
+    temporaries never end in ``.parquet``). No ``root`` means the stage did not run: no files.
+    """
+    if (root / MANIFEST_DIR).is_dir():
+        return [str(p) for p in complete_files(root, verify=verify)]
+    if not root.is_dir():
+        return []
+    return sorted(str(p) for p in root.rglob("*.parquet"))
+
+
+def open_dataset(
+    files: Sequence[str],
+    base_dir: str,
+    schema: pa.Schema,
+    partitions: pa.Schema,
+    filesystem: pafs.FileSystem | None = None,
+) -> ds.Dataset:
+    """A lazy Arrow dataset over ``files`` with exactly ``schema`` + ``partitions`` as columns.
+
+    Columns outside the schema (vectors) are never read, missing ones read as null, and narrower types
+    (float32) are cast up; hive partition values are parsed with the declared types. No files gives an
+    empty dataset with the same columns, so every query runs unchanged on a study that was not run.
+    """
+    full = pa.schema(list(schema) + list(partitions))
+    if not files:
+        return ds.dataset(full.empty_table())
+    partitioning = ds.partitioning(partitions, flavor="hive")
+    return ds.dataset(
+        list(files), schema=full, format="parquet", partitioning=partitioning,
+        partition_base_dir=base_dir, filesystem=filesystem,
+    )  # fmt: skip
+
+
+def model_label_sql(column: str) -> str:
+    """SQL turning a partition model name into its table label: `<run>.final` → `<run>@final`, `a--b` → `a/b`."""
+    trained = r"^(" + "|".join(ARCHS) + r")-[a-z0-9_.]+-s[0-9]+\.(init|final)$"
+    return (
+        f"CASE WHEN regexp_matches({column}, '{trained}') "
+        f"THEN regexp_replace({column}, '\\.(init|final)$', '@\\1') "
+        f"ELSE replace({column}, '--', '/') END"
+    )
+
+
+def _read_run_json(models_dir: Path) -> pa.Table:
+    rows = []
+    for path in sorted(models_dir.glob("*/final/run.json")):
+        record = json.loads(path.read_text())
+        rows.append({name: record.get(name) for name in RUN_JSON_SCHEMA.names})
+    return pa.Table.from_pylist(rows, schema=RUN_JSON_SCHEMA)
+
+
+def _register_sources(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
+    sources = {
+        "steps": ("train", STEPS_SCHEMA, RUN_PARTITIONS),
+        "fits": ("fits", FITS_SCHEMA, FIT_PARTITIONS),
+        "perturb": ("perturb", PERTURB_SCHEMA, FIT_PARTITIONS),
+    }
+    for name, (sub, schema, partitions) in sources.items():
+        root = data_dir / sub
+        con.register(name, open_dataset(dataset_files(root), str(root), schema, partitions))
+    con.register("run_json", _read_run_json(data_dir / "models"))
+
+
+# -------------------------------------------------------------------------------------- statistics
+# Spearman with a percentile bootstrap CI. pipeline/stats.py is to hold the project's shared version;
+# this one is written against scipy until the two are reconciled.
+def spearman_ci(x: np.ndarray, y: np.ndarray, n_boot: int, ci: float, seed: int) -> tuple[float, float, float]:
+    """(rho, low, high): Spearman's rho and the percentile bootstrap CI over resampled pairs.
+
+    NaN when fewer than 3 pairs or a constant input; resamples that come out constant are dropped.
+    """
+    n = len(x)
+    if n < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
+        return math.nan, math.nan, math.nan
+    rho = float(sps.spearmanr(x, y).statistic)
+    rng = np.random.default_rng(seed)
+    per_batch = max(1, 2_000_000 // n)  # bounds the (resamples × n) rank matrices in memory
+    draws = []
+    for start in range(0, n_boot, per_batch):
+        idx = rng.integers(0, n, size=(min(per_batch, n_boot - start), n))
+        draws.append(_rowwise_pearson(sps.rankdata(x[idx], axis=1), sps.rankdata(y[idx], axis=1)))
+    boot = np.concatenate(draws)
+    boot = boot[np.isfinite(boot)]
+    if boot.size == 0:
+        return rho, math.nan, math.nan
+    tail = (1 - ci) / 2
+    low, high = np.quantile(boot, [tail, 1 - tail])
+    return rho, float(low), float(high)
+
+
+def _rowwise_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a = a - a.mean(axis=1, keepdims=True)
+    b = b - b.mean(axis=1, keepdims=True)
+    denom = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (a * b).sum(axis=1) / denom
+
+
+def welch_p(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sided Welch t-test p-value; NaN unless both samples have MIN_SEEDS_FOR_TEST values."""
+    if len(a) < MIN_SEEDS_FOR_TEST or len(b) < MIN_SEEDS_FOR_TEST:
+        return math.nan
+    return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
+
+
+# ------------------------------------------------------------------------------------ Study B tables
+_TIGHTNESS = "hilbert_realized / hilbert_bound"
+# The bound is tested on exact diameters only: a sampled diameter is a lower bound (SPEC §3.3).
+_EXACT = "NOT coalesce(head_diam_sampled, false) AND hilbert_bound > 0"
+
+
+def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    return con.sql(f"""
+        WITH logged AS (
+            SELECT run,
+                   count(*) AS steps_logged,
+                   max(step) AS last_step,
+                   median(step_time_s) AS median_step_time_s,
+                   median(hilbert_bound) AS median_hilbert_bound,
+                   median(hilbert_realized) AS median_hilbert_realized,
+                   median({_TIGHTNESS}) FILTER (WHERE {_EXACT}) AS median_tightness,
+                   max({_TIGHTNESS}) FILTER (WHERE {_EXACT}) AS max_tightness,
+                   count(*) FILTER (WHERE {_EXACT} AND hilbert_realized IS NOT NULL) AS n_exact_geometry_steps,
+                   coalesce(bool_or(head_diam_sampled), false) AS head_diam_sampled,
+                   median(head_diam) AS median_head_diam,
+                   median(equi_ratio) AS median_equi_ratio
+            FROM steps GROUP BY run
+        )
+        SELECT coalesce(j.run, l.run) AS run,
+               coalesce(j.arch, regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 1)) AS arch,
+               coalesce(j.recipe, regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 2)) AS recipe,
+               coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 3) AS BIGINT)) AS seed,
+               j.run IS NOT NULL AS finished,
+               j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
+               j.final_train_loss, j.final_val_loss, j.wall_time_s, j.n_params, j.params_hash,
+               l.* EXCLUDE (run)
+        FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
+        ORDER BY arch, recipe, seed, run
+    """).to_arrow_table()  # fmt: skip
+
+
+def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Per run and step; long runs are thinned to about MAX_CURVE_POINTS plain and geometry rows each,
+    always keeping evaluation steps and the last step."""
+    return con.sql(f"""
+        WITH numbered AS (
+            SELECT *,
+                   row_number() OVER (PARTITION BY run ORDER BY step) - 1 AS i,
+                   count(*) OVER (PARTITION BY run) AS n,
+                   count(hilbert_bound) OVER (PARTITION BY run ORDER BY step) - 1 AS gi,
+                   count(hilbert_bound) OVER (PARTITION BY run) AS gn
+            FROM steps
+        )
+        SELECT run, step, tokens, lr, train_loss, val_loss, step_time_s, head_diam, head_diam_sampled,
+               hilbert_bound, hilbert_realized,
+               CASE WHEN {_EXACT} THEN {_TIGHTNESS} END AS tightness,
+               equi_ratio, head_update_rms, head_update_spectral
+        FROM numbered
+        WHERE i % greatest(1, ceil(n / {MAX_CURVE_POINTS}))::BIGINT = 0
+           OR val_loss IS NOT NULL
+           OR i = n - 1
+           OR (hilbert_bound IS NOT NULL AND gi % greatest(1, ceil(gn / {MAX_CURVE_POINTS}))::BIGINT = 0)
+        ORDER BY run, step
+    """).to_arrow_table()  # fmt: skip
+
+
+RECIPES_SCHEMA = pa.schema(
+    [("arch", pa.string()), ("recipe", pa.string()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
+     ("n_diverged", pa.int64()), ("val_loss_mean", pa.float64()), ("val_loss_std", pa.float64()),
+     ("val_loss_min", pa.float64()), ("val_loss_max", pa.float64()), ("steps", pa.int64()),
+     ("tokens", pa.int64()), ("diff_vs_muon", pa.float64()), ("p_vs_muon", pa.float64())]
+)  # fmt: skip
+
+
+def _recipes_table(runs: pa.Table) -> pa.Table:
+    """Per arch × recipe: final val loss over seeds (diverged runs counted, not averaged), Welch vs muon."""
+    by_group: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in runs.to_pylist():
+        if row["arch"] and row["recipe"]:
+            by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
+    losses = {key: _finite([r["final_val_loss"] for r in rows if not r["diverged"]]) for key, rows in by_group.items()}
+    out = []
+    for (arch, recipe), rows in sorted(by_group.items()):
+        vals = losses[(arch, recipe)]
+        base = losses.get((arch, BASELINE_RECIPE), np.array([]))
+        compare = recipe != BASELINE_RECIPE and vals.size and base.size
+        out.append({
+            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": int(vals.size),
+            "n_diverged": sum(bool(r["diverged"]) for r in rows),
+            "val_loss_mean": float(vals.mean()) if vals.size else None,
+            "val_loss_std": float(vals.std(ddof=1)) if vals.size > 1 else None,
+            "val_loss_min": float(vals.min()) if vals.size else None,
+            "val_loss_max": float(vals.max()) if vals.size else None,
+            "steps": _single([r["steps_done"] for r in rows]),
+            "tokens": _single([r["tokens"] for r in rows]),
+            "diff_vs_muon": float(vals.mean() - base.mean()) if compare else None,
+            "p_vs_muon": _none_if_nan(welch_p(vals, base)) if compare else None,
+        })  # fmt: skip
+    return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
+
+
+def _finite(values: Sequence[float | None]) -> np.ndarray:
+    arr = np.array([v for v in values if v is not None], dtype=float)
+    return arr[np.isfinite(arr)]
+
+
+def _single(values: Sequence[int | None]) -> int | None:
+    """The common value (runs compared at equal steps/tokens), or None when they differ or are unknown."""
+    distinct = {v for v in values if v is not None}
+    return distinct.pop() if len(distinct) == 1 else None
+
+
+def _none_if_nan(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+# ------------------------------------------------------------------------------------ Study A tables
+def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
+    finite = ", ".join(f"CASE WHEN isfinite(f.{c}) THEN f.{c} END AS {c}" for c in FIT_METRICS)
+    any_nonfinite = " OR ".join(f"NOT isfinite(f.{c})" for c in FIT_METRICS)
+    con.execute(f"""
+        CREATE TEMP VIEW anchors AS
+        SELECT {model_label_sql('f.model')} AS model, f.layer, f.fn, f.seq_id, f.pos, f.k, {finite},
+               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite,
+               CASE WHEN isfinite(p.kl) THEN p.kl END AS kl,
+               CASE WHEN isfinite(p.kl_seq) THEN p.kl_seq END AS kl_seq
+        FROM fits f LEFT JOIN perturb p
+          ON f.model = p.model AND f.layer = p.layer AND f.fn = p.fn AND f.seq_id = p.seq_id AND f.pos = p.pos
+    """)  # fmt: skip
+
+
+_MODEL_FACTS = f"""
+    regexp_extract(model, '^(.*)@(init|final)$', 1) AS run,
+    regexp_extract(model, '^(.*)@(init|final)$', 2) AS checkpoint,
+    CASE WHEN regexp_matches(model, '@(init|final)$') THEN split_part(model, '-', 1) END AS arch,
+    CASE WHEN split_part(model, '-', 1) = 'mamba' OR lower(model) LIKE '%mamba%' THEN 'mamba'
+         ELSE 'transformer' END AS family
+"""
+_ALL_METRICS = FIT_METRICS + PERTURB_METRICS
+
+
+def _summaries() -> str:
+    return ", ".join(f"avg({c}) AS mean_{c}, median({c}) AS median_{c}" for c in _ALL_METRICS)
+
+
+def _geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    return con.sql(f"""
+        SELECT model, layer, fn, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
+               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
+        FROM anchors GROUP BY model, layer, fn ORDER BY model, layer, fn
+    """).to_arrow_table()  # fmt: skip
+
+
+def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    over_layers = ", ".join(f"median(median_{c}) AS layer_median_{c}" for c in _ALL_METRICS)
+    return con.sql(f"""
+        WITH pooled AS (
+            SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
+                   count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
+            FROM anchors GROUP BY model, fn
+        ), per_layer AS (
+            SELECT model, fn, sum(n_nonfinite) AS n_nonfinite, {over_layers}
+            FROM geometry GROUP BY model, fn
+        )
+        SELECT model, fn, {_MODEL_FACTS}, p.n, p.n_layers, l.n_nonfinite,
+               p.* EXCLUDE (model, fn, n, n_layers), l.* EXCLUDE (model, fn, n_nonfinite)
+        FROM pooled p JOIN per_layer l USING (model, fn)
+        ORDER BY model, fn
+    """).to_arrow_table()  # fmt: skip
+
+
+def _angles_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    bins = 180 // ANGLE_BIN_DEG
+    return con.sql(f"""
+        WITH groups AS (SELECT DISTINCT model, fn FROM anchors WHERE angle_res_tok IS NOT NULL),
+        grid AS (SELECT model, fn, b FROM groups, range({bins}) t(b)),
+        counts AS (
+            SELECT model, fn, least(floor(angle_res_tok / {ANGLE_BIN_DEG}), {bins - 1})::BIGINT AS b, count(*) AS c
+            FROM anchors WHERE angle_res_tok IS NOT NULL GROUP BY ALL
+        )
+        SELECT g.model, g.fn, (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
+               coalesce(c.c, 0) AS count,
+               coalesce(c.c, 0) / sum(coalesce(c.c, 0)) OVER (PARTITION BY g.model, g.fn) AS fraction
+        FROM grid g LEFT JOIN counts c USING (model, fn, b)
+        ORDER BY g.model, g.fn, g.b
+    """).to_arrow_table()  # fmt: skip
+
+
+CORRELATIONS_SCHEMA = pa.schema(
+    [("model", pa.string()), ("fn", pa.string()), ("scope", pa.string()), ("layer", pa.int32()),
+     ("n", pa.int64()), ("spearman", pa.float64()), ("ci_low", pa.float64()), ("ci_high", pa.float64())]
+)  # fmt: skip
+
+
+def _correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
+    """Spearman(rel_err, kl) per (model, fn, layer) and pooled over layers (scope 'pooled', layer null)."""
+    pairs = con.sql("""
+        SELECT model, fn, layer, rel_err, kl FROM anchors
+        WHERE rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
+    """).fetchnumpy()  # fmt: skip
+    rows = []
+    keys = list(zip(pairs["model"], pairs["fn"], pairs["layer"], strict=True))
+    for model, fn in dict.fromkeys((m, f) for m, f, _ in keys):
+        in_group = (pairs["model"] == model) & (pairs["fn"] == fn)
+        layers = sorted(set(pairs["layer"][in_group].tolist()))
+        for scope, layer, mask in [("pooled", None, in_group)] + [
+            ("layer", ly, in_group & (pairs["layer"] == ly)) for ly in layers
+        ]:
+            x, y = pairs["rel_err"][mask], pairs["kl"][mask]
+            rho, low, high = spearman_ci(x, y, cfg.bootstrap, cfg.ci, cfg.seed)
+            rows.append({
+                "model": model, "fn": fn, "scope": scope, "layer": layer, "n": int(mask.sum()),
+                "spearman": _none_if_nan(rho), "ci_low": _none_if_nan(low), "ci_high": _none_if_nan(high),
+            })  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
+
+
+# ------------------------------------------------------------------------------------------- claims
+CLAIMS_SCHEMA = pa.schema(
+    [("study", pa.string()), ("subject", pa.string()), ("fn", pa.string()), ("claim", pa.string()),
+     ("value", pa.float64()), ("threshold", pa.float64()), ("holds", pa.bool_()),
+     ("holds_at_init", pa.bool_()), ("detail", pa.string())]
+)  # fmt: skip
+
+CLAIM_TEXT = {
+    "cos_full_tok_near_1": f"full update aligned with its tokenwise part: median cos_full_tok ≥ {COS_NEAR_ONE}",
+    "angle_res_tok_large": f"residual at a large angle to the tokenwise part: median angle_res_tok > {LARGE_ANGLE_DEG:g}°",
+    "proj_res_below_full": "residual projects less than the full update on the dominant tokenwise subspace "
+    "(median proj_res / median proj_full < 1)",
+    "proj_res_global_below_full": "the same on the layer's global tokenwise subspace "
+    "(median proj_res_global / median proj_full_global < 1)",
+    "spearman_rel_err_kl": f"residual size predicts the output change: pooled Spearman(rel_err, kl) > {SPEARMAN_STRONG}",
+    "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
+    "beats_muon": f"mean final val loss below muon's, Welch p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} seeds each)",
+    "equi_spreads_rows": "hilbert_equi spreads head-update rows more evenly than hilbert (median equi_ratio ratio > 1)",
+}  # fmt: skip
+STUDY_A_CLAIMS = ("cos_full_tok_near_1", "angle_res_tok_large", "proj_res_below_full",
+                  "proj_res_global_below_full", "spearman_rel_err_kl")  # fmt: skip
+# Δ_tok = 0 for `identity`, so the alignment claims are undefined there.
+CLASSES_WITHOUT_CLAIMS = ("identity",)
+
+
+def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, threshold: float,
+           holds: bool | None, detail: str) -> dict[str, Any]:  # fmt: skip
+    measured = value is not None and math.isfinite(value)
+    return {
+        "study": study, "subject": subject, "fn": fn, "claim": claim,
+        "value": value if measured else None, "threshold": threshold,
+        "holds": holds if measured else None, "holds_at_init": None, "detail": detail,
+    }  # fmt: skip
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _study_a_claims(pooled: pa.Table, correlations: pa.Table) -> list[dict[str, Any]]:
+    spearman = {
+        (r["model"], r["fn"]): r for r in correlations.to_pylist() if r["scope"] == "pooled"
+    }
+    best_layer: dict[tuple[str, str], float] = {}
+    for r in correlations.to_pylist():
+        if r["scope"] == "layer" and r["spearman"] is not None:
+            key = (r["model"], r["fn"])
+            best_layer[key] = max(best_layer.get(key, -1.0), r["spearman"])
+    rows = []
+    for g in pooled.to_pylist():
+        model, fn = g["model"], g["fn"]
+        if fn in CLASSES_WITHOUT_CLAIMS:
+            continue
+        cos, angle = g["median_cos_full_tok"], g["median_angle_res_tok"]
+        local = _ratio(g["median_proj_res"], g["median_proj_full"])
+        glob = _ratio(g["median_proj_res_global"], g["median_proj_full_global"])
+        s = spearman.get((model, fn), {})
+        rho = s.get("spearman")
+        rows += [
+            _claim("A", model, fn, "cos_full_tok_near_1", cos, COS_NEAR_ONE, cos is not None and cos >= COS_NEAR_ONE,
+                   f"median cos_full_tok {_fmt(cos)} over {g['n']} anchors"),
+            _claim("A", model, fn, "angle_res_tok_large", angle, LARGE_ANGLE_DEG,
+                   angle is not None and angle > LARGE_ANGLE_DEG, f"median angle_res_tok {_fmt(angle)}°"),
+            _claim("A", model, fn, "proj_res_below_full", local, 1.0, local is not None and local < 1,
+                   f"median proj_res {_fmt(g['median_proj_res'])} vs proj_full {_fmt(g['median_proj_full'])}"),
+            _claim("A", model, fn, "proj_res_global_below_full", glob, 1.0, glob is not None and glob < 1,
+                   f"median proj_res_global {_fmt(g['median_proj_res_global'])} "
+                   f"vs proj_full_global {_fmt(g['median_proj_full_global'])}"),
+            _claim("A", model, fn, "spearman_rel_err_kl", rho, SPEARMAN_STRONG, rho is not None and rho > SPEARMAN_STRONG,
+                   f"pooled rho {_fmt(rho)} [{_fmt(s.get('ci_low'))}, {_fmt(s.get('ci_high'))}], "
+                   f"n {s.get('n', 0)}, best layer {_fmt(best_layer.get((model, fn)))}"),
+        ]  # fmt: skip
+    _attach_init(rows)
+    return rows
+
+
+def _attach_init(rows: list[dict[str, Any]]) -> None:
+    """For `<run>@final` rows, record whether the same claim held at `<run>@init` (random weights)."""
+    at = {(r["subject"], r["fn"], r["claim"]): r["holds"] for r in rows}
+    for r in rows:
+        if r["subject"].endswith("@final"):
+            r["holds_at_init"] = at.get((r["subject"].removesuffix("@final") + "@init", r["fn"], r["claim"]))
+
+
+def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
+    rows = []
+    by_arch: dict[str, list[dict[str, Any]]] = {}
+    for r in runs.to_pylist():
+        if r["arch"]:
+            by_arch.setdefault(r["arch"], []).append(r)
+    for arch, arch_runs in sorted(by_arch.items()):
+        ratios = [r["max_tightness"] for r in arch_runs if r["max_tightness"] is not None]
+        worst = max(ratios) if ratios else None
+        rows.append(_claim("B", arch, "all", "bound_holds", worst, 1.0,
+                           worst is not None and worst <= 1 + BOUND_TOLERANCE,
+                           f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact diameters"))  # fmt: skip
+        equi, plain = _median_of(arch_runs, "hilbert_equi"), _median_of(arch_runs, "hilbert")
+        if equi is not None and plain is not None:
+            spread = _ratio(equi, plain)
+            rows.append(_claim("B", arch, "hilbert_equi", "equi_spreads_rows", spread, 1.0,
+                               spread is not None and spread > 1,
+                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs hilbert {_fmt(plain)}"))  # fmt: skip
+    for r in recipes.to_pylist():
+        if r["recipe"] == BASELINE_RECIPE or r["diff_vs_muon"] is None:
+            continue
+        p = r["p_vs_muon"]
+        row = _claim("B", r["arch"], r["recipe"], "beats_muon", r["diff_vs_muon"], 0.0,
+                     p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE,
+                     f"mean difference {_fmt(r['diff_vs_muon'])} nats, "
+                     + (f"Welch p {_fmt(p)}" if p is not None else f"n={r['n_seeds']}: too few seeds to test"))  # fmt: skip
+        if p is None:
+            row["holds"] = None
+        rows.append(row)
+    return rows
+
+
+def _median_of(runs: list[dict[str, Any]], recipe: str) -> float | None:
+    vals = _finite([r["median_equi_ratio"] for r in runs if r["recipe"] == recipe])
+    return float(np.median(vals)) if vals.size else None
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def build_tables(data_dir: Path, cfg: ReportConfig) -> dict[str, pa.Table]:
+    """Every result table from the datasets under ``data_dir`` (see the module docstring)."""
+    # One thread: float sums then run in a fixed order, so equal inputs give byte-identical tables.
+    con = duckdb.connect(":memory:", config={"threads": 1})
+    _register_sources(con, data_dir)
+    runs = _runs_table(con)
+    recipes = _recipes_table(runs)
+    _create_anchor_view(con)
+    geometry = _geometry_table(con)
+    con.register("geometry", geometry)
+    pooled = _geometry_pooled_table(con)
+    correlations = _correlations_table(con, cfg)
+    claims = _study_a_claims(pooled, correlations) + _study_b_claims(runs, recipes)
+    return {
+        "runs": runs, "curves": _curves_table(con), "recipes": recipes, "geometry": geometry,
+        "geometry_pooled": pooled, "angles": _angles_table(con), "correlations": correlations,
+        "claims": pa.Table.from_pylist(claims, schema=CLAIMS_SCHEMA),
+    }  # fmt: skip
+
+
+def aggregate(data_dir: Path, out_dir: Path, cfg: ReportConfig) -> None:
+    """Write ``out_dir/tables/*.parquet``, ``out_dir/metrics.json`` and ``out_dir/plots/`` (module docstring)."""
+    tables = build_tables(data_dir, cfg)
+    (out_dir / "tables").mkdir(parents=True, exist_ok=True)
+    for name, table in tables.items():
+        _atomic_write(out_dir / "tables" / f"{name}.parquet", lambda p, t=table: pq.write_table(t, p))
+    text = json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n"
+    _atomic_write(out_dir / "metrics.json", lambda p: p.write_text(text))
+    write_plot_csvs(tables, out_dir / "plots")
+
+
+def _atomic_write(path: Path, write: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    tmp.replace(path)
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    return x
+
+
+def _measured(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _round(v) for k, v in record.items()
+        if v is not None and not (isinstance(v, float) and not math.isfinite(v))
+    }  # fmt: skip
+
+
+def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
+    """The DVC metrics dictionary (layout in the module docstring)."""
+    train = {
+        r["run"]: _measured({k: r[k] for k in ("final_val_loss", "final_train_loss", "diverged", "median_step_time_s",
+                                               "median_hilbert_bound", "median_tightness", "median_equi_ratio")})
+        for r in tables["runs"].to_pylist()
+    }  # fmt: skip
+    recipes: dict[str, dict[str, Any]] = {}
+    for r in tables["recipes"].to_pylist():
+        recipes.setdefault(r["arch"], {})[r["recipe"]] = _measured(
+            {k: r[k] for k in ("val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon")}
+        )
+    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "pooled"}
+    geometry: dict[str, dict[str, Any]] = {}
+    for g in tables["geometry_pooled"].to_pylist():
+        s = spearman.get((g["model"], g["fn"]), {})
+        geometry.setdefault(g["model"], {})[g["fn"]] = _measured({
+            "n": g["n"],
+            **{f"median_{c}": g[f"median_{c}"] for c in ("rel_err", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res")},
+            "spearman_pooled": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
+        })  # fmt: skip
+    claims: dict[str, dict[str, dict[str, bool]]] = {}
+    for c in tables["claims"].to_pylist():
+        if c["holds"] is not None:
+            claims.setdefault(c["subject"], {}).setdefault(c["fn"], {})[c["claim"]] = c["holds"]
+    return {"train": train, "recipes": recipes, "geometry": geometry, "claims": claims}
+
+
+def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:
+    """One CSV per line of each DVC plot; a directory per plot (module docstring)."""
+    con = duckdb.connect(":memory:")
+    con.register("curves", tables["curves"])
+    con.register("correlations", tables["correlations"])
+    series = {
+        "train_loss": "SELECT step, run, train_loss FROM curves WHERE train_loss IS NOT NULL",
+        "val_loss": "SELECT step, run, val_loss FROM curves WHERE val_loss IS NOT NULL",
+        "hilbert": "SELECT step, run, hilbert_bound, hilbert_realized, equi_ratio FROM curves "
+        "WHERE hilbert_bound IS NOT NULL",
+    }
+    for name, sql in series.items():
+        table = con.sql(f"{sql} ORDER BY run, step").to_arrow_table()
+        _write_split(table, plots_dir / name, table.column("run").to_pylist())
+    layers = con.sql("""
+        SELECT layer, model, fn, spearman, ci_low, ci_high FROM correlations
+        WHERE scope = 'layer' AND spearman IS NOT NULL ORDER BY model, fn, layer
+    """).to_arrow_table()  # fmt: skip
+    names = [f"{_partition_name(m)}__{f}" for m, f in zip(layers["model"].to_pylist(), layers["fn"].to_pylist(), strict=True)]
+    _write_split(layers, plots_dir / "spearman", names)
+
+
+def _partition_name(model: str) -> str:
+    """Table label → file-safe name as in partition paths (`@` → `.`, `/` → `--`)."""
+    return model.replace("@", ".").replace("/", "--")
+
+
+def _write_split(table: pa.Table, directory: Path, file_of_row: list[str]) -> None:
+    """Rows of ``table`` into ``directory/<name>.csv`` by ``file_of_row``; stale files of removed runs go."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for stale in directory.glob("*.csv"):
+        stale.unlink()
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(file_of_row):
+        groups.setdefault(name, []).append(i)
+    for name, idx in groups.items():
+        pacsv.write_csv(table.take(idx), directory / f"{name}.csv")

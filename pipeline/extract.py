@@ -1,0 +1,119 @@
+"""Residual-stream representations h_0 … h_L of a causal LM, captured with hooks on the blocks (SPEC §4.1).
+
+`h_l` is the input of block `l` and `h_L` the output of the last block *before* the final norm. The
+`output_hidden_states` of transformers is not used: its last entry is final-normed for GPT-2/NeoX and
+its entries for Mamba are block outputs, not inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from pipeline.arch import blocks_of
+
+ACTIVATION_COLUMNS = ("seq_id", "pos", "token_id", "h")
+
+
+def block_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The hidden states a block receives: positional in transformers 5, by keyword in some remote code."""
+    return args[0] if args else kwargs["hidden_states"]
+
+
+def block_output(output: Any) -> torch.Tensor:
+    """The hidden states a block returns: a tensor in transformers 5, a tuple's first entry in older code."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+@contextlib.contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """Dropout off for the duration, restoring the caller's mode afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+@contextlib.contextmanager
+def hooks(*handles: torch.utils.hooks.RemovableHandle) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def model_device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def capture_states(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """[h_0, …, h_L], each (batch, seq_len, d), from one forward of the base model (the head is not needed)."""
+    blocks = blocks_of(model)
+    states: list[torch.Tensor] = []
+
+    def save_input(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        states.append(block_input(args, kwargs))
+
+    def save_output(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+        states.append(block_output(output))
+
+    handles = [block.register_forward_pre_hook(save_input, with_kwargs=True) for block in blocks]
+    handles.append(blocks[-1].register_forward_hook(save_output))
+    with hooks(*handles), eval_mode(model), torch.inference_mode():
+        model.base_model(input_ids=input_ids, use_cache=False)
+    if len(states) != len(blocks) + 1:
+        raise RuntimeError(f"captured {len(states)} states for {len(blocks)} blocks; was a block skipped?")
+    return states
+
+
+def vectors_to_arrow(x: np.ndarray) -> pa.FixedSizeListArray:
+    """(n, d) float32 → fixed_size_list<float32>[d] without a copy of the values."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
+
+
+def _layer_batch(seq_ids: np.ndarray, token_ids: np.ndarray, h: torch.Tensor) -> pa.RecordBatch:
+    n_seq, seq_len = token_ids.shape
+    vectors = h.detach().to(device="cpu", dtype=torch.float32).reshape(n_seq * seq_len, -1).numpy()
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.repeat(seq_ids.astype(np.int32), seq_len)),
+            pa.array(np.tile(np.arange(seq_len, dtype=np.int32), n_seq)),
+            pa.array(token_ids.astype(np.int32).reshape(-1)),
+            vectors_to_arrow(vectors),
+        ],
+        names=list(ACTIVATION_COLUMNS),
+    )
+
+
+def extract_batches(
+    model: PreTrainedModel,
+    token_ids: np.ndarray,
+    seq_ids: np.ndarray,
+    batch_size: int,
+    device: torch.device | str | None = None,
+) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """Yield (layer, rows) for layers 0..L of each batch of sequences, rows ordered by (seq_id, pos).
+
+    `token_ids` is (n_seq, seq_len); `seq_ids` names each row. One batch of sequences is in memory at a
+    time, so peak memory does not grow with the number of sequences. The model must be on `device`
+    (default: where its parameters are).
+    """
+    if token_ids.ndim != 2 or len(seq_ids) != len(token_ids):
+        raise ValueError(f"token_ids {token_ids.shape} must be (n_seq, seq_len) with one seq_id per row")
+    device = model_device(model) if device is None else torch.device(device)
+    for start in range(0, len(token_ids), batch_size):
+        tokens = token_ids[start : start + batch_size]
+        input_ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
+        for layer, h in enumerate(capture_states(model, input_ids)):
+            yield layer, _layer_batch(seq_ids[start : start + batch_size], tokens, h)

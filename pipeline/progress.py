@@ -1,0 +1,119 @@
+"""Progress of a long loop: a live bar on an interactive terminal, plain log lines otherwise.
+
+DVC and CI capture output, where carriage-return redraws turn into noise; there each advance becomes
+one self-contained line such as ``fit: 3/12 shards done (gpt2-adamw-s0.final/layer=1) [12.3s]``.
+A training loop uses the same class for steps (``unit="steps"``, with ``min_interval_s`` so a
+10 000-step run does not print 10 000 lines).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from types import TracebackType
+from typing import Any, TextIO
+
+
+class Progress:
+    """Counts ``done`` out of ``total`` and shows it on ``stream`` (stderr by default)."""
+
+    def __init__(
+        self,
+        total: int,
+        label: str,
+        *,
+        unit: str = "shards",
+        stream: TextIO | None = None,
+        min_interval_s: float = 0.0,
+    ) -> None:
+        if total < 0:
+            raise ValueError(f"total must be >= 0, got {total}")
+        self.total = total
+        self.label = label
+        self.unit = unit
+        self.done = 0
+        self._stream = stream if stream is not None else sys.stderr
+        self._min_interval_s = min_interval_s
+        self._start = time.monotonic()
+        self._last_line = -float("inf")
+        self._live = _LiveBar(self._stream, total, label, unit) if _is_tty(self._stream) else None
+
+    @property
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._start
+
+    def advance(self, n: int = 1, detail: str = "") -> None:
+        """Record ``n`` more units done; ``detail`` (e.g. the shard key or the loss) is shown with it."""
+        self.done += n
+        if self._live is not None:
+            self._live.update(completed=self.done, detail=detail)
+            return
+        now = time.monotonic()
+        if self.done >= self.total or now - self._last_line >= self._min_interval_s:
+            self._last_line = now
+            self._stream.write(self.line(detail) + "\n")
+            self._stream.flush()
+
+    def refresh(self) -> None:
+        """Redraw the live bar (its clock moves while nothing completes); a no-op for plain lines."""
+        if self._live is not None:
+            self._live.refresh()
+
+    def line(self, detail: str = "") -> str:
+        shown = f" ({detail})" if detail else ""
+        return f"{self.label}: {self.done}/{self.total} {self.unit} done{shown} [{self.elapsed_s:.1f}s]"
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.close()
+            self._live = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _is_tty(stream: TextIO) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class _LiveBar:
+    """One rich progress bar, redrawn only when we say so (no background refresh thread)."""
+
+    def __init__(self, stream: TextIO, total: int, label: str, unit: str) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+        from rich.progress import Progress as RichProgress
+
+        self._bar = RichProgress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(unit),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[detail]}"),
+            console=Console(file=stream, force_terminal=True),
+            auto_refresh=False,
+        )
+        self._task = self._bar.add_task(label, total=total, detail="")
+        self._bar.start()
+
+    def update(self, **fields: Any) -> None:
+        self._bar.update(self._task, **fields)
+        self._bar.refresh()
+
+    def refresh(self) -> None:
+        self._bar.refresh()
+
+    def close(self) -> None:
+        self._bar.stop()

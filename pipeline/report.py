@@ -1,0 +1,484 @@
+"""The Markdown report and its figures, from the result tables of pipeline/aggregate.py (SPEC §2, §3.3, §4.4).
+
+``render_report(tables_dir, out_md, figures_dir, provenance)`` writes ``out_md`` with the sections Setup &
+provenance, Study B, Study A and Claims, and PNG figures into ``figures_dir`` (matplotlib's Agg canvas
+through ``Figure``, so it needs no display and touches no global pyplot state). A study whose tables are
+empty is reported as not run. ``collect_provenance(workspace, params)`` gathers what the Setup section
+states: git revision, params hash, seeds, package versions, hardware and data checksums.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import yaml
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
+
+from pipeline.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES
+from pipeline.config import RECIPES, Params
+
+Row = dict[str, Any]
+PACKAGES = ("torch", "transformers", "ray", "duckdb", "dvc", "pyarrow", "numpy", "scipy", "matplotlib", "lmgeo")
+# Small files whose content identifies the inputs; dvc.lock also carries the hash of every stage output.
+CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
+RECIPE_COLORS = dict(zip(RECIPES, ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:red", "tab:orange"), strict=True))
+SEED_STYLES = ("-", "--", ":", "-.")
+
+
+# ---------------------------------------------------------------------------------------- provenance
+def collect_provenance(workspace: Path, params: Params) -> dict[str, Any]:
+    """What the report's Setup section states; every part tolerates a missing tool or file."""
+    return {
+        "git": _git_state(workspace),
+        "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
+        "seeds": {
+            "prepare": params.prepare.seed, "train": list(params.train.seeds),
+            "analysis": params.analysis.seed, "report (bootstrap)": params.report.seed,
+        },  # fmt: skip
+        "packages": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
+        "hardware": _hardware(),
+        "data_checksums": _checksums(workspace),
+    }
+
+
+def _run(cmd: Sequence[str], cwd: Path | None = None) -> str | None:
+    try:
+        done = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip()
+
+
+def _git_state(workspace: Path) -> dict[str, Any]:
+    rev = _run(["git", "rev-parse", "HEAD"], workspace)
+    if rev is None:
+        return {"revision": "unknown (not a git checkout, or no commit yet)"}
+    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], workspace)
+    return {"revision": rev, "uncommitted_changes": bool(status)}
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _hardware() -> dict[str, Any]:
+    import psutil
+
+    gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
+    return {
+        "platform": platform.platform(),
+        "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpus": gpus.splitlines() if gpus else [],
+    }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _checksums(workspace: Path) -> dict[str, Any]:
+    sums: dict[str, Any] = {}
+    for name in CHECKSUMMED:
+        path = workspace / name
+        if path.is_file():
+            sums[name] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+    lock = workspace / "dvc.lock"
+    if lock.is_file():
+        stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
+        outs = {o["path"]: f"md5:{o['md5']}" for s in stages.values() for o in s.get("outs", []) if "md5" in o}
+        if outs:
+            sums["stage outputs (dvc.lock)"] = dict(sorted(outs.items()))
+    return sums
+
+
+# ------------------------------------------------------------------------------------------- report
+def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any]) -> None:
+    """Write the report (module docstring); figures that have no data are not drawn."""
+    tables = {name: _read(tables_dir / f"{name}.parquet") for name in TABLES}
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    for stale in figures_dir.glob("*.png"):
+        stale.unlink()
+    figures = _Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
+    parts = [
+        "# lmgeo report\n",
+        _setup_section(provenance),
+        _study_b_section(tables, figures),
+        _study_a_section(tables, figures),
+        _claims_section(tables),
+    ]
+    out_md.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_md.with_name(f".{out_md.name}.tmp")
+    tmp.write_text("\n".join(parts))
+    tmp.replace(out_md)
+
+
+def _read(path: Path) -> list[Row]:
+    return pq.read_table(path).to_pylist() if path.is_file() else []
+
+
+class _Figures:
+    """Saves figures and returns the Markdown that shows them."""
+
+    def __init__(self, directory: Path, link_prefix: Path) -> None:
+        self.directory = directory
+        self.link_prefix = link_prefix
+
+    def save(self, fig: Figure, name: str, caption: str) -> str:
+        fig.savefig(self.directory / f"{name}.png", dpi=110, metadata={"Software": None})
+        return f"![{caption}]({(self.link_prefix / f'{name}.png').as_posix()})\n\n*{caption}*\n"
+
+
+def _grid(n_panels: int, width: float = 4.2, height: float = 3.2) -> tuple[Figure, list[Axes]]:
+    cols = min(3, n_panels)
+    rows = math.ceil(n_panels / cols)
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    axes = [fig.add_subplot(rows, cols, i + 1) for i in range(n_panels)]
+    return fig, axes
+
+
+# ---------------------------------------------------------------------------------------- markdown
+def _num(x: Any, digits: int = 3) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_num(v) if not isinstance(v, str) else v for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _bullets(mapping: dict[str, Any], indent: int = 0) -> list[str]:
+    lines = []
+    for key, value in mapping.items():
+        pad = "  " * indent
+        if isinstance(value, dict):
+            lines.append(f"{pad}- **{key}**:")
+            lines += _bullets(value, indent + 1)
+        elif isinstance(value, list):
+            lines.append(f"{pad}- **{key}**: {', '.join(map(str, value)) if value else 'none'}")
+        else:
+            lines.append(f"{pad}- **{key}**: `{value}`")
+    return lines
+
+
+def _setup_section(provenance: dict[str, Any]) -> str:
+    body = "\n".join(_bullets(provenance)) if provenance else "No provenance was recorded."
+    return f"## Setup & provenance\n\n{body}\n"
+
+
+# ----------------------------------------------------------------------------------------- Study B
+def _study_b_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
+    out = ["## Study B — LM-head update geometry\n"]
+    runs, curves, recipes = tables["runs"], tables["curves"], tables["recipes"]
+    if not runs:
+        out.append("Study B was not run: there are no training logs.\n")
+        return "\n".join(out)
+    archs = sorted({r["arch"] for r in runs if r["arch"]})
+    out.append(
+        "Recipes are compared at equal steps and tokens; only the LM head's optimizer differs between "
+        "recipes other than `adamw`. Losses are in nats per token.\n"
+    )
+    out.append("### Final validation loss\n")
+    out.append(_table(
+        ["arch", "recipe", "seeds", "mean ± std", "min – max", "Δ vs muon", "Welch p vs muon", "diverged", "steps", "tokens"],
+        [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
+          f"{_num(r['val_loss_mean'], 4)} ± {_num(r['val_loss_std'], 2)}",
+          f"{_num(r['val_loss_min'], 4)} – {_num(r['val_loss_max'], 4)}", _num(r["diff_vs_muon"]),
+          _p_value(r), r["n_diverged"], r["steps"], r["tokens"]] for r in recipes],
+    ))  # fmt: skip
+    out.append("A significance test (Welch's t-test) needs at least 3 non-diverged seeds of both recipes.\n")
+    out.append(figures.save(_final_loss_figure(recipes, runs, archs), "final_val_loss",
+                            "Final validation loss per recipe: each seed (dots), mean ± std (bars)."))  # fmt: skip
+    if curves:
+        out.append("### Loss curves\n")
+        out.append(figures.save(_curve_figure(curves, runs, archs, "val_loss", "validation loss", log=False),
+                                "loss_curves", "Validation loss over training steps (colour: recipe, line style: seed)."))  # fmt: skip
+        out.append("### Head step in Hilbert units\n")
+        out.append(
+            "`hilbert_bound` = max‖h‖ · diam(ΔW) on a fixed probe batch: the worst-case change, in nats, of any "
+            "token's log-probability caused by the head step alone (SPEC §3.1), measured for every recipe. "
+            "`hilbert_realized` is the largest change actually seen on the probe batch.\n"
+        )
+        out.append(figures.save(_curve_figure(curves, runs, archs, "hilbert_bound", "hilbert_bound (nats)", log=True),
+                                "hilbert_bound", "Head step in Hilbert units (hilbert_bound) over training."))  # fmt: skip
+        out.append(figures.save(_curve_figure(curves, runs, archs, "tightness", "hilbert_realized / hilbert_bound", log=False),
+                                "tightness", "Tightness of the bound on exact-diameter steps (≤ 1 by SPEC §3.1)."))  # fmt: skip
+        out.append(figures.save(_curve_figure(curves, runs, archs, "equi_ratio", "equi_ratio (min/max row distance)", log=False),
+                                "equi_ratio", "Spread of the head update's rows: min/max pairwise distance (1 = equidistant)."))  # fmt: skip
+    out.append("### Per run\n")
+    out.append(_table(
+        ["run", "final val loss", "median step time (s)", "median hilbert_bound", "median tightness", "max tightness",
+         "median equi_ratio", "diameter"],
+        [[f"`{r['run']}`", _num(r["final_val_loss"], 4), _num(r["median_step_time_s"]), _num(r["median_hilbert_bound"]),
+          _num(r["median_tightness"]), _num(r["max_tightness"]), _num(r["median_equi_ratio"]),
+          "row sample (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs],
+    ))  # fmt: skip
+    out.append(_problem_runs(runs))
+    return "\n".join(out)
+
+
+def _p_value(recipe_row: Row) -> str:
+    if recipe_row["recipe"] == "muon":
+        return "(baseline)"
+    if recipe_row["p_vs_muon"] is None:
+        return "not tested (< 3 seeds)"
+    return _num(recipe_row["p_vs_muon"], 2)
+
+
+def _problem_runs(runs: list[Row]) -> str:
+    diverged = [f"`{r['run']}` (non-finite loss at step {_num(r['diverged_at_step'])})" for r in runs if r["diverged"]]
+    unfinished = [f"`{r['run']}`" for r in runs if not r["finished"]]
+    lines = [f"**Diverged runs**: {', '.join(diverged) if diverged else 'none'}."]
+    if unfinished:
+        lines.append(f"**Runs without a final `run.json`** (stopped early; logged steps only): {', '.join(unfinished)}.")
+    return "\n\n".join(lines) + "\n"
+
+
+def _by_arch(runs: list[Row], archs: list[str]) -> dict[str, list[Row]]:
+    return {a: sorted((r for r in runs if r["arch"] == a), key=lambda r: (r["recipe"], r["seed"] or 0)) for a in archs}
+
+
+def _recipe_color(recipe: str) -> str:
+    return RECIPE_COLORS.get(recipe, "black")
+
+
+def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: str, label: str, log: bool) -> Figure:
+    """One panel per arch, one line per run (colour: recipe, line style: seed); null points skipped."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for c in curves:
+        value = c[column]
+        if value is not None and math.isfinite(value) and (not log or value > 0):
+            xs, ys = series.setdefault(c["run"], ([], []))
+            xs.append(c["step"])
+            ys.append(value)
+    fig, axes = _grid(len(archs))
+    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
+    for ax, (arch, arch_runs) in zip(axes, _by_arch(runs, archs).items(), strict=True):
+        for r in arch_runs:
+            if r["run"] in series:
+                xs, ys = series[r["run"]]
+                style = SEED_STYLES[seeds.index(r["seed"]) % len(SEED_STYLES)] if r["seed"] in seeds else "-"
+                ax.plot(xs, ys, style, color=_recipe_color(r["recipe"]), label=f"{r['recipe']} s{r['seed']}",
+                        marker="." if len(xs) < 30 else None)  # fmt: skip
+        ax.set_title(arch)
+        ax.set_xlabel("step")
+        ax.set_ylabel(label)
+        if log:
+            ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7, ncol=2)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    return fig
+
+
+def _final_loss_figure(recipes: list[Row], runs: list[Row], archs: list[str]) -> Figure:
+    fig, axes = _grid(len(archs))
+    for ax, arch in zip(axes, archs, strict=True):
+        rows = [r for r in recipes if r["arch"] == arch]
+        names = [r["recipe"] for r in rows]
+        for i, r in enumerate(rows):
+            vals = [x["final_val_loss"] for x in runs if x["arch"] == arch and x["recipe"] == r["recipe"]
+                    and not x["diverged"] and x["final_val_loss"] is not None]  # fmt: skip
+            ax.scatter(np.full(len(vals), i) + np.linspace(-0.1, 0.1, len(vals)), vals, s=14,
+                       color=_recipe_color(r["recipe"]), zorder=3)  # fmt: skip
+            if r["val_loss_mean"] is not None:
+                ax.errorbar(i, r["val_loss_mean"], yerr=r["val_loss_std"] or 0, fmt="_", markersize=18,
+                            color="black", capsize=4, zorder=2)  # fmt: skip
+        ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+        ax.set_title(arch)
+        ax.set_ylabel("final validation loss")
+        ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+# ----------------------------------------------------------------------------------------- Study A
+def _study_a_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
+    out = ["## Study A — layer-update geometry\n"]
+    pooled, corr, angles = tables["geometry_pooled"], tables["correlations"], tables["angles"]
+    if not pooled:
+        out.append("Study A was not run: there are no fits.\n")
+        return "\n".join(out)
+    out.append(
+        "For each model and layer a tokenwise map T is fitted on each anchor's nearest neighbours; the update "
+        "Δ_full = h_{l+1} − h_l splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Medians over "
+        "anchors pooled over layers; Spearman is between rel_err = ‖r‖/‖Δ_full‖ and the KL of the next-token "
+        "distribution when the anchor's block output is replaced by T(h_l), with a bootstrap CI.\n"
+    )
+    spearman = {(c["model"], c["fn"]): c for c in corr if c["scope"] == "pooled"}
+    out.append("### Per model and function class\n")
+    out.append(_table(
+        ["model", "class", "anchors", "layers", "rel_err", "cos_full_tok", "angle_res_tok (°)", "proj_full", "proj_res",
+         "proj_full_global", "proj_res_global", "Spearman(rel_err, kl) [CI]", "excluded non-finite"],
+        [[f"`{g['model']}`", g["fn"], g["n"], g["n_layers"], g["median_rel_err"], g["median_cos_full_tok"],
+          g["median_angle_res_tok"], g["median_proj_full"], g["median_proj_res"], g["median_proj_full_global"],
+          g["median_proj_res_global"], _rho(spearman.get((g["model"], g["fn"]))),
+          f"{g['n_nonfinite']} pool tokens, {g['n_nonfinite_values']} anchors"] for g in pooled],
+    ))  # fmt: skip
+    out.append("Medians over every anchor of every layer; `–` = undefined for the class (e.g. `identity` has Δ_tok = 0). "
+               "Per-layer values are in `reports/tables/geometry.parquet` (`lmgeo query \"SELECT * FROM geometry\"`).\n")  # fmt: skip
+    models = sorted({g["model"] for g in pooled})
+    if angles:
+        out.append("### Angle between residual and tokenwise update\n")
+        out.append(figures.save(_angle_figure(angles, models), "angles",
+                                "Distribution of angle_res_tok per model (one line per class); the seed reports often > 60°."))  # fmt: skip
+    if any(c["scope"] == "layer" for c in corr):
+        out.append("### Spearman per layer\n")
+        out.append(figures.save(_spearman_figure(corr, models), "spearman_layers",
+                                "Spearman(rel_err, kl) per layer with bootstrap CI, per model and class."))  # fmt: skip
+    else:
+        out.append("Spearman(rel_err, kl) was not measured: there are no perturbation results.\n")
+    out.append(_init_vs_final(pooled, spearman))
+    out.append(_families(pooled, spearman))
+    return "\n".join(out)
+
+
+def _rho(c: Row | None) -> str:
+    if not c or c["spearman"] is None:
+        return "–"
+    return f"{c['spearman']:.3f} [{_num(c['ci_low'])}, {_num(c['ci_high'])}] (n={c['n']})"
+
+
+def _angle_figure(angles: list[Row], models: list[str]) -> Figure:
+    fig, axes = _grid(len(models))
+    for ax, model in zip(axes, models, strict=True):
+        rows = [a for a in angles if a["model"] == model]
+        for fn in sorted({a["fn"] for a in rows}):
+            bins = [a for a in rows if a["fn"] == fn]
+            ax.step([b["bin_lo"] for b in bins] + [bins[-1]["bin_hi"]], [b["fraction"] for b in bins] + [bins[-1]["fraction"]],
+                    where="post", label=fn)  # fmt: skip
+        ax.axvline(60, color="gray", linestyle=":", linewidth=1)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("angle_res_tok (degrees)")
+        ax.set_ylabel("fraction of anchors")
+        ax.set_xlim(0, 180)
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.legend(fontsize=7)
+    return fig
+
+
+def _spearman_figure(corr: list[Row], models: list[str]) -> Figure:
+    fig, axes = _grid(len(models))
+    for ax, model in zip(axes, models, strict=True):
+        rows = [c for c in corr if c["model"] == model and c["scope"] == "layer" and c["spearman"] is not None]
+        for fn in sorted({c["fn"] for c in rows}):
+            pts = sorted((c for c in rows if c["fn"] == fn), key=lambda c: c["layer"])
+            x = np.array([c["layer"] for c in pts])
+            y = np.array([c["spearman"] for c in pts])
+            lo = np.array([c["ci_low"] if c["ci_low"] is not None else c["spearman"] for c in pts])
+            hi = np.array([c["ci_high"] if c["ci_high"] is not None else c["spearman"] for c in pts])
+            ax.errorbar(x, y, yerr=[y - lo, hi - y], marker="o", markersize=3, capsize=3, label=fn)
+        ax.axhline(0.7, color="gray", linestyle=":", linewidth=1)
+        ax.set_ylim(-1.05, 1.05)
+        ax.set_title(model, fontsize=9)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("Spearman(rel_err, kl)")
+        ax.grid(alpha=0.3)
+        if ax.has_data():
+            ax.xaxis.get_major_locator().set_params(integer=True)
+            ax.legend(fontsize=7)
+    return fig
+
+
+def _init_vs_final(pooled: list[Row], spearman: dict[tuple[str, str], Row]) -> str:
+    at = {(g["run"], g["checkpoint"], g["fn"]): g for g in pooled if g["run"]}
+    pairs = sorted({(run, fn) for run, _, fn in at})
+    out = ["### Init (random weights) vs final\n"]
+    rows = []
+    for run, fn in pairs:
+        init, final = at.get((run, "init", fn)), at.get((run, "final", fn))
+        if init and final:
+            rows.append([f"`{run}`", fn]
+                        + [v for key in ("median_cos_full_tok", "median_angle_res_tok") for v in (init[key], final[key])]
+                        + [_value(spearman, init), _value(spearman, final)])  # fmt: skip
+    if not rows:
+        out.append("Not measured: no trained run was analysed at both `init` and `final`.\n")
+        return "\n".join(out)
+    out.append(_table(["run", "class", "cos_full_tok init", "final", "angle_res_tok init", "final", "Spearman init", "final"], rows))
+    return "\n".join(out)
+
+
+def _value(spearman: dict[tuple[str, str], Row], g: Row) -> float | None:
+    return spearman.get((g["model"], g["fn"]), {}).get("spearman")
+
+
+def _families(pooled: list[Row], spearman: dict[tuple[str, str], Row]) -> str:
+    """Transformers vs Mamba: medians over the models of each family (trained checkpoints at `final`
+    and external models; `init` is random weights and is compared above)."""
+    out = ["### Transformers vs Mamba\n"]
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for g in pooled:
+        if g["checkpoint"] != "init":
+            groups.setdefault((g["family"], g["fn"]), []).append(g)
+    rows = []
+    for (family, fn), gs in sorted(groups.items()):
+        rows.append([family, fn, len(gs),
+                     _median([g["median_cos_full_tok"] for g in gs]), _median([g["median_angle_res_tok"] for g in gs]),
+                     _median([g["median_rel_err"] for g in gs]), _median([_value(spearman, g) for g in gs])])  # fmt: skip
+    out.append(_table(["family", "class", "models", "cos_full_tok", "angle_res_tok (°)", "rel_err", "Spearman"], rows))
+    if len({f for f, _ in groups}) < 2:
+        out.append("Only one family was analysed, so there is no comparison yet.\n")
+    return "\n".join(out)
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.median(finite)) if finite else None
+
+
+# -------------------------------------------------------------------------------------------- claims
+_VERDICT: dict[bool | None, str] = {True: "holds", False: "does not hold", None: "not measured"}
+
+
+def _claims_section(tables: dict[str, list[Row]]) -> str:
+    claims = tables["claims"]
+    out = ["## Claims as measured here\n"]
+    out.append("Study A: the seed's claims (SPEC §4.4), per model and function class. "
+               "“at init” = the same claim on the same run's random-weight checkpoint.\n")  # fmt: skip
+    a_rows = [c for c in claims if c["study"] == "A"]
+    if a_rows:
+        out.append(_table(["model", "class", "claim", "measured", "verdict", "at init", "detail"],
+                          [[f"`{c['subject']}`", c["fn"], c["claim"], _num(c["value"]), _VERDICT[c["holds"]],
+                            _VERDICT[c["holds_at_init"]] if c["subject"].endswith("@final") else "",
+                            c["detail"]] for c in a_rows]))  # fmt: skip
+    else:
+        out.append(_table(["claim", "verdict"], [[c, "not measured (Study A not run)"] for c in STUDY_A_CLAIMS]))
+    out.append("Study B:\n")
+    b_rows = [c for c in claims if c["study"] == "B"]
+    if b_rows:
+        out.append(_table(["arch", "recipe", "claim", "measured", "verdict", "detail"],
+                          [[c["subject"], c["fn"], c["claim"], _num(c["value"]), _VERDICT[c["holds"]], c["detail"]]
+                           for c in b_rows]))  # fmt: skip
+    else:
+        out.append("Not measured: Study B was not run.\n")
+    out.append("Claims:\n\n" + "\n".join(f"- `{name}`: {text}" for name, text in CLAIM_TEXT.items()) + "\n")
+    return "\n".join(out)
+

@@ -1,0 +1,147 @@
+"""Summary statistics of the fit tables (SPEC §4.4): Spearman correlation with a bootstrap CI, and
+null-aware means and medians.
+
+Nulls (None) and NaN are treated alike: missing. A pair with a missing side is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+
+class Correlation(NamedTuple):
+    """`rho` on all complete pairs, and the percentile bootstrap interval `[low, high]`.
+
+    `n`: complete pairs used; `n_boot`: bootstrap replicates with a defined correlation (a replicate
+    whose resample is constant on one side has none and is left out of the interval). NaN when fewer
+    than 3 complete pairs.
+    """
+
+    rho: float
+    low: float
+    high: float
+    n: int
+    n_boot: int
+
+
+def spearman(x: ArrayLike, y: ArrayLike) -> float:
+    """Spearman's rho (Pearson correlation of average ranks) over the complete pairs."""
+    xs, ys, _ = _complete_pairs(x, y, None)
+    return _spearman(xs, ys)
+
+
+def spearman_bootstrap(
+    x: ArrayLike,
+    y: ArrayLike,
+    *,
+    n_boot: int,
+    ci: float = 0.95,
+    seed: int = 0,
+    groups: ArrayLike | None = None,
+) -> Correlation:
+    """Spearman's rho with a seeded percentile bootstrap interval at level `ci`.
+
+    The bootstrap resamples anchors with replacement. With `groups` (one label per pair), whole
+    groups are resampled instead, e.g. an anchor token's rows in every layer when pooling over layers,
+    which are not independent. Replicate `b` draws `rng.integers(0, G, size=G)` from
+    `rng = np.random.default_rng(seed)`, `G` the number of groups (of anchors when no groups).
+    """
+    if not 0 < ci < 1:
+        raise ValueError(f"ci must lie in (0, 1), got {ci}")
+    xs, ys, labels = _complete_pairs(x, y, groups)
+    if xs.size < 3:
+        return Correlation(np.nan, np.nan, np.nan, int(xs.size), 0)
+    members = _group_members(labels)
+    rng = np.random.default_rng(seed)
+    replicates = np.empty(n_boot)
+    for b in range(n_boot):
+        rows = np.concatenate([members[g] for g in rng.integers(0, len(members), size=len(members))])
+        replicates[b] = _spearman(xs[rows], ys[rows])
+    defined = replicates[~np.isnan(replicates)]
+    if defined.size == 0:
+        low = high = np.nan
+    else:
+        low, high = np.percentile(defined, [50 * (1 - ci), 50 * (1 + ci)])
+    return Correlation(_spearman(xs, ys), float(low), float(high), int(xs.size), int(defined.size))
+
+
+def spearman_by_layer(
+    layer: ArrayLike,
+    x: ArrayLike,
+    y: ArrayLike,
+    anchor: ArrayLike,
+    *,
+    n_boot: int,
+    ci: float = 0.95,
+    seed: int = 0,
+) -> dict[int | str, Correlation]:
+    """Per-layer correlations, plus `"pooled"` over all layers (bootstrap by `anchor` label, so a
+    token's rows in different layers are resampled together)."""
+    layer = np.asarray(layer)
+    x, y, anchor = np.asarray(x, dtype=float), np.asarray(y, dtype=float), np.asarray(anchor)
+    result: dict[int | str, Correlation] = {
+        int(value): spearman_bootstrap(x[layer == value], y[layer == value], n_boot=n_boot, ci=ci, seed=seed)
+        for value in np.unique(layer)
+    }
+    result["pooled"] = spearman_bootstrap(x, y, n_boot=n_boot, ci=ci, seed=seed, groups=anchor)
+    return result
+
+
+def median_ignoring_nulls(values: ArrayLike) -> float | None:
+    """Median of the non-missing values; None when there are none."""
+    present = _present(values)
+    return float(np.median(present)) if present.size else None
+
+
+def mean_ignoring_nulls(values: ArrayLike) -> float | None:
+    """Mean of the non-missing values; None when there are none."""
+    present = _present(values)
+    return float(np.mean(present)) if present.size else None
+
+
+def average_ranks(values: np.ndarray) -> np.ndarray:
+    """Ranks 1..n, tied values sharing the mean of their ranks."""
+    unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
+    first = np.cumsum(counts) - counts  # 0-based rank of each distinct value's first occurrence
+    return (first + (counts + 1) / 2)[inverse]
+
+
+def _spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = average_ranks(x), average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / den) if den > 0 else np.nan
+
+
+def _as_float(values: ArrayLike) -> np.ndarray:
+    """Floats with None → NaN (works for lists with None and for pyarrow arrays with nulls)."""
+    if hasattr(values, "to_numpy"):
+        values = values.to_numpy(zero_copy_only=False)
+    return np.asarray(values, dtype=float)
+
+
+def _present(values: ArrayLike) -> np.ndarray:
+    v = _as_float(values)
+    return v[~np.isnan(v)]
+
+
+def _complete_pairs(x: ArrayLike, y: ArrayLike, groups: ArrayLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    xs, ys = _as_float(x), _as_float(y)
+    if xs.shape != ys.shape or xs.ndim != 1:
+        raise ValueError(f"x and y must be 1-D of equal length, got {xs.shape} and {ys.shape}")
+    labels = np.arange(xs.size) if groups is None else np.asarray(groups)
+    if labels.shape != xs.shape:
+        raise ValueError(f"groups must have one label per pair, got {labels.shape} for {xs.shape}")
+    keep = ~(np.isnan(xs) | np.isnan(ys))
+    return xs[keep], ys[keep], labels[keep]
+
+
+def _group_members(labels: np.ndarray) -> Sequence[np.ndarray]:
+    """Row indices of each group, groups in sorted label order."""
+    _, inverse = np.unique(labels, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    return np.split(order, np.cumsum(np.bincount(inverse))[:-1])

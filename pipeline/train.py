@@ -1,0 +1,252 @@
+"""Train one small LM with one head-optimizer recipe, recording the head step's Hilbert geometry.
+
+Readable top to bottom, nanoGPT style: data windows, model, optimizer, loop. Each step records
+SPEC §3.3's columns; every `geometry_interval` steps it also measures the realised head update ΔW
+(the head step alone) on a fixed probe batch and checks `hilbert_realized ≤ hilbert_bound`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from pipeline import hilbert
+from pipeline.arch import build_model, head_of
+from pipeline.config import TrainConfig
+from pipeline.recipes import build_optimizers
+
+STEP_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("tokens", pa.int64()),
+        ("lr", pa.float64()),
+        ("train_loss", pa.float64()),
+        ("val_loss", pa.float64()),
+        ("step_time_s", pa.float64()),
+        ("head_diam", pa.float64()),
+        ("head_diam_sampled", pa.bool_()),
+        ("head_update_rms", pa.float64()),
+        ("head_update_spectral", pa.float64()),
+        ("hilbert_realized", pa.float64()),
+        ("hilbert_bound", pa.float64()),
+        ("equi_ratio", pa.float64()),
+    ]
+)
+# Relative slack for the invariant: both sides are float32 reductions of the same ΔW.
+INVARIANT_RTOL = 1e-4
+
+
+class InvariantViolated(AssertionError):
+    """hilbert_realized exceeded hilbert_bound with an exact diameter: a bug, never a data issue."""
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    arch: str
+    recipe: str
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        return f"{self.arch}-{self.recipe}-s{self.seed}"
+
+    @classmethod
+    def parse(cls, run_id: str) -> RunSpec:
+        arch, recipe, seed = run_id.split("-")
+        return cls(arch, recipe, int(seed.removeprefix("s")))
+
+
+@dataclass
+class RunResult:
+    run: str
+    arch: str
+    recipe: str
+    seed: int
+    steps: int
+    steps_done: int
+    tokens: int
+    final_train_loss: float | None
+    final_val_loss: float | None
+    diverged: bool
+    diverged_at_step: int | None
+    wall_time_s: float
+    n_params: int
+    params_hash: str
+
+
+def pick_device(preference: str) -> torch.device:
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(preference)
+
+
+class Windows:
+    """Random (seeded) or fixed windows of `seq_len` tokens from a token stream."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, device: torch.device):
+        if len(tokens) <= seq_len + 1:
+            raise ValueError(f"token stream of {len(tokens)} is shorter than one window of {seq_len + 1}")
+        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+        self.seq_len, self.device = seq_len, device
+
+    def random(self, batch: int, gen: torch.Generator) -> torch.Tensor:
+        starts = torch.randint(0, len(self.tokens) - self.seq_len, (batch,), generator=gen)
+        return self._gather(starts)
+
+    def fixed(self, count: int) -> torch.Tensor:
+        """Evenly spaced windows: the same val/probe batches for every run."""
+        starts = torch.linspace(0, len(self.tokens) - self.seq_len - 1, count).long()
+        return self._gather(starts)
+
+    def _gather(self, starts: torch.Tensor) -> torch.Tensor:
+        idx = starts[:, None] + torch.arange(self.seq_len)[None, :]
+        return self.tokens[idx].to(self.device)
+
+
+class HeadInputs:
+    """Captures the head's input (the final hidden states) with a forward pre-hook."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.last: torch.Tensor | None = None
+        self._handle = head.register_forward_pre_hook(self._capture)
+
+    def _capture(self, _module: torch.nn.Module, args: tuple) -> None:
+        self.last = args[0].detach()
+
+    def radius(self, quantile: float) -> float:
+        assert self.last is not None, "no forward pass seen yet"
+        norms = self.last.float().flatten(0, -2).norm(dim=-1)
+        return float(norms.max() if quantile >= 1 else torch.quantile(norms, quantile))
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: torch.Tensor, autocast: Callable) -> float:
+    model.eval()
+    losses = []
+    for batch in batches.split(max(1, len(batches) // 4)):
+        with autocast():
+            losses.append(float(model(input_ids=batch, labels=batch).loss))
+    model.train()
+    return float(np.mean(losses))
+
+
+@torch.no_grad()
+def head_step_geometry(
+    delta: torch.Tensor, probe_h: torch.Tensor, cfg: TrainConfig, equi_rows: torch.Tensor
+) -> dict[str, float | bool | None]:
+    """SPEC §3.3 geometry of the realised head update ΔW on the probe batch's final hidden states."""
+    delta = delta.float()
+    sampled = delta.shape[0] > cfg.diam_exact_max_rows
+    if sampled:
+        diam = hilbert.diam_sampled(delta, cfg.diam_exact_max_rows, seed=0)
+    else:
+        diam = hilbert.diam(delta)[0]
+    h = probe_h.float().flatten(0, -2)
+    realized = float(hilbert.osc(h @ delta.T).max())
+    bound = float(h.norm(dim=-1).max()) * float(diam)
+    if not sampled and realized > bound * (1 + INVARIANT_RTOL) + 1e-7:
+        raise InvariantViolated(f"hilbert_realized {realized:.6g} > hilbert_bound {bound:.6g}")
+    small = delta.numel() <= 4_000_000  # the spectral norm is optional; skip it where it costs
+    return {
+        "head_diam": float(diam),
+        "head_diam_sampled": sampled,
+        "head_update_rms": float(delta.pow(2).mean().sqrt()),
+        "head_update_spectral": float(torch.linalg.matrix_norm(delta, ord=2)) if small else None,
+        "hilbert_realized": realized,
+        "hilbert_bound": bound,
+        "equi_ratio": float(hilbert.equi_ratio(delta[equi_rows])),
+    }
+
+
+def train_run(
+    spec: RunSpec,
+    cfg: TrainConfig,
+    train_tokens: np.ndarray,
+    val_tokens: np.ndarray,
+    vocab_size: int,
+    seq_len: int,
+    params_hash: str,
+    save_checkpoint: Callable[[torch.nn.Module, str, dict], None],
+    on_step: Callable[[int, float], None] | None = None,
+) -> tuple[RunResult, pa.Table]:
+    """Train one run; returns its summary and the per-step table. Checkpoints go through the callback
+    (`init` before the first step, `final` after the last or at divergence)."""
+    torch.manual_seed(spec.seed)
+    device = pick_device(cfg.device)
+    cuda = device.type == "cuda"
+    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
+
+    model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
+    head = head_of(model)
+    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg)
+    head_inputs = HeadInputs(head)
+    forward = torch.compile(model) if (cfg.compile and cuda) else model
+
+    train_windows, val_windows = Windows(train_tokens, seq_len, device), Windows(val_tokens, seq_len, device)
+    val_batches = val_windows.fixed(cfg.eval_batches * cfg.batch_size)
+    probe = val_windows.fixed(cfg.probe_sequences)
+    gen = torch.Generator().manual_seed(spec.seed)
+    equi_rows = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[: cfg.equi_sample_rows]
+    radius_quantile = optimizer.radius_quantile
+
+    save_checkpoint(model, "init", {"run": spec.run_id, "checkpoint": "init", "step": 0})
+    rows: list[dict] = []
+    started = time.perf_counter()
+    train_loss = val_loss = math.nan
+    diverged_at: int | None = None
+    step = 0
+    for step in range(1, cfg.steps + 1):
+        t0 = time.perf_counter()
+        batch = train_windows.random(cfg.batch_size, gen)
+        with autocast():
+            loss = forward(input_ids=batch, labels=batch).loss
+        train_loss = float(loss)
+        if not math.isfinite(train_loss):
+            diverged_at = step
+            break
+        loss.backward()
+        if cfg.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        radius = head_inputs.radius(radius_quantile)  # of this batch, for the `tau` trust region
+        geometry_step = step % cfg.geometry_interval == 0 or step == 1
+        if geometry_step:
+            w_before = head.weight.detach().clone()
+            with torch.no_grad(), autocast():
+                model(input_ids=probe)  # the probe's final hidden states, before this step
+            probe_h = head_inputs.last
+        optimizer.step(radius=radius)
+        optimizer.zero_grad()
+        row = {"step": step, "tokens": step * cfg.batch_size * seq_len, "lr": optimizer.head_lr(),
+               "train_loss": train_loss, "step_time_s": time.perf_counter() - t0}
+        if geometry_step:
+            row |= head_step_geometry(head.weight.detach() - w_before, probe_h, cfg, equi_rows)
+        if step % cfg.eval_interval == 0 or step == cfg.steps:
+            val_loss = evaluate(model, val_batches, autocast)
+            row["val_loss"] = val_loss
+        rows.append(row)
+        if on_step is not None:
+            on_step(step, train_loss)
+
+    diverged = diverged_at is not None
+    result = RunResult(
+        run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
+        steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
+        final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
+        diverged=diverged, diverged_at_step=diverged_at, wall_time_s=time.perf_counter() - started,
+        n_params=sum(p.numel() for p in model.parameters()), params_hash=params_hash,
+    )
+    save_checkpoint(model, "final", {"checkpoint": "final", **asdict(result)})
+    return result, pa.Table.from_pylist(rows, schema=STEP_SCHEMA)
+
+
+def write_run_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,1 @@
+"""CLI glue: one typer command per DVC stage."""

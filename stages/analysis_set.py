@@ -1,0 +1,40 @@
+"""The models Study A analyses: every trained run at the analysed checkpoints, plus external models."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from pipeline.config import Params
+from stages.layout import Layout
+
+_SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+@dataclass(frozen=True)
+class AnalysedModel:
+    table_id: str  # `<run>@init` / `<run>@final`, or the hub id / path as given
+    path_id: str  # `<run>.init` / `<run>.final`, or the hub id with `/` → `--`
+    ref: str  # what `load_model` opens: a checkpoint dir or the external id
+    revision: str | None
+    trained: bool  # our own checkpoint: same tokenizer as the eval tokens
+
+
+def path_id_for(table_id: str) -> str:
+    path_id = table_id.replace("@", ".").replace("/", "--")
+    if not _SAFE.match(path_id):
+        raise ValueError(f"model id {table_id!r} gives an unsafe partition name {path_id!r}")
+    return path_id
+
+
+def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
+    trained = [
+        AnalysedModel(f"{run}@{ckpt}", f"{run}.{ckpt}", str(layout.run_dir(run) / ckpt), None, True)
+        for run in params.train.runs()
+        for ckpt in params.analysis.checkpoints
+    ]
+    external = [
+        AnalysedModel(m.id, path_id_for(m.id.removeprefix("./").strip("/")), m.id, m.revision, False)
+        for m in params.analysis.external_models
+    ]
+    return trained + external

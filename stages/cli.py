@@ -1,0 +1,127 @@
+"""`lmgeo`: one command per DVC stage, plus `query` and `bench`.
+
+This module imports only typer and the params models, so `lmgeo --help` and every subcommand's
+`--help` answer without importing torch or ray; each command imports its stage module when it runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+
+from pipeline.config import Params, ParamsError, load_params, load_yaml
+from pipeline.errors import InputError
+
+app = typer.Typer(
+    name="lmgeo",
+    help="Geometry of updates in language models: DVC stages dispatching Ray tasks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]
+RayAddressOpt = Annotated[
+    Optional[str],
+    typer.Option("--ray-address", envvar="RAY_ADDRESS", help="join this Ray cluster instead of an embedded one"),
+]
+
+
+def fail(message: str) -> None:
+    typer.echo(f"lmgeo: error: {message}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _load(params_path: Path) -> Params:
+    try:
+        return load_params(params_path)
+    except ParamsError as err:
+        fail(str(err))
+        raise  # unreachable: fail() exits
+
+
+def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options: Any) -> None:
+    """Validate params, then hand over to `stages.<stage>.run`; bad input exits with code 2."""
+    params = _load(params_path)
+    module = importlib.import_module(f"stages.{stage}")
+    try:
+        module.run(params, ray_address=ray_address, **options)
+    except InputError as err:
+        fail(str(err))
+
+
+def _stage_command(stage: str, summary: str) -> None:
+    def command(
+        params: ParamsOpt = Path("params.yaml"),
+        ray_address: RayAddressOpt = None,
+    ) -> None:
+        _run_stage(stage, params, ray_address)
+
+    command.__doc__ = summary
+    app.command(name=stage)(command)
+
+
+_stage_command("prepare", "Read the corpus, train or load the tokenizer, write train/val token ids.")
+_stage_command("train", "Train the grid of runs (arch x recipe x seed), one Ray task per run.")
+_stage_command("extract", "Capture block inputs/outputs of every analysed model into data/activations.")
+_stage_command("fit", "Fit tokenwise maps on nearest-neighbour pairs, per (model, layer, class).")
+_stage_command("perturb", "Patch each fitted anchor and measure the KL of the next-token distribution.")
+_stage_command("aggregate", "Summarise data/ with DuckDB into reports/tables, metrics and plots.")
+_stage_command("report", "Render reports/report.md and its figures from reports/tables.")
+
+
+@app.command()
+def query(
+    sql: Annotated[str, typer.Argument(help="a read-only SQL statement")],
+    rev: Annotated[Optional[list[str]], typer.Option("--rev", help="git revision or DVC experiment (repeatable)")] = None,
+    fmt: Annotated[str, typer.Option("--format", help="table | csv | json")] = "table",
+) -> None:
+    """Run read-only SQL over the result tables, at the working tree or at given revisions."""
+    if fmt not in ("table", "csv", "json"):
+        fail(f"--format must be one of table, csv, json (got {fmt!r})")
+    from pipeline.query import QueryError, run_query
+
+    try:
+        typer.echo(run_query(sql, revs=rev or [], workspace=Path.cwd(), fmt=fmt))
+    except QueryError as err:
+        fail(str(err))
+
+
+@app.command()
+def bench(
+    quick: Annotated[bool, typer.Option("--quick", help="a smoke run: tiny sizes, checks only that it runs")] = False,
+    out_dir: Annotated[Path, typer.Option("--out", help="where bench.json and bench.md go")] = Path("reports"),
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Benchmarks: ratios measured side by side in one run (SPEC §7)."""
+    from stages.bench import run as run_bench
+
+    run_bench(_load(params), quick=quick, out_dir=out_dir)
+
+
+@app.command()
+def preset(
+    path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Print a preset as `-S key=value` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
+    from pipeline.config import apply_overrides, flatten_overrides
+
+    try:
+        overrides = flatten_overrides(load_yaml(path))
+        apply_overrides(_load(params), overrides)  # the merged params must validate
+    except ParamsError as err:
+        fail(f"{path}: {err}")
+    typer.echo(" ".join(f"-S {key}={value}" for key, value in overrides.items()))
+
+
+def main() -> None:  # pragma: no cover - console entry point alias
+    app(prog_name="lmgeo")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""`lmgeo extract`: h_0 … h_L of every analysed model on the eval sequences, one Ray task per
+(model, sequence shard), streamed into `data/activations/model=<m>/layer=<l>/`."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.config import Params, digest
+from pipeline.execution import Shard
+from pipeline.store import ManifestKey, code_version, file_sha256
+from stages.analysis_set import AnalysedModel, analysed_models
+from stages.layout import Layout
+from stages.sharded import run_sharded_stage
+
+HIVE_TYPES = {"model": "VARCHAR", "layer": "INTEGER"}
+
+
+def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
+    """(n_seq, seq_len) token ids: our val windows, re-encoded for external models' own tokenizers."""
+    from pipeline.corpus import load_tokens
+    from pipeline.evalset import eval_windows, retokenize
+
+    n, seq_len = params.analysis.eval_sequences, params.prepare.seq_len
+    tokens = load_tokens(layout.tokens, "val")
+    if model.trained:
+        return eval_windows(tokens, n, seq_len)
+    from transformers import AutoTokenizer
+
+    ours = AutoTokenizer.from_pretrained(layout.tokenizer)
+    theirs = AutoTokenizer.from_pretrained(model.ref, revision=model.revision, trust_remote_code=False)
+    text = ours.decode(tokens[: 4 * n * seq_len].tolist())  # enough text for any tokenizer's windows
+    return retokenize(text, lambda t: theirs(t)["input_ids"], n, seq_len)
+
+
+def extract_task(
+    layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str
+) -> int:
+    import torch
+
+    from pipeline.arch import load_model
+    from pipeline.extract import extract_batches
+    from pipeline.store import ShardWriter
+
+    torch.set_num_threads(max(1, int(params.ray.resources_for("extract").num_cpus)))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net = load_model(
+        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
+        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+    ).to(device)
+    tokens = eval_sequences(params, layout, model)[seq_ids]
+    metadata = {
+        "model": model.table_id,
+        "revision": model.revision or "",
+        "dtype": params.analysis.vector_dtype,
+        "tokenizer": str(layout.tokenizer if model.trained else model.ref),
+    }
+    rows = 0
+    with ShardWriter(layout.activations, shard, key, metadata=metadata) as writer:
+        for layer, batch in extract_batches(
+            net, tokens, np.asarray(seq_ids, dtype=np.int32), params.analysis.batch_size, device,
+            half=params.analysis.vector_dtype == "float16",
+        ):
+            writer.write({"model": model.path_id, "layer": layer}, batch)
+            rows += batch.num_rows if layer == 0 else 0
+    return rows
+
+
+def shard_key(params: Params, layout: Layout, model: AnalysedModel) -> ManifestKey:
+    """What an activation shard depends on: the eval tokens, the model's weights, the extraction params."""
+    a = params.analysis
+    inputs = {"tokens": file_sha256(layout.tokens / "meta.json")}
+    if model.trained:
+        inputs["weights"] = file_sha256(layout.root / model.ref / "model.safetensors")
+    else:
+        inputs["revision"] = model.revision or ""
+    extraction = (params.prepare, a.eval_sequences, a.sequences_per_shard, a.vector_dtype)
+    return ManifestKey(inputs=inputs, params_hash=digest(extraction), code_version=code_version())
+
+
+def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
+    per_shard = params.analysis.sequences_per_shard
+    seqs = list(range(params.analysis.eval_sequences))
+    planned = []
+    for model in analysed_models(params, layout):
+        key = shard_key(params, layout, model)
+        for start in range(0, len(seqs), per_shard):
+            name = f"{model.path_id}/seq={start}"
+            args = (layout, params, model, seqs[start : start + per_shard], key, name)
+            planned.append((Shard(key=name, fn=extract_task, args=args), key))
+    return planned
+
+
+def run(params: Params, ray_address: str | None = None) -> None:
+    layout = Layout.here()
+    run_sharded_stage("extract", params, ray_address, layout.activations, plan(params, layout))

@@ -1,0 +1,86 @@
+"""`lmgeo perturb`: for every fitted anchor, the KL of the next-token distribution when block l's output
+at that token is replaced by T_i(h_l); one Ray task per (model, layer, class), written to
+`data/perturb/model=<m>/layer=<l>/fn=<class>/` (joins the fits on seq_id, pos)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+
+from pipeline.config import Params, digest
+from pipeline.execution import Shard
+from pipeline.store import ManifestKey, code_version, dataset_digest
+from stages.analysis_set import AnalysedModel, analysed_models
+from stages.extract import HIVE_TYPES as ACTIVATION_TYPES
+from stages.fit import HIVE_TYPES as FIT_TYPES
+from stages.layout import Layout
+from stages.sharded import run_sharded_stage
+
+SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float64()), ("kl_seq", pa.float64())])
+
+
+def sequences(layout: Layout, model: str, seq_ids: np.ndarray) -> dict[int, np.ndarray]:
+    """Token ids of the given eval sequences, replayed from the stored activations (layer 0)."""
+    from pipeline.store import read_dataset
+
+    wanted = ", ".join(str(int(s)) for s in np.unique(seq_ids))
+    table = read_dataset(
+        layout.activations, ACTIVATION_TYPES, columns="seq_id, pos, token_id",
+        where=f"model = '{model}' AND layer = 0 AND seq_id IN ({wanted})", order_by="seq_id, pos",
+    )
+    seq, tok = table["seq_id"].to_numpy(), table["token_id"].to_numpy()
+    return {int(s): tok[seq == s] for s in np.unique(seq)}
+
+
+def perturb_task(
+    layout: Layout, params: Params, model: AnalysedModel, layer: int, fn: str, key: ManifestKey, shard: str
+) -> int:
+    import torch
+
+    from pipeline.arch import load_model
+    from pipeline.patching import patch_kl
+    from pipeline.store import ShardWriter, arrow_to_vectors, read_dataset
+
+    torch.set_num_threads(max(1, int(params.ray.resources_for("perturb").num_cpus)))
+    fits = read_dataset(
+        layout.fits, FIT_TYPES, columns="seq_id, pos, patched",
+        where=f"model = '{model.path_id}' AND layer = {int(layer)} AND fn = '{fn}'", order_by="seq_id, pos",
+    )
+    seq_id, pos, patched = fits["seq_id"].to_numpy(), fits["pos"].to_numpy(), arrow_to_vectors(fits["patched"])
+    net = load_model(
+        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
+        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+    )
+    tokens = sequences(layout, model.path_id, seq_id)
+    kl, kl_seq = np.full(len(seq_id), np.nan), np.full(len(seq_id), np.nan)
+    for s, toks in tokens.items():
+        rows = np.flatnonzero(seq_id == s)
+        kl[rows], kl_seq[rows] = patch_kl(net, toks, layer, pos[rows], patched[rows], params.analysis.batch_size)
+    table = pa.table({"seq_id": seq_id, "pos": pos, "kl": kl, "kl_seq": kl_seq}, schema=SCHEMA)
+    with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id, "fn": fn}) as writer:
+        writer.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
+    return table.num_rows
+
+
+def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
+    from stages.fit import layers_by_model
+
+    stored = layers_by_model(layout)
+    patch_params = digest((params.analysis.batch_size, params.security))
+    planned = []
+    for model in analysed_models(params, layout):
+        for layer in range(stored.get(model.path_id, 0)):
+            for fn in params.analysis.classes:
+                name = f"{model.path_id}/layer={layer}/fn={fn}"
+                key = ManifestKey(
+                    inputs={"fits": dataset_digest(layout.fits, prefix=name)},
+                    params_hash=patch_params, code_version=code_version(),
+                )
+                args = (layout, params, model, layer, fn, key, name)
+                planned.append((Shard(key=name, fn=perturb_task, args=args), key))
+    return planned
+
+
+def run(params: Params, ray_address: str | None = None) -> None:
+    layout = Layout.here()
+    run_sharded_stage("perturb", params, ray_address, layout.perturb, plan(params, layout))

@@ -1,0 +1,51 @@
+"""Connecting the CLI to Ray: the only place in lmgeo that calls ``ray.init`` (SPEC §1).
+
+Worker processes import ``pipeline`` and ``stages`` the way the driver does: the package is
+installed (editable in a checkout), and Ray also puts the driver's working directory — the workspace
+where DVC runs the stage — on every worker's ``sys.path``. No ``runtime_env`` ``working_dir`` is used:
+uploading the workspace (data included) to a local Ray would be pure overhead.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from pipeline.config import RayConfig
+
+
+def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
+    """The cluster to join: ``--ray-address``, then ``RAY_ADDRESS``, then ``ray.address`` in params.
+
+    ``None`` means: start an embedded local Ray.
+    """
+    return address or os.environ.get("RAY_ADDRESS") or cfg.address or None
+
+
+def start_ray(cfg: RayConfig, address: str | None = None) -> None:
+    """Join the cluster named by ``resolve_address``, or start an embedded local Ray. Idempotent."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    # Ray would otherwise try to report usage over the network, which the target machines lack.
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    target = resolve_address(cfg, address)
+    if target is not None:
+        ray.init(address=target, logging_level=logging.WARNING)
+        return
+    ray.init(
+        # "local" starts a new instance even if a `ray start` cluster runs on this machine: joining
+        # one is explicit (RAY_ADDRESS / --ray-address / ray.address), never a side effect.
+        address="local",
+        num_cpus=cfg.num_cpus or os.cpu_count(),
+        num_gpus=cfg.num_gpus if cfg.num_gpus is not None else detect_gpus(),
+        include_dashboard=False,
+        logging_level=logging.WARNING,
+    )
+
+
+def detect_gpus() -> int:
+    import torch  # lazily: `lmgeo --help` and CPU-only stages must not pay for importing torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

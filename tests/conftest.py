@@ -1,0 +1,51 @@
+"""Shared fixtures.
+
+Ray in the test suite
+---------------------
+``ray_local`` starts one embedded Ray for the whole session, the way the CLI does
+(``stages.runtime.start_ray``), pinned to ``num_cpus=2`` and no GPU whatever the machine has, so
+tests behave the same on a laptop, in CI and on a GPU box. It ignores ``RAY_ADDRESS``: tests never
+join a cluster by accident.
+
+A process holds one Ray connection at a time. Tests that need another cluster (a two-node
+``ray.cluster_utils.Cluster``, a ``ray start --head`` process joined by address) therefore run their
+driver in a subprocess and never touch the session's Ray; see ``tests/test_execution.py``.
+
+Task functions defined in test modules are pickled by reference (``test_x.fn``), so Ray workers
+must be able to import the test modules: ``tests/`` is put on ``PYTHONPATH`` here, before any Ray
+starts, and every Ray process (and any subprocess a test starts) inherits it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS_DIR), os.environ.get("PYTHONPATH")]))
+
+RAY_TEST_CPUS = 2
+
+
+@pytest.fixture(scope="session")
+def ray_local() -> Iterator[ModuleType]:
+    """The session's embedded Ray (2 CPUs, no GPU); yields the ``ray`` module."""
+    import ray
+
+    from pipeline.config import RayConfig
+    from stages.runtime import start_ray
+
+    address = os.environ.pop("RAY_ADDRESS", None)
+    try:
+        start_ray(RayConfig(num_cpus=RAY_TEST_CPUS, num_gpus=0))
+    finally:
+        if address is not None:
+            os.environ["RAY_ADDRESS"] = address
+    resources = ray.cluster_resources()
+    assert resources.get("CPU") == RAY_TEST_CPUS and not resources.get("GPU"), resources
+    yield ray
+    ray.shutdown()

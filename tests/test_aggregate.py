@@ -1,0 +1,354 @@
+"""Result tables on a hand-made tiny study whose summary numbers are known (pipeline/aggregate.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from scipy import stats as sps
+
+from pipeline.aggregate import (
+    FIT_METRICS,
+    MAX_CURVE_POINTS,
+    TABLES,
+    aggregate,
+    build_tables,
+    metrics,
+    spearman_ci,
+)
+from pipeline.config import ReportConfig
+from pipeline.store import ManifestKey, ShardWriter
+
+CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
+KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
+
+# Final validation losses per run; `sign` diverges, `adamw` has one seed.
+FINAL_VAL = {
+    "gpt2-muon-s0": 3.0, "gpt2-muon-s1": 3.1, "gpt2-muon-s2": 3.3,
+    "gpt2-hilbert-s0": 2.5, "gpt2-hilbert-s1": 2.6, "gpt2-hilbert-s2": 2.65,
+    "gpt2-hilbert_equi-s0": 2.55, "gpt2-adamw-s0": 3.4, "gpt2-sign-s0": math.nan,
+}  # fmt: skip
+EQUI_RATIO = {"hilbert": 0.4, "hilbert_equi": 0.6}
+STEPS = 20
+GEOMETRY_EVERY = 5
+
+
+def _write(table: pa.Table, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, path)
+
+
+def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
+    """Geometry every GEOMETRY_EVERY steps with realized = bound / 2, except one sampled-diameter step
+    whose realized exceeds the bound (a sampled diameter is only a lower bound and must be ignored)."""
+    recipe = run.split("-")[1]
+    step = np.arange(n_steps, dtype=np.int64)
+    geo = step % GEOMETRY_EVERY == 0
+    bound = np.where(geo, 1.0 + step, np.nan)
+    sampled = step == 2 * GEOMETRY_EVERY
+    realized = np.where(sampled, 2 * bound, bound / 2)
+    val = np.where((step == n_steps // 2) | (step == n_steps - 1), 3.0 + 1.0 / (1 + step), np.nan)
+
+    def nullable(x: np.ndarray) -> pa.Array:
+        return pa.array(x, mask=np.isnan(x))
+
+    return pa.table({
+        "step": step, "tokens": step * 256, "lr": np.full(n_steps, 1e-3), "train_loss": 4.0 - step / n_steps,
+        "val_loss": nullable(val), "step_time_s": 0.1 + 0.01 * step, "head_diam": nullable(bound),
+        "head_diam_sampled": pa.array(np.where(geo, sampled, False), mask=~geo),
+        "head_update_rms": nullable(np.where(geo, 0.01, np.nan)), "head_update_spectral": pa.nulls(n_steps, pa.float64()),
+        "hilbert_realized": nullable(np.where(geo, realized, np.nan)), "hilbert_bound": nullable(bound),
+        "equi_ratio": nullable(np.where(geo, EQUI_RATIO.get(recipe, 0.2), np.nan)),
+    })  # fmt: skip
+
+
+def write_study_b(data_dir: Path) -> None:
+    for run, val in FINAL_VAL.items():
+        _write(steps_table(run), data_dir / "train" / f"run={run}" / "steps.parquet")
+        arch, recipe, seed = run.split("-")
+        record = {
+            "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
+            "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
+            "final_train_loss": None if math.isnan(val) else val - 0.1,
+            "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
+            "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
+            "params_hash": "abc",
+        }  # fmt: skip
+        path = data_dir / "models" / run / "final" / "run.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    # A run that crashed before writing run.json still shows up, as not finished.
+    _write(steps_table("gpt2-rownorm-s0"), data_dir / "train" / "run=gpt2-rownorm-s0" / "steps.parquet")
+
+
+# Study A: per (model dir, layer) the rel_err of the anchors; kl is a monotone function of rel_err
+# (increasing after training, decreasing at init), so every Spearman is exactly ±1.
+REL_ERR = {0: [0.1, 0.2, 0.3, 0.4, 0.5], 1: [0.25, 0.35, 0.45, 0.55, 0.65, 0.75]}
+MODELS = {"gpt2-muon-s0.final": 1.0, "gpt2-muon-s0.init": -1.0, "org--tiny-mamba": 1.0}
+
+
+def fit_columns(model: str, layer: int, fn: str) -> dict[str, np.ndarray]:
+    """Deterministic metric columns; one row of layer 0 has a NaN rel_err (excluded, counted)."""
+    rel = np.array(REL_ERR[layer])
+    n = rel.size
+    i = np.arange(n, dtype=float)
+    init = model.endswith(".init")
+    cols = {
+        "rel_err": rel.copy(), "rel_err_state": rel / 10, "cos_full_tok": 0.95 - 0.01 * i - (0.5 if init else 0),
+        "cos_full_res": 0.2 + 0.01 * i, "angle_res_tok": 30.0 + 25.0 * i + 5 * layer,
+        "proj_full": 0.8 + 0.01 * i, "proj_res": 0.3 + 0.01 * i + (0.6 if init else 0),
+        "proj_full_global": 0.7 + 0.0 * i, "proj_res_global": 0.2 + 0.02 * i, "norm_full": 1.0 + i, "norm_res": rel,
+    }  # fmt: skip
+    if fn == "identity":
+        for c in ("cos_full_tok", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global"):
+            cols[c] = np.full(n, np.nan)
+    if layer == 0:
+        cols["rel_err"][2] = np.nan
+    return cols
+
+
+def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
+    for model, sign in MODELS.items():
+        for layer in REL_ERR:
+            for fn in ("lowrank", "identity"):
+                cols = fit_columns(model, layer, fn)
+                n = cols["rel_err"].size
+                seq = np.arange(n, dtype=np.int32)
+                table = pa.table({
+                    "seq_id": seq, "pos": seq + 1, "token_id": seq, "k": np.full(n, 4, np.int32),
+                    **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
+                    "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
+                    "patched": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 3, np.float32)), 3),
+                })  # fmt: skip
+                partition = {"model": model, "layer": layer, "fn": fn}
+                # Two shards, the second with float32 metrics: the reader unifies them.
+                second = table.slice(2)
+                for c in FIT_METRICS:
+                    second = second.set_column(second.schema.get_field_index(c), c, second[c].cast(pa.float32()))
+                for i, part in enumerate((table.slice(0, 2), second)):
+                    with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}/{i}", KEY) as writer:
+                        writer.write(partition, part)
+                if with_perturb:
+                    kl = np.exp(sign * np.array(REL_ERR[layer]))
+                    with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
+                        writer.write(partition, pa.table({"seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2}))
+    # A file that no complete manifest lists (a shard killed before its manifest) is never read.
+    _write(table, data_dir / "fits" / "model=org--tiny-mamba" / "layer=0" / "fn=lowrank" / "part-killed.parquet")
+
+
+def write_tiny_study(data_dir: Path) -> None:
+    write_study_b(data_dir)
+    write_study_a(data_dir)
+
+
+@pytest.fixture(scope="module")
+def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pa.Table]:
+    data = tmp_path_factory.mktemp("data")
+    write_tiny_study(data)
+    return build_tables(data, CFG)
+
+
+def rows(table: pa.Table, **where: object) -> list[dict]:
+    return [r for r in table.to_pylist() if all(r[k] == v for k, v in where.items())]
+
+
+# ------------------------------------------------------------------------------------------ Study B
+def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
+    runs = {r["run"]: r for r in tables["runs"].to_pylist()}
+    assert set(runs) == set(FINAL_VAL) | {"gpt2-rownorm-s0"}
+    r = runs["gpt2-hilbert-s1"]
+    assert (r["arch"], r["recipe"], r["seed"], r["finished"], r["diverged"]) == ("gpt2", "hilbert", 1, True, False)
+    assert r["final_val_loss"] == pytest.approx(2.6)
+    assert r["median_step_time_s"] == pytest.approx(np.median(0.1 + 0.01 * np.arange(STEPS)))
+    geo_steps = np.arange(0, STEPS, GEOMETRY_EVERY)
+    assert r["median_hilbert_bound"] == pytest.approx(np.median(1.0 + geo_steps))
+    # The sampled step (realized = 2 × bound) is excluded from tightness, so the max stays 1/2.
+    assert r["median_tightness"] == pytest.approx(0.5)
+    assert r["max_tightness"] == pytest.approx(0.5)
+    assert r["n_exact_geometry_steps"] == len(geo_steps) - 1
+    assert r["head_diam_sampled"] is True
+    assert r["median_equi_ratio"] == pytest.approx(EQUI_RATIO["hilbert"])
+    crashed = runs["gpt2-rownorm-s0"]
+    assert (crashed["finished"], crashed["recipe"], crashed["seed"], crashed["final_val_loss"]) == (False, "rownorm", 0, None)
+    assert runs["gpt2-sign-s0"]["diverged"] is True
+
+
+def welch_p_closed_form(a: list[float], b: list[float]) -> float:
+    a_, b_ = np.array(a), np.array(b)
+    va, vb = a_.var(ddof=1) / a_.size, b_.var(ddof=1) / b_.size
+    t = (a_.mean() - b_.mean()) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / (va**2 / (a_.size - 1) + vb**2 / (b_.size - 1))
+    return 2 * sps.t.sf(abs(t), df)
+
+
+def test_recipes_table_spread_and_welch_test(tables: dict[str, pa.Table]) -> None:
+    by = {r["recipe"]: r for r in tables["recipes"].to_pylist()}
+    hilbert, muon = [2.5, 2.6, 2.65], [3.0, 3.1, 3.3]
+    h = by["hilbert"]
+    assert (h["n_seeds"], h["n_runs"], h["steps"], h["tokens"]) == (3, 3, STEPS, STEPS * 256)
+    assert h["val_loss_mean"] == pytest.approx(np.mean(hilbert))
+    assert h["val_loss_std"] == pytest.approx(np.std(hilbert, ddof=1))
+    assert h["diff_vs_muon"] == pytest.approx(np.mean(hilbert) - np.mean(muon))
+    assert h["p_vs_muon"] == pytest.approx(welch_p_closed_form(hilbert, muon), rel=1e-9)
+    assert by["muon"]["p_vs_muon"] is None and by["muon"]["diff_vs_muon"] is None
+    assert by["adamw"]["p_vs_muon"] is None and by["adamw"]["val_loss_std"] is None  # one seed: no test
+    sign = by["sign"]
+    assert (sign["n_runs"], sign["n_seeds"], sign["n_diverged"], sign["val_loss_mean"]) == (1, 0, 1, None)
+
+
+def test_curves_keep_evaluations_and_mark_tightness(tables: dict[str, pa.Table]) -> None:
+    curve = rows(tables["curves"], run="gpt2-muon-s0")
+    assert [r["step"] for r in curve] == list(range(STEPS))  # short runs are not thinned
+    tight = {r["step"]: r["tightness"] for r in curve if r["tightness"] is not None}
+    assert tight == {s: pytest.approx(0.5) for s in range(0, STEPS, GEOMETRY_EVERY) if s != 2 * GEOMETRY_EVERY}
+
+
+def test_long_curves_are_thinned_but_keep_evals_and_last_step(tmp_path: Path) -> None:
+    n = 5 * MAX_CURVE_POINTS + 3
+    _write(steps_table("gpt2-muon-s0", n), tmp_path / "train" / "run=gpt2-muon-s0" / "steps.parquet")
+    curve = build_tables(tmp_path, CFG)["curves"].to_pylist()
+    steps = {r["step"] for r in curve}
+    assert len(curve) <= 2 * MAX_CURVE_POINTS + 10
+    assert {n // 2, n - 1} <= steps  # evaluations and the last step
+    geometry_rows = sum(r["hilbert_bound"] is not None for r in curve)
+    assert MAX_CURVE_POINTS / 2 <= geometry_rows <= MAX_CURVE_POINTS + 1
+
+
+# ------------------------------------------------------------------------------------------ Study A
+def test_geometry_per_layer_matches_numpy(tables: dict[str, pa.Table]) -> None:
+    geo = tables["geometry"]
+    assert sorted({r["model"] for r in geo.to_pylist()}) == ["gpt2-muon-s0@final", "gpt2-muon-s0@init", "org/tiny-mamba"]
+    for model in MODELS:
+        label = model.replace(".final", "@final").replace(".init", "@init").replace("--", "/")
+        for layer in REL_ERR:
+            (r,) = rows(geo, model=label, layer=layer, fn="lowrank")
+            cols = fit_columns(model, layer, "lowrank")
+            assert r["n"] == len(REL_ERR[layer])
+            assert r["n_nonfinite"] == (2 if layer == 0 else 0)
+            assert r["n_nonfinite_values"] == (1 if layer == 0 else 0)
+            for c, v in cols.items():
+                finite = v[np.isfinite(v)]
+                assert r[f"median_{c}"] == pytest.approx(np.median(finite), rel=1e-6), c
+                assert r[f"mean_{c}"] == pytest.approx(np.mean(finite), rel=1e-6), c
+            assert r["median_kl"] == pytest.approx(np.median(np.exp(MODELS[model] * np.array(REL_ERR[layer]))))
+    (ident,) = rows(geo, model="gpt2-muon-s0@final", layer=1, fn="identity")
+    assert ident["median_cos_full_tok"] is None and ident["median_rel_err"] is not None  # undefined stays null
+
+
+def test_geometry_pooled_over_layers(tables: dict[str, pa.Table]) -> None:
+    (r,) = rows(tables["geometry_pooled"], model="gpt2-muon-s0@final", fn="lowrank")
+    per_layer = [fit_columns("gpt2-muon-s0.final", ly, "lowrank")["angle_res_tok"] for ly in REL_ERR]
+    assert r["median_angle_res_tok"] == pytest.approx(np.median(np.concatenate(per_layer)))
+    assert r["layer_median_angle_res_tok"] == pytest.approx(np.median([np.median(a) for a in per_layer]))
+    assert (r["n"], r["n_layers"], r["n_nonfinite"], r["n_nonfinite_values"]) == (11, 2, 2, 1)
+    assert (r["run"], r["checkpoint"], r["arch"], r["family"]) == ("gpt2-muon-s0", "final", "gpt2", "transformer")
+    (ext,) = rows(tables["geometry_pooled"], model="org/tiny-mamba", fn="lowrank")
+    assert (ext["arch"], ext["checkpoint"], ext["family"]) == (None, "", "mamba")
+
+
+def test_angle_histogram_matches_numpy(tables: dict[str, pa.Table]) -> None:
+    hist = rows(tables["angles"], model="gpt2-muon-s0@final", fn="lowrank")
+    angles = np.concatenate([fit_columns("gpt2-muon-s0.final", ly, "lowrank")["angle_res_tok"] for ly in REL_ERR])
+    expected, _ = np.histogram(angles, bins=np.arange(0, 181, 10))
+    assert [r["count"] for r in hist] == expected.tolist()
+    assert sum(r["fraction"] for r in hist) == pytest.approx(1.0)
+    assert not rows(tables["angles"], fn="identity")  # undefined angles make no histogram
+
+
+def test_spearman_of_monotone_relation_is_plus_or_minus_one(tables: dict[str, pa.Table]) -> None:
+    corr = tables["correlations"]
+    for model, expected in (("gpt2-muon-s0@final", 1.0), ("gpt2-muon-s0@init", -1.0)):
+        (pooled,) = rows(corr, model=model, fn="lowrank", scope="pooled")
+        assert pooled["layer"] is None and pooled["n"] == 10  # the NaN rel_err anchor is dropped
+        assert pooled["spearman"] == pytest.approx(expected)
+        per_layer = rows(corr, model=model, fn="lowrank", scope="layer")
+        assert [(r["layer"], r["n"]) for r in per_layer] == [(0, 4), (1, 6)]
+        assert all(r["spearman"] == pytest.approx(expected) for r in per_layer)
+
+
+def test_spearman_ci_matches_a_plain_bootstrap_loop() -> None:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=40)
+    y = x + rng.normal(size=40)
+    y[:5] = y[5]  # ties: averaged ranks, as scipy does
+    rho, low, high = spearman_ci(x, y, n_boot=300, ci=0.9, seed=7)
+    assert rho == pytest.approx(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
+    draws = np.random.default_rng(7).integers(0, 40, size=(300, 40))
+    boot = [sps.spearmanr(x[i], y[i]).statistic for i in draws]
+    assert (low, high) == pytest.approx(tuple(np.quantile(boot, [0.05, 0.95])))
+    assert low < rho < high
+    assert all(math.isnan(v) for v in spearman_ci(x[:2], y[:2], 100, 0.9, 0))
+
+
+# -------------------------------------------------------------------------------------------- claims
+def test_claims_state_each_seed_claim_with_its_value(tables: dict[str, pa.Table]) -> None:
+    claims = tables["claims"]
+    final = {r["claim"]: r for r in rows(claims, subject="gpt2-muon-s0@final", fn="lowrank")}
+    cos = np.median(np.concatenate([fit_columns("gpt2-muon-s0.final", ly, "lowrank")["cos_full_tok"] for ly in REL_ERR]))
+    assert final["cos_full_tok_near_1"]["value"] == pytest.approx(cos)
+    assert final["cos_full_tok_near_1"]["holds"] is bool(cos >= 0.9)
+    assert final["spearman_rel_err_kl"]["holds"] is True
+    assert final["proj_res_below_full"]["holds"] is True
+    # At init cos is 0.5 lower, proj_res above proj_full and kl anti-correlated: none of these hold there.
+    assert final["spearman_rel_err_kl"]["holds_at_init"] is False
+    assert final["proj_res_below_full"]["holds_at_init"] is False
+    assert not rows(claims, fn="identity")
+    assert rows(claims, subject="gpt2-muon-s0@init", claim="spearman_rel_err_kl")[0]["holds_at_init"] is None
+
+
+def test_study_b_claims(tables: dict[str, pa.Table]) -> None:
+    claims = {(r["fn"], r["claim"]): r for r in rows(tables["claims"], study="B", subject="gpt2")}
+    bound = claims[("all", "bound_holds")]
+    assert bound["holds"] is True and bound["value"] == pytest.approx(0.5)
+    assert claims[("hilbert", "beats_muon")]["holds"] is True
+    assert claims[("adamw", "beats_muon")]["holds"] is None  # one seed: not tested
+    spread = claims[("hilbert_equi", "equi_spreads_rows")]
+    assert spread["value"] == pytest.approx(EQUI_RATIO["hilbert_equi"] / EQUI_RATIO["hilbert"]) and spread["holds"]
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    write_tiny_study(data)
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        aggregate(data, out, CFG)
+    a, b = ((o / "metrics.json").read_bytes() for o in outs)
+    assert a == b
+    m = json.loads(a)
+    assert m["train"]["gpt2-muon-s0"]["final_val_loss"] == 3.0
+    assert m["recipes"]["gpt2"]["hilbert"]["n_seeds"] == 3
+    assert m["geometry"]["gpt2-muon-s0@final"]["lowrank"]["spearman_pooled"] == 1.0
+    assert m["claims"]["gpt2"]["hilbert"]["beats_muon"] is True
+    assert "final_val_loss" not in m["train"]["gpt2-sign-s0"]  # not measured: left out, never null
+    for name in TABLES:
+        assert pq.read_table(outs[0] / "tables" / f"{name}.parquet").equals(pq.read_table(outs[1] / "tables" / f"{name}.parquet"))
+    plots = outs[0] / "plots"
+    val = (plots / "val_loss" / "gpt2-muon-s0.csv").read_text().splitlines()
+    assert val[0] == '"step","run","val_loss"' and len(val) == 3
+    assert (plots / "hilbert" / "gpt2-hilbert-s0.csv").exists()
+    spearman = (plots / "spearman" / "gpt2-muon-s0.final__lowrank.csv").read_text().splitlines()
+    assert len(spearman) == 1 + len(REL_ERR)
+
+
+def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:
+    aggregate(tmp_path / "nothing", tmp_path / "out", CFG)
+    for name in TABLES:
+        assert pq.read_table(tmp_path / "out" / "tables" / f"{name}.parquet").num_rows == 0
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {
+        "claims": {}, "geometry": {}, "recipes": {}, "train": {}
+    }
+
+
+def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> None:
+    write_study_a(tmp_path, with_perturb=False)
+    tables = build_tables(tmp_path, CFG)
+    assert tables["correlations"].num_rows == 0
+    spearman = rows(tables["claims"], claim="spearman_rel_err_kl")
+    assert spearman and all(r["holds"] is None and r["value"] is None for r in spearman)
+    assert metrics(tables)["geometry"]["org/tiny-mamba"]["lowrank"]["n"] == 11

@@ -1,0 +1,159 @@
+"""The architecture table, model building (untied, seeded) and safe loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from pipeline.arch import (
+    ARCHS,
+    ModelLoadError,
+    UnsupportedArchitecture,
+    blocks_of,
+    build_model,
+    final_norm_of,
+    head_of,
+    load_model,
+    spec_of,
+)
+from pipeline.config import ModelSize
+from pipeline.errors import InputError
+
+TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
+VOCAB, SEQ_LEN = 128, 16
+
+
+def _same_weights(a, b) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _save(model, path: Path) -> Path:
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_table_paths_name_the_blocks_final_norm_and_head(arch):
+    model = build_model(arch, TINY, VOCAB, SEQ_LEN, seed=0).eval()
+    assert spec_of(model).name == arch
+    assert len(blocks_of(model)) == TINY.n_layers
+    assert head_of(model) is model.get_output_embeddings()
+    assert head_of(model).weight.shape == (VOCAB, TINY.d_model)
+    # the final norm is what turns the last block's output into the model's last hidden state
+    seen = {}
+    handles = [
+        blocks_of(model)[-1].register_forward_hook(lambda m, a, o: seen.update(last_block=o)),
+        final_norm_of(model).register_forward_hook(lambda m, a, o: seen.update(final_norm=o)),
+    ]
+    ids = torch.randint(0, VOCAB, (2, SEQ_LEN), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True, use_cache=False)
+    for h in handles:
+        h.remove()
+    torch.testing.assert_close(seen["final_norm"], out.hidden_states[-1])
+    torch.testing.assert_close(final_norm_of(model)(seen["last_block"]), out.hidden_states[-1])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_build_is_seeded_sized_and_leaves_the_global_rng_alone(arch):
+    torch.manual_seed(123)
+    expected_next = torch.rand(1)
+    torch.manual_seed(123)
+    a = build_model(arch, TINY, VOCAB, SEQ_LEN, seed=5)
+    assert torch.equal(torch.rand(1), expected_next)
+    assert _same_weights(a, build_model(arch, TINY, VOCAB, SEQ_LEN, seed=5))
+    assert not _same_weights(a, build_model(arch, TINY, VOCAB, SEQ_LEN, seed=6))
+    assert a.get_input_embeddings().weight.shape == (VOCAB, TINY.d_model)
+    assert a.config.tie_word_embeddings is False
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_head_is_untied_after_build_and_after_save_load(arch, tmp_path):
+    model = build_model(arch, TINY, VOCAB, SEQ_LEN, seed=0)
+    assert head_of(model).weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()
+    loaded = load_model(str(_save(model, tmp_path / arch)))
+    assert _same_weights(model, loaded)
+    assert not loaded.training
+    embedding = loaded.get_input_embeddings().weight.detach().clone()
+    with torch.no_grad():
+        head_of(loaded).weight.add_(1.0)
+    assert torch.equal(loaded.get_input_embeddings().weight, embedding)
+
+
+def test_neox_head_is_embed_out_on_disk_and_lm_head_in_memory(tmp_path):
+    """Pythia checkpoints name the head `embed_out`; transformers 5 renames it to `lm_head` both ways."""
+    model = build_model("neox", TINY, VOCAB, SEQ_LEN, seed=0)
+    path = _save(model, tmp_path / "pythia")
+    weights = load_file(path / "model.safetensors")
+    assert torch.equal(weights["embed_out.weight"], head_of(model).weight)
+    assert torch.equal(head_of(load_model(str(path))).weight, head_of(model).weight)
+
+
+def test_unknown_families_are_named_with_what_is_supported():
+    with pytest.raises(UnsupportedArchitecture, match="gpt_neox") as err:
+        spec_of(SimpleNamespace(config=SimpleNamespace(model_type="llama")))
+    assert "llama" in str(err.value) and isinstance(err.value, InputError)
+    with pytest.raises(UnsupportedArchitecture, match="gpt2, neox, mamba"):
+        build_model("llama", TINY, VOCAB, SEQ_LEN, seed=0)
+
+
+def _config_only_dir(path: Path, **config) -> Path:
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_unsupported_model_type_is_refused_before_reading_weights(tmp_path):
+    path = _config_only_dir(tmp_path / "bert", model_type="bert")
+    with pytest.raises(UnsupportedArchitecture, match="'bert'.*supported"):
+        load_model(str(path))
+
+
+def test_remote_code_is_refused_unless_trusted(tmp_path):
+    model = build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0)
+    path = _save(model, tmp_path / "remote")
+    config = json.loads((path / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilModel"}
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="remote code"):
+        load_model(str(path))
+
+
+def test_pickle_only_weights_are_refused(tmp_path):
+    model = build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0)
+    path = _save(model, tmp_path / "pickled")
+    torch.save(model.state_dict(), path / "pytorch_model.bin")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="safetensors only"):
+        load_model(str(path))
+
+
+def test_missing_or_incomplete_local_paths_are_named(tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(str(tmp_path / "nowhere" / "model"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+    path = _config_only_dir(tmp_path / "weightless", model_type="gpt2")
+    with pytest.raises(ModelLoadError, match="no model weights"):
+        load_model(str(path))
+
+
+def test_paths_stay_inside_the_workspace_unless_allowed(tmp_path):
+    workspace, outside = tmp_path / "ws", tmp_path / "elsewhere"
+    workspace.mkdir()
+    model = build_model("mamba", TINY, VOCAB, SEQ_LEN, seed=0)
+    _save(model, workspace / "models" / "m")
+    _save(model, outside)
+    assert _same_weights(model, load_model("models/m", workspace=workspace))
+    with pytest.raises(ModelLoadError, match="outside the workspace"):
+        load_model(str(outside), workspace=workspace)
+    with pytest.raises(ModelLoadError, match="outside the workspace"):
+        load_model("../elsewhere", workspace=workspace)
+    assert _same_weights(model, load_model(str(outside), workspace=workspace, allow_outside_paths=True))

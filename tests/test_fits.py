@@ -1,0 +1,373 @@
+"""Tokenwise fits against an independent per-anchor reference.
+
+The reference works one anchor at a time in NumPy float64: its own neighbour search by fully sorting
+the distances, its own least squares (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d`
+Jacobian of each fitted map (by autograd for the MLP) and its full SVD. It shares nothing with
+`pipeline.fits` except the MLP's initial weights, which are part of that fit's definition.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+
+from pipeline.config import AnalysisConfig
+from pipeline.fits import (
+    METRICS,
+    choose_anchors,
+    fit_diag_psd,
+    fit_layer,
+    fit_lowrank,
+    fit_orthogonal,
+    fit_schema,
+)
+
+CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear")
+
+
+# ------------------------------------------------------------------------------------- reference
+def ref_neighbours(x, a, k, distance, seq=None):
+    if distance == "euclidean":
+        dist = np.sqrt(((x - x[a]) ** 2).sum(axis=1))
+    else:
+        dist = 1 - x @ x[a] / (np.linalg.norm(x, axis=1) * np.linalg.norm(x[a]))
+    dist[a] = np.inf
+    if seq is not None:
+        dist[seq == seq[a]] = np.inf
+    return np.argsort(dist, kind="stable")[:k]
+
+
+def ridge_lstsq(inputs, targets, ridge, intercept=False):
+    """argmin ‖targets − [inputs, 1] W‖² + ridge ‖W_inputs‖², via lstsq on the augmented system."""
+    n, d = inputs.shape
+    design = np.hstack([inputs, np.ones((n, 1))]) if intercept else inputs
+    penalty = np.sqrt(ridge) * np.eye(d, design.shape[1])
+    aug_design = np.vstack([design, penalty])
+    aug_targets = np.vstack([targets, np.zeros((d, targets.shape[1]))])
+    return np.linalg.lstsq(aug_design, aug_targets, rcond=None)[0], aug_design
+
+
+def ref_diag(xn, yn, xa, cfg):
+    diag = np.array([max(0.0, ridge_lstsq(xn[:, [c]], yn[:, [c]], cfg.ridge)[0][0, 0]) for c in range(xn.shape[1])])
+    return diag * xa, np.diag(diag) - np.eye(len(xa))
+
+
+def ref_lowrank(xn, yn, xa, cfg):
+    b_t, aug_design = ridge_lstsq(xn, yn - xn, cfg.ridge)  # (d, d) = B̂ᵀ
+    fitted = aug_design @ b_t  # rows: B̂ applied to [X, √λI]
+    top = np.linalg.svd(fitted)[2][: cfg.rank].T  # left singular vectors of B̂[X, √λI]
+    b = top @ top.T @ b_t.T
+    return xa + b @ xa, b
+
+
+def ref_orthogonal(xn, yn, xa, cfg):
+    cross = yn.T @ xn
+    u, _, vt = np.linalg.svd(cross + cfg.ridge * np.eye(xn.shape[1]))
+    q = u @ vt
+    s = (cross * q).sum() / (xn * xn).sum() if cfg.orthogonal_scale else 1.0
+    return s * q @ xa, s * q - np.eye(len(xa))
+
+
+def ref_mlp(xn, yn, xa, cfg, w1_init):
+    xn, yn, xa = (torch.from_numpy(v) for v in (xn, yn, xa))
+    d = xn.shape[1]
+    mu = xn.mean(dim=0)
+    sigma = ((xn - mu) ** 2).mean().sqrt()
+    tau = ((yn - xn) ** 2).mean().sqrt()
+    w1 = w1_init.clone().requires_grad_(True)
+    b1 = torch.zeros(cfg.mlp_hidden, dtype=torch.float64, requires_grad=True)
+    w2 = torch.zeros(d, cfg.mlp_hidden, dtype=torch.float64, requires_grad=True)
+    b2 = torch.zeros(d, dtype=torch.float64, requires_grad=True)
+
+    def t_map(v):
+        return v + tau * (w2 @ torch.tanh(w1 @ ((v - mu) / sigma) + b1) + b2)
+
+    opt = torch.optim.Adam([w1, b1, w2, b2], lr=1e-2)
+    for _ in range(cfg.mlp_steps):
+        opt.zero_grad()
+        pred = torch.stack([t_map(v) for v in xn])
+        loss = (((yn - pred) / tau) ** 2).mean() + cfg.ridge * ((w1**2).sum() + (w2**2).sum())
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        t_val = t_map(xa)
+    jac = torch.autograd.functional.jacobian(t_map, xa)
+    return t_val.numpy(), jac.numpy() - np.eye(d)
+
+
+def top_subspace(u, s, p):
+    if s[0] <= 0:
+        return None
+    return u[:, :p][:, s[:p] > 1e-12 * s[0]]
+
+
+def energy(v, basis):
+    if basis is None or np.linalg.norm(v) == 0:
+        return None
+    return float(np.sum((basis.T @ v) ** 2) / np.sum(v**2))
+
+
+def ratio(num, den):
+    return None if den == 0 else num / den
+
+
+def reference_rows(x, y, seq, anchors, fn, cfg):
+    """One anchor at a time: T_i(x_a) and J_i − I, then every metric column."""
+    if fn == "global_linear":
+        coef = ridge_lstsq(x, y, cfg.ridge, intercept=True)[0]
+        a_mat, b_vec = coef[:-1].T, coef[-1]
+    if fn == "mlp":
+        gen = torch.Generator().manual_seed(cfg.seed)
+        w1_all = torch.randn((len(anchors), cfg.mlp_hidden, x.shape[1]), generator=gen, dtype=torch.float64)
+        w1_all /= math.sqrt(x.shape[1])
+    patched, ops = [], []
+    for i, a in enumerate(anchors):
+        xa = x[a]
+        if fn == "identity":
+            t_val, op = xa.copy(), np.zeros((len(xa), len(xa)))
+        elif fn == "global_linear":
+            t_val, op = a_mat @ xa + b_vec, a_mat - np.eye(len(xa))
+        else:
+            nb = ref_neighbours(x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)
+            args = (x[nb], y[nb], xa, cfg)
+            if fn == "mlp":
+                t_val, op = ref_mlp(*args, w1_all[i])
+            else:
+                t_val, op = {"diag_psd": ref_diag, "lowrank": ref_lowrank, "orthogonal": ref_orthogonal}[fn](*args)
+        patched.append(t_val)
+        ops.append(op)
+    tok_all = np.array(patched) - x[anchors]
+    u, s, vt = np.linalg.svd(tok_all)
+    global_basis = top_subspace(vt.T, s, cfg.p)
+    rows = []
+    for a, t_val, op in zip(anchors, patched, ops):
+        full, tok, res = y[a] - x[a], t_val - x[a], y[a] - t_val
+        nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
+        u, s, _ = np.linalg.svd(op)
+        local = top_subspace(u, s, cfg.p)
+        cos_rt = ratio(res @ tok, nr * nt)
+        rows.append(
+            {
+                "rel_err": ratio(nr, nf),
+                "rel_err_state": ratio(nr, np.linalg.norm(y[a])),
+                "cos_full_tok": ratio(abs(full @ tok), nf * nt),
+                "cos_full_res": ratio(abs(full @ res), nf * nr),
+                "angle_res_tok": None if cos_rt is None else math.degrees(math.acos(np.clip(cos_rt, -1, 1))),
+                "proj_full": energy(full, local),
+                "proj_res": energy(res, local),
+                "proj_full_global": energy(full, global_basis),
+                "proj_res_global": energy(res, global_basis),
+                "norm_full": nf,
+                "norm_res": nr,
+                "patched": t_val,
+            }
+        )
+    return rows
+
+
+def assert_rows_match(table, rows, tol=1e-4):
+    assert table.num_rows == len(rows)
+    for name in METRICS:
+        got = table.column(name).to_pylist()
+        want = [r[name] for r in rows]
+        assert [g is None for g in got] == [w is None for w in want], name
+        np.testing.assert_allclose(
+            [g for g in got if g is not None], [w for w in want if w is not None], atol=tol, rtol=tol, err_msg=name
+        )
+    patched = np.array(table.column("patched").to_pylist())
+    np.testing.assert_allclose(patched, np.array([r["patched"] for r in rows]), atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------------------------------- data
+def random_layer(rng, n_seq=12, seq_len=10, d=6):
+    n = n_seq * seq_len
+    x = rng.normal(size=(n, d)) + 0.5
+    mix = np.eye(d) + 0.4 * rng.normal(size=(d, d))
+    seq = np.repeat(np.arange(n_seq), seq_len)
+    context = np.array([x[seq == s].mean(axis=0) for s in seq])
+    y = np.tanh(x) @ mix.T + x + 0.3 * context  # nonlinear tokenwise part plus a cross-token part
+    pos = np.tile(np.arange(seq_len), n_seq)
+    return x, y, seq, pos, rng.integers(0, 500, size=n)
+
+
+CONFIGS = {
+    # k > d: the neighbours span the space.
+    "euclid": dict(k=10, rank=2, p=3, ridge=1e-3, mlp_hidden=4, mlp_steps=25, anchors=9),
+    # 2k < d: the orthogonal completion matters; p > rank exercises the rank convention; cosine kNN
+    # excluding the anchor's own sequence; a scaled orthogonal map.
+    "cosine": dict(
+        k=4, rank=2, p=5, ridge=1e-2, mlp_hidden=3, mlp_steps=25, anchors=9,
+        distance="cosine", exclude_same_sequence=True, orthogonal_scale=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("fn", CLASSES)
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_every_column_matches_the_per_anchor_reference(fn, config):
+    rng = np.random.default_rng(10)
+    d = 6 if config == "euclid" else 12
+    x, y, seq, pos, tok = random_layer(rng, d=d)
+    cfg = AnalysisConfig(**CONFIGS[config])
+    anchors = choose_anchors(len(x), cfg.anchors, seed=3)
+    table, info = fit_layer(x.astype(np.float32), y.astype(np.float32), seq, pos, tok, anchors, fn, cfg)
+    # The reference sees the same float32-rounded inputs.
+    x32, y32 = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+    assert_rows_match(table, reference_rows(x32, y32, seq, anchors, fn, cfg))
+    assert table.schema == fit_schema(d)
+    assert table.column("seq_id").to_pylist() == seq[anchors].tolist()
+    assert table.column("pos").to_pylist() == pos[anchors].tolist()
+    assert table.column("token_id").to_pylist() == tok[anchors].tolist()
+    assert set(table.column("k").to_pylist()) == {cfg.k}
+    assert info.n_nonfinite == 0 and info.n_anchors == len(anchors) and info.n_pool == len(x)
+
+
+def test_schema_is_the_contract():
+    assert fit_schema(3).names == [
+        "seq_id", "pos", "token_id", "k", "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res",
+        "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global", "norm_full",
+        "norm_res", "patched", "n_nonfinite",
+    ]
+    assert fit_schema(3).field("patched").type == pa.list_(pa.float32(), 3)
+
+
+# ---------------------------------------------------------------------------------- class checks
+def neighbourhoods(rng, n_anchors=5, k=7, d=9):
+    xn = torch.from_numpy(rng.normal(size=(n_anchors, k, d)))
+    yn = torch.from_numpy(rng.normal(size=(n_anchors, k, d)))
+    return xn, yn
+
+
+def test_diag_psd_is_non_negative_and_closed_form():
+    xn, yn = neighbourhoods(np.random.default_rng(20))
+    diag = fit_diag_psd(xn, yn, 0.5).diag
+    assert (diag >= 0).all() and (diag == 0).any()  # anti-correlated coordinates are clamped
+    expected = ((xn * yn).sum(1) / ((xn * xn).sum(1) + 0.5)).clamp_min(0)
+    torch.testing.assert_close(diag, expected)
+
+
+@pytest.mark.parametrize("k", [3, 20])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_orthogonal_map_is_orthogonal_and_identity_off_the_span(k, with_scale):
+    xn, yn = neighbourhoods(np.random.default_rng(21), k=k)
+    fit = fit_orthogonal(xn, yn, 1e-3, with_scale)
+    b, q_s = fit.basis, fit.rotation
+    eye = torch.eye(9, dtype=torch.float64)
+    q = eye + b @ (q_s - torch.eye(q_s.shape[-1], dtype=torch.float64)) @ b.transpose(1, 2)
+    torch.testing.assert_close(q.transpose(1, 2) @ q, eye.expand_as(q), atol=1e-10, rtol=0)
+    span = torch.cat([xn, yn], dim=1).transpose(1, 2)  # (A, d, 2k)
+    off_span = torch.randn(5, 9, 1, dtype=torch.float64)
+    off_span -= span @ torch.linalg.lstsq(span, off_span).solution  # project out the span
+    torch.testing.assert_close(q @ off_span, off_span)
+    assert (fit.scale != 1).all() if with_scale else (fit.scale == 1).all()
+
+
+def test_noise_free_maps_are_recovered_exactly():
+    rng = np.random.default_rng(22)
+    xn = torch.from_numpy(rng.normal(size=(4, 30, 6)))
+    diag = torch.from_numpy(rng.uniform(0.2, 2.0, size=(4, 6)))
+    torch.testing.assert_close(fit_diag_psd(xn, xn * diag[:, None], 0.0).diag, diag)
+
+    u, v = torch.from_numpy(rng.normal(size=(4, 6, 2))), torch.from_numpy(rng.normal(size=(4, 6, 2)))
+    b_true = u @ v.transpose(1, 2)
+    fit = fit_lowrank(xn, xn + xn @ b_true.transpose(1, 2), 2, 0.0)
+    torch.testing.assert_close(fit.u @ fit.v.transpose(1, 2), b_true)
+
+    q_true = torch.linalg.qr(torch.from_numpy(rng.normal(size=(4, 6, 6)))).Q
+    fit = fit_orthogonal(xn, 1.7 * xn @ q_true.transpose(1, 2), 1e-9, with_scale=True)
+    q = torch.eye(6, dtype=torch.float64) + fit.basis @ (fit.rotation - torch.eye(6, dtype=torch.float64)) @ fit.basis.transpose(1, 2)
+    torch.testing.assert_close(q, q_true, atol=1e-7, rtol=0)
+    torch.testing.assert_close(fit.scale, torch.full((4,), 1.7, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------------ synthetic ground truth
+def synthetic_layer(rng, fn, n_seq=300, seq_len=20, d=4):
+    """`y = T*(x) + c`: a known tokenwise map of the class, and a cross-token term `c` (a mix of the
+    other tokens of the sequence), independent of the token's own `x`."""
+    n = n_seq * seq_len
+    x = rng.normal(size=(n, d))
+    seq = np.repeat(np.arange(n_seq), seq_len)
+    seq_sum = np.array([x[seq == s].sum(axis=0) for s in range(n_seq)])[seq]
+    cross = 0.3 * ((seq_sum - x) / (seq_len - 1)) @ rng.normal(size=(d, d)).T
+    if fn == "diag_psd":
+        mapped = x * rng.uniform(0.3, 2.0, size=d)
+    elif fn == "lowrank":
+        mapped = x + x @ (rng.normal(size=(d, 2)) @ rng.normal(size=(2, d))).T
+    elif fn == "orthogonal":
+        mapped = x @ np.linalg.qr(rng.normal(size=(d, d)))[0].T
+    else:
+        mapped = x @ rng.normal(size=(d, d)).T + rng.normal(size=d)
+    return x, mapped + cross, seq, mapped, cross
+
+
+@pytest.mark.parametrize("fn", ["diag_psd", "lowrank", "orthogonal", "global_linear"])
+def test_fits_recover_the_tokenwise_map_and_leave_the_cross_token_term(fn):
+    rng = np.random.default_rng(23)
+    x, y, seq, mapped, cross = synthetic_layer(rng, fn)
+    cfg = AnalysisConfig(k=1500, anchors=20, rank=2, p=2, ridge=1e-6)
+    anchors = choose_anchors(len(x), 20, seed=0)
+    table, _ = fit_layer(x, y, seq, np.zeros_like(seq), seq, anchors, fn, cfg)
+    patched = np.array(table.column("patched").to_pylist())
+    residual = y[anchors] - patched
+    c = cross[anchors]
+    map_error = np.linalg.norm(patched - mapped[anchors], axis=1) / np.linalg.norm(c, axis=1)
+    assert np.median(map_error) < 0.15
+    cos = (residual * c).sum(1) / (np.linalg.norm(residual, axis=1) * np.linalg.norm(c, axis=1))
+    assert np.median(cos) > 0.98
+    # The identity baseline leaves the whole tokenwise update in the residual instead.
+    base, _ = fit_layer(x, y, seq, np.zeros_like(seq), seq, anchors, "identity", cfg)
+    assert np.median(base.column("rel_err").to_numpy()) > 3 * np.median(table.column("rel_err").to_numpy())
+
+
+# ------------------------------------------------------------------------------ nulls, non-finite
+@pytest.mark.parametrize("fn", CLASSES)
+def test_non_finite_rows_are_counted_and_excluded(fn):
+    rng = np.random.default_rng(30)
+    x, y, seq, pos, tok = random_layer(rng)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    bad = np.array([4, 17, 50, 51])
+    anchors = np.sort(np.concatenate([choose_anchors(len(x), 8, 1, np.isin(np.arange(len(x)), bad, invert=True)), bad[:2]]))
+    x_bad, y_bad = x.copy(), y.copy()
+    x_bad[bad[:2], 1] = np.nan
+    y_bad[bad[2], 0] = np.inf
+    x_bad[bad[3]] = -np.inf
+    table, info = fit_layer(x_bad, y_bad, seq, pos, tok, anchors, fn, cfg)
+    assert info.n_nonfinite == 4 and info.n_anchors_dropped == 2 and info.n_pool == len(x) - 4
+    assert set(table.column("n_nonfinite").to_pylist()) == {4}
+    # Identical to fitting the pool with those rows removed.
+    keep = np.isin(np.arange(len(x)), bad, invert=True)
+    clean_anchors = np.searchsorted(np.flatnonzero(keep), anchors[keep[anchors]])
+    clean, _ = fit_layer(x[keep], y[keep], seq[keep], pos[keep], tok[keep], clean_anchors, fn, cfg)
+    assert table.drop_columns(["n_nonfinite"]).equals(clean.drop_columns(["n_nonfinite"]))
+    assert set(clean.column("n_nonfinite").to_pylist()) == {0}
+
+
+def test_undefined_columns_are_null():
+    rng = np.random.default_rng(31)
+    x, y, seq, pos, tok = random_layer(rng)
+    y[7] = x[7]  # no update at this token: Δ_full = 0
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = np.array([3, 7, 40])
+    ident, _ = fit_layer(x, y, seq, pos, tok, anchors, "identity", cfg)
+    for name in ("cos_full_tok", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global"):
+        assert ident.column(name).null_count == 3, name
+    assert ident.column("rel_err").to_pylist()[0] == pytest.approx(1.0)
+    diag, _ = fit_layer(x, y, seq, pos, tok, anchors, "diag_psd", cfg)
+    row = diag.slice(1, 1).to_pylist()[0]
+    for name in ("rel_err", "cos_full_tok", "cos_full_res", "proj_full", "proj_full_global"):
+        assert row[name] is None, name
+    assert row["norm_full"] == 0.0 and row["angle_res_tok"] is not None
+
+
+def test_choose_anchors_is_seeded_sorted_and_valid():
+    valid = np.ones(100, dtype=bool)
+    valid[::3] = False
+    picked = choose_anchors(100, 20, seed=5, valid_mask=valid)
+    assert len(set(picked)) == 20 and (np.diff(picked) > 0).all() and valid[picked].all()
+    np.testing.assert_array_equal(picked, choose_anchors(100, 20, seed=5, valid_mask=valid))
+    assert not np.array_equal(picked, choose_anchors(100, 20, seed=6, valid_mask=valid))
+    assert len(choose_anchors(100, 500, seed=5, valid_mask=valid)) == valid.sum()

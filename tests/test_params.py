@@ -1,0 +1,104 @@
+"""params.yaml validation: every kind of error exits with code 2 before any work, naming the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import ParamsError, load_params, parse_params
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_default_params_are_valid():
+    params = load_params(REPO / "params.yaml")
+    assert params.train.runs()  # a non-empty grid
+    assert params.prepare.tokenizer.vocab_size > params.train.model.d_model  # V >> d for Study B
+
+
+@pytest.mark.parametrize(
+    ("raw", "needle"),
+    [
+        ({"train": {"stepz": 3}}, "unknown key 'train.stepz'"),
+        ({"bogus": {}}, "unknown key 'bogus'"),
+        ({"train": {"steps": "3"}}, "train.steps: Input should be a valid integer"),
+        ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
+        ({"prepare": {"val_fraction": 1.5}}, "prepare.val_fraction"),
+        ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1"),
+        ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
+        ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
+        ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
+        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "tau applies to hilbert recipes only"),
+        ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
+    ],
+)
+def test_each_kind_of_error_names_the_key(raw, needle):
+    with pytest.raises(ParamsError) as err:
+        parse_params(raw)
+    assert needle in str(err.value)
+
+
+def test_scientific_notation_is_a_float(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train:\n  adamw_lr: 1e-3\n")
+    assert load_params(path).train.adamw_lr == pytest.approx(1e-3)
+
+
+def test_yaml_syntax_error_is_reported(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text("train: [unclosed\n")
+    with pytest.raises(ParamsError, match="not valid YAML"):
+        load_params(path)
+
+
+def _lmgeo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "stages.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("train: {steps: -1}\n", "train.steps"),
+        ("train:\n  steps: [\n", "not valid YAML"),
+        ("analysis: {k: 100000}\n", "analysis.k"),
+        ("trainn: {}\n", "unknown key 'trainn'"),
+    ],
+)
+@pytest.mark.parametrize("stage", ["prepare", "train", "fit"])
+def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
+    (tmp_path / "params.yaml").write_text(content)
+    done = _lmgeo([stage], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert needle in done.stderr
+    assert done.stderr.count("lmgeo: error:") == 1
+    assert not (tmp_path / "data").exists()
+
+
+def test_help_does_not_import_torch_or_ray():
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from stages.cli import app\n"
+        "runner = CliRunner()\n"
+        "for args in [['--help']] + [[c, '--help'] for c in "
+        "['prepare','train','extract','fit','perturb','aggregate','report','query','bench']]:\n"
+        "    result = runner.invoke(app, args)\n"
+        "    assert result.exit_code == 0, (args, result.output)\n"
+        "heavy = [m for m in ('torch', 'ray', 'transformers', 'duckdb', 'pyarrow') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_params_file_round_trips_through_yaml(tmp_path):
+    params = load_params(REPO / "params.yaml")
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params.model_dump(mode="json")))
+    assert load_params(path) == params

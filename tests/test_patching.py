@@ -1,0 +1,129 @@
+"""Patching one token's block output and the KL it causes, against direct forwards (SPEC §4.3)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.special import log_softmax
+
+from pipeline.arch import ARCHS, blocks_of, build_model, head_of
+from pipeline.config import ModelSize
+from pipeline.extract import block_output, capture_states
+from pipeline.patching import patch_kl
+
+TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
+VOCAB, SEQ_LEN, N_SEQ = 128, 16, 3
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def model(request):
+    """A random model whose head is scaled up: at init the next-token distributions are nearly uniform,
+    which would leave every KL near rounding level; a trained model's are peaked like these."""
+    model = build_model(request.param, TINY, VOCAB, SEQ_LEN, seed=2).eval()
+    with torch.no_grad():
+        head_of(model).weight.mul_(30.0)
+    return model
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(1).integers(0, VOCAB, size=(N_SEQ, SEQ_LEN), dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def states(model, tokens):
+    """h_0 … h_L as numpy, (n_seq, seq_len, d) each."""
+    return [h.numpy() for h in capture_states(model, torch.as_tensor(tokens, dtype=torch.long))]
+
+
+def _anchors(rng, n):
+    return rng.integers(0, N_SEQ, n), rng.integers(0, SEQ_LEN, n)
+
+
+def _direct_kl(model, sequence, layer, pos, vector):
+    """Two plain forwards, one with a single hand-written patch; KL in float64 with SciPy."""
+
+    def patch(_m, _a, output):
+        hidden = block_output(output).clone()
+        hidden[0, pos] = torch.as_tensor(vector)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    ids = torch.as_tensor(sequence[None], dtype=torch.long)
+    with torch.no_grad():
+        clean = model(input_ids=ids, use_cache=False).logits[0].double().numpy()
+        handle = blocks_of(model)[layer].register_forward_hook(patch)
+        try:
+            patched = model(input_ids=ids, use_cache=False).logits[0].double().numpy()
+        finally:
+            handle.remove()
+    lp, lq = log_softmax(clean, axis=-1), log_softmax(patched, axis=-1)
+    per_position = (np.exp(lp) * (lp - lq)).sum(-1)
+    return per_position[pos], per_position[pos:].mean()
+
+
+@pytest.mark.parametrize("layer", range(TINY.n_layers))
+def test_patching_the_true_output_changes_nothing(model, tokens, states, layer):
+    rows, positions = np.repeat(np.arange(N_SEQ), SEQ_LEN), np.tile(np.arange(SEQ_LEN), N_SEQ)
+    vectors = states[layer + 1][rows, positions]
+    kl, kl_seq = patch_kl(model, tokens, rows, positions, layer, vectors, batch_size=7)
+    assert np.all(kl < 1e-6) and np.all(kl_seq < 1e-6)
+
+
+@pytest.mark.parametrize("layer", range(TINY.n_layers))
+def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
+    rng = np.random.default_rng(layer)
+    rows, positions = _anchors(rng, 6)
+    vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (6, TINY.d_model)).astype(np.float32)
+    kl, kl_seq = patch_kl(model, tokens, rows, positions, layer, vectors, batch_size=4)
+    assert np.all(kl > 1e-4)
+    for i in range(6):
+        expected_kl, expected_seq = _direct_kl(model, tokens[rows[i]], layer, positions[i], vectors[i])
+        np.testing.assert_allclose(kl[i], expected_kl, rtol=1e-4, atol=1e-7)
+        np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
+
+
+def test_batched_equals_one_at_a_time(model, tokens, states):
+    rng = np.random.default_rng(5)
+    rows, positions = _anchors(rng, 9)  # unsorted, several per sequence, mixed in batches
+    vectors = states[1][rows, positions] + rng.normal(0, 1.0, (9, TINY.d_model)).astype(np.float32)
+    one = patch_kl(model, tokens, rows, positions, 0, vectors, batch_size=1)
+    many = patch_kl(model, tokens, rows, positions, 0, vectors, batch_size=4)
+    assert np.all(one[0] > 1e-4)
+    np.testing.assert_allclose(one[0], many[0], rtol=1e-4, atol=1e-8)
+    np.testing.assert_allclose(one[1], many[1], rtol=1e-4, atol=1e-8)
+
+
+def test_a_patch_reaches_later_positions_only_through_later_blocks(model, tokens, states):
+    """Below the last block, later tokens see the patch (attention or recurrence); at the last block they cannot."""
+    pos, rows, positions = 3, np.array([0]), np.array([3])
+    tail = SEQ_LEN - pos
+    # a random direction: a constant shift would be removed by the LayerNorms' centring
+    shift = np.random.default_rng(3).normal(0, 1.0, (1, TINY.d_model)).astype(np.float32)
+    first = patch_kl(model, tokens, rows, positions, 0, states[1][rows, positions] + shift, batch_size=1)
+    assert first[1][0] * tail - first[0][0] > 1e-4
+    last_layer = TINY.n_layers - 1
+    vector = states[last_layer + 1][rows, positions] + shift
+    last = patch_kl(model, tokens, rows, positions, last_layer, vector, batch_size=1)
+    assert last[0][0] > 1e-4
+    np.testing.assert_allclose(last[1][0] * tail, last[0][0], rtol=1e-5)
+
+
+def test_rejects_an_out_of_range_layer_or_anchor(model, tokens):
+    vectors = np.zeros((1, TINY.d_model), dtype=np.float32)
+    with pytest.raises(ValueError, match="layer"):
+        patch_kl(model, tokens, np.array([0]), np.array([0]), TINY.n_layers, vectors, batch_size=1)
+    with pytest.raises(ValueError, match="out of range"):
+        patch_kl(model, tokens, np.array([0]), np.array([SEQ_LEN]), 0, vectors, batch_size=1)
+
+
+def test_each_clean_sequence_runs_once(model, tokens, states):
+    """Rows through the embedding = one per patched copy + one per distinct sequence (the clean pass)."""
+    rows, positions = np.array([2, 0, 2, 2, 0, 2, 0]), np.array([5, 1, 0, 9, 15, 3, 7])
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
+    try:
+        patch_kl(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=3)
+    finally:
+        handle.remove()
+    assert sum(seen) == len(rows) + 2

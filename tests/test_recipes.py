@@ -1,0 +1,373 @@
+"""The seven head-optimizer recipes (SPEC §3.2) on tiny untied models built from transformers configs."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
+
+from pipeline import hilbert, recipes
+from pipeline.config import RECIPES, RecipeConfig, Schedule, TrainConfig
+
+VOCAB, WIDTH, SEQ, BATCH = 256, 32, 16, 8
+FLAT = Schedule(warmup_steps=0, decay="constant")
+
+
+def neox(seed: int = 0) -> GPTNeoXForCausalLM:
+    torch.manual_seed(seed)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return GPTNeoXForCausalLM(config)
+
+
+def gpt2() -> GPT2LMHeadModel:
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=WIDTH, n_layer=1, n_head=4, n_positions=64,
+        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def mamba() -> MambaForCausalLM:
+    return MambaForCausalLM(
+        MambaConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=1, state_size=8, tie_word_embeddings=False)
+    )
+
+
+def head_of(model: torch.nn.Module) -> torch.nn.Parameter:
+    return model.get_output_embeddings().weight
+
+
+def fixed_batch(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+
+
+def train_cfg(**overrides) -> TrainConfig:
+    return TrainConfig(steps=20, schedule=FLAT, **overrides)
+
+
+def loss_and_hidden(model: torch.nn.Module, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM loss and the head's inputs (the final hidden states), captured with a pre-hook."""
+    captured = []
+    handle = model.get_output_embeddings().register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+    loss = model(input_ids=batch, labels=batch).loss
+    handle.remove()
+    return loss, captured[0].detach().flatten(0, -2)
+
+
+# ---------------------------------------------------------------------------------- param groups
+@pytest.mark.parametrize("build", [neox, gpt2, mamba], ids=["neox", "gpt2", "mamba"])
+def test_groups_partition_the_trainable_parameters(build) -> None:
+    model = build()
+    head = head_of(model)
+    groups = recipes.partition_parameters(model, head)
+    assigned = [id(p) for params in groups.values() for p in params]
+    assert sorted(assigned) == sorted(id(p) for p in model.parameters())  # each exactly once
+    assert groups["head"] == [head]
+    assert groups["hidden"] and all(p.ndim == 2 for p in groups["hidden"])
+    assert all(p.ndim == 2 for p in groups["embed"])
+    names = {id(p): n for n, p in model.named_parameters()}
+    hidden_names = {names[id(p)] for p in groups["hidden"]}
+    assert not any(re.search(r"norm|ln_|A_log|conv1d|bias", n) for n in hidden_names)
+
+
+def test_a_bad_rule_set_names_every_offender() -> None:
+    model = neox()
+    overlapping = (*recipes.DEFAULT_GROUP_RULES, recipes.GroupRule("scalar", r"\.dense\.weight$"))
+    with pytest.raises(recipes.ParamGroupError, match=r"attention\.dense\.weight \(32, 32\): hidden and scalar"):
+        recipes.partition_parameters(model, head_of(model), overlapping)
+    no_embed = recipes.DEFAULT_GROUP_RULES[1:]
+    with pytest.raises(recipes.ParamGroupError, match=r"embed_in\.weight \(256, 32\): no group"):
+        recipes.partition_parameters(model, head_of(model), no_embed)
+    conv_as_hidden = (
+        recipes.DEFAULT_GROUP_RULES[0],
+        recipes.GroupRule("hidden", r"\.mixer\.(?:\w+_proj|conv1d)\.weight$"),
+        recipes.GroupRule("scalar", r"(?:\.bias|\.A_log|\.D|norm\w*\.weight)$"),
+    )
+    ssm = mamba()
+    with pytest.raises(recipes.ParamGroupError, match=r"conv1d\.weight \(64, 1, 4\): hidden takes 2-D"):
+        recipes.partition_parameters(ssm, head_of(ssm), conv_as_hidden)
+
+
+def test_a_tied_head_is_refused() -> None:
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, tie_word_embeddings=True,
+    )
+    model = GPTNeoXForCausalLM(config)
+    with pytest.raises(recipes.ParamGroupError, match="head and embed"):
+        recipes.build_optimizers(model, head_of(model), "hilbert", train_cfg())
+
+
+# ------------------------------------------------------------------------------------ head LMOs
+def gradients(seed: int) -> list[torch.Tensor]:
+    """Random head-shaped gradients: dense, rank-2, and one with a large common row shift (as a soft-cap
+    or z-loss produces)."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(300, 24, generator=gen)
+    low_rank = torch.randn(300, 2, generator=gen) @ torch.randn(2, 24, generator=gen)
+    shifted = dense + 10 * torch.randn(1, 24, generator=gen)
+    return [dense, low_rank, shifted]
+
+
+def lmo_step(recipe: str, grad: torch.Tensor, eta: float, equi_iters: int = 3) -> tuple[torch.Tensor, recipes.HeadLMO]:
+    """ΔW of one HeadLMO step (from zero momentum) on a parameter whose gradient is `grad`."""
+    w = torch.nn.Parameter(torch.randn_like(grad))
+    before = w.detach().clone()
+    w.grad = grad.clone()
+    optimizer = recipes.HeadLMO([w], recipes.head_direction(recipe, equi_iters), lr=eta, record_equi_rows=1024)
+    optimizer.step()
+    return w.detach() - before, optimizer
+
+
+@pytest.mark.parametrize("recipe", ["hilbert", "hilbert_equi"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_hilbert_steps_have_diameter_at_most_eta(recipe: str, seed: int) -> None:
+    eta = 0.3
+    for grad in gradients(seed):
+        delta, _ = lmo_step(recipe, grad, eta)
+        assert hilbert.diam(delta).value <= eta * (1 + 1e-5)
+        np.testing.assert_allclose(delta.sum(0).numpy(), 0, atol=1e-5)  # no invisible common shift
+
+
+def test_hilbert_step_is_the_centred_gradient_rows_on_the_sphere() -> None:
+    grad = gradients(2)[2]
+    delta, _ = lmo_step("hilbert", grad, eta=0.3)
+    radial = -0.15 * hilbert.center_rows(grad) / hilbert.center_rows(grad).norm(dim=1, keepdim=True)
+    np.testing.assert_allclose(delta.numpy(), hilbert.center_rows(radial).numpy(), atol=1e-6)
+    assert hilbert.diam(delta).value > 0.95 * 0.3  # 300 random directions in 24-D: nearly antipodal pairs
+    alignment = (delta * hilbert.center_rows(grad)).sum()
+    assert float(alignment) < 0  # a descent direction
+
+
+def test_equidistant_spreading_separates_rows_that_hilbert_collapses() -> None:
+    """On a rank-2 gradient the centred unit rows lie on a circle, with near-coincident pairs; the
+    seed's spreading pushes them apart, and the optimizer records how far it got."""
+    grad = gradients(3)[1]
+    plain, _ = lmo_step("hilbert", grad, eta=1.0)
+    spread, optimizer = lmo_step("hilbert_equi", grad, eta=1.0)
+    assert hilbert.equi_ratio(plain) < 0.05
+    assert optimizer.last_equi_ratio == pytest.approx(hilbert.equi_ratio(spread), rel=1e-4)
+    assert optimizer.last_equi_ratio > 0.3
+
+
+def test_sign_step_entries_are_plus_minus_eta_over_width() -> None:
+    grad = gradients(4)[0]
+    delta, _ = lmo_step("sign", grad, eta=0.5)
+    np.testing.assert_allclose(delta.numpy(), -0.5 / 24 * np.sign(grad.numpy()), atol=1e-6)
+
+
+def test_rownorm_step_rows_have_norm_eta_along_the_gradient_rows() -> None:
+    grad = gradients(5)[2]
+    delta, _ = lmo_step("rownorm", grad, eta=0.5)
+    np.testing.assert_allclose(delta.norm(dim=1).numpy(), 0.5, rtol=1e-5)
+    cosines = torch.nn.functional.cosine_similarity(delta, grad, dim=1)
+    np.testing.assert_allclose(cosines.numpy(), -1, atol=1e-5)
+
+
+def test_head_momentum_is_muons() -> None:
+    """With Newton–Schulz as the direction, HeadLMO reproduces torch.optim.Muon step for step (Muon's
+    own lr scaling √(V/d) folded into η): same EMA, same Nesterov read."""
+    gen = torch.Generator().manual_seed(6)
+    start = torch.randn(64, 16, generator=gen)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    lmo = recipes.HeadLMO([ours], recipes._orthogonalise, lr=0.01 * math.sqrt(64 / 16), weight_decay=0.0)
+    muon = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.0)
+    for _ in range(4):
+        grad = torch.randn(64, 16, generator=gen)
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        lmo.step()
+        muon.step()
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+
+
+# -------------------------------------------------------------------------- the recipe optimizer
+def test_muon_head_steps_the_head_with_torch_muon() -> None:
+    cfg = TrainConfig(steps=6, schedule=Schedule(warmup_steps=2, decay="cosine", final_frac=0.2))
+    model = neox()
+    head = head_of(model)
+    reference = torch.nn.Parameter(head.detach().clone())
+    muon = torch.optim.Muon([reference], lr=0.03, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True)
+    optimizer = recipes.build_optimizers(model, head, "muon_head", cfg)
+    batch = fixed_batch()
+    for step in range(4):
+        loss, _ = loss_and_hidden(model, batch)
+        loss.backward()
+        reference.grad = head.grad.clone()
+        muon.param_groups[0]["lr"] = 0.03 * recipes.schedule_factor(step, cfg.steps, cfg.schedule)
+        optimizer.step()
+        optimizer.zero_grad()
+        muon.step()
+        torch.testing.assert_close(head.detach(), reference.detach(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", ["hilbert", "hilbert_equi"])
+@pytest.mark.parametrize("quantile", [1.0, 0.5])
+def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float) -> None:
+    tau = 0.4
+    cfg = train_cfg(recipe_overrides={recipe: RecipeConfig(tau=tau, radius_quantile=quantile)})
+    model = neox()
+    head = head_of(model)
+    optimizer = recipes.build_optimizers(model, head, recipe, cfg)
+    batch = fixed_batch()
+    for _ in range(3):  # later steps carry momentum
+        loss, h = loss_and_hidden(model, batch)
+        loss.backward()
+        norms = h.norm(dim=1)
+        radius = float(torch.quantile(norms, quantile, interpolation="higher"))
+        before = head.detach().clone()
+        optimizer.step(radius=radius)
+        optimizer.zero_grad()
+        covered = h[norms <= radius].double()
+        moved = torch.log_softmax(covered @ head.detach().double().T, -1) - torch.log_softmax(
+            covered @ before.double().T, -1
+        )
+        assert float(moved.abs().max()) <= tau * (1 + 1e-5)
+        assert float(moved.abs().max()) > 0.01 * tau
+        assert optimizer.lrs()["head"] == pytest.approx(tau / radius)
+        assert optimizer.lrs()["head_tau"] == tau
+
+
+def test_a_tau_recipe_refuses_to_step_without_a_radius() -> None:
+    model = neox()
+    cfg = train_cfg(recipe_overrides={"hilbert": RecipeConfig(tau=0.5)})
+    optimizer = recipes.build_optimizers(model, head_of(model), "hilbert", cfg)
+    assert optimizer.needs_radius
+    loss_and_hidden(model, fixed_batch())[0].backward()
+    with pytest.raises(ValueError, match="radius"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_every_recipe_lowers_the_loss_on_a_fixed_batch(recipe: str) -> None:
+    model = neox()
+    optimizer = recipes.build_optimizers(model, head_of(model), recipe, train_cfg())
+    batch = fixed_batch()
+    losses = []
+    for _ in range(20):
+        loss, h = loss_and_hidden(model, batch)
+        losses.append(float(loss))
+        loss.backward()
+        optimizer.step(radius=float(h.norm(dim=1).max()))
+        optimizer.zero_grad()
+    assert losses[-1] < losses[0] - 0.5, losses
+    assert (optimizer.head_equi_ratio is not None) == (recipe == "hilbert_equi")
+
+
+def test_only_the_head_differs_between_recipes() -> None:
+    """Same seed, same batch: after a step, every non-head parameter agrees across the Muon recipes."""
+    after = {}
+    for recipe in ("muon", "muon_head", "sign", "hilbert", "hilbert_equi"):
+        model = neox()
+        optimizer = recipes.build_optimizers(model, head_of(model), recipe, train_cfg())
+        loss_and_hidden(model, fixed_batch())[0].backward()
+        optimizer.step(radius=1.0)
+        after[recipe] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    reference = after.pop("muon")
+    for recipe, params in after.items():
+        for name, value in params.items():
+            if name != "lm_head.weight":
+                torch.testing.assert_close(value, reference[name], rtol=0, atol=0, msg=f"{recipe}: {name}")
+        assert not torch.equal(params["lm_head.weight"], reference["lm_head.weight"])
+
+
+@pytest.mark.parametrize("recipe", ["adamw", "muon", "hilbert_equi"])
+def test_state_dict_resumes_exactly(recipe: str) -> None:
+    cfg = TrainConfig(steps=8, schedule=Schedule(warmup_steps=2, decay="cosine"))
+    batch = fixed_batch()
+
+    def train(model, optimizer, steps) -> None:
+        for _ in range(steps):
+            loss_and_hidden(model, batch)[0].backward()
+            optimizer.step(radius=1.0)
+            optimizer.zero_grad()
+
+    straight = neox()
+    straight_opt = recipes.build_optimizers(straight, head_of(straight), recipe, cfg)
+    train(straight, straight_opt, 5)
+    first = neox()
+    first_opt = recipes.build_optimizers(first, head_of(first), recipe, cfg)
+    train(first, first_opt, 3)
+    resumed = neox(seed=1)
+    resumed.load_state_dict(first.state_dict())
+    resumed_opt = recipes.build_optimizers(resumed, head_of(resumed), recipe, cfg)
+    resumed_opt.load_state_dict(first_opt.state_dict())
+    train(resumed, resumed_opt, 2)
+    for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+    assert resumed_opt.lrs() == straight_opt.lrs()
+
+
+def test_state_of_another_recipe_is_refused() -> None:
+    model = neox()
+    state = recipes.build_optimizers(model, head_of(model), "muon", train_cfg()).state_dict()
+    with pytest.raises(ValueError, match="cannot resume"):
+        recipes.build_optimizers(model, head_of(model), "hilbert", train_cfg()).load_state_dict(state)
+
+
+# ----------------------------------------------------------------------------- step sizes
+def test_step_sizes_resolve_override_then_default_then_adamw_lr() -> None:
+    cfg = TrainConfig(
+        adamw_lr=1e-3,
+        recipe_overrides={
+            "hilbert": RecipeConfig(tau=0.7, radius_quantile=0.9),
+            "sign": RecipeConfig(head_lr=0.11, schedule=FLAT),
+            "hilbert_equi": RecipeConfig(equi_iters=5),
+        },
+    )
+    hil = recipes.resolve_head_step("hilbert", cfg)
+    assert (hil.lr, hil.trust_region, hil.radius_quantile) == (0.7, True, 0.9)
+    sign = recipes.resolve_head_step("sign", cfg)
+    assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
+    equi = recipes.resolve_head_step("hilbert_equi", cfg)
+    assert (equi.lr, equi.equi_iters, equi.schedule) == (recipes.DEFAULT_HEAD_STEP["hilbert_equi"].head_lr, 5, cfg.schedule)
+    assert recipes.resolve_head_step("muon", cfg).lr == 1e-3
+    both = TrainConfig(recipe_overrides={"hilbert": RecipeConfig(tau=0.7, head_lr=0.1)})
+    with pytest.raises(ValueError, match="not both"):
+        recipes.resolve_head_step("hilbert", both)
+
+
+def test_every_recipe_has_a_default_step() -> None:
+    assert set(recipes.DEFAULT_HEAD_STEP) == set(RECIPES)
+
+
+@pytest.mark.parametrize("decay", ["cosine", "linear", "constant"])
+def test_schedule_matches_its_closed_form(decay: str) -> None:
+    schedule = Schedule(warmup_steps=4, decay=decay, final_frac=0.1)
+    total = 24
+    got = [recipes.schedule_factor(t, total, schedule) for t in range(total)]
+    assert got[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    progress = np.arange(20) / 19
+    shape = {"cosine": 0.5 * (1 + np.cos(np.pi * progress)), "linear": 1 - progress, "constant": np.ones(20)}[decay]
+    expected = shape if decay == "constant" else 0.1 + 0.9 * shape
+    np.testing.assert_allclose(got[4:], expected, rtol=1e-12)
+
+
+def test_lrs_follow_the_schedule_on_every_group() -> None:
+    schedule = Schedule(warmup_steps=3, decay="linear", final_frac=0.0)
+    cfg = TrainConfig(steps=6, schedule=schedule, hidden_lr=0.02, adamw_lr=0.004)
+    model = neox()
+    optimizer = recipes.build_optimizers(model, head_of(model), "sign", cfg)
+    head_lr = recipes.DEFAULT_HEAD_STEP["sign"].head_lr
+    for step in range(6):
+        loss_and_hidden(model, fixed_batch())[0].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        factor = recipes.schedule_factor(step, 6, schedule)
+        assert optimizer.lrs() == pytest.approx(
+            {"hidden": 0.02 * factor, "embed": 0.004 * factor, "scalar": 0.004 * factor, "head": head_lr * factor}
+        )
+    assert optimizer.head_lr() == 0.0

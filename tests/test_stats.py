@@ -1,0 +1,99 @@
+"""Spearman and its bootstrap against scipy and a brute-force replicate loop."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from scipy.stats import rankdata, spearmanr
+
+from pipeline.stats import (
+    average_ranks,
+    mean_ignoring_nulls,
+    median_ignoring_nulls,
+    spearman,
+    spearman_bootstrap,
+    spearman_by_layer,
+)
+
+
+def with_ties_and_gaps(rng, n=80):
+    x = rng.integers(0, 12, size=n).astype(float)  # many ties
+    y = x + rng.normal(size=n) * 3
+    y[::9] = np.round(y[::9])
+    x[3], y[10], x[20], y[20] = np.nan, np.nan, np.nan, np.nan
+    return x, y
+
+
+def test_average_ranks_match_scipy():
+    values = np.random.default_rng(0).integers(0, 5, size=40).astype(float)
+    np.testing.assert_allclose(average_ranks(values), rankdata(values, method="average"))
+
+
+def test_spearman_matches_scipy_with_ties_and_nulls():
+    x, y = with_ties_and_gaps(np.random.default_rng(1))
+    keep = ~(np.isnan(x) | np.isnan(y))
+    assert spearman(x, y) == pytest.approx(spearmanr(x[keep], y[keep]).statistic, abs=1e-12)
+    as_list = [None if np.isnan(v) else v for v in x]
+    assert spearman(as_list, pa.array(list(y), from_pandas=True)) == pytest.approx(spearman(x, y), abs=1e-15)
+
+
+def brute_force_bootstrap(x, y, groups, n_boot, ci, seed):
+    keep = ~(np.isnan(x) | np.isnan(y))
+    x, y, groups = x[keep], y[keep], groups[keep]
+    labels = sorted(set(groups.tolist()))
+    rng = np.random.default_rng(seed)
+    reps = []
+    for _ in range(n_boot):
+        picks = rng.integers(0, len(labels), size=len(labels))
+        rows = [i for g in picks for i in range(len(x)) if groups[i] == labels[g]]
+        reps.append(spearmanr(x[rows], y[rows]).statistic)
+    reps = np.array(reps)
+    reps = reps[~np.isnan(reps)]
+    lo, hi = np.percentile(reps, [100 * (1 - ci) / 2, 100 * (1 + ci) / 2])
+    return spearmanr(x, y).statistic, lo, hi, len(reps)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_bootstrap_matches_a_brute_force_loop(grouped):
+    rng = np.random.default_rng(2)
+    x, y = with_ties_and_gaps(rng, n=60)
+    groups = rng.integers(0, 15, size=60) if grouped else np.arange(60)
+    result = spearman_bootstrap(x, y, n_boot=200, ci=0.9, seed=7, groups=groups if grouped else None)
+    rho, lo, hi, n_ok = brute_force_bootstrap(x, y, groups, 200, 0.9, 7)
+    assert result.rho == pytest.approx(rho, abs=1e-12)
+    assert (result.low, result.high) == pytest.approx((lo, hi), abs=1e-12)
+    assert result.n_boot == n_ok
+    assert result.n == int((~(np.isnan(x) | np.isnan(y))).sum())
+    assert result.low <= result.rho <= result.high
+
+
+def test_bootstrap_is_seeded_and_degenerate_inputs_give_nan():
+    x, y = with_ties_and_gaps(np.random.default_rng(3))
+    assert spearman_bootstrap(x, y, n_boot=50, seed=1) == spearman_bootstrap(x, y, n_boot=50, seed=1)
+    assert spearman_bootstrap(x, y, n_boot=50, seed=1) != spearman_bootstrap(x, y, n_boot=50, seed=2)
+    short = spearman_bootstrap([1.0, 2.0], [2.0, 1.0], n_boot=10)
+    assert np.isnan(short.rho) and short.n == 2
+    assert np.isnan(spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+
+
+def test_by_layer_and_pooled():
+    rng = np.random.default_rng(4)
+    layer = np.repeat([0, 1, 2], 30)
+    anchor = np.tile(np.arange(30), 3)
+    x = rng.normal(size=90)
+    y = x * np.array([1.0, 0.2, -1.0])[layer] + rng.normal(size=90) * 0.3
+    result = spearman_by_layer(layer, x, y, anchor, n_boot=100, seed=0)
+    assert set(result) == {0, 1, 2, "pooled"}
+    for value in (0, 1, 2):
+        assert result[value].rho == pytest.approx(spearmanr(x[layer == value], y[layer == value]).statistic)
+    pooled = spearman_bootstrap(x, y, n_boot=100, seed=0, groups=anchor)
+    assert result["pooled"] == pooled
+    assert pooled.rho == pytest.approx(spearmanr(x, y).statistic)
+
+
+def test_median_and_mean_ignore_nulls():
+    assert median_ignoring_nulls([1.0, None, 3.0, float("nan"), 10.0]) == 3.0
+    assert mean_ignoring_nulls(pa.array([1.0, None, 5.0])) == 3.0
+    assert median_ignoring_nulls([None, float("nan")]) is None
+    assert mean_ignoring_nulls([]) is None
