@@ -45,7 +45,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from scipy import stats as sps
 
-from pipeline.config import ARCHS, ReportConfig
+from pipeline.config import ARCHS, RECIPES, ReportConfig
 from pipeline.store import MANIFEST_DIR, complete_files
 
 TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
@@ -287,7 +287,7 @@ def _recipes_table(runs: pa.Table) -> pa.Table:
             by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
     losses = {key: _finite([r["final_val_loss"] for r in rows if not r["diverged"]]) for key, rows in by_group.items()}
     out = []
-    for (arch, recipe), rows in sorted(by_group.items()):
+    for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], recipe_order(item[0][1]))):
         vals = losses[(arch, recipe)]
         base = losses.get((arch, BASELINE_RECIPE), np.array([]))
         compare = recipe != BASELINE_RECIPE and vals.size and base.size
@@ -304,6 +304,11 @@ def _recipes_table(runs: pa.Table) -> pa.Table:
             "p_vs_muon": _none_if_nan(welch_p(vals, base)) if compare else None,
         })  # fmt: skip
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
+
+
+def recipe_order(recipe: str) -> tuple[int, str]:
+    """Recipes in the order of SPEC §3.2 (baselines first, the Hilbert recipes last); unknown ones after."""
+    return (RECIPES.index(recipe) if recipe in RECIPES else len(RECIPES), recipe)
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from pipeline.arch import blocks_of
+from pipeline.store import vectors_to_arrow
 
 ACTIVATION_COLUMNS = ("seq_id", "pos", "token_id", "h")
 
@@ -45,6 +46,7 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 @contextlib.contextmanager
 def hooks(*handles: torch.utils.hooks.RemovableHandle) -> Iterator[None]:
+    """Remove the hooks however the forward ends: a leftover hook would corrupt every later forward."""
     try:
         yield
     finally:
@@ -76,13 +78,7 @@ def capture_states(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torc
     return states
 
 
-def vectors_to_arrow(x: np.ndarray) -> pa.FixedSizeListArray:
-    """(n, d) float32 → fixed_size_list<float32>[d] without a copy of the values."""
-    x = np.ascontiguousarray(x, dtype=np.float32)
-    return pa.FixedSizeListArray.from_arrays(pa.array(x.reshape(-1)), x.shape[1])
-
-
-def _layer_batch(seq_ids: np.ndarray, token_ids: np.ndarray, h: torch.Tensor) -> pa.RecordBatch:
+def _layer_batch(seq_ids: np.ndarray, token_ids: np.ndarray, h: torch.Tensor, half: bool) -> pa.RecordBatch:
     n_seq, seq_len = token_ids.shape
     vectors = h.detach().to(device="cpu", dtype=torch.float32).reshape(n_seq * seq_len, -1).numpy()
     return pa.RecordBatch.from_arrays(
@@ -90,7 +86,7 @@ def _layer_batch(seq_ids: np.ndarray, token_ids: np.ndarray, h: torch.Tensor) ->
             pa.array(np.repeat(seq_ids.astype(np.int32), seq_len)),
             pa.array(np.tile(np.arange(seq_len, dtype=np.int32), n_seq)),
             pa.array(token_ids.astype(np.int32).reshape(-1)),
-            vectors_to_arrow(vectors),
+            vectors_to_arrow(vectors, half=half),
         ],
         names=list(ACTIVATION_COLUMNS),
     )
@@ -102,12 +98,13 @@ def extract_batches(
     seq_ids: np.ndarray,
     batch_size: int,
     device: torch.device | str | None = None,
+    half: bool = False,
 ) -> Iterator[tuple[int, pa.RecordBatch]]:
     """Yield (layer, rows) for layers 0..L of each batch of sequences, rows ordered by (seq_id, pos).
 
     `token_ids` is (n_seq, seq_len); `seq_ids` names each row. One batch of sequences is in memory at a
     time, so peak memory does not grow with the number of sequences. The model must be on `device`
-    (default: where its parameters are).
+    (default: where its parameters are). `half` stores the vectors as float16 (SPEC §1 opt-in).
     """
     if token_ids.ndim != 2 or len(seq_ids) != len(token_ids):
         raise ValueError(f"token_ids {token_ids.shape} must be (n_seq, seq_len) with one seq_id per row")
@@ -116,4 +113,4 @@ def extract_batches(
         tokens = token_ids[start : start + batch_size]
         input_ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
         for layer, h in enumerate(capture_states(model, input_ids)):
-            yield layer, _layer_batch(seq_ids[start : start + batch_size], tokens, h)
+            yield layer, _layer_batch(seq_ids[start : start + batch_size], tokens, h, half)

@@ -72,6 +72,8 @@ LOCAL_CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp")
 _F64 = torch.float64
 # Singular values (and eigenvalues of Gram matrices) below this fraction of the largest are zero.
 _RCOND = 1e-12
+# Singular values within this relative distance of each other are tied.
+_TIE = 1e-8
 _MLP_LR = 1e-2
 
 
@@ -374,24 +376,27 @@ def _energy_fraction(v: Tensor, n_v: Tensor, basis: Tensor, has_basis: Tensor) -
 
 
 def _top_left_singular(left: Tensor, core: Tensor, p: int) -> Tensor:
-    """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns.
-
-    Columns whose singular value is zero (below `_RCOND` of the largest) are zeroed: they are not a
-    dominant direction, just an arbitrary completion.
-    """
+    """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns, as the
+    columns of `left @ U` kept by `_dominant` (the others zeroed)."""
     svd = torch.linalg.svd(core, full_matrices=False)
-    top_u, top_s = svd.U[..., :p], svd.S[..., :p]
-    keep = top_s > _RCOND * top_s[..., :1]
-    return left @ (top_u * keep[..., None, :])
+    return left @ (svd.U * _dominant(svd.S, p)[..., None, :])
 
 
 def _coordinate_basis(diag: Tensor, p: int) -> Tensor:
-    """`_top_left_singular` for a diagonal operator: the `p` coordinate axes of largest `|diag|`."""
-    values, index = diag.abs().topk(min(p, diag.shape[1]), dim=1)
-    keep = values > _RCOND * values[:, :1]
-    basis = diag.new_zeros((*diag.shape, index.shape[1]))
-    basis.scatter_(1, index[:, None, :], keep[:, None, :].to(diag.dtype))
+    """`_top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|`."""
+    values, index = diag.abs().sort(dim=1, descending=True, stable=True)
+    basis = diag.new_zeros((*diag.shape, diag.shape[1]))
+    basis.scatter_(1, index[:, None, :], _dominant(values, p)[:, None, :].to(diag.dtype))
     return basis
+
+
+def _dominant(singular: Tensor, p: int) -> Tensor:
+    """Which of the descending singular values span the dominant subspace: the first `p`, widened to
+    every value tied with the `p`-th (a subspace that splits a tie is not defined, and ties are the
+    rule for some classes: `Q − I` pairs its singular values per rotation plane, and every clamped
+    `d_c = 0` of `diag_psd` has `|d_c − 1| = 1`), and never a zero singular value."""
+    p_th = singular[..., min(p, singular.shape[-1]) - 1 : min(p, singular.shape[-1])]
+    return (singular >= p_th * (1 - _TIE)) & (singular > _RCOND * singular[..., :1])
 
 
 def _ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:

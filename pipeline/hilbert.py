@@ -67,6 +67,7 @@ def _gram_sq_distances(a: Tensor, sq_a: Tensor, b: Tensor, sq_b: Tensor) -> Tens
     return (sq_a[:, None] + sq_b[None, :] - 2.0 * (a @ b.T)).clamp_min_(0.0)
 
 
+@torch.no_grad()
 def diam(w: Tensor, chunk_rows: int = 1024) -> Diameter:
     """Exact `max_{i,j} ‖w_i − w_j‖₂` and a maximising pair, in memory `O(chunk_rows · V)`.
 
@@ -102,12 +103,13 @@ def diam(w: Tensor, chunk_rows: int = 1024) -> Diameter:
 
 # Beyond this many near-maximal pairs (e.g. two antipodal clusters of rows), keeping only the largest
 # estimates costs at most the Gram rounding bound, ~1e-12 relative, and keeps memory bounded.
-_MAX_CANDIDATES = 65536
+_MAX_CANDIDATES = 16384
 
 
 def _near_maximum(d2: Tensor, floor: float) -> tuple[Tensor, Tensor]:
-    if int((d2 >= floor).sum()) <= _MAX_CANDIDATES:
-        return torch.nonzero(d2 >= floor, as_tuple=True)
+    near = d2 >= floor
+    if int(near.sum()) <= _MAX_CANDIDATES:
+        return torch.nonzero(near, as_tuple=True)
     flat = d2.flatten().topk(_MAX_CANDIDATES).indices
     return flat // d2.shape[1], flat % d2.shape[1]
 
@@ -122,32 +124,29 @@ def _prune(rows: Tensor, cols: Tensor, d2: Tensor, floor: float) -> tuple[Tensor
     return rows, cols, d2
 
 
-def _exact_max_pair(w: Tensor, rows: Tensor, cols: Tensor, batch: int = 65536) -> Diameter:
+def _exact_max_pair(w: Tensor, rows: Tensor, cols: Tensor) -> Diameter:
     """The largest `‖w_i − w_j‖` over the candidate pairs, in difference form (no cancellation)."""
-    best, best_i, best_j = -1.0, 0, 0
-    for start in range(0, len(rows), batch):
-        i, j = rows[start : start + batch], cols[start : start + batch]
-        dist = (w[i].to(_EXACT) - w[j].to(_EXACT)).norm(dim=1)
-        k = int(dist.argmax())
-        if float(dist[k]) > best:
-            best, best_i, best_j = float(dist[k]), int(i[k]), int(j[k])
-    return Diameter(best, best_i, best_j)
+    dist = (w[rows].to(_EXACT) - w[cols].to(_EXACT)).norm(dim=1)
+    k = int(dist.argmax())
+    return Diameter(float(dist[k]), int(rows[k]), int(cols[k]))
 
 
+@torch.no_grad()
 def diam_sampled(w: Tensor, n_rows: int, seed: int = 0, chunk_rows: int = 1024) -> Diameter:
     """`diam` of a seeded sample of `n_rows` rows (a lower bound), with indices into `w`. The same
     seed and shape give the same rows, so estimates along a run are comparable."""
-    sample = sample_rows(w.shape[0], n_rows, seed).to(w.device)
+    sample = row_sample(w.shape[0], n_rows, seed).to(w.device)
     found = diam(w[sample], chunk_rows)
     return Diameter(found.value, int(sample[found.i]), int(sample[found.j]), sampled=len(sample) < w.shape[0])
 
 
-def sample_rows(n_total: int, n_rows: int, seed: int) -> Tensor:
+def row_sample(n_total: int, n_rows: int, seed: int) -> Tensor:
     """A fixed random subset of `min(n_rows, n_total)` row indices (CPU generator: device-independent)."""
     order = torch.randperm(n_total, generator=torch.Generator().manual_seed(seed))
     return order[:n_rows]
 
 
+@torch.no_grad()
 def eccentricities(w: Tensor, chunk_rows: int = 1024) -> Tensor:
     """Per row, the largest distance to any other row (float64, chunked); its maximum is `diam(w)`."""
     x = _centred_exact(w)
@@ -159,10 +158,11 @@ def eccentricities(w: Tensor, chunk_rows: int = 1024) -> Tensor:
     return out.sqrt_()
 
 
-def equi_ratio(w: Tensor, sample_rows_max: int = 1024, seed: int = 0) -> float:
-    """Min/max pairwise distance among a fixed sample of at most `sample_rows_max` rows: 1 for
+@torch.no_grad()
+def equi_ratio(w: Tensor, sample_rows: int = 1024, seed: int = 0) -> float:
+    """Min/max pairwise distance among a fixed sample of at most `sample_rows` rows: 1 for
     equidistant rows, near 0 when some rows (almost) coincide. NaN when all sampled rows coincide."""
-    x = _centred_exact(w[sample_rows(w.shape[0], sample_rows_max, seed).to(w.device)])
+    x = _centred_exact(w[row_sample(w.shape[0], sample_rows, seed).to(w.device)])
     if x.shape[0] < 2:
         raise ValueError("equi_ratio needs at least two rows")
     sq = (x * x).sum(dim=1)
@@ -172,6 +172,7 @@ def equi_ratio(w: Tensor, sample_rows_max: int = 1024, seed: int = 0) -> float:
     return float(dist[off_diagonal].min()) / largest if largest > 0 else float("nan")
 
 
+@torch.no_grad()
 def worst_case_direction(w: Tensor) -> tuple[Tensor, Diameter]:
     """A unit `h` attaining `osc(W h) = diam(W)`: `h ∝ w_i − w_j` for the maximising pair (by
     Cauchy–Schwarz nothing can do better). The zero vector when all rows coincide."""

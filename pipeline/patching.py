@@ -89,7 +89,8 @@ def patch_kl_anchors(
         raise ValueError(f"layer {layer} out of range for a model with {n_blocks} blocks")
     if not (len(rows) == len(positions) == len(vectors)):
         raise ValueError("rows, positions and vectors must have one entry per anchor")
-    if len(rows) and (rows.min() < 0 or rows.max() >= n_seq or positions.min() < 0 or positions.max() >= seq_len):
+    outside = len(rows) and (rows.min() < 0 or rows.max() >= n_seq or positions.min() < 0 or positions.max() >= seq_len)
+    if outside:
         raise ValueError(f"anchor rows/positions out of range for token_ids of shape {token_ids.shape}")
     device = model_device(model) if device is None else torch.device(device)
     all_tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)

@@ -25,7 +25,7 @@ import yaml
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from pipeline.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES
+from pipeline.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES, recipe_order
 from pipeline.config import RECIPES, Params
 
 Row = dict[str, Any]
@@ -237,7 +237,7 @@ def _study_b_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
          "median equi_ratio", "diameter"],
         [[f"`{r['run']}`", _num(r["final_val_loss"], 4), _num(r["median_step_time_s"]), _num(r["median_hilbert_bound"]),
           _num(r["median_tightness"]), _num(r["max_tightness"]), _num(r["median_equi_ratio"]),
-          "row sample (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs],
+          "row sample on some steps (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs],
     ))  # fmt: skip
     out.append(_problem_runs(runs))
     return "\n".join(out)
@@ -261,7 +261,7 @@ def _problem_runs(runs: list[Row]) -> str:
 
 
 def _by_arch(runs: list[Row], archs: list[str]) -> dict[str, list[Row]]:
-    return {a: sorted((r for r in runs if r["arch"] == a), key=lambda r: (r["recipe"], r["seed"] or 0)) for a in archs}
+    return {a: sorted((r for r in runs if r["arch"] == a), key=lambda r: (recipe_order(r["recipe"]), r["seed"] or 0)) for a in archs}
 
 
 def _recipe_color(recipe: str) -> str:
@@ -280,11 +280,15 @@ def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: 
     fig, axes = _grid(len(archs))
     seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
     for ax, (arch, arch_runs) in zip(axes, _by_arch(runs, archs).items(), strict=True):
+        labelled: set[str] = set()
         for r in arch_runs:
             if r["run"] in series:
                 xs, ys = series[r["run"]]
                 style = SEED_STYLES[seeds.index(r["seed"]) % len(SEED_STYLES)] if r["seed"] in seeds else "-"
-                ax.plot(xs, ys, style, color=_recipe_color(r["recipe"]), label=f"{r['recipe']} s{r['seed']}",
+                # One legend entry per recipe (colour); seeds are told apart by line style.
+                label = None if r["recipe"] in labelled else r["recipe"]
+                labelled.add(r["recipe"])
+                ax.plot(xs, ys, style, color=_recipe_color(r["recipe"]), label=label, linewidth=1.2,
                         marker="." if len(xs) < 30 else None)  # fmt: skip
         ax.set_title(arch)
         ax.set_xlabel("step")
@@ -293,7 +297,7 @@ def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: 
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         if ax.has_data():
-            ax.legend(fontsize=7, ncol=2)
+            ax.legend(fontsize=7)
         else:
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     return fig
@@ -389,9 +393,11 @@ def _spearman_figure(corr: list[Row], models: list[str]) -> Figure:
     fig, axes = _grid(len(models))
     for ax, model in zip(axes, models, strict=True):
         rows = [c for c in corr if c["model"] == model and c["scope"] == "layer" and c["spearman"] is not None]
-        for fn in sorted({c["fn"] for c in rows}):
+        fns = sorted({c["fn"] for c in rows})
+        for i, fn in enumerate(fns):
             pts = sorted((c for c in rows if c["fn"] == fn), key=lambda c: c["layer"])
-            x = np.array([c["layer"] for c in pts])
+            # Classes are dodged sideways so that equal values and their CIs stay visible.
+            x = np.array([c["layer"] for c in pts]) + 0.08 * (i - (len(fns) - 1) / 2)
             y = np.array([c["spearman"] for c in pts])
             lo = np.array([c["ci_low"] if c["ci_low"] is not None else c["spearman"] for c in pts])
             hi = np.array([c["ci_high"] if c["ci_high"] is not None else c["spearman"] for c in pts])

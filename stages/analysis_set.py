@@ -38,3 +38,17 @@ def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
         for m in params.analysis.external_models
     ]
     return trained + external
+
+
+def open_model(layout: Layout, params: Params, model: AnalysedModel):
+    """The model on the task's device (a GPU when Ray gave the task one), under the security params."""
+    import torch
+
+    from pipeline.arch import load_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net = load_model(
+        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
+        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+    )
+    return net.to(device), device

@@ -8,7 +8,7 @@ import numpy as np
 from pipeline.config import Params, digest
 from pipeline.execution import Shard
 from pipeline.store import ManifestKey, code_version, file_sha256
-from stages.analysis_set import AnalysedModel, analysed_models
+from stages.analysis_set import AnalysedModel, analysed_models, open_model
 from stages.layout import Layout
 from stages.sharded import run_sharded_stage
 
@@ -37,16 +37,11 @@ def extract_task(
 ) -> int:
     import torch
 
-    from pipeline.arch import load_model
     from pipeline.extract import extract_batches
     from pipeline.store import ShardWriter
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("extract").num_cpus)))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net = load_model(
-        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
-    ).to(device)
+    net, device = open_model(layout, params, model)
     tokens = eval_sequences(params, layout, model)[seq_ids]
     metadata = {
         "model": model.table_id,

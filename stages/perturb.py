@@ -10,7 +10,7 @@ import pyarrow as pa
 from pipeline.config import Params, digest
 from pipeline.execution import Shard
 from pipeline.store import ManifestKey, code_version, dataset_digest
-from stages.analysis_set import AnalysedModel, analysed_models
+from stages.analysis_set import AnalysedModel, analysed_models, open_model
 from stages.extract import HIVE_TYPES as ACTIVATION_TYPES
 from stages.fit import HIVE_TYPES as FIT_TYPES
 from stages.layout import Layout
@@ -19,17 +19,17 @@ from stages.sharded import run_sharded_stage
 SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float64()), ("kl_seq", pa.float64())])
 
 
-def sequences(layout: Layout, model: str, seq_ids: np.ndarray) -> dict[int, np.ndarray]:
-    """Token ids of the given eval sequences, replayed from the stored activations (layer 0)."""
+def sequences(layout: Layout, model: str, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(unique seq ids, their token ids (n_seq, seq_len)), replayed from the stored activations (layer 0)."""
     from pipeline.store import read_dataset
 
-    wanted = ", ".join(str(int(s)) for s in np.unique(seq_ids))
+    unique = np.unique(seq_ids)
     table = read_dataset(
         layout.activations, ACTIVATION_TYPES, columns="seq_id, pos, token_id",
-        where=f"model = '{model}' AND layer = 0 AND seq_id IN ({wanted})", order_by="seq_id, pos",
+        where=f"model = '{model}' AND layer = 0 AND seq_id IN ({', '.join(str(int(s)) for s in unique)})",
+        order_by="seq_id, pos",
     )
-    seq, tok = table["seq_id"].to_numpy(), table["token_id"].to_numpy()
-    return {int(s): tok[seq == s] for s in np.unique(seq)}
+    return unique, table["token_id"].to_numpy().astype(np.int64).reshape(len(unique), -1)
 
 
 def perturb_task(
@@ -37,8 +37,7 @@ def perturb_task(
 ) -> int:
     import torch
 
-    from pipeline.arch import load_model
-    from pipeline.patching import patch_kl
+    from pipeline.patching import patch_kl_anchors
     from pipeline.store import ShardWriter, arrow_to_vectors, read_dataset
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("perturb").num_cpus)))
@@ -47,15 +46,10 @@ def perturb_task(
         where=f"model = '{model.path_id}' AND layer = {int(layer)} AND fn = '{fn}'", order_by="seq_id, pos",
     )
     seq_id, pos, patched = fits["seq_id"].to_numpy(), fits["pos"].to_numpy(), arrow_to_vectors(fits["patched"])
-    net = load_model(
-        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
-    )
-    tokens = sequences(layout, model.path_id, seq_id)
-    kl, kl_seq = np.full(len(seq_id), np.nan), np.full(len(seq_id), np.nan)
-    for s, toks in tokens.items():
-        rows = np.flatnonzero(seq_id == s)
-        kl[rows], kl_seq[rows] = patch_kl(net, toks, layer, pos[rows], patched[rows], params.analysis.batch_size)
+    net, _device = open_model(layout, params, model)
+    unique, tokens = sequences(layout, model.path_id, seq_id)
+    rows = np.searchsorted(unique, seq_id)
+    kl, kl_seq = patch_kl_anchors(net, tokens, rows, pos, layer, patched, params.analysis.batch_size)
     table = pa.table({"seq_id": seq_id, "pos": pos, "kl": kl, "kl_seq": kl_seq}, schema=SCHEMA)
     with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id, "fn": fn}) as writer:
         writer.write({"model": model.path_id, "layer": layer, "fn": fn}, table)

@@ -120,3 +120,15 @@ def test_extraction_restores_training_mode(tokens):
     model = build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0).train()
     list(extract_batches(model, tokens, np.arange(N_SEQ), batch_size=4))
     assert model.training
+
+
+def test_half_precision_vectors_are_opt_in(model, tokens):
+    full = dict(extract_batches(model, tokens[:2], np.arange(2), batch_size=2))
+    half = dict(extract_batches(model, tokens[:2], np.arange(2), batch_size=2, half=True))
+    assert full[1].schema.field("h").type == pa.list_(pa.float32(), TINY.d_model)
+    assert half[1].schema.field("h").type == pa.list_(pa.float16(), TINY.d_model)
+    np.testing.assert_allclose(
+        half[1].column("h").flatten().to_numpy().astype(np.float32),
+        full[1].column("h").flatten().to_numpy(),
+        rtol=1e-3, atol=1e-4,
+    )

@@ -102,7 +102,8 @@ def ref_mlp(xn, yn, xa, cfg, w1_init):
 def top_subspace(u, s, p):
     if s[0] <= 0:
         return None
-    return u[:, :p][:, s[:p] > 1e-12 * s[0]]
+    p_th = s[min(p, len(s)) - 1]
+    return u[:, : len(s)][:, (s >= p_th * (1 - 1e-8)) & (s > 1e-12 * s[0])]  # ties with the p-th included
 
 
 def energy(v, basis):

@@ -141,7 +141,7 @@ def test_equi_ratio_equals_brute_force_on_its_sample() -> None:
     w = torch.randn(300, 6, generator=torch.Generator().manual_seed(8))
     distances = pdist(w.double().numpy())
     assert hilbert.equi_ratio(w, 1024) == pytest.approx(distances.min() / distances.max(), rel=1e-9)
-    rows = hilbert.sample_rows(300, 40, seed=3)
+    rows = hilbert.row_sample(300, 40, seed=3)
     sampled = pdist(w[rows].double().numpy())
     assert hilbert.equi_ratio(w, 40, seed=3) == pytest.approx(sampled.min() / sampled.max(), rel=1e-9)
 

@@ -10,7 +10,7 @@ from scipy.special import log_softmax
 from pipeline.arch import ARCHS, blocks_of, build_model, head_of
 from pipeline.config import ModelSize
 from pipeline.extract import block_output, capture_states
-from pipeline.patching import patch_kl
+from pipeline.patching import patch_kl, patch_kl_anchors
 
 TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
 VOCAB, SEQ_LEN, N_SEQ = 128, 16, 3
@@ -66,7 +66,7 @@ def _direct_kl(model, sequence, layer, pos, vector):
 def test_patching_the_true_output_changes_nothing(model, tokens, states, layer):
     rows, positions = np.repeat(np.arange(N_SEQ), SEQ_LEN), np.tile(np.arange(SEQ_LEN), N_SEQ)
     vectors = states[layer + 1][rows, positions]
-    kl, kl_seq = patch_kl(model, tokens, rows, positions, layer, vectors, batch_size=7)
+    kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=7)
     assert np.all(kl < 1e-6) and np.all(kl_seq < 1e-6)
 
 
@@ -75,7 +75,7 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
     rng = np.random.default_rng(layer)
     rows, positions = _anchors(rng, 6)
     vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (6, TINY.d_model)).astype(np.float32)
-    kl, kl_seq = patch_kl(model, tokens, rows, positions, layer, vectors, batch_size=4)
+    kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=4)
     assert np.all(kl > 1e-4)
     for i in range(6):
         expected_kl, expected_seq = _direct_kl(model, tokens[rows[i]], layer, positions[i], vectors[i])
@@ -87,8 +87,8 @@ def test_batched_equals_one_at_a_time(model, tokens, states):
     rng = np.random.default_rng(5)
     rows, positions = _anchors(rng, 9)  # unsorted, several per sequence, mixed in batches
     vectors = states[1][rows, positions] + rng.normal(0, 1.0, (9, TINY.d_model)).astype(np.float32)
-    one = patch_kl(model, tokens, rows, positions, 0, vectors, batch_size=1)
-    many = patch_kl(model, tokens, rows, positions, 0, vectors, batch_size=4)
+    one = patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=1)
+    many = patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=4)
     assert np.all(one[0] > 1e-4)
     np.testing.assert_allclose(one[0], many[0], rtol=1e-4, atol=1e-8)
     np.testing.assert_allclose(one[1], many[1], rtol=1e-4, atol=1e-8)
@@ -100,11 +100,11 @@ def test_a_patch_reaches_later_positions_only_through_later_blocks(model, tokens
     tail = SEQ_LEN - pos
     # a random direction: a constant shift would be removed by the LayerNorms' centring
     shift = np.random.default_rng(3).normal(0, 1.0, (1, TINY.d_model)).astype(np.float32)
-    first = patch_kl(model, tokens, rows, positions, 0, states[1][rows, positions] + shift, batch_size=1)
+    first = patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions] + shift, batch_size=1)
     assert first[1][0] * tail - first[0][0] > 1e-4
     last_layer = TINY.n_layers - 1
     vector = states[last_layer + 1][rows, positions] + shift
-    last = patch_kl(model, tokens, rows, positions, last_layer, vector, batch_size=1)
+    last = patch_kl_anchors(model, tokens, rows, positions, last_layer, vector, batch_size=1)
     assert last[0][0] > 1e-4
     np.testing.assert_allclose(last[1][0] * tail, last[0][0], rtol=1e-5)
 
@@ -112,9 +112,9 @@ def test_a_patch_reaches_later_positions_only_through_later_blocks(model, tokens
 def test_rejects_an_out_of_range_layer_or_anchor(model, tokens):
     vectors = np.zeros((1, TINY.d_model), dtype=np.float32)
     with pytest.raises(ValueError, match="layer"):
-        patch_kl(model, tokens, np.array([0]), np.array([0]), TINY.n_layers, vectors, batch_size=1)
+        patch_kl_anchors(model, tokens, np.array([0]), np.array([0]), TINY.n_layers, vectors, batch_size=1)
     with pytest.raises(ValueError, match="out of range"):
-        patch_kl(model, tokens, np.array([0]), np.array([SEQ_LEN]), 0, vectors, batch_size=1)
+        patch_kl_anchors(model, tokens, np.array([0]), np.array([SEQ_LEN]), 0, vectors, batch_size=1)
 
 
 def test_each_clean_sequence_runs_once(model, tokens, states):
@@ -123,7 +123,16 @@ def test_each_clean_sequence_runs_once(model, tokens, states):
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
     try:
-        patch_kl(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=3)
+        patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=3)
     finally:
         handle.remove()
     assert sum(seen) == len(rows) + 2
+
+
+def test_single_sequence_form_matches_the_anchor_form(model, tokens, states):
+    rng = np.random.default_rng(8)
+    positions = rng.integers(0, SEQ_LEN, 5)
+    vectors = states[2][1, positions] + rng.normal(0, 1.0, (5, TINY.d_model)).astype(np.float32)
+    single = patch_kl(model, tokens[1], 1, positions, vectors, batch_size=2)
+    anchors = patch_kl_anchors(model, tokens, np.ones(5, dtype=int), positions, 1, vectors, batch_size=2)
+    np.testing.assert_allclose(single, anchors, rtol=1e-6, atol=1e-9)

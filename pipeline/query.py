@@ -1,0 +1,251 @@
+"""Read-only SQL over the result tables and per-token datasets, at the working tree or any revision (SPEC §6).
+
+Views, named as the files or datasets they come from:
+- one per ``reports/tables/<name>.parquet`` (``runs``, ``curves``, ``recipes``, ``geometry``, ...);
+- ``steps`` (``data/train``), ``fits``, ``perturb`` and ``activations`` (scalar columns only; vectors are
+  not exposed) over the hive-partitioned datasets, with ``model`` as in the tables (``<run>@final``, hub
+  ids with ``/``). Only files of complete shards are read (pipeline/store.py manifests).
+
+With revisions (git revisions or DVC experiment names), DVC's own filesystem (``dvc.api.DVCFileSystem``)
+copies each revision's tables, and the per-token datasets the SQL names, into a temporary folder, so
+DVC-tracked results come from the DVC cache. With several revisions every view is the union (by column
+name) of the revisions' data, with a leading ``rev`` column.
+
+Read-only twice over: the statement must parse as one SELECT / WITH / DESCRIBE / SHOW / SUMMARIZE /
+EXPLAIN (of such a statement) / PRAGMA table_info|show_tables, and DuckDB itself runs in memory with the
+data registered as Arrow objects, then ``enable_external_access = false`` and ``lock_configuration = true``:
+it can neither read nor write any file, attach a database or load an extension.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import duckdb
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from pipeline.aggregate import (
+    ACTIVATION_PARTITIONS,
+    ACTIVATIONS_SCHEMA,
+    FIT_PARTITIONS,
+    FITS_SCHEMA,
+    PERTURB_SCHEMA,
+    RUN_PARTITIONS,
+    STEPS_SCHEMA,
+    dataset_files,
+    model_label_sql,
+    open_dataset,
+)
+from pipeline.errors import InputError
+from pipeline.store import CorruptShardError
+
+Format = Literal["table", "csv", "json"]
+TABLES_DIR = "reports/tables"
+# view name -> (dataset folder in the workspace, columns, hive partitions)
+DATASETS: dict[str, tuple[str, pa.Schema, pa.Schema]] = {
+    "steps": ("data/train", STEPS_SCHEMA, RUN_PARTITIONS),
+    "fits": ("data/fits", FITS_SCHEMA, FIT_PARTITIONS),
+    "perturb": ("data/perturb", PERTURB_SCHEMA, FIT_PARTITIONS),
+    "activations": ("data/activations", ACTIVATIONS_SCHEMA, ACTIVATION_PARTITIONS),
+}
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
+_READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
+_LOCKDOWN = (
+    "SET autoinstall_known_extensions = false",
+    "SET autoload_known_extensions = false",
+    "SET python_enable_replacements = false",  # no scanning of the caller's Python variables by name
+    "SET enable_external_access = false",  # no file, URL, ATTACH, INSTALL or LOAD from here on
+    "SET lock_configuration = true",  # and the statements above cannot be undone
+)
+
+
+class QueryError(InputError):
+    """A query that cannot run: not read-only, bad SQL, an unknown revision or unreadable data."""
+
+
+def run_query(sql: str, revs: Sequence[str] | None, workspace: Path, fmt: Format = "table") -> str:
+    """Run one read-only statement and render the result as ``fmt`` (table | csv | json)."""
+    return format_result(query_table(sql, revs, workspace), fmt)
+
+
+def query_table(sql: str, revs: Sequence[str] | None, workspace: Path) -> pa.Table:
+    """Run one read-only statement over the working tree (no ``revs``) or over the given revisions."""
+    statement = check_read_only(sql)
+    with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp:
+        if revs:
+            snapshots = [_snapshot(_checkout(workspace, rev, Path(tmp) / str(i), sql), rev) for i, rev in enumerate(revs)]
+        else:
+            snapshots = [_snapshot(workspace, None)]
+        con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1)
+        try:
+            result = con.sql(statement)
+            return result.to_arrow_table() if result is not None else pa.table({})
+        except duckdb.Error as err:
+            raise QueryError(f"query failed: {err}") from None
+        finally:
+            con.close()
+
+
+# --------------------------------------------------------------------------------- read-only check
+def check_read_only(sql: str) -> str:
+    """The single statement of ``sql`` when it can only read; ``QueryError`` otherwise."""
+    try:
+        statements = duckdb.extract_statements(sql)
+    except duckdb.Error as err:
+        raise QueryError(f"SQL does not parse: {err}") from None
+    if len(statements) != 1:
+        raise QueryError(f"expected exactly one SQL statement, got {len(statements)}")
+    statement = statements[0]
+    if not _reads_only(statement):
+        raise QueryError(
+            f"{statement.type.name} statements are refused: lmgeo query is read-only "
+            "(SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, PRAGMA table_info/show_tables)"
+        )
+    return statement.query
+
+
+def _reads_only(statement: duckdb.Statement) -> bool:
+    kind = statement.type
+    if kind == duckdb.StatementType.SELECT:
+        return True
+    if kind == duckdb.StatementType.PRAGMA:
+        return bool(_READ_ONLY_PRAGMA.match(statement.query))
+    if kind == duckdb.StatementType.EXPLAIN:
+        # EXPLAIN ANALYZE executes its statement, so what is explained must itself be read-only.
+        inner = duckdb.extract_statements(_EXPLAIN_PREFIX.sub("", statement.query, count=1))
+        return len(inner) == 1 and _reads_only(inner[0])
+    return False
+
+
+# ------------------------------------------------------------------------------------------- data
+@dataclass
+class _Snapshot:
+    rev: str | None
+    tables: dict[str, pa.Table]
+    datasets: dict[str, ds.Dataset]
+
+
+def _checkout(workspace: Path, rev: str, dest: Path, sql: str) -> Path:
+    """Copy ``rev``'s result tables, and the per-token datasets ``sql`` names, under ``dest`` via DVC."""
+    from dvc.api import DVCFileSystem
+    from dvc.exceptions import DvcException
+
+    wanted = [TABLES_DIR] + [folder for name, (folder, _, _) in DATASETS.items() if _mentions(sql, name)]
+    try:
+        fs = DVCFileSystem(str(workspace), rev=rev)
+        for folder in wanted:
+            if fs.isdir(folder):
+                fs.get(folder, str(dest / folder), recursive=True)
+    except DvcException as err:
+        raise QueryError(f"revision {rev!r}: {err}") from None
+    return dest
+
+
+def _mentions(sql: str, name: str) -> bool:
+    return re.search(rf"\b{re.escape(name)}\b", sql, re.IGNORECASE) is not None
+
+
+def _snapshot(root: Path, rev: str | None) -> _Snapshot:
+    """The tables (read into memory; they are small) and lazy datasets found under ``root``."""
+    where = f"revision {rev!r}" if rev else str(root)
+    tables = {}
+    for path in sorted((root / TABLES_DIR).glob("*.parquet")):
+        if _IDENTIFIER.match(path.stem) and path.stem not in DATASETS:
+            tables[path.stem] = _read_table(path, where)
+    datasets = {}
+    for name, (folder, schema, partitions) in DATASETS.items():
+        try:
+            files = dataset_files(root / folder, verify=False)  # sizes are checked; sha256 would read it all
+            datasets[name] = open_dataset(files, str(root / folder), schema, partitions)
+        except (CorruptShardError, OSError, pa.ArrowException) as err:
+            raise QueryError(f"{where}: cannot read {folder}: {err}") from None
+    return _Snapshot(rev, tables, datasets)
+
+
+def _read_table(path: Path, where: str) -> pa.Table:
+    try:
+        return pq.read_table(path)
+    except (OSError, pa.ArrowException) as err:
+        raise QueryError(f"{where}: cannot read {path.name}: {err}") from None
+
+
+def _locked_connection(snapshots: list[_Snapshot], with_rev: bool) -> duckdb.DuckDBPyConnection:
+    """Result tables are copied into DuckDB's memory; per-token datasets stay lazy Arrow scans behind views
+    (their registered sources `_<name>_<i>` remain visible to SHOW TABLES)."""
+    con = duckdb.connect(":memory:")
+    for name in sorted({n for s in snapshots for n in s.tables}):
+        sources = [(i, s.rev, s.tables[name]) for i, s in enumerate(snapshots) if name in s.tables]
+        con.execute(f'CREATE TABLE "{name}" AS {_union(con, name, sources, with_rev)}')
+        for i, _, _ in sources:
+            con.unregister(f"_{name}_{i}")
+    for name in DATASETS:
+        sources = [(i, s.rev, s.datasets[name]) for i, s in enumerate(snapshots)]
+        con.execute(f'CREATE VIEW "{name}" AS {_union(con, name, sources, with_rev)}')
+    for setting in _LOCKDOWN:
+        con.execute(setting)
+    return con
+
+
+def _union(con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, str | None, Any]], with_rev: bool) -> str:
+    """SELECT over the revisions' sources of ``name`` (registered here), united by column name."""
+    parts = []
+    for i, rev, source in sources:
+        con.register(f"_{name}_{i}", source)
+        columns = f"* REPLACE ({model_label_sql('model')} AS model)" if "model" in source.schema.names else "*"
+        label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
+        parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
+    return " UNION ALL BY NAME ".join(parts)
+
+
+def _sql_string(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+# ----------------------------------------------------------------------------------------- output
+def format_result(table: pa.Table, fmt: Format) -> str:
+    if fmt == "json":
+        return json.dumps([{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()], indent=1, default=str)
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(table.column_names)
+        writer.writerows([["" if v is None else v for v in row.values()] for row in table.to_pylist()])
+        return out.getvalue().rstrip("\n")
+    if fmt == "table":
+        return _text_table(table)
+    raise QueryError(f"unknown format {fmt!r}: use table, csv or json")
+
+
+def _json_value(v: Any) -> Any:
+    return None if isinstance(v, float) and not math.isfinite(v) else v
+
+
+def _cell(v: Any) -> str:
+    if v is None:
+        return "NULL"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _text_table(table: pa.Table) -> str:
+    header = table.column_names
+    body = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+    widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(header)]
+    line = "  ".join("-" * w for w in widths)
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)), line]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in body]
+    lines.append(f"({len(body)} row{'s' if len(body) != 1 else ''})")
+    return "\n".join(lines)

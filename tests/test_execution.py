@@ -1,0 +1,395 @@
+"""The Ray execution layer: run_shards, Progress, start_ray.
+
+Most tests use the session's embedded Ray (``ray_local``, 2 CPUs). The cluster tests run their
+driver in a subprocess (see conftest): one against a two-node ``ray.cluster_utils.Cluster`` whose
+second node has a GPU slot and a ``fake_gpu`` custom resource, so routing by resources is really
+exercised; one against a separately started ``ray start --head`` process joined through
+``RAY_ADDRESS``. Their driver code is the ``scenario_*`` functions at the bottom of this module.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+import pipeline.store
+from pipeline.config import RayConfig, TaskResources
+from pipeline.execution import Shard, ShardFailed, run_shards
+from pipeline.progress import Progress
+from stages.runtime import resolve_address, start_ray
+
+REPO = Path(__file__).resolve().parent.parent
+ONE_CPU = TaskResources(num_cpus=1)
+
+
+# ------------------------------------------------------------- task functions (run in workers)
+def square(x: int) -> int:
+    return x * x
+
+
+def whereabouts() -> dict[str, object]:
+    return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+
+def fail_if(x: int, bad: int) -> int:
+    if x == bad:
+        raise ValueError(f"boom at {x}")
+    return x
+
+
+def die_first_time(marker: str) -> str:
+    """Kill the worker process on the first attempt, succeed on a retry."""
+    if not os.path.exists(marker):
+        Path(marker).touch()
+        os._exit(1)
+    return "survived"
+
+
+def die() -> None:
+    os._exit(1)
+
+
+def wait_for_file(path: str, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def pipeline_source() -> str:
+    return pipeline.store.__file__
+
+
+@ray.remote(num_cpus=0)
+class Occupancy:
+    """Counts the tasks running right now and the most that ever ran at once."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.peak = 0
+
+    def enter(self) -> None:
+        self.now += 1
+        self.peak = max(self.peak, self.now)
+
+    def leave(self) -> None:
+        self.now -= 1
+
+    def get_peak(self) -> int:
+        return self.peak
+
+
+def occupy(tracker: ray.actor.ActorHandle, target: int, hold_s: float) -> None:
+    """Run until `target` tasks have been seen at once, then hold a little longer.
+
+    The wait makes the bound reachable for sure; the hold gives any task submitted beyond the bound
+    time to start and be counted, so a broken bound shows up in the peak.
+    """
+    ray.get(tracker.enter.remote())
+    deadline = time.monotonic() + 60
+    while ray.get(tracker.get_peak.remote()) < target and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(hold_s)
+    ray.get(tracker.leave.remote())
+
+
+# ------------------------------------------------------------------------------------ progress
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_prints_plain_lines_when_not_a_tty() -> None:
+    out = io.StringIO()
+    progress = Progress(3, "fit", stream=out)
+    progress.advance(detail="gpt2-adamw-s0.final/layer=1")
+    progress.advance(detail="b")
+    progress.advance()
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 3
+    assert re.fullmatch(r"fit: 1/3 shards done \(gpt2-adamw-s0\.final/layer=1\) \[\d+\.\ds\]", lines[0])
+    assert re.fullmatch(r"fit: 3/3 shards done \[\d+\.\ds\]", lines[2])
+
+
+def test_progress_throttles_plain_lines_but_always_prints_the_last() -> None:
+    out = io.StringIO()
+    with Progress(100, "train gpt2-muon-s0", unit="steps", stream=out, min_interval_s=3600) as progress:
+        for step in range(100):
+            progress.advance(detail=f"loss {1 / (step + 1):.3f}")
+    lines = out.getvalue().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "train gpt2-muon-s0: 1/100 steps done",
+        "train gpt2-muon-s0: 100/100 steps done",
+    ]
+
+
+def test_progress_draws_a_live_bar_on_a_tty() -> None:
+    out = _Terminal()
+    with Progress(2, "extract", stream=out) as progress:
+        progress.advance(detail="m/seq=0")
+        progress.advance(detail="m/seq=16")
+    text = out.getvalue()
+    assert "extract" in text and "2/2" in text and "m/seq=16" in text
+    assert "shards done" not in text  # not the plain-line format
+
+
+# ---------------------------------------------------------------------------------- run_shards
+def test_zero_shards_return_at_once_without_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert run_shards([], ONE_CPU, max_in_flight=2, max_retries=0, label="fit") == {}
+    with pytest.raises(RuntimeError, match="start_ray"):
+        run_shards([Shard("a", square, (2,))], ONE_CPU, max_in_flight=2, max_retries=0, label="fit")
+
+
+def test_duplicate_shard_keys_are_refused() -> None:
+    shards = [Shard("a", square, (1,)), Shard("b", square, (2,)), Shard("a", square, (3,))]
+    with pytest.raises(ValueError, match=r"duplicate shard keys: \['a'\]"):
+        run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="fit")
+
+
+def test_results_are_handled_in_the_driver_as_they_arrive(ray_local, capsys: pytest.CaptureFixture[str]) -> None:
+    handled = []
+
+    def on_result(shard: Shard, value: int) -> str:
+        handled.append((shard.key, value, os.getpid()))
+        return f"wrote {shard.key}"
+
+    shards = [Shard(f"sq{i}", square, (i,)) for i in range(5)]
+    results = run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="squares", on_result=on_result)
+    assert results == {f"sq{i}": f"wrote sq{i}" for i in range(5)}  # what on_result returned
+    assert sorted((key, value) for key, value, _ in handled) == [(f"sq{i}", i * i) for i in range(5)]
+    assert {pid for _, _, pid in handled} == {os.getpid()}
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" shards")[0] for line in lines] == [f"squares: {n}/5" for n in range(1, 6)]
+
+
+def test_results_without_on_result_are_the_task_values(ray_local) -> None:
+    shards = [Shard(f"sq{i}", square, kwargs={"x": i}) for i in range(3)]
+    assert run_shards(shards, ONE_CPU, max_in_flight=8, max_retries=0, label="squares") == {
+        "sq0": 0,
+        "sq1": 1,
+        "sq2": 4,
+    }
+
+
+@pytest.mark.parametrize("max_in_flight", [1, 3])
+def test_in_flight_tasks_are_bounded(ray_local, monkeypatch: pytest.MonkeyPatch, max_in_flight: int) -> None:
+    waited_on = []
+    real_wait = ray.wait
+
+    def counting_wait(refs, **kwargs):
+        waited_on.append(len(refs))
+        return real_wait(refs, **kwargs)
+
+    monkeypatch.setattr(ray, "wait", counting_wait)
+    tracker = Occupancy.remote()
+    shards = [Shard(f"s{i}", occupy, (tracker, max_in_flight, 0.3)) for i in range(6)]
+    # Half a CPU per task: the 2-CPU Ray could run 4 at once, so only run_shards limits them.
+    run_shards(shards, TaskResources(num_cpus=0.5), max_in_flight=max_in_flight, max_retries=0, label="occupy")
+    assert max(waited_on) == max_in_flight
+    assert ray.get(tracker.get_peak.remote()) == max_in_flight
+
+
+def test_a_failing_task_is_reported_with_its_shard_and_stops_the_rest(ray_local) -> None:
+    handled = []
+    shards = [Shard(f"part-{i}", fail_if, (i, 1)) for i in range(4)]
+    with pytest.raises(ShardFailed) as failure:
+        run_shards(
+            shards, ONE_CPU, max_in_flight=1, max_retries=0, label="fit",
+            on_result=lambda shard, value: handled.append(shard.key),
+        )
+    assert failure.value.key == "part-1"
+    assert isinstance(failure.value.cause, ValueError)
+    assert str(failure.value).startswith("shard 'part-1' failed: ValueError: boom at 1")
+    assert "fail_if" in str(failure.value)  # the remote traceback comes along
+    assert handled == ["part-0"]  # nothing after the failure was collected
+
+
+@pytest.mark.timeout(90)
+def test_a_failure_cancels_the_tasks_in_flight(ray_local, tmp_path: Path) -> None:
+    never = str(tmp_path / "never-created")
+    blocked = [Shard(f"blocked-{i}", wait_for_file, (never, 600)) for i in range(3)]
+    shards = [*blocked, Shard("bad", fail_if, (1, 1))]
+    with pytest.raises(ShardFailed, match="'bad'"):
+        run_shards(shards, TaskResources(num_cpus=0.5), max_in_flight=4, max_retries=0, label="fit")
+    # Needs both CPUs: schedulable only because the blocked tasks were cancelled (else: timeout).
+    assert run_shards([Shard("all-cpus", square, (3,))], TaskResources(num_cpus=2), max_in_flight=1,
+                      max_retries=0, label="after") == {"all-cpus": 9}
+
+
+@pytest.mark.slow
+def test_a_dead_worker_is_retried_then_reported(ray_local, tmp_path: Path) -> None:
+    marker = str(tmp_path / "died-once")
+    assert run_shards([Shard("phoenix", die_first_time, (marker,))], ONE_CPU, max_in_flight=1,
+                      max_retries=1, label="retry") == {"phoenix": "survived"}
+    with pytest.raises(ShardFailed, match="shard 'doomed' failed"):
+        run_shards([Shard("doomed", die)], ONE_CPU, max_in_flight=1, max_retries=0, label="retry")
+
+
+def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
+    with pytest.raises(RuntimeError, match=r"fit: no node .*'GPU': 1\.0"):
+        run_shards([Shard("a", square, (1,))], TaskResources(num_gpus=1), max_in_flight=1, max_retries=0, label="fit")
+    with pytest.raises(RuntimeError, match="fake_gpu"):
+        run_shards([Shard("a", square, (1,))], TaskResources(resources={"fake_gpu": 1}), max_in_flight=1,
+                   max_retries=0, label="fit")
+
+
+def test_workers_import_this_checkout(ray_local) -> None:
+    result = run_shards([Shard("src", pipeline_source)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")
+    assert Path(result["src"]).resolve() == Path(pipeline.store.__file__).resolve()
+
+
+# ----------------------------------------------------------------------------------- start_ray
+def test_start_ray_is_idempotent(ray_local) -> None:
+    start_ray(RayConfig(num_cpus=1))
+    assert ray.cluster_resources()["CPU"] == 2
+
+
+def test_the_address_comes_from_the_flag_then_the_environment_then_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    in_params = RayConfig(address="10.0.0.3:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")
+    assert resolve_address(in_params, "10.0.0.1:6379") == "10.0.0.1:6379"
+    assert resolve_address(in_params) == "10.0.0.2:6379"
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert resolve_address(in_params) == "10.0.0.3:6379"
+    assert resolve_address(RayConfig()) is None  # embedded local Ray
+    monkeypatch.setenv("RAY_ADDRESS", "")
+    assert resolve_address(RayConfig()) is None
+
+
+# ------------------------------------------------------------------------ real clusters (slow)
+def _cluster_env(**extra: str) -> dict[str, str]:
+    """The environment of a separate Ray: our own token (nothing read from ~/.ray), never RAY_ADDRESS
+    from the caller, no usage reporting."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32), RAY_USAGE_STATS_ENABLED="0")
+    env.update(extra)
+    return env
+
+
+def _run_driver(scenario: str, env: dict[str, str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import test_execution; test_execution.{scenario}()"],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout}\n{proc.stderr}"
+    assert f"{scenario}: ok" in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_two_node_cluster_routes_tasks_by_resources() -> None:
+    _run_driver("scenario_two_node_cluster", _cluster_env())
+
+
+@pytest.mark.slow
+def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = _cluster_env()
+    log = tmp_path / "ray-head.log"
+    with open(log, "w") as out:
+        head = subprocess.Popen(
+            [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
+             "--num-gpus=0", '--resources={"joined_head": 1}', "--include-dashboard=false",
+             "--disable-usage-stats", "--block"],
+            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started." not in log.read_text():
+            assert head.poll() is None and time.monotonic() < deadline, f"ray start failed:\n{log.read_text()}"
+            time.sleep(0.2)
+        _run_driver("scenario_joined_by_address", {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+    finally:
+        _stop_process_group(head)
+
+
+def _stop_process_group(proc: subprocess.Popen) -> None:
+    """Stop `ray start --block` and the Ray processes it started (its own session, nobody else's)."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def scenario_two_node_cluster() -> None:
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    try:
+        gpu_node = cluster.add_node(num_cpus=1, num_gpus=1, resources={"fake_gpu": 1})
+        cluster.wait_for_nodes()
+        start_ray(RayConfig(num_cpus=7), address=cluster.address)  # num_cpus is for embedded Ray only
+        assert ray.cluster_resources()["CPU"] == 2
+        head, gpu = cluster.head_node.node_id, gpu_node.node_id
+
+        def nodes_and_pids(resources: TaskResources, n: int, max_in_flight: int) -> tuple[set, list]:
+            shards = [Shard(f"w{i}", whereabouts) for i in range(n)]
+            found = run_shards(shards, resources, max_in_flight=max_in_flight, max_retries=0, label="where")
+            return {r["node"] for r in found.values()}, [r["pid"] for r in found.values()]
+
+        on_fake, _ = nodes_and_pids(TaskResources(num_cpus=0.25, resources={"fake_gpu": 0.25}), 6, 4)
+        assert on_fake == {gpu}
+        on_head, _ = nodes_and_pids(TaskResources(num_cpus=0.25, resources={"node:__internal_head__": 0.1}), 4, 4)
+        assert on_head == {head}
+        # GPU tasks get a fresh worker each (max_calls=1); the same tasks without a GPU reuse one.
+        on_gpu, gpu_pids = nodes_and_pids(TaskResources(num_cpus=0, num_gpus=1), 3, 1)
+        assert on_gpu == {gpu} and len(set(gpu_pids)) == 3
+        _, cpu_pids = nodes_and_pids(TaskResources(num_cpus=0, resources={"fake_gpu": 1}), 3, 1)
+        assert len(set(cpu_pids)) < 3
+
+        failing = [Shard(f"remote-{i}", fail_if, (i, 2)) for i in range(4)]
+        try:
+            run_shards(failing, TaskResources(num_cpus=0.5, resources={"fake_gpu": 0.5}), max_in_flight=2,
+                       max_retries=0, label="fit")
+        except ShardFailed as err:
+            assert str(err).startswith("shard 'remote-2' failed: ValueError: boom at 2"), err
+        else:
+            raise AssertionError("ShardFailed not raised")
+        try:
+            run_shards([Shard("x", square, (1,))], TaskResources(resources={"fake_gpu": 2}), max_in_flight=1,
+                       max_retries=0, label="fit")
+        except RuntimeError as err:
+            assert "fake_gpu" in str(err), err
+        else:
+            raise AssertionError("an infeasible task was accepted")
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    print("scenario_two_node_cluster: ok")
+
+
+def scenario_joined_by_address() -> None:
+    start_ray(RayConfig(num_cpus=7))  # joins RAY_ADDRESS; num_cpus is for embedded Ray only
+    try:
+        assert ray.cluster_resources().get("joined_head") == 1, ray.cluster_resources()
+        shards = [Shard(f"sq{i}", square, (i,)) for i in range(4)]
+        results = run_shards(shards, TaskResources(num_cpus=1, resources={"joined_head": 0.5}), max_in_flight=2,
+                             max_retries=1, label="squares")
+        assert results == {f"sq{i}": i * i for i in range(4)}, results
+        try:
+            run_shards([Shard("joined-bad", fail_if, (0, 0))], ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
+        except ShardFailed as err:
+            assert "shard 'joined-bad' failed: ValueError: boom at 0" in str(err), err
+        else:
+            raise AssertionError("ShardFailed not raised")
+    finally:
+        ray.shutdown()
+    print("scenario_joined_by_address: ok")
