@@ -20,10 +20,10 @@
        "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false}}}}
 
   Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
-- ``out_dir/plots/<series>/<name>.csv`` for ``dvc plots``, one file per line so that a directory is one
-  plot: ``train_loss/<run>.csv`` and ``val_loss/<run>.csv`` (step, run, train_loss|val_loss),
-  ``hilbert/<run>.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
-  ``spearman/<model>__<fn>.csv`` (layer, model, fn, spearman, ci_low, ci_high; model as in partition paths).
+- ``out_dir/plots/*.csv`` for ``dvc plots``, long format with one line per ``run`` (or ``series``) value:
+  ``train_loss.csv`` and ``val_loss.csv`` (step, run, train_loss | val_loss; val_loss at evaluations only),
+  ``hilbert.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
+  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high).
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``).
 """
@@ -46,6 +46,7 @@ import pyarrow.parquet as pq
 from scipy import stats as sps
 
 from pipeline.config import ARCHS, RECIPES, ReportConfig
+from pipeline.stats import spearman_by_layer
 from pipeline.store import MANIFEST_DIR, complete_files
 
 TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
@@ -158,7 +159,7 @@ def _read_run_json(models_dir: Path) -> pa.Table:
 
 def _register_sources(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
     sources = {
-        "steps": ("train", STEPS_SCHEMA, RUN_PARTITIONS),
+        "steps_raw": ("train", STEPS_SCHEMA, RUN_PARTITIONS),
         "fits": ("fits", FITS_SCHEMA, FIT_PARTITIONS),
         "perturb": ("perturb", PERTURB_SCHEMA, FIT_PARTITIONS),
     }
@@ -166,43 +167,13 @@ def _register_sources(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
         root = data_dir / sub
         con.register(name, open_dataset(dataset_files(root), str(root), schema, partitions))
     con.register("run_json", _read_run_json(data_dir / "models"))
+    # A diverging run logs NaN/Inf on its last steps: those values are missing, never summarised or drawn.
+    finite = ", ".join(f"CASE WHEN isfinite({f.name}) THEN {f.name} END AS {f.name}"
+                       for f in STEPS_SCHEMA if f.type == pa.float64())  # fmt: skip
+    con.execute(f"CREATE TEMP VIEW steps AS SELECT * REPLACE ({finite}) FROM steps_raw")
 
 
 # -------------------------------------------------------------------------------------- statistics
-# Spearman with a percentile bootstrap CI. pipeline/stats.py is to hold the project's shared version;
-# this one is written against scipy until the two are reconciled.
-def spearman_ci(x: np.ndarray, y: np.ndarray, n_boot: int, ci: float, seed: int) -> tuple[float, float, float]:
-    """(rho, low, high): Spearman's rho and the percentile bootstrap CI over resampled pairs.
-
-    NaN when fewer than 3 pairs or a constant input; resamples that come out constant are dropped.
-    """
-    n = len(x)
-    if n < 3 or np.ptp(x) == 0 or np.ptp(y) == 0:
-        return math.nan, math.nan, math.nan
-    rho = float(sps.spearmanr(x, y).statistic)
-    rng = np.random.default_rng(seed)
-    per_batch = max(1, 2_000_000 // n)  # bounds the (resamples × n) rank matrices in memory
-    draws = []
-    for start in range(0, n_boot, per_batch):
-        idx = rng.integers(0, n, size=(min(per_batch, n_boot - start), n))
-        draws.append(_rowwise_pearson(sps.rankdata(x[idx], axis=1), sps.rankdata(y[idx], axis=1)))
-    boot = np.concatenate(draws)
-    boot = boot[np.isfinite(boot)]
-    if boot.size == 0:
-        return rho, math.nan, math.nan
-    tail = (1 - ci) / 2
-    low, high = np.quantile(boot, [tail, 1 - tail])
-    return rho, float(low), float(high)
-
-
-def _rowwise_pearson(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    a = a - a.mean(axis=1, keepdims=True)
-    b = b - b.mean(axis=1, keepdims=True)
-    denom = np.sqrt((a * a).sum(axis=1) * (b * b).sum(axis=1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (a * b).sum(axis=1) / denom
-
-
 def welch_p(a: np.ndarray, b: np.ndarray) -> float:
     """Two-sided Welch t-test p-value; NaN unless both samples have MIN_SEEDS_FOR_TEST values."""
     if len(a) < MIN_SEEDS_FOR_TEST or len(b) < MIN_SEEDS_FOR_TEST:
@@ -342,8 +313,8 @@ def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
 
 
 _MODEL_FACTS = f"""
-    regexp_extract(model, '^(.*)@(init|final)$', 1) AS run,
-    regexp_extract(model, '^(.*)@(init|final)$', 2) AS checkpoint,
+    nullif(regexp_extract(model, '^(.*)@(init|final)$', 1), '') AS run,
+    nullif(regexp_extract(model, '^(.*)@(init|final)$', 2), '') AS checkpoint,
     CASE WHEN regexp_matches(model, '@(init|final)$') THEN split_part(model, '-', 1) END AS arch,
     CASE WHEN split_part(model, '-', 1) = 'mamba' OR lower(model) LIKE '%mamba%' THEN 'mamba'
          ELSE 'transformer' END AS family
@@ -405,24 +376,22 @@ CORRELATIONS_SCHEMA = pa.schema(
 
 
 def _correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
-    """Spearman(rel_err, kl) per (model, fn, layer) and pooled over layers (scope 'pooled', layer null)."""
+    """Spearman(rel_err, kl) per (model, fn, layer) and pooled over layers (scope 'pooled', layer null);
+    the pooled bootstrap resamples anchors (seq_id, pos) with their rows in every layer together."""
     pairs = con.sql("""
-        SELECT model, fn, layer, rel_err, kl FROM anchors
+        SELECT model, fn, layer, seq_id::BIGINT * 4294967296 + pos AS anchor, rel_err, kl FROM anchors
         WHERE rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
     """).fetchnumpy()  # fmt: skip
     rows = []
-    keys = list(zip(pairs["model"], pairs["fn"], pairs["layer"], strict=True))
-    for model, fn in dict.fromkeys((m, f) for m, f, _ in keys):
-        in_group = (pairs["model"] == model) & (pairs["fn"] == fn)
-        layers = sorted(set(pairs["layer"][in_group].tolist()))
-        for scope, layer, mask in [("pooled", None, in_group)] + [
-            ("layer", ly, in_group & (pairs["layer"] == ly)) for ly in layers
-        ]:
-            x, y = pairs["rel_err"][mask], pairs["kl"][mask]
-            rho, low, high = spearman_ci(x, y, cfg.bootstrap, cfg.ci, cfg.seed)
+    for model, fn in dict.fromkeys(zip(pairs["model"].tolist(), pairs["fn"].tolist(), strict=True)):
+        g = (pairs["model"] == model) & (pairs["fn"] == fn)
+        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g], pairs["anchor"][g],
+                                     n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)  # fmt: skip
+        pooled = by_layer.pop("pooled")
+        for layer, c in [(None, pooled)] + sorted(by_layer.items()):
             rows.append({
-                "model": model, "fn": fn, "scope": scope, "layer": layer, "n": int(mask.sum()),
-                "spearman": _none_if_nan(rho), "ci_low": _none_if_nan(low), "ci_high": _none_if_nan(high),
+                "model": model, "fn": fn, "scope": "pooled" if layer is None else "layer", "layer": layer, "n": c.n,
+                "spearman": _none_if_nan(c.rho), "ci_low": _none_if_nan(c.low), "ci_high": _none_if_nan(c.high),
             })  # fmt: skip
     return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
 
@@ -632,39 +601,19 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
 
 
 def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:
-    """One CSV per line of each DVC plot; a directory per plot (module docstring)."""
+    """Long-format CSVs for ``dvc plots``, one line per ``run`` (or ``series``) value (module docstring)."""
     con = duckdb.connect(":memory:")
     con.register("curves", tables["curves"])
     con.register("correlations", tables["correlations"])
-    series = {
-        "train_loss": "SELECT step, run, train_loss FROM curves WHERE train_loss IS NOT NULL",
-        "val_loss": "SELECT step, run, val_loss FROM curves WHERE val_loss IS NOT NULL",
+    plots = {
+        "train_loss": "SELECT step, run, train_loss FROM curves WHERE train_loss IS NOT NULL ORDER BY run, step",
+        "val_loss": "SELECT step, run, val_loss FROM curves WHERE val_loss IS NOT NULL ORDER BY run, step",
         "hilbert": "SELECT step, run, hilbert_bound, hilbert_realized, equi_ratio FROM curves "
-        "WHERE hilbert_bound IS NOT NULL",
+        "WHERE hilbert_bound IS NOT NULL ORDER BY run, step",
+        "spearman": "SELECT layer, model || ' ' || fn AS series, model, fn, spearman, ci_low, ci_high "
+        "FROM correlations WHERE scope = 'layer' AND spearman IS NOT NULL ORDER BY model, fn, layer",
     }
-    for name, sql in series.items():
-        table = con.sql(f"{sql} ORDER BY run, step").to_arrow_table()
-        _write_split(table, plots_dir / name, table.column("run").to_pylist())
-    layers = con.sql("""
-        SELECT layer, model, fn, spearman, ci_low, ci_high FROM correlations
-        WHERE scope = 'layer' AND spearman IS NOT NULL ORDER BY model, fn, layer
-    """).to_arrow_table()  # fmt: skip
-    names = [f"{_partition_name(m)}__{f}" for m, f in zip(layers["model"].to_pylist(), layers["fn"].to_pylist(), strict=True)]
-    _write_split(layers, plots_dir / "spearman", names)
-
-
-def _partition_name(model: str) -> str:
-    """Table label → file-safe name as in partition paths (`@` → `.`, `/` → `--`)."""
-    return model.replace("@", ".").replace("/", "--")
-
-
-def _write_split(table: pa.Table, directory: Path, file_of_row: list[str]) -> None:
-    """Rows of ``table`` into ``directory/<name>.csv`` by ``file_of_row``; stale files of removed runs go."""
-    directory.mkdir(parents=True, exist_ok=True)
-    for stale in directory.glob("*.csv"):
-        stale.unlink()
-    groups: dict[str, list[int]] = {}
-    for i, name in enumerate(file_of_row):
-        groups.setdefault(name, []).append(i)
-    for name, idx in groups.items():
-        pacsv.write_csv(table.take(idx), directory / f"{name}.csv")
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    for name, sql in plots.items():
+        table = con.sql(sql).to_arrow_table()
+        _atomic_write(plots_dir / f"{name}.csv", lambda p, t=table: pacsv.write_csv(t, p))

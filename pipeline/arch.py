@@ -92,6 +92,9 @@ def _mamba_config(size: ModelSize, vocab_size: int, seq_len: int) -> PretrainedC
         bos_token_id=None,
         eos_token_id=None,
         tie_word_embeddings=False,
+        # Without the CUDA kernels, mambapy's parallel scan (pure PyTorch) trains ~3x faster on a CPU
+        # than the sequential reference scan, with the same function.
+        use_mambapy=True,
     )
 
 

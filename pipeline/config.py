@@ -110,6 +110,12 @@ class RecipeConfig(Section):
     equi_iters: PositiveInt = 3
     schedule: Schedule | None = None
 
+    @model_validator(mode="after")
+    def _one_step_size(self) -> RecipeConfig:
+        if self.head_lr is not None and self.tau is not None:
+            raise ValueError("give either head_lr or tau, not both")
+        return self
+
 
 class TrainConfig(Section):
     archs: list[Arch] = list(ARCHS)
@@ -183,6 +189,8 @@ class AnalysisConfig(Section):
     def _classes_non_empty(self) -> AnalysisConfig:
         if not self.classes or len(set(self.classes)) != len(self.classes):
             raise ValueError(f"classes must be non-empty and unique: {self.classes}")
+        if "orthogonal" in self.classes and self.ridge <= 0:
+            raise ValueError("ridge must be > 0 for the orthogonal class (it picks the map closest to I)")
         return self
 
 

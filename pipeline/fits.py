@@ -5,20 +5,20 @@ neighbour pairs `(x_j, y_j) = (h_l, h_{l+1})` and evaluated at the anchor. All a
 fitted at once with batched tensor code; everything is computed in float64 (neighbour order, rank
 cut-offs and the 1e-4 agreement with a per-anchor reference all depend on it).
 
-Exact methods (`λ` = `ridge`; columns are vectors; sums over the neighbours `j`):
+Exact methods (`λ` = `ridge`; vectors are columns; sums run over the neighbours `j`):
 - `diag_psd`: `T(x) = D x`, `d_c = max(0, Σ x_c y_c / (Σ x_c² + λ))`, the per-coordinate ridge
   solution projected on `D ≥ 0` (exact, since the coordinates decouple).
-- `lowrank`: `T(x) = x + U Vᵀ x`: the rank-`r` `B` minimising `Σ ‖(y_j − x_j) − B x_j‖² + λ‖B‖²_F`,
-  which is reduced-rank regression on the ridge-augmented data `[X, √λ I]`, `[E, 0]`: `B̂ = E Xᵀ(XXᵀ+λI)⁻¹`,
-  `U` = top-`r` left singular vectors of the augmented fitted values `B̂[X, √λI]`, `V = B̂ᵀ U`. It is
-  computed in the `k × k` kernel form (`B̂[X,√λI]` has the left singular vectors of `E·(G(G+λI)⁻¹)^½`,
-  `G = XᵀX`), so nothing `d × d` is ever formed.
-- `orthogonal`: `T(x) = s Q x`. Procrustes pulled towards the identity:
+- `lowrank`: `T(x) = x + U Vᵀ x`, the rank-`r` `B = UVᵀ` minimising
+  `Σ ‖(y_j − x_j) − B x_j‖² + λ‖B‖²_F`. That is reduced-rank regression on the ridge-augmented data
+  `[X, √λI] → [E, 0]`: `B̂ = E Xᵀ(XXᵀ + λI)⁻¹`, `U` = top-`r` left singular vectors of the augmented
+  fitted values `B̂[X, √λI]`, `V = B̂ᵀU` (exact for `λ > 0`). Computed through the smaller of the Gram
+  matrices `XᵀX` (`k × k`) and `XXᵀ` (`d × d`).
+- `orthogonal`: `T(x) = s Q x`, Procrustes pulled towards the identity:
   `Q = argmin Σ‖y_j − Q x_j‖² + λ‖Q − I‖²_F = polar(Σ y_j x_jᵀ + λI)`. With `S` the span of the
-  neighbours' inputs and outputs, `Q` is the identity on `S⊥` exactly, as SPEC asks; the `λ` term also
-  makes `Q` unique inside `S`, where the plain Procrustes optimum is not (when `k < dim S`): it picks
-  the optimum closest to the identity (the `λ → 0⁺` limit). Needs `λ > 0` to be unique. `Q` is stored
-  as `I + B (Q_S − I) Bᵀ` with `B` an orthonormal basis of `S`. With `orthogonal_scale`,
+  neighbours' inputs and outputs, this `Q` is exactly the identity on `S⊥`, as SPEC asks; the `λ` term
+  also makes `Q` unique inside `S`, where the plain Procrustes optimum is not unique once `k < dim S`:
+  it is the optimum closest to the identity (the `λ → 0⁺` limit). `λ > 0` is needed for uniqueness.
+  `Q` is stored as `I + B (Q_S − I) Bᵀ`, `B` an orthonormal basis of `S`. With `orthogonal_scale`,
   `s = ⟨Σ y_j x_jᵀ, Q⟩ / Σ‖x_j‖²` (the least-squares scale given `Q`), else `s = 1`.
 - `mlp`: `T(x) = x + τ (W₂ tanh(W₁ (x − μ)/σ + b₁) + b₂)`, one hidden layer of `mlp_hidden` units,
   fitted per anchor neighbourhood. `μ` is the neighbours' mean input, `σ` the RMS of the centred
@@ -28,16 +28,21 @@ Exact methods (`λ` = `ridge`; columns are vectors; sums over the neighbours `j`
   Anchors are independent problems: Adam is element-wise, so one optimiser on the summed loss is
   exactly one optimiser per anchor.
 - `identity`: `T(x) = x`.
-- `global_linear`: `T(x) = A x + b`, ridge on `A` (not on `b`) over the whole finite pool.
+- `global_linear`: `T(x) = A x + b`, ridge on `A` (not on `b`), fitted on the whole finite pool.
 
 Geometry at anchor `i` (`x, y` its `h_l, h_{l+1}`): `Δ_full = y − x`, `Δ_tok = T_i(x) − x`,
-`r = Δ_full − Δ_tok`. The local update operator is `J_i − I` (`J_i` the Jacobian of `T_i` at `x`:
-`D`, `I + UVᵀ`, `sQ`, `I + (τ/σ) W₂ diag(tanh') W₁`, `A`); its "top-`p` left singular vectors" are
-those with a non-zero singular value (above 1e-12 of the largest) among the first `p`: when the
-operator has rank below `p`, the subspace is its range. For `orthogonal` with a scale, the singular
-value `|s − 1|` on `S⊥` is the smallest that `sQ − I` can have, so the subspace is taken inside `S`.
-A column is null where it is undefined: a zero vector in a ratio or angle, or no non-zero singular
-value (e.g. `identity`, where `Δ_tok = 0`).
+`r = Δ_full − Δ_tok`. The local update operator is `J_i − I`, `J_i` the Jacobian of `T_i` at `x`
+(`D`, `I + UVᵀ`, `sQ`, `I + (τ/σ) W₂ diag(tanh') W₁`, `A`). Its dominant subspace is spanned by the
+left singular vectors of the `p` largest singular values, widened to every singular value tied with
+the `p`-th (within 1e-8 relative; a subspace that splits a tie is not defined, and ties are common:
+`sQ − I` pairs its singular values per rotation plane, and every clamped `d_c = 0` has
+`|d_c − 1| = 1`), and never including a zero singular value (below 1e-12 of the largest): when the
+operator has rank below `p`, the subspace is its range. For `orthogonal` with a scale, `sQ − I` has
+the singular value `|s − 1|` on `S⊥`, the smallest it can have, so the subspace lies inside `S`.
+The global subspace is the same construction on the stacked `Δ_tok` of this call's anchors (right
+singular vectors). A column is null where it is undefined: a zero vector in a ratio or an angle, or
+no non-zero singular value (e.g. `identity`, where `Δ_tok = 0`). `k` is `cfg.k` on every row, also
+for the two baselines, which ignore it.
 """
 
 from __future__ import annotations
@@ -98,9 +103,8 @@ class FitInfo:
 
 
 class Update(NamedTuple):
-    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`, `(A or 1, d, p)`: orthonormal columns
-    spanning the top-`p` left singular subspace of `J_i − I`, with zero columns where the operator
-    has fewer non-zero singular values (all zero: no dominant subspace)."""
+    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`, `(A or 1, d, q)`: columns that are
+    orthonormal or zero, spanning the dominant subspace of `J_i − I` (all zero: there is none)."""
 
     delta_tok: Tensor
     basis: Tensor
@@ -113,11 +117,13 @@ def finite_rows(x: np.ndarray | Tensor, y: np.ndarray | Tensor) -> np.ndarray:
     return (torch.isfinite(x).all(dim=1) & torch.isfinite(y).all(dim=1)).cpu().numpy()
 
 
-def choose_anchors(n_pool: int, n_anchors: int, seed: int, valid_mask: np.ndarray | None = None) -> np.ndarray:
+def choose_anchors(
+    n_pool: int, n_anchors: int, seed: int, valid_mask: np.ndarray | None = None
+) -> np.ndarray:
     """A seeded random subset of the valid pool rows, sorted; `min(n_anchors, #valid)` of them."""
-    valid = np.arange(n_pool) if valid_mask is None else np.flatnonzero(np.asarray(valid_mask, dtype=bool))
     if valid_mask is not None and len(valid_mask) != n_pool:
         raise ValueError(f"valid_mask has {len(valid_mask)} rows, the pool {n_pool}")
+    valid = np.arange(n_pool) if valid_mask is None else np.flatnonzero(np.asarray(valid_mask, dtype=bool))
     rng = np.random.default_rng(seed)
     return np.sort(rng.choice(valid, size=min(n_anchors, valid.size), replace=False))
 
@@ -143,9 +149,12 @@ def fit_layer(
         raise ValueError(f"X and Y must both be (pool, d), got {tuple(x.shape)} and {tuple(y.shape)}")
     finite = finite_rows(x, y)
     anchor_idx = np.asarray(anchor_idx, dtype=np.int64)
+    if anchor_idx.size and (anchor_idx.min() < 0 or anchor_idx.max() >= len(finite)):
+        raise ValueError(f"anchor indices must lie in [0, {len(finite)})")
     kept_anchors = anchor_idx[finite[anchor_idx]]
+    n_nonfinite = int((~finite).sum())
     if kept_anchors.size == 0:
-        raise ValueError(f"no finite anchor among {anchor_idx.size} ({int((~finite).sum())} non-finite pool rows)")
+        raise ValueError(f"no finite anchor among {anchor_idx.size} ({n_nonfinite} non-finite pool rows)")
     compact = np.cumsum(finite) - 1  # pool row -> row of the finite pool
     rows = torch.as_tensor(np.flatnonzero(finite), device=x.device)
     x, y = x[rows], y[rows]
@@ -154,20 +163,23 @@ def fit_layer(
 
     update = fit_update(x, y, anchors, seq_of_row, fn, cfg)
     x_a, y_a = x[anchors], y[anchors]
-    metrics = update_metrics(x_a, y_a, update.delta_tok, update.basis, global_basis(update.delta_tok, cfg.p))
-    n_nonfinite = int((~finite).sum())
+    global_ = global_basis(update.delta_tok, cfg.p)
+    ids = {"seq_id": seq_id, "pos": pos, "token_id": token_id}
     table = _fit_table(
-        ids={name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))},
+        ids={name: np.asarray(col)[kept_anchors] for name, col in ids.items()},
         k=cfg.k,
-        metrics=metrics,
+        metrics=update_metrics(x_a, y_a, update.delta_tok, update.basis, global_),
         patched=(x_a + update.delta_tok).float().cpu().numpy(),
         n_nonfinite=n_nonfinite,
     )
-    info = FitInfo(fn, x.shape[1], x.shape[0], n_nonfinite, len(kept_anchors), len(anchor_idx) - len(kept_anchors))
+    n_kept = len(kept_anchors)
+    info = FitInfo(fn, x.shape[1], x.shape[0], n_nonfinite, n_kept, len(anchor_idx) - n_kept)
     return table, info
 
 
-def fit_update(x: Tensor, y: Tensor, anchors: Tensor, seq_of_row: Tensor, fn: str, cfg: AnalysisConfig) -> Update:
+def fit_update(
+    x: Tensor, y: Tensor, anchors: Tensor, seq_of_row: Tensor, fn: str, cfg: AnalysisConfig
+) -> Update:
     """`Δ_tok` and the local update subspace at every anchor, for a finite float64 pool."""
     x_a = x[anchors]
     if fn == "identity":
@@ -219,13 +231,27 @@ class LowRankFit(NamedTuple):
 
 
 def fit_lowrank(xn: Tensor, yn: Tensor, rank: int, ridge: float) -> LowRankFit:
+    """Ridge reduced-rank regression, through the smaller of the two Gram matrices (`k × k` or `d × d`).
+
+    `fitted` is any matrix with the left singular vectors of `B̂[X, √λI]`, i.e. a square root of
+    `B̂(XXᵀ + λI)B̂ᵀ`; `U` is its top `rank`, and `V = B̂ᵀU`.
+    """
     e = (yn - xn).transpose(1, 2)  # (A, d, k): updates as columns
-    w, g, inv = _ridge_inverse(xn @ xn.transpose(1, 2), ridge)  # G = XᵀX = W diag(g) Wᵀ, inv = 1/(g+λ)
-    fitted = e @ w * (g * inv).sqrt()[:, None, :]  # same left singular vectors as B̂[X, √λI]
-    u = torch.linalg.svd(fitted, full_matrices=False).U[..., :rank]
-    # V = B̂ᵀ U = X (G+λI)⁻¹ Eᵀ U
-    v = xn.transpose(1, 2) @ (w @ (inv[..., None] * (w.transpose(1, 2) @ (e.transpose(1, 2) @ u))))
+    x_cols = xn.transpose(1, 2)  # (A, d, k): inputs as columns
+    if xn.shape[1] <= xn.shape[2]:  # k ≤ d: kernel form, G = XᵀX = W diag(g) Wᵀ
+        w, g, inv = _ridge_inverse(xn @ x_cols, ridge)
+        u = _left_singular(e @ w * (g * inv).sqrt()[:, None, :], rank)
+        v = x_cols @ (w @ (inv[..., None] * (w.transpose(1, 2) @ (e.transpose(1, 2) @ u))))
+    else:  # primal form, C = XXᵀ = Z diag(c) Zᵀ, B̂ = E Xᵀ (C + λI)⁻¹
+        z, _, inv = _ridge_inverse(x_cols @ xn, ridge)
+        cross = e @ xn  # E Xᵀ
+        u = _left_singular(cross @ z * inv.sqrt()[:, None, :], rank)
+        v = z @ (inv[..., None] * (z.transpose(1, 2) @ (cross.transpose(1, 2) @ u)))
     return LowRankFit(u, v)
+
+
+def _left_singular(m: Tensor, rank: int) -> Tensor:
+    return torch.linalg.svd(m, full_matrices=False).U[..., :rank]
 
 
 class OrthogonalFit(NamedTuple):
@@ -243,16 +269,14 @@ class OrthogonalFit(NamedTuple):
 
 def fit_orthogonal(xn: Tensor, yn: Tensor, ridge: float, with_scale: bool) -> OrthogonalFit:
     basis = torch.linalg.qr(torch.cat([xn, yn], dim=1).transpose(1, 2)).Q  # (A, d, min(d, 2k))
-    a, b = xn @ basis, yn @ basis  # neighbour coordinates in S
-    cross = b.transpose(1, 2) @ a + ridge * torch.eye(basis.shape[-1], dtype=xn.dtype, device=xn.device)
-    svd = torch.linalg.svd(cross)
-    rotation = svd.U @ svd.Vh
-    if with_scale:
-        m_s = b.transpose(1, 2) @ a
-        scale = (m_s * rotation).sum(dim=(1, 2)) / (xn * xn).sum(dim=(1, 2)).clamp_min(torch.finfo(_F64).tiny)
-    else:
-        scale = xn.new_ones(xn.shape[0])
-    return OrthogonalFit(basis, rotation, scale)
+    cross = (yn @ basis).transpose(1, 2) @ (xn @ basis)  # Σ y_j x_jᵀ in the coordinates of S
+    eye = torch.eye(basis.shape[-1], dtype=xn.dtype, device=xn.device)
+    svd = torch.linalg.svd(cross + ridge * eye)
+    rotation = svd.U @ svd.Vh  # polar factor
+    if not with_scale:
+        return OrthogonalFit(basis, rotation, xn.new_ones(xn.shape[0]))
+    energy = (xn * xn).sum(dim=(1, 2)).clamp_min(torch.finfo(_F64).tiny)
+    return OrthogonalFit(basis, rotation, (cross * rotation).sum(dim=(1, 2)) / energy)
 
 
 class MLPFit(NamedTuple):
@@ -287,7 +311,8 @@ def fit_mlp(xn: Tensor, yn: Tensor, hidden: int, steps: int, ridge: float, seed:
     tiny = torch.finfo(_F64).tiny
     in_scale = (xn - centre[:, None]).square().mean(dim=(1, 2)).sqrt().clamp_min(tiny)
     out_scale = (yn - xn).square().mean(dim=(1, 2)).sqrt().clamp_min(tiny)
-    w1 = torch.randn((n_anchors, hidden, d), generator=torch.Generator().manual_seed(seed), dtype=_F64) / math.sqrt(d)
+    generator = torch.Generator().manual_seed(seed)
+    w1 = torch.randn((n_anchors, hidden, d), generator=generator, dtype=_F64) / math.sqrt(d)
     params = [
         w1.to(xn.device),
         xn.new_zeros((n_anchors, hidden)),
@@ -330,10 +355,13 @@ def fit_global_linear(x: Tensor, y: Tensor, ridge: float) -> GlobalLinearFit:
 # -------------------------------------------------------------------------------------- geometry
 def global_basis(delta_tok: Tensor, p: int) -> Tensor:
     """`(1, d, p)`: the top-`p` right singular vectors of the stacked `Δ_tok` (anchors × d)."""
-    return _top_left_singular(torch.eye(delta_tok.shape[1], dtype=delta_tok.dtype, device=delta_tok.device)[None], delta_tok.T[None], p)
+    eye = torch.eye(delta_tok.shape[1], dtype=delta_tok.dtype, device=delta_tok.device)
+    return _top_left_singular(eye[None], delta_tok.T[None], p)
 
 
-def update_metrics(x: Tensor, y: Tensor, delta_tok: Tensor, local: Tensor, global_: Tensor) -> dict[str, Tensor]:
+def update_metrics(
+    x: Tensor, y: Tensor, delta_tok: Tensor, local: Tensor, global_: Tensor
+) -> dict[str, Tensor]:
     """Every metric column per anchor, NaN where undefined. `local`/`global_`: `(A or 1, d, p)` bases."""
     full = y - x
     res = full - delta_tok
@@ -415,10 +443,12 @@ def _float64(a: np.ndarray | Tensor, device: str | torch.device) -> Tensor:
     return torch.from_numpy(np.array(a, dtype=np.float64)).to(device)
 
 
-def _fit_table(ids: dict[str, np.ndarray], k: int, metrics: dict[str, Tensor], patched: np.ndarray, n_nonfinite: int) -> pa.Table:
+def _fit_table(
+    ids: dict[str, np.ndarray], k: int, metrics: dict[str, Tensor], patched: np.ndarray, n_nonfinite: int
+) -> pa.Table:
     n, d = patched.shape
     schema = fit_schema(d)
-    columns: dict[str, pa.Array] = {name: pa.array(values.astype(np.int32), pa.int32()) for name, values in ids.items()}
+    columns = {name: pa.array(values.astype(np.int32), pa.int32()) for name, values in ids.items()}
     columns["k"] = pa.array(np.full(n, k, dtype=np.int32))
     for name in METRICS:
         values = metrics[name].cpu().numpy()

@@ -49,7 +49,8 @@ def nearest_neighbours(
     n_pool = pool.shape[0]
     anchor_idx = anchor_idx.to(device=pool.device, dtype=torch.long)
     if pool.ndim != 2 or anchor_idx.ndim != 1:
-        raise ValueError(f"pool must be (n, d) and anchor_idx 1-D, got {tuple(pool.shape)}, {tuple(anchor_idx.shape)}")
+        shapes = f"{tuple(pool.shape)} and {tuple(anchor_idx.shape)}"
+        raise ValueError(f"pool must be (n, d) and anchor_idx 1-D, got {shapes}")
     if k < 1 or chunk < 1:
         raise ValueError(f"k ({k}) and chunk ({chunk}) must be positive")
     if anchor_idx.numel() and (int(anchor_idx.min()) < 0 or int(anchor_idx.max()) >= n_pool):
@@ -88,7 +89,13 @@ def _row_norms(pool: Tensor, distance: Distance) -> Tensor:
 
 
 def _anchor_block(
-    pool: Tensor, row_norm: Tensor, anchors: Tensor, k: int, distance: Distance, seq_id: Tensor | None, chunk: int
+    pool: Tensor,
+    row_norm: Tensor,
+    anchors: Tensor,
+    k: int,
+    distance: Distance,
+    seq_id: Tensor | None,
+    chunk: int,
 ) -> Neighbours:
     """Running top-k of one block of anchors over the pool, one pool chunk at a time.
 

@@ -203,7 +203,7 @@ def _union(con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, s
     parts = []
     for i, rev, source in sources:
         con.register(f"_{name}_{i}", source)
-        columns = f"* REPLACE ({model_label_sql('model')} AS model)" if "model" in source.schema.names else "*"
+        columns = f"* REPLACE ({model_label_sql('model')} AS model)" if name in DATASETS and "model" in source.schema.names else "*"
         label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
         parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
     return " UNION ALL BY NAME ".join(parts)

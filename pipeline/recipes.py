@@ -11,7 +11,7 @@ biases (and SSM parameters) with AdamW, so that only the head differs between re
 | `sign`         | `−η·sign(M)/d`                                                          |
 | `rownorm`      | `−η·m_i/‖m_i‖`                                                          |
 | `hilbert`      | `−(η/2)·centre(rownorm(centre(M)))`: `diam(ΔW) ≤ η`                     |
-| `hilbert_equi` | `centre`, then `equi_iters` × (Newton–Schulz, rownorm), `centre`, `η/2` |
+| `hilbert_equi` | `equi_iters` × (centre, Newton–Schulz, rownorm), centre, `η/2`           |
 
 `M` is the head's momentum, an EMA with β = 0.95 read with Nesterov exactly as torch.optim.Muon does
 (`buf ← lerp(buf, g, 1−β)`, `M = lerp(g, buf, β)`). For the two Hilbert recipes the step may be given in
@@ -193,7 +193,7 @@ def rownorm_direction(m: Tensor) -> Tensor:
 def hilbert_direction(m: Tensor) -> Tensor:
     """The diameter LMO of SPEC §3.1: centred rows on the sphere of radius 1/2, so diam ≤ 1. The final
     re-centring removes only the common shift that row-normalisation reintroduced; diam is
-    shift-invariant, so the bound still holds exactly."""
+    shift-invariant, so the bound still holds exactly (up to float32 rounding, ~1e-7 relative)."""
     return 0.5 * center_rows(_unit_rows(center_rows(m)))
 
 
@@ -308,7 +308,8 @@ class RecipeOptimizer:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.head_step = head_step
-        self._head_lmo = optimizers.get("head") if isinstance(optimizers.get("head"), HeadLMO) else None
+        head = optimizers.get("head")
+        self._head_lmo = head if isinstance(head, HeadLMO) else None
         self._last_lrs: dict[str, float] | None = None
 
     @property

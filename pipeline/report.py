@@ -105,12 +105,27 @@ def _checksums(workspace: Path) -> dict[str, Any]:
         if path.is_file():
             sums[name] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
     lock = workspace / "dvc.lock"
-    if lock.is_file():
-        stages = (yaml.safe_load(lock.read_text()) or {}).get("stages", {})
-        outs = {o["path"]: f"md5:{o['md5']}" for s in stages.values() for o in s.get("outs", []) if "md5" in o}
-        if outs:
-            sums["stage outputs (dvc.lock)"] = dict(sorted(outs.items()))
+    outs = _locked_outputs(lock.read_text()) if lock.is_file() else {}
+    if outs:
+        sums["stage outputs (dvc.lock)"] = outs
     return sums
+
+
+def _locked_outputs(lock_text: str) -> dict[str, str]:
+    """path -> md5 of every stage output recorded in dvc.lock; nothing when it is not a DVC lock file."""
+    try:
+        lock = yaml.safe_load(lock_text)
+    except yaml.YAMLError:
+        return {}
+    stages = lock.get("stages") if isinstance(lock, dict) else None
+    if not isinstance(stages, dict):
+        return {}
+    outs = {
+        o["path"]: f"md5:{o['md5']}"
+        for stage in stages.values() if isinstance(stage, dict)
+        for o in stage.get("outs", []) if isinstance(o, dict) and "path" in o and "md5" in o
+    }  # fmt: skip
+    return dict(sorted(outs.items()))
 
 
 # ------------------------------------------------------------------------------------------- report

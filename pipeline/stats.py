@@ -129,7 +129,9 @@ def _present(values: ArrayLike) -> np.ndarray:
     return v[~np.isnan(v)]
 
 
-def _complete_pairs(x: ArrayLike, y: ArrayLike, groups: ArrayLike | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _complete_pairs(
+    x: ArrayLike, y: ArrayLike, groups: ArrayLike | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     xs, ys = _as_float(x), _as_float(y)
     if xs.shape != ys.shape or xs.ndim != 1:
         raise ValueError(f"x and y must be 1-D of equal length, got {xs.shape} and {ys.shape}")

@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import shutil
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -65,7 +66,8 @@ def arrow_to_vectors(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     (Parquet has no fixed-size list), as long as every row has the same length. A single float32
     chunk is returned without copying, as a read-only view of the Arrow buffer.
     """
-    if not (pa.types.is_fixed_size_list(col.type) or pa.types.is_list(col.type) or pa.types.is_large_list(col.type)):
+    t = col.type
+    if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
         raise TypeError(f"expected a list column of vectors, got {col.type}")
     chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
     parts = [_chunk_to_vectors(chunk) for chunk in chunks if len(chunk)]
@@ -205,11 +207,16 @@ def prune_shards(root: Path, keep: set[str]) -> int:
     removed = 0
     listed: set[Path] = set()
     for path in sorted((root / MANIFEST_DIR).glob("*.json")):
-        manifest = _load_manifest(path)
+        try:
+            manifest = _load_manifest(path)
+        except CorruptShardError as err:  # its key is unknown; the stem names its files
+            log.warning("%s; removing the shard", err)
+            _remove_slug(root, path.stem)
+            continue
         if manifest["shard"] in keep:
             listed.update(root / f["path"] for f in manifest["files"])
         else:
-            remove_shard(root, manifest["shard"])
+            _remove_slug(root, path.stem)
             removed += 1
     for path in _store_files_on_disk(root):
         if path not in listed:
@@ -219,9 +226,11 @@ def prune_shards(root: Path, keep: set[str]) -> int:
 
 def remove_shard(root: Path, shard: str) -> None:
     """Delete a shard: its manifest first (so it stops counting as complete), then its files."""
-    root = Path(root)
-    slug = shard_slug(shard)
-    manifest_path(root, shard).unlink(missing_ok=True)
+    _remove_slug(Path(root), shard_slug(shard))
+
+
+def _remove_slug(root: Path, slug: str) -> None:
+    (root / MANIFEST_DIR / f"{slug}.json").unlink(missing_ok=True)
     for path in _files_on_disk(root, slug):
         path.unlink(missing_ok=True)
 
@@ -256,13 +265,12 @@ def _read_manifest(root: Path, shard: str) -> dict[str, Any]:
 
 
 def _load_manifest(path: Path) -> dict[str, Any]:
-    root = path.parent.parent
     try:
         manifest = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise _corrupt(path, root, f"unreadable manifest ({err})") from None
+        raise _corrupt(path, path, f"unreadable manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise _corrupt(path, root, "not a manifest of this format")
+        raise _corrupt(path, path, "not a manifest of this format")
     return manifest
 
 
@@ -271,38 +279,44 @@ def _manifest_key(manifest: dict[str, Any]) -> ManifestKey:
 
 
 def _check_files(root: Path, manifest: dict[str, Any], verify: bool) -> list[Path]:
+    own_manifest = manifest_path(root, manifest["shard"])
     paths = []
     for entry in manifest["files"]:
         path = root / entry["path"]
         if not path.is_file():
-            raise _corrupt(path, root, f"missing file of shard {manifest['shard']!r}")
+            raise _corrupt(path, own_manifest, f"missing file of shard {manifest['shard']!r}")
         size = path.stat().st_size
         if size != entry["bytes"]:
-            raise _corrupt(path, root, f"size {size} bytes, the manifest says {entry['bytes']} (truncated?)")
+            raise _corrupt(path, own_manifest, f"{size} bytes where {entry['bytes']} were written (truncated?)")
         if verify and _sha256_cached(path) != entry["sha256"]:
-            raise _corrupt(path, root, "content does not match the sha256 in the manifest")
+            raise _corrupt(path, own_manifest, "content differs from what was written (sha256 mismatch)")
         paths.append(path)
     return paths
 
 
-# sha256 of files this process has already hashed, keyed by what a rewrite would change. Tasks read
-# the same dataset many times (each fit shard reads two layers of it); each file is hashed once.
+# sha256 of files this process has already hashed, keyed by what a rewrite changes. Tasks read the
+# same dataset many times (each fit shard reads two layers of it); each file is hashed once. As in
+# git's "racy clean" rule, a file modified within the last seconds is not cached: file times are
+# coarse (a clock tick), so a rewrite right after hashing could keep the same mtime.
 _hashed: dict[tuple[str, int, int, int], str] = {}
+_RACY_NS = 2_000_000_000
 
 
 def _sha256_cached(path: Path) -> str:
     st = path.stat()
     identity = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
-    if identity not in _hashed:
-        _hashed[identity] = file_sha256(path)
-    return _hashed[identity]
+    if identity in _hashed:
+        return _hashed[identity]
+    digest = file_sha256(path)
+    if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+        _hashed[identity] = digest
+    return digest
 
 
-def _corrupt(path: Path, root: Path, reason: str) -> CorruptShardError:
+def _corrupt(path: Path, manifest: Path, reason: str) -> CorruptShardError:
     return CorruptShardError(
-        f"{path}: corrupt shard in {root}: {reason}. To rebuild it, delete the shard's manifest in "
-        f"{Path(root) / MANIFEST_DIR} (or the whole dataset) and re-run the stage, which redoes only "
-        "incomplete shards; `dvc repro -f <stage>` rebuilds the stage from scratch."
+        f"{path}: corrupt shard: {reason}. To rebuild it, delete {manifest} and re-run the stage, "
+        "which redoes only incomplete shards (or rebuild the whole stage: `dvc repro -f <stage>`)."
     )
 
 
@@ -504,7 +518,9 @@ def read_dataset(
         raise FileNotFoundError(f"{root}: no complete shards to read (has the stage that writes it run?)")
     options = "hive_partitioning = true, hive_types_autocast = false"
     if hive_types:
-        types = ", ".join(f"'{_sql_checked(k, _SQL_NAME)}': '{_sql_checked(v, _SQL_TYPE)}'" for k, v in hive_types.items())
+        types = ", ".join(
+            f"'{_sql_checked(k, _SQL_NAME)}': '{_sql_checked(v, _SQL_TYPE)}'" for k, v in hive_types.items()
+        )
         options += f", hive_types = {{{types}}}"
     sql = f"SELECT {columns} FROM read_parquet($files, {options})"
     for clause, fragment in (("WHERE", where), ("GROUP BY", group_by), ("ORDER BY", order_by)):

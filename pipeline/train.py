@@ -209,7 +209,7 @@ def train_run(
         batch = train_windows.random(cfg.batch_size, gen)
         with autocast():
             loss = forward(input_ids=batch, labels=batch).loss
-        train_loss = float(loss)
+        train_loss = loss.item()
         if not math.isfinite(train_loss):
             diverged_at = step
             break

@@ -32,7 +32,7 @@ def read_layer(layout: Layout, model: str, layer: int) -> tuple[np.ndarray, np.n
 def fit_task(layout: Layout, params: Params, model: str, layer: int, fn: str, key: ManifestKey, shard: str) -> int:
     import torch
 
-    from pipeline.fits import choose_anchors, fit_layer
+    from pipeline.fits import choose_anchors, finite_rows, fit_layer
     from pipeline.store import ShardWriter
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("fit").num_cpus)))
@@ -43,7 +43,7 @@ def fit_task(layout: Layout, params: Params, model: str, layer: int, fn: str, ke
     a = params.analysis
     pool = _pool(len(x), a.pool_size, a.seed)
     x, y, ids = x[pool], y[pool], ids[pool]
-    anchors = choose_anchors(len(x), a.anchors, a.seed, _finite(x) & _finite(y))
+    anchors = choose_anchors(len(x), a.anchors, a.seed, finite_rows(x, y))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     table, _info = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, fn, a, device=device)
     with ShardWriter(layout.fits, shard, key, metadata={"model": model, "fn": fn}) as writer:
@@ -56,10 +56,6 @@ def _pool(n: int, pool_size: int | None, seed: int) -> np.ndarray:
     if pool_size is None or pool_size >= n:
         return np.arange(n)
     return np.sort(np.random.default_rng(seed).choice(n, size=pool_size, replace=False))
-
-
-def _finite(v: np.ndarray) -> np.ndarray:
-    return np.isfinite(v).all(axis=1)
 
 
 def layers_by_model(layout: Layout) -> dict[str, int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 from pathlib import Path
@@ -19,9 +20,9 @@ from pipeline.aggregate import (
     aggregate,
     build_tables,
     metrics,
-    spearman_ci,
 )
 from pipeline.config import ReportConfig
+from pipeline.stats import spearman_by_layer
 from pipeline.store import ManifestKey, ShardWriter
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
@@ -67,9 +68,18 @@ def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
     })  # fmt: skip
 
 
+def diverged_steps(run: str) -> pa.Table:
+    """The run diverges: its last logged step has NaN/Inf losses and geometry."""
+    table = steps_table(run)
+    bad = pa.table({c: pa.array([math.inf if c == "train_loss" else math.nan]) if table.schema.field(c).type == pa.float64()
+                    else table[c].slice(STEPS - 1) for c in table.column_names})  # fmt: skip
+    return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
+
+
 def write_study_b(data_dir: Path) -> None:
     for run, val in FINAL_VAL.items():
-        _write(steps_table(run), data_dir / "train" / f"run={run}" / "steps.parquet")
+        steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
+        _write(steps, data_dir / "train" / f"run={run}" / "steps.parquet")
         arch, recipe, seed = run.split("-")
         record = {
             "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
@@ -175,7 +185,11 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert r["median_equi_ratio"] == pytest.approx(EQUI_RATIO["hilbert"])
     crashed = runs["gpt2-rownorm-s0"]
     assert (crashed["finished"], crashed["recipe"], crashed["seed"], crashed["final_val_loss"]) == (False, "rownorm", 0, None)
-    assert runs["gpt2-sign-s0"]["diverged"] is True
+    diverged = runs["gpt2-sign-s0"]
+    assert diverged["diverged"] is True
+    # Its NaN/Inf last step is missing, not a value: summaries are those of the finite steps.
+    assert diverged["max_tightness"] == pytest.approx(0.5)
+    assert diverged["median_step_time_s"] == pytest.approx(np.median(0.1 + 0.01 * np.arange(STEPS - 1)))
 
 
 def welch_p_closed_form(a: list[float], b: list[float]) -> float:
@@ -248,7 +262,7 @@ def test_geometry_pooled_over_layers(tables: dict[str, pa.Table]) -> None:
     assert (r["n"], r["n_layers"], r["n_nonfinite"], r["n_nonfinite_values"]) == (11, 2, 2, 1)
     assert (r["run"], r["checkpoint"], r["arch"], r["family"]) == ("gpt2-muon-s0", "final", "gpt2", "transformer")
     (ext,) = rows(tables["geometry_pooled"], model="org/tiny-mamba", fn="lowrank")
-    assert (ext["arch"], ext["checkpoint"], ext["family"]) == (None, "", "mamba")
+    assert (ext["run"], ext["arch"], ext["checkpoint"], ext["family"]) == (None, None, None, "mamba")
 
 
 def test_angle_histogram_matches_numpy(tables: dict[str, pa.Table]) -> None:
@@ -271,18 +285,31 @@ def test_spearman_of_monotone_relation_is_plus_or_minus_one(tables: dict[str, pa
         assert all(r["spearman"] == pytest.approx(expected) for r in per_layer)
 
 
-def test_spearman_ci_matches_a_plain_bootstrap_loop() -> None:
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=40)
-    y = x + rng.normal(size=40)
-    y[:5] = y[5]  # ties: averaged ranks, as scipy does
-    rho, low, high = spearman_ci(x, y, n_boot=300, ci=0.9, seed=7)
-    assert rho == pytest.approx(np.corrcoef(sps.rankdata(x), sps.rankdata(y))[0, 1])
-    draws = np.random.default_rng(7).integers(0, 40, size=(300, 40))
-    boot = [sps.spearmanr(x[i], y[i]).statistic for i in draws]
-    assert (low, high) == pytest.approx(tuple(np.quantile(boot, [0.05, 0.95])))
-    assert low < rho < high
-    assert all(math.isnan(v) for v in spearman_ci(x[:2], y[:2], 100, 0.9, 0))
+def test_correlations_use_the_anchor_grouped_bootstrap(tmp_path: Path) -> None:
+    """Noisy data, two layers sharing anchors: per-layer and pooled rows are those of
+    pipeline.stats.spearman_by_layer with anchors (seq_id, pos) resampled together across layers."""
+    rng = np.random.default_rng(1)
+    n = 30
+    seq, pos = np.arange(n, dtype=np.int32) // 5, np.arange(n, dtype=np.int32) % 5
+    layers, rel, kl = [], [], []
+    for layer in (0, 1):
+        r = rng.random(n)
+        k = r + rng.normal(scale=0.3, size=n)
+        part = tmp_path / "{}" / "model=m" / f"layer={layer}" / "fn=lowrank" / "part-0.parquet"
+        _write(pa.table({"seq_id": seq, "pos": pos, "rel_err": r}), Path(str(part).format("fits")))
+        _write(pa.table({"seq_id": seq, "pos": pos, "kl": k}), Path(str(part).format("perturb")))
+        layers.append(np.full(n, layer))
+        rel.append(r)
+        kl.append(k)
+    got = build_tables(tmp_path, CFG)["correlations"].to_pylist()
+    anchors = np.tile(seq.astype(np.int64) * 4294967296 + pos, 2)
+    want = spearman_by_layer(np.concatenate(layers), np.concatenate(rel), np.concatenate(kl), anchors,
+                             n_boot=CFG.bootstrap, ci=CFG.ci, seed=CFG.seed)  # fmt: skip
+    for row in got:
+        c = want["pooled" if row["scope"] == "pooled" else row["layer"]]
+        assert (row["n"], row["spearman"], row["ci_low"], row["ci_high"]) == pytest.approx((c.n, c.rho, c.low, c.high))
+    assert [(r["scope"], r["layer"]) for r in got] == [("pooled", None), ("layer", 0), ("layer", 1)]
+    assert 0 < got[0]["ci_low"] < got[0]["spearman"] < got[0]["ci_high"] < 1
 
 
 # -------------------------------------------------------------------------------------------- claims
@@ -329,11 +356,13 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     for name in TABLES:
         assert pq.read_table(outs[0] / "tables" / f"{name}.parquet").equals(pq.read_table(outs[1] / "tables" / f"{name}.parquet"))
     plots = outs[0] / "plots"
-    val = (plots / "val_loss" / "gpt2-muon-s0.csv").read_text().splitlines()
-    assert val[0] == '"step","run","val_loss"' and len(val) == 3
-    assert (plots / "hilbert" / "gpt2-hilbert-s0.csv").exists()
-    spearman = (plots / "spearman" / "gpt2-muon-s0.final__lowrank.csv").read_text().splitlines()
-    assert len(spearman) == 1 + len(REL_ERR)
+    val = [r for r in csv.DictReader((plots / "val_loss.csv").open()) if r["run"] == "gpt2-muon-s0"]
+    assert [int(r["step"]) for r in val] == [STEPS // 2, STEPS - 1]
+    hilbert = list(csv.DictReader((plots / "hilbert.csv").open()))
+    assert {r["run"] for r in hilbert} == set(FINAL_VAL) | {"gpt2-rownorm-s0"}
+    spearman = [r for r in csv.DictReader((plots / "spearman.csv").open()) if r["series"] == "gpt2-muon-s0@final lowrank"]
+    assert [(int(r["layer"]), float(r["spearman"])) for r in spearman] == [(0, 1.0), (1, 1.0)]
+    assert (plots / "train_loss.csv").read_bytes() == (outs[1] / "plots" / "train_loss.csv").read_bytes()
 
 
 def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:

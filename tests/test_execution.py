@@ -9,6 +9,7 @@ exercised; one against a separately started ``ray start --head`` process joined 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import re
@@ -320,12 +321,18 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
 
 
 def _stop_process_group(proc: subprocess.Popen) -> None:
-    """Stop `ray start --block` and the Ray processes it started (its own session, nobody else's)."""
-    os.killpg(proc.pid, signal.SIGTERM)
+    """Stop `ray start --block` and the Ray processes it started (its own session, nobody else's).
+
+    SIGTERM to `ray start` alone drains the node and stops its processes in seconds; the same signal
+    to the whole group makes each process drain on its own (~30 s). SIGKILL then ends any leftover
+    of the group (our own session: `start_new_session=True`).
+    """
+    proc.terminate()
     try:
         proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 

@@ -52,7 +52,8 @@ def ridge_lstsq(inputs, targets, ridge, intercept=False):
 
 
 def ref_diag(xn, yn, xa, cfg):
-    diag = np.array([max(0.0, ridge_lstsq(xn[:, [c]], yn[:, [c]], cfg.ridge)[0][0, 0]) for c in range(xn.shape[1])])
+    coords = range(xn.shape[1])
+    diag = np.array([max(0.0, ridge_lstsq(xn[:, [c]], yn[:, [c]], cfg.ridge)[0][0, 0]) for c in coords])
     return diag * xa, np.diag(diag) - np.eye(len(xa))
 
 
@@ -138,7 +139,8 @@ def reference_rows(x, y, seq, anchors, fn, cfg):
             if fn == "mlp":
                 t_val, op = ref_mlp(*args, w1_all[i])
             else:
-                t_val, op = {"diag_psd": ref_diag, "lowrank": ref_lowrank, "orthogonal": ref_orthogonal}[fn](*args)
+                ref_fit = {"diag_psd": ref_diag, "lowrank": ref_lowrank, "orthogonal": ref_orthogonal}[fn]
+                t_val, op = ref_fit(*args)
         patched.append(t_val)
         ops.append(op)
     tok_all = np.array(patched) - x[anchors]
@@ -176,9 +178,8 @@ def assert_rows_match(table, rows, tol=1e-4):
         got = table.column(name).to_pylist()
         want = [r[name] for r in rows]
         assert [g is None for g in got] == [w is None for w in want], name
-        np.testing.assert_allclose(
-            [g for g in got if g is not None], [w for w in want if w is not None], atol=tol, rtol=tol, err_msg=name
-        )
+        present = np.array([(g, w) for g, w in zip(got, want) if g is not None]).reshape(-1, 2)
+        np.testing.assert_allclose(present[:, 0], present[:, 1], atol=tol, rtol=tol, err_msg=name)
     patched = np.array(table.column("patched").to_pylist())
     np.testing.assert_allclose(patched, np.array([r["patched"] for r in rows]), atol=tol, rtol=tol)
 
@@ -280,7 +281,8 @@ def test_noise_free_maps_are_recovered_exactly():
 
     q_true = torch.linalg.qr(torch.from_numpy(rng.normal(size=(4, 6, 6)))).Q
     fit = fit_orthogonal(xn, 1.7 * xn @ q_true.transpose(1, 2), 1e-9, with_scale=True)
-    q = torch.eye(6, dtype=torch.float64) + fit.basis @ (fit.rotation - torch.eye(6, dtype=torch.float64)) @ fit.basis.transpose(1, 2)
+    eye = torch.eye(6, dtype=torch.float64)
+    q = eye + fit.basis @ (fit.rotation - eye) @ fit.basis.transpose(1, 2)
     torch.testing.assert_close(q, q_true, atol=1e-7, rtol=0)
     torch.testing.assert_close(fit.scale, torch.full((4,), 1.7, dtype=torch.float64))
 
@@ -331,7 +333,8 @@ def test_non_finite_rows_are_counted_and_excluded(fn):
     x, y, seq, pos, tok = random_layer(rng)
     cfg = AnalysisConfig(**CONFIGS["euclid"])
     bad = np.array([4, 17, 50, 51])
-    anchors = np.sort(np.concatenate([choose_anchors(len(x), 8, 1, np.isin(np.arange(len(x)), bad, invert=True)), bad[:2]]))
+    keep = np.isin(np.arange(len(x)), bad, invert=True)
+    anchors = np.sort(np.concatenate([choose_anchors(len(x), 8, 1, keep), bad[:2]]))
     x_bad, y_bad = x.copy(), y.copy()
     x_bad[bad[:2], 1] = np.nan
     y_bad[bad[2], 0] = np.inf
@@ -340,7 +343,6 @@ def test_non_finite_rows_are_counted_and_excluded(fn):
     assert info.n_nonfinite == 4 and info.n_anchors_dropped == 2 and info.n_pool == len(x) - 4
     assert set(table.column("n_nonfinite").to_pylist()) == {4}
     # Identical to fitting the pool with those rows removed.
-    keep = np.isin(np.arange(len(x)), bad, invert=True)
     clean_anchors = np.searchsorted(np.flatnonzero(keep), anchors[keep[anchors]])
     clean, _ = fit_layer(x[keep], y[keep], seq[keep], pos[keep], tok[keep], clean_anchors, fn, cfg)
     assert table.drop_columns(["n_nonfinite"]).equals(clean.drop_columns(["n_nonfinite"]))
@@ -354,7 +356,8 @@ def test_undefined_columns_are_null():
     cfg = AnalysisConfig(**CONFIGS["euclid"])
     anchors = np.array([3, 7, 40])
     ident, _ = fit_layer(x, y, seq, pos, tok, anchors, "identity", cfg)
-    for name in ("cos_full_tok", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global"):
+    undefined = ("cos_full_tok", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global")
+    for name in undefined:
         assert ident.column(name).null_count == 3, name
     assert ident.column("rel_err").to_pylist()[0] == pytest.approx(1.0)
     diag, _ = fit_layer(x, y, seq, pos, tok, anchors, "diag_psd", cfg)

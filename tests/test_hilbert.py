@@ -196,3 +196,14 @@ def test_soft_cap_and_z_loss_break_the_zero_row_sum_until_centred(logit_map, ext
     grad = _head_gradient(logit_map, extra_loss)
     assert float(grad.sum(0).norm()) > 1e-3 * float(grad.norm())
     np.testing.assert_allclose(hilbert.center_rows(grad).sum(0).numpy(), 0, atol=1e-12)
+
+
+def test_diam_of_two_antipodal_clusters_and_of_identical_rows() -> None:
+    """Far more tied maximal pairs than the candidate cap (300 × 300), as `sign` steps on a rank-1
+    gradient produce; and the degenerate all-equal case."""
+    s = torch.sign(torch.randn(1, 16, generator=torch.Generator().manual_seed(11)))
+    w = torch.cat([s.expand(300, 16), -s.expand(300, 16)])
+    found = hilbert.diam(w, chunk_rows=128)
+    assert found.value == pytest.approx(brute_diam(w), rel=1e-12)
+    assert (found.i < 300) != (found.j < 300)
+    assert hilbert.diam(torch.zeros(500, 4)).value == 0.0

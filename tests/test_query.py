@@ -1,0 +1,160 @@
+"""Read-only, versioned SQL over the result tables and per-token datasets (pipeline/query.py)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import subprocess
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_aggregate import CFG, write_tiny_study
+
+from pipeline.aggregate import aggregate
+from pipeline.query import QueryError, check_read_only, query_table, run_query
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ws = tmp_path_factory.mktemp("ws")
+    write_tiny_study(ws / "data")
+    aggregate(ws / "data", ws / "reports", CFG)
+    return ws
+
+
+def files_under(*roots: Path) -> set[Path]:
+    return {p for root in roots for p in root.rglob("*")}
+
+
+def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
+    runs = query_table("SELECT run, final_val_loss FROM runs WHERE recipe = 'hilbert' ORDER BY run", None, workspace)
+    assert runs.to_pylist()[0] == {"run": "gpt2-hilbert-s0", "final_val_loss": 2.5}
+    fits = query_table("SELECT model, count(*) AS n FROM fits WHERE fn = 'lowrank' GROUP BY model ORDER BY model", [], workspace)
+    assert fits.to_pylist() == [
+        {"model": "gpt2-muon-s0@final", "n": 11}, {"model": "gpt2-muon-s0@init", "n": 11}, {"model": "org/tiny-mamba", "n": 11}
+    ]  # labels as in the tables; the file no manifest lists is not read
+    joined = query_table(
+        "SELECT count(*) AS n FROM fits JOIN perturb USING (model, layer, fn, seq_id, pos)", None, workspace
+    )
+    assert joined["n"].to_pylist() == [66]
+    columns = query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()
+    assert "patched" not in columns and {"model", "layer", "fn", "rel_err"} <= set(columns)
+    assert query_table("SELECT count(*) AS n FROM activations", None, workspace)["n"].to_pylist() == [0]  # absent: empty
+
+
+def test_output_formats(workspace: Path) -> None:
+    sql = "SELECT recipe, n_seeds, val_loss_std FROM recipes WHERE recipe IN ('hilbert', 'adamw') ORDER BY recipe"
+    rows = list(csv.DictReader(io.StringIO(run_query(sql, None, workspace, "csv"))))
+    assert [r["recipe"] for r in rows] == ["adamw", "hilbert"] and rows[0]["val_loss_std"] == ""
+    records = json.loads(run_query(sql, None, workspace, "json"))
+    assert records[0] == {"recipe": "adamw", "n_seeds": 1, "val_loss_std": None}
+    text = run_query(sql, None, workspace, "table").splitlines()
+    assert text[0].split() == ["recipe", "n_seeds", "val_loss_std"]
+    assert "NULL" in text[2] and text[-1] == "(2 rows)"
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "COPY runs TO '{out}/copy.csv'",
+        "COPY (SELECT 1) TO '{out}/copy.parquet' (FORMAT parquet)",
+        "ATTACH '{out}/attached.duckdb' AS other",
+        "CREATE TABLE t AS SELECT 1",
+        "INSERT INTO runs (run) VALUES ('x')",
+        "INSTALL httpfs",
+        "LOAD httpfs",
+        "SET enable_external_access = true",
+        "EXPLAIN ANALYZE CREATE TABLE t AS SELECT 1",
+        "PRAGMA enable_profiling",
+        "SELECT 1; COPY runs TO '{out}/second.csv'",
+    ],
+)
+def test_writes_are_refused_by_the_statement_check(sql: str, workspace: Path, tmp_path: Path) -> None:
+    before = files_under(workspace, tmp_path)
+    with pytest.raises(QueryError, match="refused|exactly one"):
+        run_query(sql.format(out=tmp_path), None, workspace)
+    assert files_under(workspace, tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM read_csv('/etc/passwd')",
+        "SELECT * FROM read_text('/etc/passwd')",
+        "SELECT * FROM read_parquet('{ws}/reports/tables/runs.parquet')",  # even the workspace's own files
+        "SELECT * FROM glob('/etc/*')",
+    ],
+)
+def test_file_access_is_disabled_inside_duckdb(sql: str, workspace: Path) -> None:
+    with pytest.raises(QueryError, match="[Pp]ermission|disabled"):
+        run_query(sql.format(ws=workspace), None, workspace)
+
+
+def test_read_only_statements_pass_the_check() -> None:
+    for sql in ("SELECT 1", "WITH a AS (SELECT 1) SELECT * FROM a", "FROM runs", "DESCRIBE runs", "SHOW TABLES",
+                "SUMMARIZE runs", "EXPLAIN SELECT 1", "EXPLAIN ANALYZE SELECT 1", "PRAGMA table_info('runs')"):  # fmt: skip
+        assert check_read_only(sql)
+
+
+def test_bad_sql_is_a_query_error(workspace: Path) -> None:
+    with pytest.raises(QueryError, match="does not parse"):
+        run_query("SELEC 1", None, workspace)
+    with pytest.raises(QueryError, match="no_such_table"):
+        run_query("SELECT * FROM no_such_table", None, workspace)
+    with pytest.raises(QueryError, match="format"):
+        run_query("SELECT 1", None, workspace, "xml")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------- revisions
+def git(repo: Path, *args: str) -> None:
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=repo, check=True,
+                   capture_output=True)  # fmt: skip
+
+
+def commit_version(repo: Path, version: int) -> None:
+    """runs.parquet tracked by DVC (so old versions come from the DVC cache), fits plainly by git."""
+    from dvc.repo import Repo
+
+    (repo / "reports" / "tables").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}), repo / "reports" / "tables" / "runs.parquet")
+    fits = repo / "data" / "fits" / "model=gpt2-muon-s0.final" / "layer=0" / "fn=lowrank"
+    fits.mkdir(parents=True, exist_ok=True)
+    n = version + 1
+    pq.write_table(pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}), fits / "part-0.parquet")
+    with Repo(str(repo)) as dvc_repo:
+        dvc_repo.add(str(repo / "reports" / "tables"))
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", f"version {version}")
+
+
+@pytest.fixture(scope="module")
+def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from dvc.repo import Repo
+
+    repo = tmp_path_factory.mktemp("repo")
+    git(repo, "init", "-q")
+    Repo.init(str(repo)).close()
+    commit_version(repo, 1)
+    commit_version(repo, 2)
+    pq.write_table(pa.table({"run": ["dirty"], "final_val_loss": [9.0]}), repo / "reports" / "tables" / "runs.parquet")
+    return repo
+
+
+def test_several_revisions_are_united_with_a_rev_column(versioned_repo: Path) -> None:
+    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], versioned_repo)
+    assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]
+    fits = query_table("SELECT rev, model, count(*) AS n FROM fits GROUP BY ALL ORDER BY n", ["HEAD~1", "HEAD"], versioned_repo)
+    assert fits.to_pylist() == [
+        {"rev": "HEAD~1", "model": "gpt2-muon-s0@final", "n": 2}, {"rev": "HEAD", "model": "gpt2-muon-s0@final", "n": 3}
+    ]
+    single = query_table("SELECT * FROM runs", ["HEAD~1"], versioned_repo)
+    assert single.column_names == ["run", "final_val_loss"] and single["run"].to_pylist() == ["v1"]
+    assert query_table("SELECT run FROM runs", None, versioned_repo)["run"].to_pylist() == ["dirty"]  # working tree
+
+
+def test_unknown_revision_is_a_query_error(versioned_repo: Path) -> None:
+    with pytest.raises(QueryError, match="no-such-rev"):
+        run_query("SELECT * FROM runs", ["no-such-rev"], versioned_repo)

@@ -1,0 +1,401 @@
+"""The shard store: vectors, atomic writes, manifests and resume, corruption, reading with DuckDB.
+
+The kill tests run a real writer in a subprocess and SIGKILL it: once in the middle of writing,
+once between renaming its files into place and writing its manifest (the worst moment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline import store
+from pipeline.store import (
+    CorruptShardError,
+    ManifestKey,
+    ShardWriter,
+    arrow_to_vectors,
+    atomic_path,
+    code_version,
+    complete_files,
+    dataset_digest,
+    file_sha256,
+    partition_dir,
+    prune_shards,
+    read_dataset,
+    shard_complete,
+    shard_slug,
+    vector_type,
+    vectors_to_arrow,
+    verify_shard,
+)
+
+KEY = ManifestKey(inputs={"activations": "abc123"}, params_hash="p1", code_version="c1")
+TYPES = {"model": "VARCHAR", "layer": "INTEGER"}
+
+
+def rows(seq: int, n: int = 4, d: int = 3) -> pa.Table:
+    rng = np.random.default_rng(seq)
+    return pa.table({
+        "seq_id": pa.array([seq] * n, pa.int32()),
+        "pos": pa.array(range(n), pa.int32()),
+        "h": vectors_to_arrow(rng.standard_normal((n, d))),
+    })
+
+
+def write_shard(root: Path, shard: str, key: ManifestKey = KEY, seq: int = 0, layers: tuple = (0, 1)) -> None:
+    with ShardWriter(root, shard, key, metadata={"model": "m"}) as writer:
+        for layer in layers:
+            writer.write({"model": "m", "layer": layer}, rows(seq))
+
+
+def data_files(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() and MANIFESTS not in p.parts)
+
+
+MANIFESTS = store.MANIFEST_DIR
+
+
+# ------------------------------------------------------------------------------------- vectors
+def test_vector_types() -> None:
+    assert vector_type(8) == pa.list_(pa.float32(), 8)
+    assert vector_type(8, half=True) == pa.list_(pa.float16(), 8)
+    with pytest.raises(ValueError):
+        vector_type(0)
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_vectors_round_trip_through_parquet_and_duckdb(tmp_path: Path, half: bool) -> None:
+    x = np.random.default_rng(0).standard_normal((7, 5)).astype(np.float32)
+    expected = x.astype(np.float16).astype(np.float32) if half else x
+    column = vectors_to_arrow(x, half=half)
+    assert column.type == vector_type(5, half)
+    assert np.array_equal(arrow_to_vectors(column), expected)
+    pq.write_table(pa.table({"h": column}), tmp_path / "v.parquet")
+    assert np.array_equal(arrow_to_vectors(pq.read_table(tmp_path / "v.parquet")["h"]), expected)
+    # DuckDB hands back a variable-size list (Parquet has no fixed-size list); it converts all the same.
+    from_duckdb = duckdb.sql(f"SELECT h FROM '{tmp_path / 'v.parquet'}'").to_arrow_table()["h"]
+    assert pa.types.is_list(from_duckdb.type)
+    out = arrow_to_vectors(from_duckdb)
+    assert out.dtype == np.float32 and np.array_equal(out, expected)
+
+
+def test_arrow_to_vectors_is_zero_copy_for_one_float32_chunk_and_honours_slices() -> None:
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    column = vectors_to_arrow(x)
+    out = arrow_to_vectors(column)
+    buffer = np.frombuffer(column.values.buffers()[1], dtype=np.float32)
+    assert np.shares_memory(out, buffer)
+    assert np.array_equal(arrow_to_vectors(column.slice(2, 3)), x[2:5])
+    chunked = pa.chunked_array([column.slice(0, 3), column.slice(3, 5)])
+    assert np.array_equal(arrow_to_vectors(chunked), x)
+    assert arrow_to_vectors(pa.chunked_array([], vector_type(3))).shape == (0, 3)
+
+
+def test_arrow_to_vectors_refuses_ragged_or_null_rows() -> None:
+    with pytest.raises(ValueError, match="different lengths"):
+        arrow_to_vectors(pa.array([[1.0, 2.0], [3.0]], pa.list_(pa.float32())))
+    with pytest.raises(ValueError, match="null"):
+        arrow_to_vectors(pa.array([[1.0, 2.0], None], vector_type(2)))
+    with pytest.raises(ValueError, match=r"\(n, d\)"):
+        vectors_to_arrow(np.zeros(3))
+
+
+# ----------------------------------------------------------------------------- hashes, version
+def test_file_sha256_matches_hashlib(tmp_path: Path) -> None:
+    data = os.urandom(3 * 2**20 + 17)  # spans several read chunks
+    (tmp_path / "f").write_bytes(data)
+    assert file_sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def _code_version_of_copy(package: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    spec = importlib.util.spec_from_file_location("store_copy", package / "store.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "store_copy", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.code_version()
+
+
+def test_code_version_depends_on_the_sources_not_on_where_they_are(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    version = code_version()
+    assert re.fullmatch(rf"{re.escape(metadata.version('lmgeo'))}\+[0-9a-f]{{16}}", version)
+    copy = tmp_path / "elsewhere" / "pipeline"
+    shutil.copytree(Path(store.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    assert _code_version_of_copy(copy, monkeypatch) == version
+    with open(copy / "config.py", "a") as f:
+        f.write("\n# a change\n")
+    assert _code_version_of_copy(copy, monkeypatch) != version
+
+
+def test_shard_slugs_are_safe_and_distinct() -> None:
+    keys = ["gpt2-adamw-s0.final/layer=1/fn=diag_psd", "gpt2-adamw-s0.final_layer_1_fn_diag_psd",
+            "gpt2-adamw-s0@final", "EleutherAI--pythia-70m/seq=16", "../../etc", "a b"]
+    slugs = [shard_slug(k) for k in keys]
+    assert len(set(slugs)) == len(keys)
+    assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s) for s in slugs), slugs
+    assert shard_slug(keys[0]) == shard_slug(keys[0])
+
+
+def test_partition_values_that_would_break_paths_are_refused() -> None:
+    expected = Path("model=EleutherAI--pythia-70m/layer=3")
+    assert partition_dir({"model": "EleutherAI--pythia-70m", "layer": 3}) == expected
+    for bad in ({"model": "a/b"}, {"model": ".."}, {"model": ""}, {"model": "a=b"}, {"bad key": "x"}):
+        with pytest.raises(ValueError):
+            partition_dir(bad)
+
+
+# -------------------------------------------------------------------------------------- writing
+def test_a_shard_is_written_atomically_with_its_manifest_last(tmp_path: Path) -> None:
+    root = tmp_path / "acts"
+    with ShardWriter(root, "m/seq=0", KEY, metadata={"model": "m@final"}) as writer:
+        writer.write({"model": "m", "layer": 0}, rows(0))
+        writer.write({"model": "m", "layer": 0}, rows(1).to_batches()[0])  # appended, streamed
+        writer.write({"model": "m", "layer": 1}, rows(0))
+        # inside the block: only hidden temporaries, no manifest, nothing a reader would take
+        assert not list(root.rglob("*.parquet")) and not shard_complete(root, "m/seq=0", KEY)
+    slug = shard_slug("m/seq=0")
+    assert data_files(root) == [f"model=m/layer=0/part-{slug}.parquet", f"model=m/layer=1/part-{slug}.parquet"]
+    manifest = json.loads((root / MANIFESTS / f"{slug}.json").read_text())
+    assert manifest["shard"] == "m/seq=0" and manifest["inputs"] == KEY.inputs
+    assert manifest["params_hash"] == "p1" and manifest["code_version"] == "c1"
+    for entry in manifest["files"]:
+        path = root / entry["path"]
+        assert entry["bytes"] == path.stat().st_size and entry["sha256"] == file_sha256(path)
+    assert [e["rows"] for e in manifest["files"]] == [8, 4]
+    meta = pq.read_schema(root / manifest["files"][0]["path"]).metadata
+    assert meta[b"model"] == b"m@final" and meta[b"lmgeo.shard"] == b"m/seq=0"
+    assert meta[b"lmgeo.params_hash"] == b"p1" and meta[b"lmgeo.code_version"] == b"c1"
+    assert shard_complete(root, "m/seq=0", KEY)
+
+
+@pytest.mark.parametrize("changed", [
+    {"inputs": {"activations": "other"}}, {"params_hash": "p2"}, {"code_version": "c2"},
+])
+def test_a_shard_is_complete_only_for_the_same_key(tmp_path: Path, changed: dict) -> None:
+    write_shard(tmp_path, "s")
+    assert shard_complete(tmp_path, "s", KEY)
+    assert not shard_complete(tmp_path, "s", ManifestKey(**{**KEY.__dict__, **changed}))
+    assert not shard_complete(tmp_path, "never-written", KEY)
+
+
+def test_an_exception_while_writing_leaves_nothing(tmp_path: Path) -> None:
+    write_shard(tmp_path, "s", layers=(0,))
+    with pytest.raises(RuntimeError, match="model crashed"), ShardWriter(tmp_path, "s", KEY) as writer:
+        writer.write({"model": "m", "layer": 0}, rows(0))
+        raise RuntimeError("model crashed")
+    # the old version is gone too; empty partition directories stay (another shard may be using one)
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert not shard_complete(tmp_path, "s", KEY)
+
+
+def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None:
+    write_shard(tmp_path, "s", layers=(0, 1))
+    write_shard(tmp_path, "other", layers=(0,))
+    write_shard(tmp_path, "s", layers=(2,))
+    assert data_files(tmp_path) == [
+        f"model=m/layer=0/part-{shard_slug('other')}.parquet",
+        f"model=m/layer=2/part-{shard_slug('s')}.parquet",
+    ]
+    assert complete_files(tmp_path) == [tmp_path / f for f in data_files(tmp_path)]
+
+
+# ------------------------------------------------------------------------------ killed writers
+WRITER = textwrap.dedent("""
+    import os, signal, sys
+    import numpy as np, pyarrow as pa
+    from pipeline import store
+    root, shard, moment = sys.argv[1], sys.argv[2], sys.argv[3]
+    key = store.ManifestKey({"activations": "abc123"}, "p1", "c1")
+    if moment == "before-manifest":  # die after the renames, before the manifest
+        store._write_atomically = lambda path, text: os.kill(os.getpid(), signal.SIGKILL)
+    with store.ShardWriter(root, shard, key) as writer:
+        for i in range(10 if moment == "before-manifest" else 10**9):
+            table = pa.table({"seq_id": pa.array([i] * 4, pa.int32()), "pos": pa.array(range(4), pa.int32()),
+                              "h": store.vectors_to_arrow(np.ones((4, 3)))})
+            writer.write({"model": "m", "layer": i % 2}, table)
+            if i == 20:
+                print("writing", flush=True)
+""")
+
+
+def kill_writer(root: Path, shard: str, moment: str) -> None:
+    command = [sys.executable, "-c", WRITER, str(root), shard, moment]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    if moment == "mid-write":
+        assert child.stdout.readline() == "writing\n"
+        os.kill(child.pid, signal.SIGKILL)
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+
+
+def resume(root: Path, shards: dict[str, int]) -> list[str]:
+    """A stage re-run: skip complete shards, redo the others; returns the shards it wrote."""
+    redone = []
+    for shard, seq in shards.items():
+        if not shard_complete(root, shard, KEY):
+            write_shard(root, shard, seq=seq)
+            redone.append(shard)
+    return redone
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("moment", ["mid-write", "before-manifest"])
+def test_a_killed_shard_is_redone_and_complete_shards_are_skipped(tmp_path: Path, moment: str) -> None:
+    write_shard(tmp_path, "done", seq=1)
+    done_file = complete_files(tmp_path)[0]
+    before = done_file.stat()
+    kill_writer(tmp_path, "killed", moment)
+
+    leftovers = [p.name for p in tmp_path.rglob("*") if shard_slug("killed") in p.name]
+    assert leftovers, "the killed writer left nothing to clean up"
+    if moment == "mid-write":
+        assert all(name.startswith(".") and ".tmp-" in name for name in leftovers), leftovers
+    assert not shard_complete(tmp_path, "killed", KEY)
+    assert complete_files(tmp_path) == [p for p in complete_files(tmp_path) if shard_slug("done") in p.name]
+    assert read_dataset(tmp_path, TYPES, columns="DISTINCT seq_id").column("seq_id").to_pylist() == [1]
+
+    assert resume(tmp_path, {"done": 1, "killed": 2}) == ["killed"]
+    assert done_file.stat().st_ino == before.st_ino and done_file.stat().st_mtime_ns == before.st_mtime_ns
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
+    table = read_dataset(tmp_path, TYPES, columns="seq_id, count(*) AS n", group_by="seq_id", order_by="seq_id")
+    assert table.to_pydict() == {"seq_id": [1, 2], "n": [8, 8]}  # 4 rows x 2 layers each, nothing partial
+    assert resume(tmp_path, {"done": 1, "killed": 2}) == []
+
+
+# ---------------------------------------------------------------------------------- corruption
+def corrupt(path: Path, how: str) -> None:
+    size = path.stat().st_size
+    if how == "truncate":
+        with open(path, "r+b") as f:
+            f.truncate(size // 2)
+    else:  # same size, different bytes: only the hash can tell
+        path.write_bytes(os.urandom(size))
+
+
+@pytest.mark.parametrize(("how", "reason"), [("truncate", "truncated"), ("garbage", "sha256")])
+def test_a_corrupted_shard_is_named_with_how_to_rebuild_it(tmp_path: Path, how: str, reason: str) -> None:
+    write_shard(tmp_path, "good", seq=1)
+    write_shard(tmp_path, "bad", seq=2)
+    hour_ago = os.stat(tmp_path).st_mtime - 3600
+    for path in complete_files(tmp_path, verify=False):
+        os.utime(path, (hour_ago, hour_ago))  # old enough for the hash cache to keep
+    read_dataset(tmp_path, TYPES)  # hashes every file once; the rewrite below must not hit the cache
+    victim = tmp_path / f"model=m/layer=1/part-{shard_slug('bad')}.parquet"
+    corrupt(victim, how)
+
+    for read in (lambda: verify_shard(tmp_path, "bad"), lambda: complete_files(tmp_path),
+                 lambda: read_dataset(tmp_path, TYPES)):
+        with pytest.raises(CorruptShardError) as err:
+            read()
+        message = str(err.value)
+        assert message.startswith(f"{victim}: corrupt shard") and reason in message
+        assert str(store.manifest_path(tmp_path, "bad")) in message and "dvc repro -f" in message
+    assert verify_shard(tmp_path, "good")
+
+    assert resume(tmp_path, {"good": 1, "bad": 2}) == ["bad"]  # a re-run redoes just that shard
+    assert read_dataset(tmp_path, TYPES, columns="count(*) AS n").column("n").to_pylist() == [16]
+
+
+def test_a_corrupted_manifest_is_named_and_the_shard_redone(tmp_path: Path) -> None:
+    write_shard(tmp_path, "s")
+    manifest = store.manifest_path(tmp_path, "s")
+    corrupt(manifest, "garbage")
+    with pytest.raises(CorruptShardError, match=re.escape(f"{manifest}: corrupt shard: unreadable manifest")):
+        complete_files(tmp_path)
+    assert resume(tmp_path, {"s": 0}) == ["s"]
+    assert verify_shard(tmp_path, "s")
+
+
+def test_a_missing_file_is_named(tmp_path: Path) -> None:
+    write_shard(tmp_path, "s")
+    victim = complete_files(tmp_path)[0]
+    victim.unlink()
+    with pytest.raises(CorruptShardError, match=re.escape(f"{victim}: corrupt shard: missing file")):
+        verify_shard(tmp_path, "s")
+
+
+# ------------------------------------------------------------------------------------- reading
+def test_read_dataset_types_partitions_explicitly_and_agrees_with_a_plain_glob(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", seq=0, layers=(0, 1, 10))
+    write_shard(tmp_path, "b", seq=1, layers=(0, 1, 10))
+    table = read_dataset(tmp_path, TYPES, where="layer >= 1", order_by="layer, seq_id, pos")
+    assert table.schema.field("layer").type == pa.int32() and table.schema.field("model").type == pa.string()
+    assert table["layer"].to_pylist() == [1] * 8 + [10] * 8  # numeric order: 10 after 1
+    expected = np.concatenate([arrow_to_vectors(rows(0)["h"]), arrow_to_vectors(rows(1)["h"])] * 2)
+    assert np.array_equal(arrow_to_vectors(table["h"]), expected)
+    untyped = read_dataset(tmp_path, {}, columns="DISTINCT layer", order_by="layer")
+    assert untyped["layer"].to_pylist() == ["0", "1", "10"]  # never guessed: VARCHAR unless declared
+    glob = duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', hive_partitioning = true)")
+    assert glob.fetchall()[0][0] == read_dataset(tmp_path, TYPES).num_rows == 24
+
+
+def test_read_dataset_without_complete_shards_says_so(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="no complete shards"):
+        read_dataset(tmp_path, TYPES)
+
+
+def test_dataset_digest_follows_the_shards_under_its_prefix(tmp_path: Path) -> None:
+    write_shard(tmp_path, "m1/seq=0", seq=0)
+    write_shard(tmp_path, "m2/seq=0", seq=5)
+    digest = dataset_digest(tmp_path, prefix="m1/")
+    write_shard(tmp_path, "m2/seq=0", seq=6)
+    assert dataset_digest(tmp_path, prefix="m1/") == digest
+    write_shard(tmp_path, "m1/seq=0", seq=0)  # the same bytes again
+    assert dataset_digest(tmp_path, prefix="m1/") == digest
+    write_shard(tmp_path, "m1/seq=0", seq=1)
+    assert dataset_digest(tmp_path, prefix="m1/") != digest
+
+
+def test_prune_removes_unplanned_shards_and_leftovers_only(tmp_path: Path) -> None:
+    for shard in ("keep-1", "keep-2", "stale"):
+        write_shard(tmp_path, shard)
+    stray_final = tmp_path / "model=m/layer=0/part-ghost-0123456789.parquet"
+    stray_temp = tmp_path / "model=m/layer=5/.part-x.parquet.tmp-4242"
+    for stray in (stray_final, stray_temp):
+        stray.parent.mkdir(parents=True, exist_ok=True)
+        stray.write_bytes(b"leftover")
+    (tmp_path / "README.md").write_text("not ours")
+    assert prune_shards(tmp_path, keep={"keep-1", "keep-2", "planned-but-not-written"}) == 1
+    assert not stray_final.exists() and not stray_temp.exists() and (tmp_path / "README.md").exists()
+    kept = {f"part-{shard_slug(s)}.parquet" for s in ("keep-1", "keep-2")}
+    assert {p.name for p in complete_files(tmp_path)} == kept
+    assert not shard_complete(tmp_path, "stale", KEY)
+
+
+# ----------------------------------------------------------------------------------- atomic_path
+def test_atomic_path_replaces_files_and_directories_only_on_success(tmp_path: Path) -> None:
+    target = tmp_path / "run" / "steps.parquet"
+    with atomic_path(target) as tmp:
+        assert not tmp.name.endswith(".parquet")
+        tmp.write_text("v1")
+    with pytest.raises(RuntimeError), atomic_path(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError
+    assert target.read_text() == "v1" and os.listdir(target.parent) == ["steps.parquet"]
+
+    checkpoint = tmp_path / "run" / "final"
+    for name in ("old.safetensors", "new.safetensors"):
+        with atomic_path(checkpoint) as tmp:
+            tmp.mkdir()
+            (tmp / name).write_text(name)
+    assert os.listdir(checkpoint) == ["new.safetensors"]
+    with pytest.raises(FileNotFoundError, match="nothing was written"), atomic_path(checkpoint):
+        pass
