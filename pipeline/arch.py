@@ -203,22 +203,19 @@ def _check_config(config: dict, ref: str, trust_remote_code: bool) -> None:
     spec_for_model_type(config.get("model_type"))
 
 
-def load_model(
+def check_model(
     ref: str,
     *,
     revision: str | None = None,
     trust_remote_code: bool = False,
     workspace: Path | None = None,
     allow_outside_paths: bool = False,
-    dtype: torch.dtype = torch.float32,
-) -> PreTrainedModel:
-    """A causal LM from a local `save_pretrained` directory or a hub id, in eval mode.
+) -> str:
+    """Everything `load_model` refuses, checked without reading any weight; returns what to load.
 
-    The config is checked (remote code, supported family) before any weight is read, and weights are
-    read from safetensors only. Relative local paths are taken from `workspace` when given.
+    Stages call it in the driver, so a bad model reference is one clear error before any task starts.
     """
     local = _local_dir(ref, workspace, allow_outside_paths)
-    source = str(local) if local is not None else ref
     if local is not None:
         config_file = local / "config.json"
         if not config_file.is_file():
@@ -234,6 +231,27 @@ def load_model(
     _check_config(config, ref, trust_remote_code)
     if local is not None:
         _check_local_weights(local)
+    return str(local) if local is not None else ref
+
+
+def load_model(
+    ref: str,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    workspace: Path | None = None,
+    allow_outside_paths: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> PreTrainedModel:
+    """A causal LM from a local `save_pretrained` directory or a hub id, in eval mode.
+
+    The config is checked (remote code, supported family) before any weight is read, and weights are
+    read from safetensors only. Relative local paths are taken from `workspace` when given.
+    """
+    source = check_model(
+        ref, revision=revision, trust_remote_code=trust_remote_code, workspace=workspace,
+        allow_outside_paths=allow_outside_paths,
+    )
     try:
         model = AutoModelForCausalLM.from_pretrained(
             source,

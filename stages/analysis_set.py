@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 
 from pipeline.config import Params
+from pipeline.errors import InputError
 from stages.layout import Layout
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -28,16 +30,36 @@ def path_id_for(table_id: str) -> str:
 
 
 def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
+    """Trained checkpoints (a diverged run's `final` is left out: its weights are not finite) and
+    external models, checked in the driver so that a bad reference fails before any task starts."""
     trained = [
         AnalysedModel(f"{run}@{ckpt}", f"{run}.{ckpt}", str(layout.run_dir(run) / ckpt), None, True)
         for run in params.train.runs()
         for ckpt in params.analysis.checkpoints
+        if not (ckpt == "final" and diverged(layout, run))
     ]
     external = [
         AnalysedModel(m.id, path_id_for(m.id.removeprefix("./").strip("/")), m.id, m.revision, False)
         for m in params.analysis.external_models
     ]
     return trained + external
+
+
+def diverged(layout: Layout, run: str) -> bool:
+    run_json = layout.run_dir(run) / "final" / "run.json"
+    if not run_json.is_file():
+        raise InputError(f"{run} has no final checkpoint ({run_json}): run `lmgeo train` (or `dvc repro train`) first")
+    return bool(json.loads(run_json.read_text()).get("diverged"))
+
+
+def check_external_models(params: Params, layout: Layout) -> None:
+    from pipeline.arch import check_model
+
+    for model in params.analysis.external_models:
+        check_model(
+            model.id, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
+            workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+        )
 
 
 def open_model(layout: Layout, params: Params, model: AnalysedModel):

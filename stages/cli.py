@@ -7,6 +7,7 @@ This module imports only typer and the params models, so `lmgeo --help` and ever
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -47,6 +48,9 @@ def _load(params_path: Path) -> Params:
 def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options: Any) -> None:
     """Validate params, then hand over to `stages.<stage>.run`; bad input exits with code 2."""
     params = _load(params_path)
+    # Per-checkpoint "Loading weights" bars from every Ray worker drown the stage's own progress lines;
+    # set before Ray starts, so that workers inherit it.
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     module = importlib.import_module(f"stages.{stage}")
     try:
         module.run(params, ray_address=ray_address, **options)

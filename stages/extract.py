@@ -8,7 +8,7 @@ import numpy as np
 from pipeline.config import Params, digest
 from pipeline.execution import Shard
 from pipeline.store import ManifestKey, code_version, file_sha256
-from stages.analysis_set import AnalysedModel, analysed_models, open_model
+from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, open_model
 from stages.layout import Layout
 from stages.sharded import run_sharded_stage
 
@@ -87,4 +87,5 @@ def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
+    check_external_models(params, layout)
     run_sharded_stage("extract", params, ray_address, layout.activations, plan(params, layout))

@@ -1,0 +1,181 @@
+"""The head step-size sweep: selection rule, grids, edge extensions, and a tiny real sweep."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline import tuning
+from pipeline.arch import build_model, head_of
+from pipeline.config import ModelSize, RecipeConfig, TrainConfig
+from pipeline.recipes import DEFAULT_HEAD_STEP, build_optimizers
+from pipeline.train import RunSpec, train_run
+from stages.tune import render, tuning_config
+
+TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
+VOCAB, SEQ = 64, 16
+
+
+def rows(recipe: str, entries: list[tuple[str, float, int, float | None]]) -> list[dict]:
+    """Hand-made trial rows; a loss of None is a diverged run."""
+    return [
+        {"recipe": recipe, "arch": "neox", "knob": knob, "value": value, "seed": seed,
+         "final_val_loss": loss, "diverged": loss is None, "steps_done": 10, "wall_time_s": 1.0}
+        for knob, value, seed, loss in entries
+    ]
+
+
+def table(recipe: str, entries: list[tuple[str, float, int, float | None]]):
+    return tuning.results_table(rows(recipe, entries))
+
+
+# ------------------------------------------------------------------------------------ selection
+def test_best_step_is_the_lowest_mean_over_seeds() -> None:
+    rng = np.random.default_rng(0)
+    losses = {v: rng.uniform(3, 5, size=3) for v in (0.01, 0.02, 0.04, 0.08)}
+    t = table("sign", [("head_lr", v, s, float(x)) for v, xs in losses.items() for s, x in enumerate(xs)])
+    expected = min(losses, key=lambda v: losses[v].mean())
+    choice = tuning.best_step(t)
+    assert (choice.knob, choice.value) == ("head_lr", expected)
+    assert choice.mean_val_loss == pytest.approx(losses[expected].mean(), rel=1e-12)
+
+
+def test_a_step_that_diverges_on_any_seed_never_wins() -> None:
+    # 0.4 has the best single run but diverged on seed 1: it counts as +inf, not as its finite mean.
+    t = table("hilbert", [
+        ("head_lr", 0.1, 0, 3.6), ("head_lr", 0.1, 1, 3.7),
+        ("head_lr", 0.4, 0, 3.0), ("head_lr", 0.4, 1, None),
+    ])
+    assert tuning.best_step(t) == tuning.Choice("head_lr", 0.1, pytest.approx(3.65))
+    scores = {s.value: s for s in tuning.step_scores(t)}
+    assert math.isinf(scores[0.4].mean_val_loss) and scores[0.4].diverged == 1
+
+
+def test_ties_go_to_head_lr_then_to_the_smaller_step() -> None:
+    t = table("hilbert", [("tau", 0.2, 0, 3.5), ("head_lr", 0.08, 0, 3.5), ("head_lr", 0.04, 0, 3.5)])
+    assert tuning.best_step(t) == tuning.Choice("head_lr", 0.04, 3.5)
+    t = table("hilbert", [("tau", 0.4, 0, 3.5), ("tau", 0.2, 0, 3.5)])
+    assert tuning.best_step(t) == tuning.Choice("tau", 0.2, 3.5)
+
+
+def test_best_step_refuses_mixed_recipes_and_all_diverged() -> None:
+    mixed = tuning.results_table(rows("sign", [("head_lr", 0.1, 0, 3.0)]) + rows("muon", [("head_lr", 0.1, 0, 3.0)]))
+    with pytest.raises(ValueError, match="one recipe"):
+        tuning.best_step(mixed)
+    with pytest.raises(ValueError, match="every head step diverged"):
+        tuning.best_step(table("sign", [("head_lr", 0.1, 0, None), ("head_lr", 0.2, 0, None)]))
+
+
+# ------------------------------------------------------------------------------ grids and edges
+def test_edges_extend_the_winning_side_only() -> None:
+    def losses(best_at: float) -> list:
+        return [("head_lr", v, 0, 3.0 + abs(math.log(v / best_at))) for v in (0.01, 0.02, 0.04)]
+
+    assert tuning.edge_extensions(table("sign", losses(0.04))) == {"head_lr": [0.08]}
+    assert tuning.edge_extensions(table("sign", losses(0.01))) == {"head_lr": [0.005]}
+    assert tuning.edge_extensions(table("sign", losses(0.02))) == {}
+    all_diverged = table("sign", [("head_lr", v, 0, None) for v in (0.01, 0.02)])
+    assert tuning.edge_extensions(all_diverged) == {"head_lr": [0.005]}
+    both = table("hilbert", losses(0.04) + [("tau", v, 0, 3.0 + v) for v in (0.2, 0.4, 0.8)])
+    assert tuning.edge_extensions(both) == {"head_lr": [0.08], "tau": [0.1]}
+
+
+def test_default_grids_are_log_spaced_around_the_default() -> None:
+    cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
+    factors = np.array(tuning.GRID_FACTORS)
+    for recipe, default in DEFAULT_HEAD_STEP.items():
+        grid = tuning.default_grid(recipe, cfg)
+        knob, value = tuning.default_step(recipe, cfg)
+        eta = value / 8.0 if knob == "tau" else value  # √64 = 8
+        np.testing.assert_allclose(grid["head_lr"], eta * factors, rtol=1e-3)
+        if recipe in ("hilbert", "hilbert_equi"):
+            np.testing.assert_allclose(grid["tau"], eta * 8.0 * factors, rtol=1e-3)
+        else:
+            assert set(grid) == {"head_lr"}
+        if default.head_lr is None and default.tau is None:
+            assert (knob, value) == ("head_lr", 2e-3)  # follows the run's AdamW lr
+
+
+def test_a_trial_changes_only_its_recipe_head_step() -> None:
+    base = TrainConfig(
+        recipe_overrides={"hilbert_equi": RecipeConfig(head_lr=0.3, equi_iters=5), "sign": RecipeConfig(head_lr=0.7)}
+    )
+    trial = tuning.Trial("hilbert_equi", "neox", "tau", 0.25, 0)
+    cfg = tuning.trial_config(base, trial)
+    assert cfg.recipe_overrides["hilbert_equi"] == RecipeConfig(tau=0.25, equi_iters=5)
+    assert cfg.recipe_overrides["sign"] == base.recipe_overrides["sign"]
+    assert cfg.model_dump(exclude={"recipe_overrides"}) == base.model_dump(exclude={"recipe_overrides"})
+    with pytest.raises(ValueError, match="tau applies"):
+        tuning.Trial("sign", "neox", "tau", 0.25, 0)
+
+
+@pytest.mark.parametrize("recipe", ["adamw", "muon", "sign"])
+def test_every_group_but_the_head_keeps_its_learning_rate(recipe: str) -> None:
+    model = build_model("neox", TINY, VOCAB, SEQ, seed=0)
+    base = TrainConfig(model=TINY)
+    lrs = [
+        build_optimizers(model, head_of(model).weight, recipe, tuning.trial_config(base, tuning.Trial(recipe, "neox", "head_lr", v, 0))).lrs()
+        for v in (0.001, 0.1)
+    ]
+    assert {k: v for k, v in lrs[0].items() if k != "head"} == {k: v for k, v in lrs[1].items() if k != "head"}
+    assert lrs[1]["head"] == pytest.approx(100 * lrs[0]["head"])
+
+
+# ----------------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def tokens() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return rng.integers(0, VOCAB, 4000).astype(np.int32), rng.integers(0, VOCAB, 1000).astype(np.int32)
+
+
+def tiny_cfg(**overrides) -> TrainConfig:
+    return TrainConfig(model=TINY, steps=4, batch_size=4, eval_batches=1, probe_sequences=2,
+                       equi_sample_rows=32, device="cpu", **overrides)
+
+
+def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
+    train, val = tokens
+    base = tiny_cfg()
+    t = tuning.sweep(base, "hilbert", "neox", {"head_lr": [0.01, 0.3]}, [0, 1], train, val, VOCAB, SEQ)
+    assert t.schema == tuning.TRIAL_SCHEMA and t.num_rows == 4
+    got = t.to_pylist()
+    assert [(r["value"], r["seed"]) for r in got] == [(0.01, 0), (0.01, 1), (0.3, 0), (0.3, 1)]
+    assert all(r["recipe"] == "hilbert" and r["arch"] == "neox" and not r["diverged"] for r in got)
+    assert all(r["steps_done"] == 4 for r in got)
+    assert got[0]["final_val_loss"] != got[2]["final_val_loss"]  # the head step took effect
+    direct, _ = train_run(
+        RunSpec("neox", "hilbert", 1), tiny_cfg(recipe_overrides={"hilbert": RecipeConfig(head_lr=0.3)}),
+        train, val, VOCAB, SEQ, "x", lambda *_: None,
+    )
+    assert got[3]["final_val_loss"] == direct.final_val_loss
+
+
+def test_final_only_measurements_do_not_change_the_trajectory(tokens) -> None:
+    """`lmgeo tune` evaluates and measures geometry only at the end; the loss must not depend on it."""
+    train, val = tokens
+    every_step = tiny_cfg(eval_interval=1, geometry_interval=1)
+    results = [
+        train_run(RunSpec("neox", "hilbert_equi", 0), cfg, train, val, VOCAB, SEQ, "x", lambda *_: None)[0]
+        for cfg in (every_step, tuning_config(every_step, every_step.steps))
+    ]
+    assert results[0].final_val_loss == results[1].final_val_loss
+
+
+# --------------------------------------------------------------------------------------- report
+def test_the_document_marks_the_choice_and_diverged_runs() -> None:
+    trial_rows = rows("sign", [("head_lr", 0.1, 0, 3.5), ("head_lr", 0.2, 0, 3.2), ("head_lr", 0.4, 0, None)])
+    choice = tuning.best_step(tuning.results_table(trial_rows))
+    protocol = {
+        "arch": "neox", "model": TINY.model_dump(), "n_params": 1234, "vocab_size": VOCAB, "seq_len": SEQ,
+        "steps": 4, "batch_size": 4, "tokens_per_run": 256, "seeds": [0], "hidden_lr": 0.02, "adamw_lr": 3e-3,
+        "weight_decay": 0.0, "grad_clip": 1.0, "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1,
+        "grid_factors": [0.5, 1, 2], "edge_factor": 2.0, "max_extension_rounds": 2,
+        "grids": {"sign": {"head_lr": [0.1, 0.2]}}, "defaults_at_sweep": {"sign": {"knob": "head_lr", "value": 0.2}},
+        "wall_time_s": 1.0, "threads_per_run": 1, "machine": "test",
+    }
+    text = render(protocol, trial_rows, {"sign": choice})
+    assert "| `sign` | `head_lr` | 0.2 | grid | 3.2000 | 3.2000 | ✔ |" in text
+    assert "| `sign` | `head_lr` | 0.4 | edge | *diverged* | inf (diverged) |  |" in text
+    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | `head_lr` 0.2: 3.2000 |" in text
