@@ -312,7 +312,7 @@ def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
     """)  # fmt: skip
 
 
-_MODEL_FACTS = f"""
+_MODEL_FACTS = """
     nullif(regexp_extract(model, '^(.*)@(init|final)$', 1), '') AS run,
     nullif(regexp_extract(model, '^(.*)@(init|final)$', 2), '') AS checkpoint,
     CASE WHEN regexp_matches(model, '@(init|final)$') THEN split_part(model, '-', 1) END AS arch,

@@ -56,11 +56,12 @@ def spearman_bootstrap(
     if xs.size < 3:
         return Correlation(np.nan, np.nan, np.nan, int(xs.size), 0)
     members = _group_members(labels)
-    rng = np.random.default_rng(seed)
-    replicates = np.empty(n_boot)
-    for b in range(n_boot):
-        rows = np.concatenate([members[g] for g in rng.integers(0, len(members), size=len(members))])
-        replicates[b] = _spearman(xs[rows], ys[rows])
+    draws = np.random.default_rng(seed).integers(0, len(members), size=(n_boot, len(members)))
+    if len({len(m) for m in members}) == 1:  # equal-size groups (always so without `groups`): one array op
+        rows = np.stack(members)[draws].reshape(n_boot, -1)
+        replicates = _spearman_rows(xs[rows], ys[rows])
+    else:
+        replicates = np.array([_spearman(xs[r], ys[r]) for r in (np.concatenate([members[g] for g in d]) for d in draws)])
     defined = replicates[~np.isnan(replicates)]
     if defined.size == 0:
         low = high = np.nan
@@ -115,6 +116,17 @@ def _spearman(x: np.ndarray, y: np.ndarray) -> float:
     rx, ry = rx - rx.mean(), ry - ry.mean()
     den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
     return float((rx * ry).sum() / den) if den > 0 else np.nan
+
+
+def _spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Spearman's rho of each row pair of two (B, n) arrays (NaN where a row is constant)."""
+    from scipy.stats import rankdata
+
+    rx, ry = rankdata(x, axis=1), rankdata(y, axis=1)
+    rx, ry = rx - rx.mean(axis=1, keepdims=True), ry - ry.mean(axis=1, keepdims=True)
+    den = np.sqrt((rx * rx).sum(axis=1) * (ry * ry).sum(axis=1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, (rx * ry).sum(axis=1) / den, np.nan)
 
 
 def _as_float(values: ArrayLike) -> np.ndarray:

@@ -8,12 +8,10 @@ SPEC §3.3's columns; every `geometry_interval` steps it also measures the reali
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -246,7 +244,3 @@ def train_run(
     )
     save_checkpoint(model, "final", {"checkpoint": "final", **asdict(result)})
     return result, pa.Table.from_pylist(rows, schema=STEP_SCHEMA)
-
-
-def write_run_json(path: Path, payload: dict) -> None:
-    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -106,7 +106,9 @@ def default_grid(recipe: str, cfg: TrainConfig, factors: Sequence[float] = GRID_
 
 
 def trials_for(recipe: str, arch: str, grid: dict[str, Sequence[float]], seeds: Sequence[int]) -> list[Trial]:
-    return [Trial(recipe, arch, knob, value, seed) for knob, values in grid.items() for value in values for seed in seeds]
+    return [
+        Trial(recipe, arch, knob, value, seed) for knob, values in grid.items() for value in values for seed in seeds
+    ]
 
 
 def trial_config(base: TrainConfig, trial: Trial) -> TrainConfig:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from dataclasses import asdict
 from pathlib import Path
 
 from pipeline.config import Params, TaskResources
@@ -60,6 +62,7 @@ def train_task(layout: Layout, run_id: str, params: Params, manifest: dict[str, 
     from transformers import AutoTokenizer
 
     from pipeline.corpus import load_meta, load_tokens
+    from pipeline.progress import Progress
     from pipeline.store import atomic_path
     from pipeline.train import RunSpec, train_run
 
@@ -73,31 +76,27 @@ def train_task(layout: Layout, run_id: str, params: Params, manifest: dict[str, 
         with atomic_path(run_dir / name) as tmp:
             model.save_pretrained(tmp, safe_serialization=True)
             tokenizer.save_pretrained(tmp)
-            if name == "init":
-                (tmp / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-        if name == "final":
-            final_info[0] = info
+            if name == "init":  # the final run.json is written last, as the completion marker
+                write_json(tmp / RUN_JSON, info)
 
-    final_info: list[dict] = [{}]
+    # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.
+    steps_progress = Progress(params.train.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
     result, steps = train_run(
         RunSpec.parse(run_id), params.train, load_tokens(layout.tokens, "train"), load_tokens(layout.tokens, "val"),
         vocab_size=meta["vocab_size"], seq_len=params.prepare.seq_len,
         params_hash=manifest["params_hash"], save_checkpoint=save_checkpoint,
-        on_step=_step_logger(run_id, params.train.steps),
+        on_step=lambda step, loss: steps_progress.advance(detail=f"loss {loss:.3f}"),
     )
+    steps_progress.close()
     with atomic_path(layout.steps_file(run_id)) as tmp:
         pq.write_table(steps, tmp, compression="zstd")
     with atomic_path(run_dir / "final" / RUN_JSON) as tmp:  # the completion marker: last
-        tmp.write_text(json.dumps({**final_info[0], "manifest": manifest}, indent=2, sort_keys=True) + "\n")
+        write_json(tmp, {"checkpoint": "final", **asdict(result), "manifest": manifest})
     return {"run": run_id, "diverged": result.diverged, "final_val_loss": result.final_val_loss}
 
 
-def _step_logger(run_id: str, total: int, every: int = 50):
-    def log(step: int, loss: float) -> None:
-        if step % every == 0 or step == total:
-            print(f"train {run_id}: step {step}/{total} loss {loss:.4f}", flush=True)
-
-    return log
+def write_json(path: Path, payload: dict) -> None:
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
 
 
 def run(params: Params, ray_address: str | None = None) -> None:

@@ -87,7 +87,7 @@ def run(
         if not extra:
             break
         rows += execute(extra)
-    rows.sort(key=lambda row: (recipes.index(row["recipe"]), tuning.KNOBS.index(row["knob"]), row["value"], row["seed"]))
+    rows.sort(key=lambda r: (recipes.index(r["recipe"]), tuning.KNOBS.index(r["knob"]), r["value"], r["seed"]))
     choices = {r: _choose(_of_recipe(rows, r)) for r in recipes}
     protocol = _protocol(params, base, arch, seeds, grids, previous, time.perf_counter() - started, layout)
     _write(out, protocol, rows, choices)
@@ -193,11 +193,12 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         " follows the AdamW lr by default). `hilbert` and `hilbert_equi` also get a `tau` family (nats per"
         " step, η_t = tau / max‖h‖ over the batch), centred on η·√d_model, the tau the default η takes on"
         " a typical token after the final norm (‖h‖ ≈ √d).",
-        "- **Baselines are tuned too**: the AdamW head of `adamw` and `muon` gets the same 5-point budget as"
-        " the new heads; tuning only the new heads would bias the comparison against the baselines.",
-        f"- **Edges**: when a family's best value is the largest (smallest) tried, one more value ×{p['edge_factor']:g}"
-        f" (÷) beyond it is run, at most {p['max_extension_rounds']} times, so a winner is bracketed by worse"
-        " values rather than clipped by the grid (marked *edge* below).",
+        "- **Baselines are tuned too**: the AdamW head of `adamw` and `muon` gets the same"
+        f" {len(p['grid_factors'])}-point budget as the new heads; tuning only the new heads would bias the"
+        " comparison against the baselines.",
+        "- **Edges**: when a family's best value is the largest (smallest) tried, one more value"
+        f" ×{p['edge_factor']:g} (÷) beyond it is run, at most {p['max_extension_rounds']} times, so a"
+        " winner is bracketed by worse values rather than clipped by the grid (marked *edge* below).",
         "- **Selection**: the (family, value) with the lowest final validation loss (mean over seeds,"
         f" {p['eval_batches']} fixed val batches); a run that diverges (non-finite loss) counts as +inf, so"
         " a step that diverges on any seed never wins. Ties go to `head_lr` over `tau`, then to the smaller"
@@ -219,7 +220,8 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         if choice is None:
             lines.append(f"| `{recipe}` | — | every step diverged | — | {before_cell} |")
         else:
-            lines.append(f"| `{recipe}` | `{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | {before_cell} |")
+            chosen = f"`{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f}"
+            lines.append(f"| `{recipe}` | {chosen} | {before_cell} |")
     seed_cols = " | ".join(f"val loss s{s}" for s in seeds)
     lines += [
         "",
@@ -236,7 +238,8 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         cells = " | ".join(_loss_cell(by_seed.get(s)) for s in seeds)
         mean = _mean_cell(scores[(recipe, knob, value)])
         mark = "✔" if choice is not None and (choice.knob, choice.value) == (knob, value) else ""
-        lines.append(f"| `{recipe}` | `{knob}` | {value:g} | {'grid' if in_grid else 'edge'} | {cells} | {mean} | {mark} |")
+        origin = "grid" if in_grid else "edge"
+        lines.append(f"| `{recipe}` | `{knob}` | {value:g} | {origin} | {cells} | {mean} | {mark} |")
     return "\n".join(lines) + "\n"
 
 

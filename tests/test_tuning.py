@@ -115,10 +115,8 @@ def test_a_trial_changes_only_its_recipe_head_step() -> None:
 def test_every_group_but_the_head_keeps_its_learning_rate(recipe: str) -> None:
     model = build_model("neox", TINY, VOCAB, SEQ, seed=0)
     base = TrainConfig(model=TINY)
-    lrs = [
-        build_optimizers(model, head_of(model).weight, recipe, tuning.trial_config(base, tuning.Trial(recipe, "neox", "head_lr", v, 0))).lrs()
-        for v in (0.001, 0.1)
-    ]
+    configs = [tuning.trial_config(base, tuning.Trial(recipe, "neox", "head_lr", v, 0)) for v in (0.001, 0.1)]
+    lrs = [build_optimizers(model, head_of(model).weight, recipe, cfg).lrs() for cfg in configs]
     assert {k: v for k, v in lrs[0].items() if k != "head"} == {k: v for k, v in lrs[1].items() if k != "head"}
     assert lrs[1]["head"] == pytest.approx(100 * lrs[0]["head"])
 
