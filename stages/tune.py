@@ -15,12 +15,18 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pipeline.config import RECIPES, Params, TaskResources, TrainConfig
+from pipeline.config import ARCHS, RECIPES, Params, TaskResources, TrainConfig
 from stages.layout import Layout
 
+if TYPE_CHECKING:  # at run time these load torch, which `lmgeo --help` must not
+    import pyarrow as pa
+
+    from pipeline.tuning import Choice, StepScore, Trial
+
 # Edge rounds: each moves a family whose best value sits on the grid's edge one ×2 step further out.
-MAX_EXTENSION_ROUNDS = 2
+MAX_EXTENSION_ROUNDS = 4
 
 
 def tuning_config(train: TrainConfig, steps: int) -> TrainConfig:
@@ -30,7 +36,7 @@ def tuning_config(train: TrainConfig, steps: int) -> TrainConfig:
     return train.model_copy(update={"steps": steps, "eval_interval": steps, "geometry_interval": steps})
 
 
-def tune_task(tokens_dir: Path, trial, base: TrainConfig, seq_len: int, resources: TaskResources) -> dict:
+def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int, resources: TaskResources) -> dict:
     """Ray task: train one trial and return its row."""
     import torch
 
@@ -53,10 +59,11 @@ def run(
     seeds: Sequence[int] | None = None,
     recipes: Sequence[str] | None = None,
     out: Path = Path("docs/tuning.md"),
-) -> dict:
+) -> dict[str, Choice | None]:
     """Sweep every recipe's head step on `arch` (defaults: the study's steps and seeds, all recipes),
     extend edge winners, write `out` and `out.with_suffix('.json')`; returns the chosen steps."""
     from pipeline import tuning
+    from pipeline.corpus import load_meta
     from pipeline.execution import Shard, run_shards
     from stages.runtime import start_ray
 
@@ -64,10 +71,12 @@ def run(
     base = tuning_config(params.train, steps or params.train.steps)
     seeds = list(seeds or params.train.seeds)
     recipes = list(recipes or RECIPES)
+    _check_choices(arch, recipes)
+    vocab_size = load_meta(layout.tokens)["vocab_size"]  # fails here, not in every task, before `prepare`
     resources = params.ray.resources_for("train")
     start_ray(params.ray, ray_address)
 
-    def execute(trials: list) -> list[dict]:
+    def execute(trials: list[Trial]) -> list[dict]:
         shards = [Shard(t.key, tune_task, (layout.tokens, t, base, params.prepare.seq_len, resources)) for t in trials]
         results = run_shards(
             shards, resources, max_in_flight=params.ray.max_in_flight,
@@ -89,12 +98,22 @@ def run(
         rows += execute(extra)
     rows.sort(key=lambda r: (recipes.index(r["recipe"]), tuning.KNOBS.index(r["knob"]), r["value"], r["seed"]))
     choices = {r: _choose(_of_recipe(rows, r)) for r in recipes}
-    protocol = _protocol(params, base, arch, seeds, grids, previous, time.perf_counter() - started, layout)
+    protocol = _protocol(params, base, arch, seeds, grids, previous, time.perf_counter() - started, vocab_size)
     _write(out, protocol, rows, choices)
     print(f"tune: wrote {out} and {out.with_suffix('.json')}", flush=True)
     for recipe, choice in choices.items():
         print(f"tune: {recipe}: {'every step diverged' if choice is None else f'{choice.knob}={choice.value:g}'}")
     return choices
+
+
+def _check_choices(arch: str, recipes: list[str]) -> None:
+    from pipeline.errors import InputError
+
+    if arch not in ARCHS:
+        raise InputError(f"tune: unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown or len(set(recipes)) != len(recipes):
+        raise InputError(f"tune: recipes must be distinct names from {', '.join(RECIPES)}; got {recipes}")
 
 
 def _rounded(step: tuple[str, float]) -> tuple[str, float]:
@@ -104,13 +123,13 @@ def _rounded(step: tuple[str, float]) -> tuple[str, float]:
     return step[0], round_sig(step[1])
 
 
-def _of_recipe(rows: list[dict], recipe: str):
+def _of_recipe(rows: list[dict], recipe: str) -> pa.Table:
     from pipeline.tuning import results_table
 
     return results_table([row for row in rows if row["recipe"] == recipe])
 
 
-def _choose(table):
+def _choose(table: pa.Table) -> Choice | None:
     from pipeline.tuning import best_step
 
     try:
@@ -121,13 +140,11 @@ def _choose(table):
 
 def _protocol(
     params: Params, base: TrainConfig, arch: str, seeds: list[int], grids: dict, previous: dict, wall_s: float,
-    layout: Layout,
+    vocab: int,
 ) -> dict:
     from pipeline.arch import build_model
-    from pipeline.corpus import load_meta
     from pipeline.tuning import EDGE_FACTOR, GRID_FACTORS
 
-    vocab = load_meta(layout.tokens)["vocab_size"]
     model = build_model(arch, base.model, vocab, params.prepare.seq_len, seed=0)
     return {
         "arch": arch,
@@ -156,7 +173,7 @@ def _protocol(
     }
 
 
-def _write(out: Path, protocol: dict, rows: list[dict], choices: dict) -> None:
+def _write(out: Path, protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) -> None:
     from pipeline.store import atomic_path
 
     chosen = {r: None if c is None else asdict(c) for r, c in choices.items()}
@@ -166,7 +183,9 @@ def _write(out: Path, protocol: dict, rows: list[dict], choices: dict) -> None:
         tmp.write_text(render(protocol, rows, choices))
 
 
-def render(protocol: dict, rows: list[dict], choices: dict) -> str:
+def render(protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) -> str:
+    from pipeline.tuning import edge_extensions
+
     p = protocol
     m = p["model"]
     seeds = p["seeds"]
@@ -189,10 +208,10 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         " So only the head's step size differs between runs of a recipe, and only the head's optimizer"
         " between recipes.",
         "- **Grid**: per recipe, the step × {" + ", ".join(f"{f:g}" for f in p["grid_factors"]) + "} around the"
-        " default at sweep time (×1). `head_lr` is η (for `adamw` and `muon`: the head's own AdamW lr, which"
-        " follows the AdamW lr by default). `hilbert` and `hilbert_equi` also get a `tau` family (nats per"
-        " step, η_t = tau / max‖h‖ over the batch), centred on η·√d_model, the tau the default η takes on"
-        " a typical token after the final norm (‖h‖ ≈ √d).",
+        " default at sweep time (×1). `head_lr` is η (for `adamw` and `muon`: the lr of the head's own AdamW"
+        " group; the AdamW lr of the run where the default follows it). `hilbert` and `hilbert_equi` also"
+        " get a `tau` family (nats per step, η_t = tau / max‖h‖ over the batch), centred on η·√d_model,"
+        " the tau the default η takes on a typical token after the final norm (‖h‖ ≈ √d).",
         "- **Baselines are tuned too**: the AdamW head of `adamw` and `muon` gets the same"
         f" {len(p['grid_factors'])}-point budget as the new heads; tuning only the new heads would bias the"
         " comparison against the baselines.",
@@ -209,8 +228,11 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         "",
         "## Chosen defaults",
         "",
-        "| recipe | family | value | mean val loss | default before the sweep (×1): mean val loss |",
-        "|---|---|---|---|---|",
+        "*Bracketed*: a worse value was tried on both sides of the chosen one (otherwise the optimum may lie"
+        " beyond the grid even after the edge rounds).",
+        "",
+        "| recipe | family | value | mean val loss | bracketed | default before the sweep (×1): mean val loss |",
+        "|---|---|---|---|---|---|",
     ]
     scores = _scores(rows, list(choices))
     for recipe, choice in choices.items():
@@ -218,9 +240,10 @@ def render(protocol: dict, rows: list[dict], choices: dict) -> str:
         before_score = scores[(recipe, before["knob"], before["value"])]
         before_cell = f"`{before['knob']}` {before['value']:g}: {_mean_cell(before_score)}"
         if choice is None:
-            lines.append(f"| `{recipe}` | — | every step diverged | — | {before_cell} |")
+            lines.append(f"| `{recipe}` | — | every step diverged | — | — | {before_cell} |")
         else:
-            chosen = f"`{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f}"
+            bracketed = "no" if choice.knob in edge_extensions(_of_recipe(rows, recipe)) else "yes"
+            chosen = f"`{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | {bracketed}"
             lines.append(f"| `{recipe}` | {chosen} | {before_cell} |")
     seed_cols = " | ".join(f"val loss s{s}" for s in seeds)
     lines += [
@@ -251,13 +274,13 @@ def _by_step(rows: list[dict]) -> dict[tuple[str, str, float], dict[int, float |
     return grouped
 
 
-def _scores(rows: list[dict], recipes: list[str]) -> dict:
+def _scores(rows: list[dict], recipes: list[str]) -> dict[tuple[str, str, float], StepScore]:
     from pipeline.tuning import step_scores
 
     return {(r, s.knob, s.value): s for r in recipes for s in step_scores(_of_recipe(rows, r))}
 
 
-def _mean_cell(score) -> str:
+def _mean_cell(score: StepScore) -> str:
     return "inf (diverged)" if math.isinf(score.mean_val_loss) else f"{score.mean_val_loss:.4f}"
 
 

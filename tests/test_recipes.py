@@ -200,14 +200,15 @@ def test_muon_head_steps_the_head_with_torch_muon() -> None:
     model = neox()
     head = head_of(model)
     reference = torch.nn.Parameter(head.detach().clone())
-    muon = torch.optim.Muon([reference], lr=0.03, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True)
+    lr = recipes.DEFAULT_HEAD_STEP["muon_head"].head_lr
+    muon = torch.optim.Muon([reference], lr=lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True)
     optimizer = recipes.build_optimizers(model, head, "muon_head", cfg)
     batch = fixed_batch()
     for step in range(4):
         loss, _ = loss_and_hidden(model, batch)
         loss.backward()
         reference.grad = head.grad.clone()
-        muon.param_groups[0]["lr"] = 0.03 * recipes.schedule_factor(step, cfg.steps, cfg.schedule)
+        muon.param_groups[0]["lr"] = lr * recipes.schedule_factor(step, cfg.steps, cfg.schedule)
         optimizer.step()
         optimizer.zero_grad()
         muon.step()
@@ -319,7 +320,7 @@ def test_state_of_another_recipe_is_refused() -> None:
 
 
 # ----------------------------------------------------------------------------- step sizes
-def test_step_sizes_resolve_override_then_default_then_adamw_lr() -> None:
+def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> None:
     cfg = TrainConfig(
         adamw_lr=1e-3,
         recipe_overrides={
@@ -333,11 +334,12 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr() -> None:
     sign = recipes.resolve_head_step("sign", cfg)
     assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
     equi = recipes.resolve_head_step("hilbert_equi", cfg)
-    assert (equi.lr, equi.equi_iters, equi.schedule) == (recipes.DEFAULT_HEAD_STEP["hilbert_equi"].head_lr, 5, cfg.schedule)
-    assert recipes.resolve_head_step("muon", cfg).lr == 1e-3
-    both = TrainConfig(recipe_overrides={"hilbert": RecipeConfig(tau=0.7, head_lr=0.1)})
+    assert (equi.lr, equi.equi_iters, equi.schedule) == (recipes.DEFAULT_HEAD_STEP["hilbert_equi"].tau, 5, cfg.schedule)
+    assert recipes.resolve_head_step("muon", cfg).lr == recipes.DEFAULT_HEAD_STEP["muon"].head_lr
+    monkeypatch.setitem(recipes.DEFAULT_HEAD_STEP, "muon", recipes.HeadStepDefault())
+    assert recipes.resolve_head_step("muon", cfg).lr == 1e-3  # no default: the run's AdamW lr
     with pytest.raises(ValueError, match="not both"):
-        recipes.resolve_head_step("hilbert", both)
+        RecipeConfig(tau=0.7, head_lr=0.1)
 
 
 def test_every_recipe_has_a_default_step() -> None:

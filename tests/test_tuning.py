@@ -10,7 +10,7 @@ import pytest
 from pipeline import tuning
 from pipeline.arch import build_model, head_of
 from pipeline.config import ModelSize, RecipeConfig, TrainConfig
-from pipeline.recipes import DEFAULT_HEAD_STEP, build_optimizers
+from pipeline.recipes import DEFAULT_HEAD_STEP, HeadStepDefault, build_optimizers
 from pipeline.train import RunSpec, train_run
 from stages.tune import render, tuning_config
 
@@ -85,7 +85,7 @@ def test_edges_extend_the_winning_side_only() -> None:
 def test_default_grids_are_log_spaced_around_the_default() -> None:
     cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
     factors = np.array(tuning.GRID_FACTORS)
-    for recipe, default in DEFAULT_HEAD_STEP.items():
+    for recipe in DEFAULT_HEAD_STEP:
         grid = tuning.default_grid(recipe, cfg)
         knob, value = tuning.default_step(recipe, cfg)
         eta = value / 8.0 if knob == "tau" else value  # √64 = 8
@@ -94,8 +94,15 @@ def test_default_grids_are_log_spaced_around_the_default() -> None:
             np.testing.assert_allclose(grid["tau"], eta * 8.0 * factors, rtol=1e-3)
         else:
             assert set(grid) == {"head_lr"}
-        if default.head_lr is None and default.tau is None:
-            assert (knob, value) == ("head_lr", 2e-3)  # follows the run's AdamW lr
+
+
+def test_a_default_that_follows_the_adamw_lr_is_centred_on_it(monkeypatch) -> None:
+    monkeypatch.setitem(DEFAULT_HEAD_STEP, "muon", HeadStepDefault())
+    monkeypatch.setitem(DEFAULT_HEAD_STEP, "hilbert", HeadStepDefault(head_lr=0.05))
+    cfg = TrainConfig(model=ModelSize(d_model=16), adamw_lr=2e-3)
+    assert tuning.default_step("muon", cfg) == ("head_lr", 2e-3)
+    assert tuning.default_grid("muon", cfg, factors=(0.5, 1.0)) == {"head_lr": [1e-3, 2e-3]}
+    assert tuning.default_grid("hilbert", cfg, factors=(1.0,)) == {"head_lr": [0.05], "tau": [0.2]}  # 0.05·√16
 
 
 def test_a_trial_changes_only_its_recipe_head_step() -> None:
@@ -176,4 +183,22 @@ def test_the_document_marks_the_choice_and_diverged_runs() -> None:
     text = render(protocol, trial_rows, {"sign": choice})
     assert "| `sign` | `head_lr` | 0.2 | grid | 3.2000 | 3.2000 | ✔ |" in text
     assert "| `sign` | `head_lr` | 0.4 | edge | *diverged* | inf (diverged) |  |" in text
-    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | `head_lr` 0.2: 3.2000 |" in text
+    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | yes | `head_lr` 0.2: 3.2000 |" in text
+    at_edge = rows("sign", [("head_lr", 0.1, 0, 3.5), ("head_lr", 0.2, 0, 3.2)])
+    text = render(protocol, at_edge, {"sign": tuning.best_step(tuning.results_table(at_edge))})
+    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | no | `head_lr` 0.2: 3.2000 |" in text
+
+
+# ---------------------------------------------------------------------------------------- stage
+def test_the_stage_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
+    from pipeline.config import Params
+    from pipeline.errors import InputError
+    from stages import tune
+
+    monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens
+    with pytest.raises(InputError, match="unknown arch 'llama'"):
+        tune.run(Params(), arch="llama")
+    with pytest.raises(InputError, match="recipes must be distinct names"):
+        tune.run(Params(), recipes=["sign", "scion"])
+    with pytest.raises(InputError, match="run the prepare stage"):
+        tune.run(Params(), recipes=["sign"])
