@@ -244,7 +244,7 @@ class HeadLMO(torch.optim.Optimizer):
         self.record_equi_rows = record_equi_rows
         self.radius: float | None = None
         self.last_eta: float | None = None
-        self.last_equi_ratio: float | None = None
+        self._last_direction: torch.Tensor | None = None
 
     def set_radius(self, radius: float) -> None:
         if not (math.isfinite(radius) and radius > 0):
@@ -257,6 +257,14 @@ class HeadLMO(torch.optim.Optimizer):
         if self.radius is None:
             raise ValueError("a tau step needs the batch's hidden-state radius: call set_radius first")
         return lr / self.radius
+
+    @property
+    def last_equi_ratio(self) -> float | None:
+        """`equi_ratio` of the last step's direction, computed when asked (a 1024-row pairwise
+        distance matrix per step would cost as much as the step itself)."""
+        if self._last_direction is None:
+            return None
+        return equi_ratio(self._last_direction, self.record_equi_rows)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -279,7 +287,7 @@ class HeadLMO(torch.optim.Optimizer):
                 p.mul_(1 - eta * group["weight_decay"])
                 p.add_(direction.to(p.dtype), alpha=-eta)
                 if self.record_equi_rows:
-                    self.last_equi_ratio = equi_ratio(direction, self.record_equi_rows)
+                    self._last_direction = direction
             self.last_eta = eta
         self.radius = None  # a radius belongs to one batch
         return loss

@@ -102,3 +102,15 @@ def test_params_file_round_trips_through_yaml(tmp_path):
     path = tmp_path / "params.yaml"
     path.write_text(yaml.safe_dump(params.model_dump(mode="json")))
     assert load_params(path) == params
+
+
+def test_every_param_dvc_tracks_is_written_in_params_yaml():
+    """DVC refuses to run a stage whose `params:` key is missing from params.yaml, even with a default."""
+    stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
+    raw = yaml.safe_load((REPO / "params.yaml").read_text())
+    for name, stage in stages.items():
+        for dotted in stage.get("params", []):
+            node = raw
+            for part in dotted.split("."):
+                assert isinstance(node, dict) and part in node, f"stage {name}: {dotted} not in params.yaml"
+                node = node[part]
