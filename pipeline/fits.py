@@ -18,7 +18,7 @@ Exact methods (`λ` = `ridge`; vectors are columns; sums run over the neighbours
   neighbours' inputs and outputs, this `Q` is exactly the identity on `S⊥`, as SPEC asks; the `λ` term
   also makes `Q` unique inside `S`, where the plain Procrustes optimum is not unique once `k < dim S`:
   it is the optimum closest to the identity (the `λ → 0⁺` limit). `λ > 0` is needed for uniqueness.
-  `Q` is stored as `I + B (Q_S − I) Bᵀ`, `B` an orthonormal basis of `S`. With `orthogonal_scale`,
+  `Q` is stored as `I + B (Q_S − I) Bᵀ`, `B` an orthonormal basis of `S` (of R^d once `2k ≥ d`). With `orthogonal_scale`,
   `s = ⟨Σ y_j x_jᵀ, Q⟩ / Σ‖x_j‖²` (the least-squares scale given `Q`), else `s = 1`.
 - `mlp`: `T(x) = x + τ (W₂ tanh(W₁ (x − μ)/σ + b₁) + b₂)`, one hidden layer of `mlp_hidden` units,
   fitted per anchor neighbourhood. `μ` is the neighbours' mean input, `σ` the RMS of the centred
@@ -102,12 +102,40 @@ class FitInfo:
     n_anchors_dropped: int  # requested anchors excluded because their own row is non-finite
 
 
+class Columns(NamedTuple):
+    """A subspace per anchor as columns `(A or 1, d, q)` that are orthonormal or zero (all zero: none)."""
+
+    columns: Tensor
+
+    def energy(self, v: Tensor) -> Tensor:
+        """`‖P v‖²` per row of `v` (A, d), `P` the projector on the subspace."""
+        return (self.columns.transpose(-1, -2) @ v[..., None]).square().sum(dim=(1, 2))
+
+    def is_defined(self) -> Tensor:
+        return self.columns.square().sum(dim=(1, 2)) > 0
+
+
+class CoordinateAxes(NamedTuple):
+    """A subspace per anchor spanned by coordinate axes: `mask` (A, d) marks them. Equal to `Columns`
+    of the selected unit vectors, in O(A·d) instead of a dense `(A, d, d)` basis."""
+
+    mask: Tensor
+
+    def energy(self, v: Tensor) -> Tensor:
+        return v.square().where(self.mask, 0.0).sum(dim=1)
+
+    def is_defined(self) -> Tensor:
+        return self.mask.any(dim=1)
+
+
+Subspace = Columns | CoordinateAxes
+
+
 class Update(NamedTuple):
-    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`, `(A or 1, d, q)`: columns that are
-    orthonormal or zero, spanning the dominant subspace of `J_i − I` (all zero: there is none)."""
+    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`: the dominant subspace of `J_i − I`."""
 
     delta_tok: Tensor
-    basis: Tensor
+    basis: Subspace
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -183,7 +211,7 @@ def fit_update(
     """`Δ_tok` and the local update subspace at every anchor, for a finite float64 pool."""
     x_a = x[anchors]
     if fn == "identity":
-        return Update(torch.zeros_like(x_a), x_a.new_zeros((1, x.shape[1], cfg.p)))
+        return Update(torch.zeros_like(x_a), Columns(x_a.new_zeros((1, x.shape[1], cfg.p))))
     if fn == "global_linear":
         return fit_global_linear(x, y, cfg.ridge).update(x_a, cfg.p)
     if fn not in LOCAL_CLASSES:
@@ -251,24 +279,42 @@ def fit_lowrank(xn: Tensor, yn: Tensor, rank: int, ridge: float) -> LowRankFit:
 
 
 def _left_singular(m: Tensor, rank: int) -> Tensor:
-    return torch.linalg.svd(m, full_matrices=False).U[..., :rank]
+    """An orthonormal basis of the span of the top-`rank` left singular vectors of `m` (A, d, n), from
+    the `eigh` of the smaller Gram matrix instead of an SVD. Only the span matters: `B = UUᵀB̂`.
+
+    `n < d`: with `mᵀm = V diag(s²) Vᵀ`, the span is that of `m V_top`, orthonormalised by QR (not
+    divided by `s`, which may be zero). Otherwise the top eigenvectors of `m mᵀ` are the vectors."""
+    if m.shape[-1] < m.shape[-2]:
+        top = torch.linalg.eigh(m.transpose(1, 2) @ m).eigenvectors[..., -rank:]
+        return torch.linalg.qr(m @ top).Q
+    return torch.linalg.eigh(m @ m.transpose(1, 2)).eigenvectors[..., -rank:]
 
 
 class OrthogonalFit(NamedTuple):
-    basis: Tensor  # (A, d, m): orthonormal basis B of the span S of the neighbours' x and y
+    basis: Tensor  # (A, d, m): orthonormal basis B of the span S of the neighbours' x and y (or of R^d)
     rotation: Tensor  # (A, m, m): Q_S, so Q = I + B (Q_S − I) Bᵀ
     scale: Tensor  # (A,)
 
     def update(self, x_a: Tensor, p: int) -> Update:
         coords = (self.basis.transpose(1, 2) @ x_a[..., None])[..., 0]
         qx = x_a + (self.basis @ ((self.rotation @ coords[..., None])[..., 0] - coords)[..., None])[..., 0]
-        eye = torch.eye(self.rotation.shape[-1], dtype=x_a.dtype, device=x_a.device)
+        return Update(self.scale[:, None] * qx - x_a, self._dominant_subspace(p))
+
+    def _dominant_subspace(self, p: int) -> Columns:
+        """`_top_left_singular(B, sQ_S − I)` by one `eigh` instead of an SVD: `N = sQ_S − I` is normal,
+        `NNᵀ = (s² + 1)I − s(Q_S + Q_Sᵀ)`, so the eigenvectors of `(Q_S + Q_Sᵀ)/2` are its left singular
+        vectors. Their singular values are measured as `‖N v‖`, accurate where `√(s² − 2sμ + 1)` of
+        an eigenvalue `μ` near 1 would cancel, and sorted (the order of `μ` flips with the sign of `s`)."""
+        eye = torch.eye(self.rotation.shape[-1], dtype=self.rotation.dtype, device=self.rotation.device)
         core = self.scale[:, None, None] * self.rotation - eye
-        return Update(self.scale[:, None] * qx - x_a, _top_left_singular(self.basis, core, p))
+        vectors = torch.linalg.eigh((self.rotation + self.rotation.transpose(1, 2)) / 2).eigenvectors
+        singular, order = (core @ vectors).norm(dim=1).sort(dim=1, descending=True, stable=True)
+        vectors = vectors.gather(2, order[:, None, :].expand_as(vectors))
+        return Columns(self.basis @ (vectors * _dominant(singular, p)[:, None, :]))
 
 
 def fit_orthogonal(xn: Tensor, yn: Tensor, ridge: float, with_scale: bool) -> OrthogonalFit:
-    basis = torch.linalg.qr(torch.cat([xn, yn], dim=1).transpose(1, 2)).Q  # (A, d, min(d, 2k))
+    basis = _span_basis(xn, yn)
     cross = (yn @ basis).transpose(1, 2) @ (xn @ basis)  # Σ y_j x_jᵀ in the coordinates of S
     eye = torch.eye(basis.shape[-1], dtype=xn.dtype, device=xn.device)
     svd = torch.linalg.svd(cross + ridge * eye)
@@ -277,6 +323,15 @@ def fit_orthogonal(xn: Tensor, yn: Tensor, ridge: float, with_scale: bool) -> Or
         return OrthogonalFit(basis, rotation, xn.new_ones(xn.shape[0]))
     energy = (xn * xn).sum(dim=(1, 2)).clamp_min(torch.finfo(_F64).tiny)
     return OrthogonalFit(basis, rotation, (cross * rotation).sum(dim=(1, 2)) / energy)
+
+
+def _span_basis(xn: Tensor, yn: Tensor) -> Tensor:
+    """`(A, d, min(d, 2k))` orthonormal columns spanning the neighbours' inputs and outputs. Once
+    `2k ≥ d` a QR returns a basis of all of R^d, and `Q` does not depend on which: the identity."""
+    n_anchors, k, d = xn.shape
+    if 2 * k >= d:
+        return torch.eye(d, dtype=xn.dtype, device=xn.device).expand(n_anchors, d, d)
+    return torch.linalg.qr(torch.cat([xn, yn], dim=1).transpose(1, 2)).Q
 
 
 class MLPFit(NamedTuple):
@@ -353,21 +408,20 @@ def fit_global_linear(x: Tensor, y: Tensor, ridge: float) -> GlobalLinearFit:
 
 
 # -------------------------------------------------------------------------------------- geometry
-def global_basis(delta_tok: Tensor, p: int) -> Tensor:
+def global_basis(delta_tok: Tensor, p: int) -> Columns:
     """`(1, d, p)`: the top-`p` right singular vectors of the stacked `Δ_tok` (anchors × d)."""
     eye = torch.eye(delta_tok.shape[1], dtype=delta_tok.dtype, device=delta_tok.device)
     return _top_left_singular(eye[None], delta_tok.T[None], p)
 
 
 def update_metrics(
-    x: Tensor, y: Tensor, delta_tok: Tensor, local: Tensor, global_: Tensor
+    x: Tensor, y: Tensor, delta_tok: Tensor, local: Subspace, global_: Subspace
 ) -> dict[str, Tensor]:
-    """Every metric column per anchor, NaN where undefined. `local`/`global_`: `(A or 1, d, p)` bases."""
+    """Every metric column per anchor, NaN where undefined (`global_` is one subspace for every anchor)."""
     full = y - x
     res = full - delta_tok
     n_full, n_tok, n_res, n_y = (v.norm(dim=1) for v in (full, delta_tok, res, y))
-    has_local = local.square().sum(dim=(1, 2)) > 0
-    has_global = global_.square().sum(dim=(1, 2)) > 0
+    has_local, has_global = local.is_defined(), global_.is_defined()
     return {
         "rel_err": _ratio(n_res, n_full),
         "rel_err_state": _ratio(n_res, n_y),
@@ -396,26 +450,22 @@ def _angle_degrees(u: Tensor, n_u: Tensor, v: Tensor, n_v: Tensor) -> Tensor:
     return torch.where(defined, angle, torch.nan)
 
 
-def _energy_fraction(v: Tensor, n_v: Tensor, basis: Tensor, has_basis: Tensor) -> Tensor:
-    """`‖P v‖² / ‖v‖²` with `P` the projector on the basis' columns (orthonormal or zero)."""
-    coeffs = basis.transpose(-1, -2) @ v[..., None]  # (A, p, 1)
-    fraction = _ratio(coeffs.square().sum(dim=(1, 2)), n_v.square())
-    return torch.where(has_basis, fraction, torch.nan)
+def _energy_fraction(v: Tensor, n_v: Tensor, basis: Subspace, has_basis: Tensor) -> Tensor:
+    """`‖P v‖² / ‖v‖²` with `P` the projector on the subspace."""
+    return torch.where(has_basis, _ratio(basis.energy(v), n_v.square()), torch.nan)
 
 
-def _top_left_singular(left: Tensor, core: Tensor, p: int) -> Tensor:
+def _top_left_singular(left: Tensor, core: Tensor, p: int) -> Columns:
     """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns, as the
     columns of `left @ U` kept by `_dominant` (the others zeroed)."""
     svd = torch.linalg.svd(core, full_matrices=False)
-    return left @ (svd.U * _dominant(svd.S, p)[..., None, :])
+    return Columns(left @ (svd.U * _dominant(svd.S, p)[..., None, :]))
 
 
-def _coordinate_basis(diag: Tensor, p: int) -> Tensor:
+def _coordinate_basis(diag: Tensor, p: int) -> CoordinateAxes:
     """`_top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|`."""
     values, index = diag.abs().sort(dim=1, descending=True, stable=True)
-    basis = diag.new_zeros((*diag.shape, diag.shape[1]))
-    basis.scatter_(1, index[:, None, :], _dominant(values, p)[:, None, :].to(diag.dtype))
-    return basis
+    return CoordinateAxes(torch.zeros_like(index, dtype=torch.bool).scatter_(1, index, _dominant(values, p)))
 
 
 def _dominant(singular: Tensor, p: int) -> Tensor:

@@ -101,7 +101,7 @@ def _anchor_block(
 
     The merge keeps the invariant "best is sorted by (distance, index)": every kept candidate comes
     from an earlier chunk, so has a lower index than the new chunk's rows, and a *stable* sort of
-    [best, chunk] by distance therefore orders equal distances by index.
+    [best, chunk survivors] by distance therefore orders equal distances by index.
     """
     n_anchors = anchors.numel()
     a_vec = pool[anchors]
@@ -116,12 +116,35 @@ def _anchor_block(
         if a_seq is not None:
             excluded |= a_seq[:, None] == seq_id[rows][None, :]
         block = block.masked_fill(excluded, torch.inf)
-        cand_d = torch.cat([best_d, block], dim=1)
-        cand_i = torch.cat([best_i, rows.expand(n_anchors, -1)], dim=1)
+        block_d, block_i = _chunk_top_k(block, rows, k)
+        cand_d = torch.cat([best_d, block_d], dim=1)
+        cand_i = torch.cat([best_i, block_i], dim=1)
         order = torch.sort(cand_d, dim=1, stable=True).indices[:, :k]
         best_d = cand_d.gather(1, order)
         best_i = cand_i.gather(1, order)
     return Neighbours(best_i, best_d)
+
+
+def _chunk_top_k(block: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The `k` smallest entries of each row of `block` by (distance, index), in index order.
+
+    Only these can survive the merge, so the stable sort then runs on `2k` candidates instead of
+    `k + chunk`. `topk` finds the k-th smallest distance `t` but breaks ties arbitrarily, so the
+    survivors are chosen here: every entry `< t`, then the lowest-index entries `== t` up to `k`.
+    """
+    n_anchors, n_rows = block.shape
+    if n_rows <= k:
+        return block, rows.expand(n_anchors, -1)
+    kth = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1, keepdim=True)
+    below = block < kth
+    tied = block == kth
+    room = k - below.sum(dim=1, keepdim=True)  # how many entries at the k-th distance still fit
+    keep = below | (tied & (tied.cumsum(dim=1) <= room))
+    if not bool((keep.sum(dim=1) == k).all()):  # unordered values (NaN): no k-th distance to cut at
+        order = torch.sort(block, dim=1, stable=True).indices[:, :k].sort(dim=1).values
+        return block.gather(1, order), rows[order]
+    cols = keep.nonzero()[:, 1].view(n_anchors, k)  # row-major: each row's survivors in index order
+    return block.gather(1, cols), rows[cols]
 
 
 def _block_distance(a: Tensor, a_norm: Tensor, p: Tensor, p_norm: Tensor, distance: Distance) -> Tensor:
