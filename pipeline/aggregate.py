@@ -11,7 +11,7 @@
 - ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
   left out rather than written as null::
 
-      {"train":    {<run>:   {"final_val_loss", "final_train_loss", "diverged", "median_step_time_s",
+      {"train":    {<run>:   {"final_val_loss", "final_train_loss", "diverged",
                               "median_hilbert_bound", "median_tightness", "median_equi_ratio"}},
        "recipes":  {<arch>:  {<recipe>: {"val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon"}}},
        "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
@@ -575,7 +575,9 @@ def _measured(record: dict[str, Any]) -> dict[str, Any]:
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """The DVC metrics dictionary (layout in the module docstring)."""
     train = {
-        r["run"]: _measured({k: r[k] for k in ("final_val_loss", "final_train_loss", "diverged", "median_step_time_s",
+        # No wall-clock figure here: two runs of one study must give the same metrics.json byte for byte
+        # (step times stay in the `runs` table and the report).
+        r["run"]: _measured({k: r[k] for k in ("final_val_loss", "final_train_loss", "diverged",
                                                "median_hilbert_bound", "median_tightness", "median_equi_ratio")})
         for r in tables["runs"].to_pylist()
     }  # fmt: skip

@@ -26,7 +26,10 @@ Recipe = Literal["adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hi
 FitClass = Literal["diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear"]
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegInt = Annotated[int, Field(ge=0)]
-PositiveFloat = Annotated[float, Field(gt=0)]
+# Step sizes (and grad_clip) scale float32 weights: torch refuses a step size beyond float32's range with
+# an overflow error, which would fail the whole stage instead of marking one run diverged.
+FLOAT32_MAX = 3.4028234663852886e38
+PositiveFloat = Annotated[float, Field(gt=0, le=FLOAT32_MAX)]
 Fraction = Annotated[float, Field(gt=0, lt=1)]
 
 

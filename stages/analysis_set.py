@@ -52,14 +52,33 @@ def diverged(layout: Layout, run: str) -> bool:
     return bool(json.loads(run_json.read_text()).get("diverged"))
 
 
-def check_external_models(params: Params, layout: Layout) -> None:
+def model_source(layout: Layout, params: Params, model: AnalysedModel) -> str:
+    """What to open for `model` (a resolved local dir or a hub id), after every safety check."""
     from pipeline.arch import check_model
 
-    for model in params.analysis.external_models:
-        check_model(
-            model.id, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
-            workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+    return check_model(
+        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
+        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+    )
+
+
+def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
+    """An external model's own tokenizer (the eval text is re-encoded with it); never remote code."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(
+            model_source(layout, params, model), revision=model.revision, trust_remote_code=False
         )
+    except (OSError, ValueError) as err:
+        raise InputError(f"{model.ref}: no usable tokenizer beside the model ({err})") from None
+
+
+def check_external_models(params: Params, layout: Layout) -> None:
+    """Fail in the driver, before any task starts, on an external model that cannot be analysed."""
+    for model in analysed_models(params, layout):
+        if not model.trained:
+            model_tokenizer(layout, params, model)
 
 
 def open_model(layout: Layout, params: Params, model: AnalysedModel):
@@ -70,7 +89,7 @@ def open_model(layout: Layout, params: Params, model: AnalysedModel):
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net = load_model(
-        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+        model_source(layout, params, model), revision=model.revision,
+        trust_remote_code=params.security.trust_remote_code,
     )
     return net.to(device), device

@@ -52,10 +52,16 @@ def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options
     # set before Ray starts, so that workers inherit it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     module = importlib.import_module(f"stages.{stage}")
+    from pipeline.execution import ShardFailed
+
     try:
         module.run(params, ray_address=ray_address, **options)
     except InputError as err:
         fail(str(err))
+    except ShardFailed as err:
+        if not isinstance(err.cause, InputError):  # a bug or a crash: keep the traceback
+            raise
+        fail(f"shard {err.key!r}: {err.cause}")
 
 
 def _stage_command(stage: str, summary: str) -> None:

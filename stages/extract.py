@@ -8,7 +8,7 @@ import numpy as np
 from pipeline.config import Params, digest
 from pipeline.execution import Shard
 from pipeline.store import ManifestKey, code_version, file_sha256
-from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, open_model
+from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, model_tokenizer, open_model
 from stages.layout import Layout
 from stages.sharded import run_sharded_stage
 
@@ -27,7 +27,7 @@ def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.n
     from transformers import AutoTokenizer
 
     ours = AutoTokenizer.from_pretrained(layout.tokenizer)
-    theirs = AutoTokenizer.from_pretrained(model.ref, revision=model.revision, trust_remote_code=False)
+    theirs = model_tokenizer(layout, params, model)
     text = ours.decode(tokens[: 4 * n * seq_len].tolist())  # enough text for any tokenizer's windows
     return retokenize(text, lambda t: theirs(t)["input_ids"], n, seq_len)
 
@@ -47,7 +47,8 @@ def extract_task(
         "model": model.table_id,
         "revision": model.revision or "",
         "dtype": params.analysis.vector_dtype,
-        "tokenizer": str(layout.tokenizer if model.trained else model.ref),
+        # Workspace-relative, so the same activations have the same bytes in every clone of the workspace.
+        "tokenizer": layout.tokenizer.relative_to(layout.root).as_posix() if model.trained else model.ref,
     }
     rows = 0
     with ShardWriter(layout.activations, shard, key, metadata=metadata) as writer:

@@ -1,14 +1,13 @@
 """Tokenwise fits against an independent per-anchor reference.
 
-The reference works one anchor at a time in NumPy float64: its own neighbour search by fully sorting
-the distances, its own least squares (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d`
-Jacobian of each fitted map (by autograd for the MLP) and its full SVD. It shares nothing with
-`pipeline.fits` except the MLP's initial weights, which are part of that fit's definition.
+The reference (`pipeline.reference`, which `lmgeo bench` also times) works one anchor at a time in
+NumPy float64: its own neighbour search by fully sorting the distances, its own least squares
+(`np.linalg.lstsq` on ridge-augmented systems), the full `d × d` Jacobian of each fitted map (by
+autograd for the MLP) and its full SVD. It shares nothing with `pipeline.fits` except the MLP's
+initial weights, which are part of that fit's definition.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pyarrow as pa
@@ -25,153 +24,12 @@ from pipeline.fits import (
     fit_orthogonal,
     fit_schema,
 )
+from pipeline.reference import reference_rows
 
 CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear")
 
 
 # ------------------------------------------------------------------------------------- reference
-def ref_neighbours(x, a, k, distance, seq=None):
-    if distance == "euclidean":
-        dist = np.sqrt(((x - x[a]) ** 2).sum(axis=1))
-    else:
-        dist = 1 - x @ x[a] / (np.linalg.norm(x, axis=1) * np.linalg.norm(x[a]))
-    dist[a] = np.inf
-    if seq is not None:
-        dist[seq == seq[a]] = np.inf
-    return np.argsort(dist, kind="stable")[:k]
-
-
-def ridge_lstsq(inputs, targets, ridge, intercept=False):
-    """argmin ‖targets − [inputs, 1] W‖² + ridge ‖W_inputs‖², via lstsq on the augmented system."""
-    n, d = inputs.shape
-    design = np.hstack([inputs, np.ones((n, 1))]) if intercept else inputs
-    penalty = np.sqrt(ridge) * np.eye(d, design.shape[1])
-    aug_design = np.vstack([design, penalty])
-    aug_targets = np.vstack([targets, np.zeros((d, targets.shape[1]))])
-    return np.linalg.lstsq(aug_design, aug_targets, rcond=None)[0], aug_design
-
-
-def ref_diag(xn, yn, xa, cfg):
-    coords = range(xn.shape[1])
-    diag = np.array([max(0.0, ridge_lstsq(xn[:, [c]], yn[:, [c]], cfg.ridge)[0][0, 0]) for c in coords])
-    return diag * xa, np.diag(diag) - np.eye(len(xa))
-
-
-def ref_lowrank(xn, yn, xa, cfg):
-    b_t, aug_design = ridge_lstsq(xn, yn - xn, cfg.ridge)  # (d, d) = B̂ᵀ
-    fitted = aug_design @ b_t  # rows: B̂ applied to [X, √λI]
-    top = np.linalg.svd(fitted)[2][: cfg.rank].T  # left singular vectors of B̂[X, √λI]
-    b = top @ top.T @ b_t.T
-    return xa + b @ xa, b
-
-
-def ref_orthogonal(xn, yn, xa, cfg):
-    cross = yn.T @ xn
-    u, _, vt = np.linalg.svd(cross + cfg.ridge * np.eye(xn.shape[1]))
-    q = u @ vt
-    s = (cross * q).sum() / (xn * xn).sum() if cfg.orthogonal_scale else 1.0
-    return s * q @ xa, s * q - np.eye(len(xa))
-
-
-def ref_mlp(xn, yn, xa, cfg, w1_init):
-    xn, yn, xa = (torch.from_numpy(v) for v in (xn, yn, xa))
-    d = xn.shape[1]
-    mu = xn.mean(dim=0)
-    sigma = ((xn - mu) ** 2).mean().sqrt()
-    tau = ((yn - xn) ** 2).mean().sqrt()
-    w1 = w1_init.clone().requires_grad_(True)
-    b1 = torch.zeros(cfg.mlp_hidden, dtype=torch.float64, requires_grad=True)
-    w2 = torch.zeros(d, cfg.mlp_hidden, dtype=torch.float64, requires_grad=True)
-    b2 = torch.zeros(d, dtype=torch.float64, requires_grad=True)
-
-    def t_map(v):
-        return v + tau * (w2 @ torch.tanh(w1 @ ((v - mu) / sigma) + b1) + b2)
-
-    opt = torch.optim.Adam([w1, b1, w2, b2], lr=1e-2)
-    for _ in range(cfg.mlp_steps):
-        opt.zero_grad()
-        pred = torch.stack([t_map(v) for v in xn])
-        loss = (((yn - pred) / tau) ** 2).mean() + cfg.ridge * ((w1**2).sum() + (w2**2).sum())
-        loss.backward()
-        opt.step()
-    with torch.no_grad():
-        t_val = t_map(xa)
-    jac = torch.autograd.functional.jacobian(t_map, xa)
-    return t_val.numpy(), jac.numpy() - np.eye(d)
-
-
-def top_subspace(u, s, p):
-    if s[0] <= 0:
-        return None
-    p_th = s[min(p, len(s)) - 1]
-    return u[:, : len(s)][:, (s >= p_th * (1 - 1e-8)) & (s > 1e-12 * s[0])]  # ties with the p-th included
-
-
-def energy(v, basis):
-    if basis is None or np.linalg.norm(v) == 0:
-        return None
-    return float(np.sum((basis.T @ v) ** 2) / np.sum(v**2))
-
-
-def ratio(num, den):
-    return None if den == 0 else num / den
-
-
-def reference_rows(x, y, seq, anchors, fn, cfg):
-    """One anchor at a time: T_i(x_a) and J_i − I, then every metric column."""
-    if fn == "global_linear":
-        coef = ridge_lstsq(x, y, cfg.ridge, intercept=True)[0]
-        a_mat, b_vec = coef[:-1].T, coef[-1]
-    if fn == "mlp":
-        gen = torch.Generator().manual_seed(cfg.seed)
-        w1_all = torch.randn((len(anchors), cfg.mlp_hidden, x.shape[1]), generator=gen, dtype=torch.float64)
-        w1_all /= math.sqrt(x.shape[1])
-    patched, ops = [], []
-    for i, a in enumerate(anchors):
-        xa = x[a]
-        if fn == "identity":
-            t_val, op = xa.copy(), np.zeros((len(xa), len(xa)))
-        elif fn == "global_linear":
-            t_val, op = a_mat @ xa + b_vec, a_mat - np.eye(len(xa))
-        else:
-            nb = ref_neighbours(x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)
-            args = (x[nb], y[nb], xa, cfg)
-            if fn == "mlp":
-                t_val, op = ref_mlp(*args, w1_all[i])
-            else:
-                ref_fit = {"diag_psd": ref_diag, "lowrank": ref_lowrank, "orthogonal": ref_orthogonal}[fn]
-                t_val, op = ref_fit(*args)
-        patched.append(t_val)
-        ops.append(op)
-    tok_all = np.array(patched) - x[anchors]
-    u, s, vt = np.linalg.svd(tok_all)
-    global_basis = top_subspace(vt.T, s, cfg.p)
-    rows = []
-    for a, t_val, op in zip(anchors, patched, ops):
-        full, tok, res = y[a] - x[a], t_val - x[a], y[a] - t_val
-        nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
-        u, s, _ = np.linalg.svd(op)
-        local = top_subspace(u, s, cfg.p)
-        cos_rt = ratio(res @ tok, nr * nt)
-        rows.append(
-            {
-                "rel_err": ratio(nr, nf),
-                "rel_err_state": ratio(nr, np.linalg.norm(y[a])),
-                "cos_full_tok": ratio(abs(full @ tok), nf * nt),
-                "cos_full_res": ratio(abs(full @ res), nf * nr),
-                "angle_res_tok": None if cos_rt is None else math.degrees(math.acos(np.clip(cos_rt, -1, 1))),
-                "proj_full": energy(full, local),
-                "proj_res": energy(res, local),
-                "proj_full_global": energy(full, global_basis),
-                "proj_res_global": energy(res, global_basis),
-                "norm_full": nf,
-                "norm_res": nr,
-                "patched": t_val,
-            }
-        )
-    return rows
-
-
 def assert_rows_match(table, rows, tol=1e-4):
     assert table.num_rows == len(rows)
     for name in METRICS:
