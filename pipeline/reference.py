@@ -22,10 +22,8 @@ from pipeline.config import AnalysisConfig
 Row = dict[str, Any]  # metric name -> float or None (undefined), and "patched" -> T_i(x_a)
 
 
-def ref_neighbours(
-    x: np.ndarray, a: int, k: int, distance: str, seq: np.ndarray | None = None
-) -> np.ndarray:
-    """The `k` nearest rows of `x[a]`, never `a` itself (nor its sequence with `seq`); ties to the lower index."""
+def ref_distances(x: np.ndarray, a: int, distance: str, seq: np.ndarray | None = None) -> np.ndarray:
+    """Distances from `x[a]` to every row, `inf` for `a` itself (and its sequence with `seq`)."""
     if distance == "euclidean":
         dist = np.sqrt(((x - x[a]) ** 2).sum(axis=1))
     else:
@@ -33,6 +31,14 @@ def ref_neighbours(
     dist[a] = np.inf
     if seq is not None:
         dist[seq == seq[a]] = np.inf
+    return dist
+
+
+def ref_neighbours(
+    x: np.ndarray, a: int, k: int, distance: str, seq: np.ndarray | None = None
+) -> np.ndarray:
+    """The `k` nearest rows of `x[a]`, never `a` itself (nor its sequence with `seq`); ties to the lower index."""
+    dist = ref_distances(x, a, distance, seq)
     return np.argsort(dist, kind="stable")[:k]
 
 

@@ -8,18 +8,13 @@ import pytest
 import torch
 
 from pipeline.knn import nearest_neighbours
+from pipeline.reference import ref_distances
 
 
 def brute_force(pool: np.ndarray, anchors: np.ndarray, k: int, distance: str, seq_id=None):
     index, dist = [], []
     for a in anchors:
-        if distance == "euclidean":
-            d = np.sqrt(((pool - pool[a]) ** 2).sum(axis=1))
-        else:
-            d = 1 - pool @ pool[a] / (np.linalg.norm(pool, axis=1) * np.linalg.norm(pool[a]))
-        d[a] = np.inf
-        if seq_id is not None:
-            d[seq_id == seq_id[a]] = np.inf
+        d = ref_distances(pool, a, distance, seq_id)
         order = np.argsort(d, kind="stable")[:k]
         index.append(order)
         dist.append(d[order])
