@@ -122,11 +122,3 @@ def run(params: Params, ray_address: str | None = None) -> None:
     if diverged:
         print(f"train: diverged (marked in run.json, pipeline continues): {', '.join(diverged)}", flush=True)
 
-
-def trained_models(params: Params, layout: Layout) -> list[tuple[str, Path]]:
-    """(model id for tables, checkpoint dir) of every trained run at the analysed checkpoints."""
-    return [
-        (f"{r}@{ckpt}", layout.run_dir(r) / ckpt)
-        for r in params.train.runs()
-        for ckpt in params.analysis.checkpoints
-    ]
