@@ -159,6 +159,28 @@ def test_killed_driver_leaves_no_ray_processes_and_the_rerun_resumes(extracted, 
     assert fits_of(workspace).equals(fits_of(reference))
 
 
+def test_killed_train_driver_redoes_only_the_unfinished_run(prepared, tmp_path):
+    """`lmgeo train` killed after its first run finished: the re-run skips that run and redoes the other."""
+    workspace = copy_workspace(prepared, tmp_path / "ws")
+    write_params(workspace, {"train.recipes": '["adamw","muon"]', "train.steps": "60", "ray.max_in_flight": "1"})
+    first, second = "neox-adamw-s0", "neox-muon-s0"
+    marker = workspace / "data" / "models" / first / "final" / "run.json"
+    driver = start_stage(workspace, "train", tmp_path / "train.log")
+    try:
+        wait_for(marker.is_file, 300, "the first run's completion marker")
+        kill_group(driver)
+    finally:
+        stop(driver)
+    assert not (workspace / "data" / "models" / second / "final" / "run.json").exists(), "the kill came too late"
+    finished_at = marker.stat().st_mtime_ns
+    rerun = lmgeo(workspace, "train")
+    assert "train: 1/2 runs complete, 1 to do" in rerun.stdout, rerun.stdout
+    assert marker.stat().st_mtime_ns == finished_at, "the finished run was redone"
+    for run in (first, second):
+        assert json.loads((workspace / "data" / "models" / run / "final" / "run.json").read_text())["steps_done"] == 60
+        assert (workspace / "data" / "train" / f"run={run}" / "steps.parquet").is_file()
+
+
 # ------------------------------------------------------------------------ 3. corrupt Parquet shard
 def test_corrupt_activation_shard_is_named_then_rebuilt(reference, tmp_path):
     workspace = copy_workspace(reference, tmp_path / "ws")
