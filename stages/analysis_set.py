@@ -6,8 +6,8 @@ import json
 import re
 from dataclasses import dataclass
 
-from pipeline.config import Params
-from pipeline.errors import InputError
+from pipeline.core.config import Params
+from pipeline.core.errors import InputError
 from stages.layout import Layout
 
 _SAFE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -54,7 +54,7 @@ def diverged(layout: Layout, run: str) -> bool:
 
 def model_source(layout: Layout, params: Params, model: AnalysedModel) -> str:
     """What to open for `model` (a resolved local dir or a hub id), after every safety check."""
-    from pipeline.arch import check_model
+    from pipeline.models.arch import check_model
 
     return check_model(
         model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
@@ -85,7 +85,7 @@ def open_model(layout: Layout, params: Params, model: AnalysedModel):
     """The model on the task's device (a GPU when Ray gave the task one), under the security params."""
     import torch
 
-    from pipeline.arch import load_model
+    from pipeline.models.arch import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     net = load_model(

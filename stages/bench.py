@@ -1,6 +1,6 @@
 """`lmgeo bench`: the benchmarks of SPEC §7, written to `<out>/bench.json` and `<out>/bench.md`.
 
-The measurements live in `pipeline.bench`; this module picks the sizes (`--quick`: a smoke run of a
+The measurements live in `pipeline.tools.bench`; this module picks the sizes (`--quick`: a smoke run of a
 few seconds per section), runs each section in a fresh process, and runs the Ray fan-out benchmark,
 which starts its own embedded Ray once per worker count (`ray.init(num_cpus=N)`), so it refuses to
 run inside a process that already holds a Ray connection.
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.bench import (
+from pipeline.tools.bench import (
     FULL,
     QUICK,
     BenchSizes,
@@ -43,8 +43,8 @@ from pipeline.bench import (
     versions,
     warm_worker,
 )
-from pipeline.config import Params, TaskResources
-from pipeline.store import ManifestKey, ShardWriter, complete_files
+from pipeline.core.config import Params, TaskResources
+from pipeline.core.store import ManifestKey, ShardWriter, complete_files
 from stages.layout import Layout
 
 FANOUT_MODEL = "bench"
@@ -164,7 +164,7 @@ def _run_layout(root: Path, activations: Path) -> Layout:
 def _timed_fit_stage(layout: Layout, params: Params, size: FanoutSize, n_workers: int, max_in_flight: int) -> float:
     import ray
 
-    from pipeline.execution import Shard, run_shards
+    from pipeline.core.execution import Shard, run_shards
     from stages.fit import fit_task
 
     key = ManifestKey({"activations": "bench"}, "bench", "bench")

@@ -14,8 +14,8 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.config import Params, ParamsError, load_params, load_yaml
-from pipeline.errors import InputError
+from pipeline.core.config import Params, ParamsError, load_params, load_yaml
+from pipeline.core.errors import InputError
 
 app = typer.Typer(
     name="lmgeo",
@@ -52,7 +52,7 @@ def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options
     # set before Ray starts, so that workers inherit it.
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     module = importlib.import_module(f"stages.{stage}")
-    from pipeline.execution import ShardFailed
+    from pipeline.core.execution import ShardFailed
 
     try:
         module.run(params, ray_address=ray_address, **options)
@@ -93,7 +93,7 @@ def query(
     """Run read-only SQL over the result tables, at the working tree or at given revisions."""
     if fmt not in ("table", "csv", "json"):
         fail(f"--format must be one of table, csv, json (got {fmt!r})")
-    from pipeline.query import QueryError, run_query
+    from pipeline.results.query import QueryError, run_query
 
     try:
         typer.echo(run_query(sql, revs=rev or [], workspace=Path.cwd(), fmt=fmt))
@@ -133,7 +133,7 @@ def preset(
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Print a preset as `-S key=value` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
-    from pipeline.config import apply_overrides, flatten_overrides
+    from pipeline.core.config import apply_overrides, flatten_overrides
 
     try:
         overrides = flatten_overrides(load_yaml(path))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.config import Params, digest
-from pipeline.execution import Shard
-from pipeline.store import ManifestKey, code_version, file_sha256
+from pipeline.core.config import Params, digest
+from pipeline.core.execution import Shard
+from pipeline.core.store import ManifestKey, code_version, file_sha256
 from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, model_tokenizer, open_model
 from stages.layout import Layout
 from stages.sharded import run_sharded_stage
@@ -17,8 +17,8 @@ HIVE_TYPES = {"model": "VARCHAR", "layer": "INTEGER"}
 
 def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
     """(n_seq, seq_len) token ids: our val windows, re-encoded for external models' own tokenizers."""
-    from pipeline.corpus import load_tokens
-    from pipeline.evalset import eval_windows, retokenize
+    from pipeline.text.corpus import load_tokens
+    from pipeline.text.evalset import eval_windows, retokenize
 
     n, seq_len = params.analysis.eval_sequences, params.prepare.seq_len
     tokens = load_tokens(layout.tokens, "val")
@@ -37,8 +37,8 @@ def extract_task(
 ) -> int:
     import torch
 
-    from pipeline.extract import extract_batches
-    from pipeline.store import ShardWriter
+    from pipeline.study_a.extract import extract_batches
+    from pipeline.core.store import ShardWriter
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("extract").num_cpus)))
     net, device = open_model(layout, params, model)

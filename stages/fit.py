@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.config import Params, digest
-from pipeline.execution import Shard
-from pipeline.store import ManifestKey, code_version, dataset_digest
+from pipeline.core.config import Params, digest
+from pipeline.core.execution import Shard
+from pipeline.core.store import ManifestKey, code_version, dataset_digest
 from stages.extract import HIVE_TYPES as ACTIVATION_TYPES
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 from stages.analysis_set import analysed_models
 from stages.layout import Layout
 from stages.sharded import run_sharded_stage
@@ -19,7 +19,7 @@ HIVE_TYPES = {"model": "VARCHAR", "layer": "INTEGER", "fn": "VARCHAR"}
 
 def read_layer(layout: Layout, model: str, layer: int) -> tuple[np.ndarray, np.ndarray]:
     """(ids (n, 3) int32 of seq_id, pos, token_id; vectors (n, d) float32) sorted by (seq_id, pos)."""
-    from pipeline.store import arrow_to_vectors, read_dataset
+    from pipeline.core.store import arrow_to_vectors, read_dataset
 
     table = read_dataset(
         layout.activations, ACTIVATION_TYPES, where=f"model = '{model}' AND layer = {int(layer)}",
@@ -32,8 +32,8 @@ def read_layer(layout: Layout, model: str, layer: int) -> tuple[np.ndarray, np.n
 def fit_task(layout: Layout, params: Params, model: str, layer: int, fn: str, key: ManifestKey, shard: str) -> int:
     import torch
 
-    from pipeline.fits import choose_anchors, finite_rows, fit_layer
-    from pipeline.store import ShardWriter
+    from pipeline.study_a.fits import choose_anchors, finite_rows, fit_layer
+    from pipeline.core.store import ShardWriter
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("fit").num_cpus)))
     ids, x = read_layer(layout, model, layer)
@@ -60,7 +60,7 @@ def _pool(n: int, pool_size: int | None, seed: int) -> np.ndarray:
 
 def layers_by_model(layout: Layout) -> dict[str, int]:
     """model path id → number of blocks L (activations hold layers 0..L)."""
-    from pipeline.store import read_dataset
+    from pipeline.core.store import read_dataset
 
     table = read_dataset(layout.activations, ACTIVATION_TYPES, columns="model, max(layer) AS top", group_by="model")
     return dict(zip(table["model"].to_pylist(), table["top"].to_pylist(), strict=True))

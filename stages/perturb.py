@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import Params, digest
-from pipeline.execution import Shard
-from pipeline.store import ManifestKey, code_version, dataset_digest
+from pipeline.core.config import Params, digest
+from pipeline.core.execution import Shard
+from pipeline.core.store import ManifestKey, code_version, dataset_digest
 from stages.analysis_set import AnalysedModel, analysed_models, open_model
 from stages.extract import HIVE_TYPES as ACTIVATION_TYPES
 from stages.fit import HIVE_TYPES as FIT_TYPES
@@ -21,7 +21,7 @@ SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float
 
 def sequences(layout: Layout, model: str, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(unique seq ids, their token ids (n_seq, seq_len)), replayed from the stored activations (layer 0)."""
-    from pipeline.store import read_dataset
+    from pipeline.core.store import read_dataset
 
     unique = np.unique(seq_ids)
     table = read_dataset(
@@ -37,8 +37,8 @@ def perturb_task(
 ) -> int:
     import torch
 
-    from pipeline.patching import patch_kl_anchors
-    from pipeline.store import ShardWriter, arrow_to_vectors, read_dataset
+    from pipeline.study_a.patching import patch_kl_anchors
+    from pipeline.core.store import ShardWriter, arrow_to_vectors, read_dataset
 
     torch.set_num_threads(max(1, int(params.ray.resources_for("perturb").num_cpus)))
     fits = read_dataset(

@@ -1,7 +1,7 @@
 """`lmgeo prepare`: corpus → train/val token ids and the tokenizer (no Ray: one short process)."""
 
-from pipeline.config import Params
-from pipeline.corpus import prepare
+from pipeline.core.config import Params
+from pipeline.text.corpus import prepare
 from stages.layout import Layout
 
 

@@ -1,11 +1,11 @@
 """`lmgeo report`: reports/report.md and reports/figures/*.png from reports/tables."""
 
-from pipeline.config import Params
+from pipeline.core.config import Params
 from stages.layout import Layout
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
-    from pipeline.report import collect_provenance, render_report
+    from pipeline.results.report import collect_provenance, render_report
 
     layout = Layout.here()
     provenance = collect_provenance(layout.root, params)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 
-from pipeline.config import RayConfig
+from pipeline.core.config import RayConfig
 
 
 def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:

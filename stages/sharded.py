@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import Params
-from pipeline.execution import Shard, run_shards
-from pipeline.store import ManifestKey, prune_shards, shard_complete
+from pipeline.core.config import Params
+from pipeline.core.execution import Shard, run_shards
+from pipeline.core.store import ManifestKey, prune_shards, shard_complete
 
 
 def run_sharded_stage(

@@ -14,15 +14,15 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from pipeline.config import Params, TaskResources
+from pipeline.core.config import Params, TaskResources
 from stages.layout import Layout
 
 RUN_JSON = "run.json"
 
 
 def manifest_for(params: Params, layout: Layout) -> dict[str, str]:
-    from pipeline.corpus import load_meta
-    from pipeline.store import code_version
+    from pipeline.text.corpus import load_meta
+    from pipeline.core.store import code_version
 
     return {
         "params_hash": params.section_hash("prepare", "train"),
@@ -61,10 +61,10 @@ def train_task(layout: Layout, run_id: str, params: Params, manifest: dict[str, 
     import torch
     from transformers import AutoTokenizer
 
-    from pipeline.corpus import load_meta, load_tokens
-    from pipeline.progress import Progress
-    from pipeline.store import atomic_path
-    from pipeline.train import RunSpec, train_run
+    from pipeline.text.corpus import load_meta, load_tokens
+    from pipeline.core.progress import Progress
+    from pipeline.core.store import atomic_path
+    from pipeline.study_b.train import RunSpec, train_run
 
     torch.set_num_threads(max(1, int(resources.num_cpus)))  # no oversubscription; deterministic on CPU
     remove_run(layout, run_id)
@@ -100,7 +100,7 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
-    from pipeline.execution import Shard, run_shards
+    from pipeline.core.execution import Shard, run_shards
     from stages.runtime import start_ray
 
     layout = Layout.here()

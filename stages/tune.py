@@ -17,13 +17,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.config import ARCHS, RECIPES, Params, TaskResources, TrainConfig
+from pipeline.core.config import ARCHS, RECIPES, Params, TaskResources, TrainConfig
 from stages.layout import Layout
 
 if TYPE_CHECKING:  # at run time these load torch, which `lmgeo --help` must not
     import pyarrow as pa
 
-    from pipeline.tuning import Choice, StepScore, Trial
+    from pipeline.tools.tuning import Choice, StepScore, Trial
 
 # Edge rounds: each moves a family whose best value sits on the grid's edge one ×2 step further out.
 MAX_EXTENSION_ROUNDS = 4
@@ -40,8 +40,8 @@ def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int, r
     """Ray task: train one trial and return its row."""
     import torch
 
-    from pipeline.corpus import load_meta, load_tokens
-    from pipeline.tuning import run_trial
+    from pipeline.text.corpus import load_meta, load_tokens
+    from pipeline.tools.tuning import run_trial
 
     torch.set_num_threads(max(1, int(resources.num_cpus)))  # parallelism comes from Ray, not from BLAS
     return run_trial(
@@ -62,9 +62,9 @@ def run(
 ) -> dict[str, Choice | None]:
     """Sweep every recipe's head step on `arch` (defaults: the study's steps and seeds, all recipes),
     extend edge winners, write `out` and `out.with_suffix('.json')`; returns the chosen steps."""
-    from pipeline import tuning
-    from pipeline.corpus import load_meta
-    from pipeline.execution import Shard, run_shards
+    from pipeline.tools import tuning
+    from pipeline.text.corpus import load_meta
+    from pipeline.core.execution import Shard, run_shards
     from stages.runtime import start_ray
 
     layout = Layout.here()
@@ -107,7 +107,7 @@ def run(
 
 
 def _check_choices(arch: str, recipes: list[str]) -> None:
-    from pipeline.errors import InputError
+    from pipeline.core.errors import InputError
 
     if arch not in ARCHS:
         raise InputError(f"tune: unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
@@ -118,19 +118,19 @@ def _check_choices(arch: str, recipes: list[str]) -> None:
 
 def _rounded(step: tuple[str, float]) -> tuple[str, float]:
     """As the grid writes it, so the ×1 point is found among the trials."""
-    from pipeline.tuning import round_sig
+    from pipeline.tools.tuning import round_sig
 
     return step[0], round_sig(step[1])
 
 
 def _of_recipe(rows: list[dict], recipe: str) -> pa.Table:
-    from pipeline.tuning import results_table
+    from pipeline.tools.tuning import results_table
 
     return results_table([row for row in rows if row["recipe"] == recipe])
 
 
 def _choose(table: pa.Table) -> Choice | None:
-    from pipeline.tuning import best_step
+    from pipeline.tools.tuning import best_step
 
     try:
         return best_step(table)
@@ -142,8 +142,8 @@ def _protocol(
     params: Params, base: TrainConfig, arch: str, seeds: list[int], grids: dict, previous: dict, wall_s: float,
     vocab: int,
 ) -> dict:
-    from pipeline.arch import build_model
-    from pipeline.tuning import EDGE_FACTOR, GRID_FACTORS
+    from pipeline.models.arch import build_model
+    from pipeline.tools.tuning import EDGE_FACTOR, GRID_FACTORS
 
     model = build_model(arch, base.model, vocab, params.prepare.seq_len, seed=0)
     return {
@@ -174,7 +174,7 @@ def _protocol(
 
 
 def _write(out: Path, protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) -> None:
-    from pipeline.store import atomic_path
+    from pipeline.core.store import atomic_path
 
     chosen = {r: None if c is None else asdict(c) for r, c in choices.items()}
     with atomic_path(out.with_suffix(".json")) as tmp:
@@ -184,7 +184,7 @@ def _write(out: Path, protocol: dict, rows: list[dict], choices: dict[str, Choic
 
 
 def render(protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) -> str:
-    from pipeline.tuning import edge_extensions
+    from pipeline.tools.tuning import edge_extensions
 
     p = protocol
     m = p["model"]
@@ -275,7 +275,7 @@ def _by_step(rows: list[dict]) -> dict[tuple[str, str, float], dict[int, float |
 
 
 def _scores(rows: list[dict], recipes: list[str]) -> dict[tuple[str, str, float], StepScore]:
-    from pipeline.tuning import step_scores
+    from pipeline.tools.tuning import step_scores
 
     return {(r, s.knob, s.value): s for r in recipes for s in step_scores(_of_recipe(rows, r))}
 

@@ -36,7 +36,7 @@ def ray_local() -> Iterator[ModuleType]:
     """The session's embedded Ray (2 CPUs, no GPU); yields the ``ray`` module."""
     import ray
 
-    from pipeline.config import RayConfig
+    from pipeline.core.config import RayConfig
     from stages.runtime import start_ray
 
     address = os.environ.pop("RAY_ADDRESS", None)

@@ -21,14 +21,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from pipeline.config import (
+from pipeline.core.config import (
     Params,
     apply_overrides,
     flatten_overrides,
     load_params,
     load_yaml,
 )
-from pipeline.store import (
+from pipeline.core.store import (
     MANIFEST_DIR,
     ManifestKey,
     ShardWriter,
@@ -44,7 +44,7 @@ STAGE_TIMEOUT_S = 300
 # that Ray starts once per pipeline instead of once per stage.
 _PIPELINE = (
     "import importlib, sys\n"
-    "from pipeline.config import load_params\n"
+    "from pipeline.core.config import load_params\n"
     "params = load_params('params.yaml')\n"
     "for stage in sys.argv[1:]:\n"
     "    importlib.import_module(f'stages.{stage}').run(params)\n"

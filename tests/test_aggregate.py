@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.aggregate import (
+from pipeline.results.aggregate import (
     FIT_METRICS,
     MAX_CURVE_POINTS,
     TABLES,
@@ -21,9 +21,9 @@ from pipeline.aggregate import (
     build_tables,
     metrics,
 )
-from pipeline.config import ReportConfig
-from pipeline.stats import spearman_by_layer
-from pipeline.store import ManifestKey, ShardWriter
+from pipeline.core.config import ReportConfig
+from pipeline.results.stats import spearman_by_layer
+from pipeline.core.store import ManifestKey, ShardWriter
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -287,7 +287,7 @@ def test_spearman_of_monotone_relation_is_plus_or_minus_one(tables: dict[str, pa
 
 def test_correlations_use_the_anchor_grouped_bootstrap(tmp_path: Path) -> None:
     """Noisy data, two layers sharing anchors: per-layer and pooled rows are those of
-    pipeline.stats.spearman_by_layer with anchors (seq_id, pos) resampled together across layers."""
+    pipeline.results.stats.spearman_by_layer with anchors (seq_id, pos) resampled together across layers."""
     rng = np.random.default_rng(1)
     n = 30
     seq, pos = np.arange(n, dtype=np.int32) // 5, np.arange(n, dtype=np.int32) % 5

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from pipeline.arch import (
+from pipeline.models.arch import (
     ARCHS,
     ModelLoadError,
     UnsupportedArchitecture,
@@ -21,8 +21,8 @@ from pipeline.arch import (
     load_model,
     spec_of,
 )
-from pipeline.config import ModelSize
-from pipeline.errors import InputError
+from pipeline.core.config import ModelSize
+from pipeline.core.errors import InputError
 
 TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
 VOCAB, SEQ_LEN = 128, 16

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.bench import (
+from pipeline.tools.bench import (
     Timings,
     bar,
     compare_with_reference,
@@ -166,9 +166,9 @@ def test_run_fresh_runs_in_another_process_with_the_thread_count():
 
 
 def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
-    from pipeline.config import AnalysisConfig
-    from pipeline.fits import choose_anchors, fit_layer
-    from pipeline.reference import reference_rows
+    from pipeline.core.config import AnalysisConfig
+    from pipeline.study_a.fits import choose_anchors, fit_layer
+    from pipeline.study_a.reference import reference_rows
 
     states = synthetic_states(n_seq=6, seq_len=10, d=5, n_layers=1, seed=0)
     seq = np.repeat(np.arange(6), 10)

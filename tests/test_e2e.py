@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import apply_overrides, flatten_overrides, load_params, load_yaml
+from pipeline.core.config import apply_overrides, flatten_overrides, load_params, load_yaml
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 import ray
 
-import pipeline.store
-from pipeline.config import RayConfig, TaskResources
-from pipeline.execution import Shard, ShardFailed, run_shards
-from pipeline.progress import Progress
+import pipeline.core.store
+from pipeline.core.config import RayConfig, TaskResources
+from pipeline.core.execution import Shard, ShardFailed, run_shards
+from pipeline.core.progress import Progress
 from stages.runtime import resolve_address, start_ray
 
 REPO = Path(__file__).resolve().parent.parent
@@ -71,7 +71,7 @@ def wait_for_file(path: str, timeout_s: float) -> bool:
 
 
 def pipeline_source() -> str:
-    return pipeline.store.__file__
+    return pipeline.core.store.__file__
 
 
 @ray.remote(num_cpus=0)
@@ -251,7 +251,7 @@ def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
 
 def test_workers_import_this_checkout(ray_local) -> None:
     result = run_shards([Shard("src", pipeline_source)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")
-    assert Path(result["src"]).resolve() == Path(pipeline.store.__file__).resolve()
+    assert Path(result["src"]).resolve() == Path(pipeline.core.store.__file__).resolve()
 
 
 # ----------------------------------------------------------------------------------- start_ray

@@ -7,9 +7,9 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.arch import ARCHS, blocks_of, build_model, final_norm_of, head_of
-from pipeline.config import ModelSize
-from pipeline.extract import block_input, block_output, extract_batches
+from pipeline.models.arch import ARCHS, blocks_of, build_model, final_norm_of, head_of
+from pipeline.core.config import ModelSize
+from pipeline.study_a.extract import block_input, block_output, extract_batches
 
 TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
 VOCAB, SEQ_LEN, N_SEQ = 128, 16, 5

@@ -1,9 +1,9 @@
 """Tokenwise fits against an independent per-anchor reference.
 
-The reference (`pipeline.reference`, which `lmgeo bench` also times) works one anchor at a time in
+The reference (`pipeline.study_a.reference`, which `lmgeo bench` also times) works one anchor at a time in
 NumPy float64: its own neighbour search by fully sorting the distances, its own least squares
 (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d` Jacobian of each fitted map (by
-autograd for the MLP) and its full SVD. It shares nothing with `pipeline.fits` except the MLP's
+autograd for the MLP) and its full SVD. It shares nothing with `pipeline.study_a.fits` except the MLP's
 initial weights, which are part of that fit's definition.
 """
 
@@ -14,8 +14,8 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.config import AnalysisConfig
-from pipeline.fits import (
+from pipeline.core.config import AnalysisConfig
+from pipeline.study_a.fits import (
     METRICS,
     choose_anchors,
     fit_diag_psd,
@@ -24,7 +24,7 @@ from pipeline.fits import (
     fit_orthogonal,
     fit_schema,
 )
-from pipeline.reference import reference_rows
+from pipeline.study_a.reference import reference_rows
 
 CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear")
 

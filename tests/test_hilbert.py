@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.spatial.distance import pdist, squareform
 
-from pipeline import hilbert
+from pipeline.study_b import hilbert
 
 DOUBLE = torch.float64
 

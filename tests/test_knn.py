@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.knn import nearest_neighbours
-from pipeline.reference import ref_distances
+from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_a.reference import ref_distances
 
 
 def brute_force(pool: np.ndarray, anchors: np.ndarray, k: int, distance: str, seq_id=None):

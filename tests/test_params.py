@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import ParamsError, load_params, parse_params
+from pipeline.core.config import ParamsError, load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 

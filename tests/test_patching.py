@@ -7,10 +7,10 @@ import pytest
 import torch
 from scipy.special import log_softmax
 
-from pipeline.arch import ARCHS, blocks_of, build_model, head_of
-from pipeline.config import ModelSize
-from pipeline.extract import block_output, capture_states
-from pipeline.patching import patch_kl, patch_kl_anchors
+from pipeline.models.arch import ARCHS, blocks_of, build_model, head_of
+from pipeline.core.config import ModelSize
+from pipeline.study_a.extract import block_output, capture_states
+from pipeline.study_a.patching import patch_kl, patch_kl_anchors
 
 TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
 VOCAB, SEQ_LEN, N_SEQ = 128, 16, 3

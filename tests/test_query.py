@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from test_aggregate import CFG, write_tiny_study
 
-from pipeline.aggregate import aggregate
-from pipeline.query import QueryError, check_read_only, query_table, run_query
+from pipeline.results.aggregate import aggregate
+from pipeline.results.query import QueryError, check_read_only, query_table, run_query
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,10 @@ from transformers import (
     MambaForCausalLM,
 )
 
-from pipeline import hilbert, recipes
-from pipeline.config import RECIPES, RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b import hilbert
+
+from pipeline.study_b import recipes
+from pipeline.core.config import RECIPES, RecipeConfig, Schedule, TrainConfig
 
 VOCAB, WIDTH, SEQ, BATCH = 256, 32, 16, 8
 FLAT = Schedule(warmup_steps=0, decay="constant")

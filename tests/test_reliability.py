@@ -53,7 +53,7 @@ from reliability_helpers import (
     write_raw_params,
 )
 
-from pipeline.store import verify_shard
+from pipeline.core.store import verify_shard
 
 pytestmark = pytest.mark.slow
 
@@ -412,7 +412,7 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
 
 # ------------------------------------------------------------------------------------- 8. security
 def test_remote_code_and_pickle_weights_are_refused(inputs):
-    from pipeline.arch import check_model
+    from pipeline.models.arch import check_model
 
     refused_everywhere(inputs, {
         "remote_code": ("extract", external("./models/remote"), ("auto_map", "security.trust_remote_code")),
@@ -423,7 +423,7 @@ def test_remote_code_and_pickle_weights_are_refused(inputs):
 
 
 def test_paths_cannot_leave_the_workspace(inputs):
-    from pipeline.arch import check_model
+    from pipeline.models.arch import check_model
 
     outside = inputs.parent / "outside_model"
     refused_everywhere(inputs, {

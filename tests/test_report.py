@@ -10,9 +10,9 @@ import matplotlib.image as mpimg
 import pytest
 from test_aggregate import CFG, write_study_b, write_tiny_study
 
-from pipeline.aggregate import aggregate
-from pipeline.config import Params
-from pipeline.report import collect_provenance, render_report
+from pipeline.results.aggregate import aggregate
+from pipeline.core.config import Params
+from pipeline.results.report import collect_provenance, render_report
 
 PROVENANCE = {"git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}}
 

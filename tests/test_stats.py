@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 from scipy.stats import rankdata, spearmanr
 
-from pipeline.stats import (
+from pipeline.results.stats import (
     average_ranks,
     mean_ignoring_nulls,
     median_ignoring_nulls,

@@ -25,8 +25,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline import store
-from pipeline.store import (
+from pipeline.core import store
+from pipeline.core.store import (
     CorruptShardError,
     ManifestKey,
     ShardWriter,
@@ -221,7 +221,7 @@ def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None
 WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np, pyarrow as pa
-    from pipeline import store
+    from pipeline.core import store
     root, shard, moment = sys.argv[1], sys.argv[2], sys.argv[3]
     key = store.ManifestKey({"activations": "abc123"}, "p1", "c1")
     if moment == "before-manifest":  # die after the renames, before the manifest

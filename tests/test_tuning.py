@@ -7,11 +7,11 @@ import math
 import numpy as np
 import pytest
 
-from pipeline import tuning
-from pipeline.arch import build_model, head_of
-from pipeline.config import ModelSize, RecipeConfig, TrainConfig
-from pipeline.recipes import DEFAULT_HEAD_STEP, HeadStepDefault, build_optimizers
-from pipeline.train import RunSpec, train_run
+from pipeline.tools import tuning
+from pipeline.models.arch import build_model, head_of
+from pipeline.core.config import ModelSize, RecipeConfig, TrainConfig
+from pipeline.study_b.recipes import DEFAULT_HEAD_STEP, HeadStepDefault, build_optimizers
+from pipeline.study_b.train import RunSpec, train_run
 from stages.tune import render, tuning_config
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
@@ -191,8 +191,8 @@ def test_the_document_marks_the_choice_and_diverged_runs() -> None:
 
 # ---------------------------------------------------------------------------------------- stage
 def test_the_stage_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
-    from pipeline.config import Params
-    from pipeline.errors import InputError
+    from pipeline.core.config import Params
+    from pipeline.core.errors import InputError
     from stages import tune
 
     monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens

@@ -45,9 +45,9 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from scipy import stats as sps
 
-from pipeline.config import ARCHS, RECIPES, ReportConfig
-from pipeline.stats import spearman_by_layer
-from pipeline.store import MANIFEST_DIR, complete_files
+from pipeline.core.config import ARCHS, RECIPES, ReportConfig
+from pipeline.results.stats import spearman_by_layer
+from pipeline.core.store import MANIFEST_DIR, complete_files
 
 TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
 

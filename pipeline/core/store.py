@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 if TYPE_CHECKING:
     import duckdb

@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.arch import blocks_of
-from pipeline.store import vectors_to_arrow
+from pipeline.models.arch import blocks_of
+from pipeline.core.store import vectors_to_arrow
 
 ACTIVATION_COLUMNS = ("seq_id", "pos", "token_id", "h")
 

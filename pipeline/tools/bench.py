@@ -38,7 +38,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pipeline.config import RECIPES, AnalysisConfig, ModelSize, TrainConfig
+from pipeline.core.config import RECIPES, AnalysisConfig, ModelSize, TrainConfig
 
 FIT_BENCH_CLASSES = ("diag_psd", "lowrank", "orthogonal")
 PROFILE_LINES = 14
@@ -294,8 +294,8 @@ def activation_batch(states: np.ndarray, seq_len: int, tokens: np.ndarray) -> li
     """One Arrow record batch per layer in the activation schema (SPEC §4.1) for synthetic `states`."""
     import pyarrow as pa
 
-    from pipeline.extract import ACTIVATION_COLUMNS
-    from pipeline.store import vectors_to_arrow
+    from pipeline.study_a.extract import ACTIVATION_COLUMNS
+    from pipeline.core.store import vectors_to_arrow
 
     n = states.shape[1]
     ids = [
@@ -308,15 +308,15 @@ def activation_batch(states: np.ndarray, seq_len: int, tokens: np.ndarray) -> li
 
 # ------------------------------------------------------------------------------------ extraction
 def _extraction_model(size: ExtractionSize) -> Any:
-    from pipeline.arch import build_model
+    from pipeline.models.arch import build_model
 
     return build_model(size.arch, size.model_size(), size.vocab, size.seq_len, seed=0).eval()
 
 
 def extract_to_parquet(model: Any, tokens: np.ndarray, batch_size: int, root: Path) -> int:
     """The extract stage's path for one shard: hooks, Arrow batches, `ShardWriter` (atomic, manifest)."""
-    from pipeline.extract import extract_batches
-    from pipeline.store import ManifestKey, ShardWriter
+    from pipeline.study_a.extract import extract_batches
+    from pipeline.core.store import ManifestKey, ShardWriter
 
     key = ManifestKey({"tokens": "bench"}, "bench", "bench")
     seq_ids = np.arange(len(tokens), dtype=np.int32)
@@ -389,7 +389,7 @@ def extraction_peak_rss(size: ExtractionSize, n_seq: int, batch_size: int, threa
 # ------------------------------------------------------------------------------------------ fits
 def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, float | int]:
     """Max |fit_layer − reference| over every metric value and `patched`, and null-pattern mismatches."""
-    from pipeline.fits import METRICS
+    from pipeline.study_a.fits import METRICS
 
     worst, mismatched = 0.0, 0
     for name in METRICS:
@@ -408,8 +408,8 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
     """`fit_layer` vs the per-anchor reference on the same synthetic layer, per class."""
     import torch
 
-    from pipeline.fits import choose_anchors, fit_layer
-    from pipeline.reference import reference_rows
+    from pipeline.study_a.fits import choose_anchors, fit_layer
+    from pipeline.study_a.reference import reference_rows
 
     torch.set_num_threads(threads)
     states = synthetic_states(scale.n_seq, scale.seq_len, scale.d, n_layers=1, seed=3)
@@ -447,8 +447,8 @@ def knn_peak_memory(size: KnnSize, n_pool: int, k: int, threads: int) -> dict[st
     `working_bytes` = peak − RSS with the pool already loaded: the search's own memory."""
     import torch
 
-    from pipeline.fits import choose_anchors
-    from pipeline.knn import nearest_neighbours
+    from pipeline.study_a.fits import choose_anchors
+    from pipeline.study_a.knn import nearest_neighbours
 
     torch.set_num_threads(threads)
     pool = torch.from_numpy(np.random.default_rng(4).normal(size=(n_pool, size.d)))
@@ -534,8 +534,8 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
     """Training-step time of every recipe on the same GPT-NeoX and batch; only the head's optimizer differs."""
     import torch
 
-    from pipeline.arch import build_model, head_of
-    from pipeline.recipes import build_optimizers, resolve_head_step
+    from pipeline.models.arch import build_model, head_of
+    from pipeline.study_b.recipes import build_optimizers, resolve_head_step
 
     torch.set_num_threads(threads)
     model_size = ModelSize(d_model=size.d_model, n_layers=size.n_layers, n_heads=size.n_heads)
@@ -580,7 +580,7 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
 def warm_worker(seconds: float) -> int:
     """A Ray task that makes its worker import what the fit tasks import, then holds it for `seconds`
     so that each of the N workers gets one; returns the worker's pid."""
-    import pipeline.fits  # noqa: F401 - the import is the point
+    import pipeline.study_a.fits  # noqa: F401 - the import is the point
     import stages.fit  # noqa: F401
 
     time.sleep(seconds)
@@ -634,7 +634,7 @@ def _gpu_extraction(size: ExtractionSize, batch_size: int, device: Any) -> dict[
 def _gpu_knn(size: KnnSize, k: int, device: Any) -> dict[str, Any]:
     import torch
 
-    from pipeline.knn import nearest_neighbours
+    from pipeline.study_a.knn import nearest_neighbours
 
     runs = []
     for n_pool in size.pools:
@@ -662,7 +662,7 @@ def _gpu_knn(size: KnnSize, k: int, device: Any) -> dict[str, Any]:
 def _gpu_fits(scale: FitScale, cfg: AnalysisConfig, device: Any) -> dict[str, Any]:
     import torch
 
-    from pipeline.fits import choose_anchors, fit_layer
+    from pipeline.study_a.fits import choose_anchors, fit_layer
 
     states = synthetic_states(scale.n_seq, scale.seq_len, scale.d, n_layers=1, seed=3)
     seq = np.repeat(np.arange(scale.n_seq), scale.seq_len)
@@ -706,7 +706,7 @@ def machine_info() -> dict[str, Any]:
 def versions() -> dict[str, str]:
     from importlib import metadata
 
-    from pipeline.store import code_version
+    from pipeline.core.store import code_version
 
     found = {"python": platform.python_version(), "lmgeo": code_version()}
     for package in ("torch", "transformers", "ray", "pyarrow", "numpy", "duckdb"):
@@ -865,7 +865,7 @@ def _extraction_md(section: dict[str, Any]) -> list[str]:
 
 def _fits_md(scales: list[dict[str, Any]]) -> list[str]:
     lines = ["## Fits", "",
-             ("`fit_layer` (batched, float64) against `pipeline.reference` (one anchor at a time in NumPy: "
+             ("`fit_layer` (batched, float64) against `pipeline.study_a.reference` (one anchor at a time in NumPy: "
              "full sort of the distances, `lstsq` / SVD per anchor, full d × d SVD of each local operator), "
              "on the same synthetic layer (a tanh update plus a cross-token term, float32-rounded)."), ""]
     for scale in scales:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pipeline.config import TaskResources
-from pipeline.progress import Progress
+from pipeline.core.config import TaskResources
+from pipeline.core.progress import Progress
 
 if TYPE_CHECKING:
     from ray import ObjectRef

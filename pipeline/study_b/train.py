@@ -17,10 +17,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline import hilbert
-from pipeline.arch import build_model, head_of
-from pipeline.config import TrainConfig
-from pipeline.recipes import build_optimizers
+from pipeline.study_b import hilbert
+from pipeline.models.arch import build_model, head_of
+from pipeline.core.config import TrainConfig
+from pipeline.study_b.recipes import build_optimizers
 
 STEP_SCHEMA = pa.schema(
     [

@@ -24,8 +24,8 @@ from transformers import (
     PreTrainedModel,
 )
 
-from pipeline.config import ModelSize
-from pipeline.errors import InputError
+from pipeline.core.config import ModelSize
+from pipeline.core.errors import InputError
 
 
 class UnsupportedArchitecture(InputError):

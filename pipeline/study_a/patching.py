@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.arch import blocks_of
-from pipeline.extract import block_output, eval_mode, hooks, model_device
+from pipeline.models.arch import blocks_of
+from pipeline.study_a.extract import block_output, eval_mode, hooks, model_device
 
 
 def _log_probs(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:

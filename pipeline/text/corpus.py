@@ -30,8 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.config import CorpusConfig, PrepareConfig, TokenizerConfig
-from pipeline.errors import InputError
+from pipeline.core.config import CorpusConfig, PrepareConfig, TokenizerConfig
+from pipeline.core.errors import InputError
 
 if TYPE_CHECKING:  # transformers is imported only where a tokenizer is built
     from transformers import PreTrainedTokenizerBase

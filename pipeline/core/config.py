@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 ARCHS = ("gpt2", "neox", "mamba")
 RECIPES = ("adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hilbert_equi")

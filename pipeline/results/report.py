@@ -25,8 +25,8 @@ import yaml
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from pipeline.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES, recipe_order
-from pipeline.config import RECIPES, Params
+from pipeline.results.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES, recipe_order
+from pipeline.core.config import RECIPES, Params
 
 Row = dict[str, Any]
 PACKAGES = ("torch", "transformers", "ray", "duckdb", "dvc", "pyarrow", "numpy", "scipy", "matplotlib", "lmgeo")

@@ -1,9 +1,9 @@
-"""A straightforward per-anchor reference for the tokenwise fits of `pipeline.fits` (SPEC §4.2).
+"""A straightforward per-anchor reference for the tokenwise fits of `pipeline.study_a.fits` (SPEC §4.2).
 
 It works one anchor at a time in NumPy float64: its own neighbour search by fully sorting the
 distances, its own least squares (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d`
 Jacobian of each fitted map (by autograd for the MLP) and its full SVD. It shares nothing with
-`pipeline.fits` except the MLP's initial weights, which are part of that fit's definition.
+`pipeline.study_a.fits` except the MLP's initial weights, which are part of that fit's definition.
 
 Two users: `tests/test_fits.py` checks every column of `fit_layer` against it, and `lmgeo bench`
 times `fit_layer` against it (SPEC §7: "fits vs a straightforward per-anchor reference").
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline.config import AnalysisConfig
+from pipeline.core.config import AnalysisConfig
 
 Row = dict[str, Any]  # metric name -> float or None (undefined), and "patched" -> T_i(x_a)
 

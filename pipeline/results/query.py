@@ -35,7 +35,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from pipeline.aggregate import (
+from pipeline.results.aggregate import (
     ACTIVATION_PARTITIONS,
     ACTIVATIONS_SCHEMA,
     FIT_PARTITIONS,
@@ -47,8 +47,8 @@ from pipeline.aggregate import (
     model_label_sql,
     open_dataset,
 )
-from pipeline.errors import InputError
-from pipeline.store import CorruptShardError
+from pipeline.core.errors import InputError
+from pipeline.core.store import CorruptShardError
 
 Format = Literal["table", "csv", "json"]
 TABLES_DIR = "reports/tables"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.errors import InputError
+from pipeline.core.errors import InputError
 
 
 def eval_windows(tokens: np.ndarray, n_sequences: int, seq_len: int) -> np.ndarray:

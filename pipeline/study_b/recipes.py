@@ -47,8 +47,8 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
-from pipeline.config import RecipeConfig, Schedule, TrainConfig
-from pipeline.hilbert import center_rows, equi_ratio
+from pipeline.core.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.hilbert import center_rows, equi_ratio
 
 MOMENTUM = 0.95
 ADAMW_BETAS = (0.9, 0.95)

@@ -22,9 +22,9 @@ from statistics import fmean
 import numpy as np
 import pyarrow as pa
 
-from pipeline.config import RecipeConfig, TrainConfig
-from pipeline.recipes import DEFAULT_HEAD_STEP, HILBERT_RECIPES
-from pipeline.train import RunSpec, train_run
+from pipeline.core.config import RecipeConfig, TrainConfig
+from pipeline.study_b.recipes import DEFAULT_HEAD_STEP, HILBERT_RECIPES
+from pipeline.study_b.train import RunSpec, train_run
 
 KNOBS = ("head_lr", "tau")  # also the tie-break order between families
 GRID_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)

@@ -56,8 +56,8 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from pipeline.config import AnalysisConfig
-from pipeline.knn import nearest_neighbours
+from pipeline.core.config import AnalysisConfig
+from pipeline.study_a.knn import nearest_neighbours
 
 METRICS = (
     "rel_err",
