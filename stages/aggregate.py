@@ -1,12 +1,15 @@
 """`lmgeo aggregate`: DuckDB over data/ into reports/tables, reports/metrics.json and reports/plots."""
 
-from pipeline.core.config import Params
+from __future__ import annotations
+
+from pipeline.params import Params
 from stages.layout import Layout
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
-    from pipeline.results.aggregate import aggregate
+    from pipeline.results.aggregate import aggregate, load_sources
 
     layout = Layout.here()
-    aggregate(layout.root / "data", layout.reports, params.report)
-    print(f"aggregate: wrote {layout.reports / 'tables'}, metrics.json and plots/", flush=True)
+    sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models)
+    aggregate(sources, layout.reports, params.report)
+    print(f"aggregate: wrote {layout.tables}, metrics.json and plots/", flush=True)

@@ -21,30 +21,18 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.tools.bench import (
-    FULL,
-    QUICK,
-    BenchSizes,
-    FanoutSize,
-    activation_batch,
-    bar,
-    extraction_section,
-    fits_vs_reference,
-    gpu_benchmarks,
-    knn_section,
-    machine_info,
-    recipe_step_times,
-    render_markdown,
-    run_fresh,
-    run_here,
-    synthetic_states,
-    to_jsonable,
-    token_ids,
-    versions,
-    warm_worker,
-)
-from pipeline.core.config import Params, TaskResources
-from pipeline.core.store import ManifestKey, ShardWriter, complete_files
+from pipeline.core.config import TaskResources
+from pipeline.core.provenance import machine, versions
+from pipeline.core.store import ManifestKey, ShardWriter, verified_files
+from pipeline.params import Params
+from pipeline.tools.bench.extraction import extraction_section
+from pipeline.tools.bench.fits import fits_vs_reference, knn_section
+from pipeline.tools.bench.gpu import gpu_benchmarks
+from pipeline.tools.bench.measure import bar, run_fresh, run_here
+from pipeline.tools.bench.recipes import recipe_step_times
+from pipeline.tools.bench.render import render_markdown, to_jsonable
+from pipeline.tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize
+from pipeline.tools.bench.synthetic import activation_batch, synthetic_states, token_ids
 from stages.layout import Layout
 
 FANOUT_MODEL = "bench"
@@ -58,10 +46,10 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
         "command": shlex.join(["lmgeo", *sys.argv[1:]]),
         "quick": quick,
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine(),
         "versions": versions(),
     }
-    threads = {stage: max(1, int(params.ray.resources_for(stage).num_cpus)) for stage in ("extract", "fit", "train")}
+    threads = {stage: params.ray.resources_for(stage).threads for stage in ("extract", "fit", "train")}
     runner = run_here if quick else run_fresh  # peak-memory measurements always get fresh processes
     sections = {
         "extraction": lambda: extraction_section(sizes.extraction, params.analysis.batch_size, threads["extract"], runner),
@@ -76,7 +64,7 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
         print(f"bench: {name} …", flush=True)
         report[name] = measure()
         print(f"bench: {name} done in {time.time() - section_start:.0f} s", flush=True)
-    report["machine"]["load_average_at_end"] = list(os.getloadavg())
+    report["load_average_at_end"] = list(os.getloadavg())
     report["wall_s"] = time.time() - started
     write_report(collect_bars(report), out_dir)
 
@@ -187,10 +175,22 @@ def _timed_fit_stage(layout: Layout, params: Params, size: FanoutSize, n_workers
         ray.shutdown()
 
 
+def warm_worker(seconds: float) -> int:
+    """A Ray task that makes its worker import what the fit tasks import, then holds it for `seconds`
+    so that each of the N workers gets one; returns the worker's pid."""
+    import torch  # noqa: F401 - the imports are the point
+
+    import pipeline.study_a.fits  # noqa: F401
+    import stages.fit  # noqa: F401
+
+    time.sleep(seconds)
+    return os.getpid()
+
+
 def _read_fits(layout: Layout) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    return {path.relative_to(layout.fits).parent.as_posix(): pq.read_table(path) for path in complete_files(layout.fits)}
+    return {path.relative_to(layout.fits).parent.as_posix(): pq.read_table(path) for path in verified_files(layout.fits)}
 
 
 def _same_tables(a: dict[str, Any], b: dict[str, Any]) -> bool:

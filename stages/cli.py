@@ -14,8 +14,9 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from pipeline.core.config import Params, ParamsError, load_params, load_yaml
+from pipeline.core.config import ParamsError, load_yaml
 from pipeline.core.errors import InputError
+from pipeline.params import Params, load_params
 
 app = typer.Typer(
     name="lmgeo",
@@ -94,9 +95,11 @@ def query(
     if fmt not in ("table", "csv", "json"):
         fail(f"--format must be one of table, csv, json (got {fmt!r})")
     from pipeline.results.query import QueryError, run_query
+    from stages.layout import Layout
 
+    layout = Layout.here()
     try:
-        typer.echo(run_query(sql, revs=rev or [], workspace=Path.cwd(), fmt=fmt))
+        typer.echo(run_query(sql, revs=rev or [], workspace=layout.root, sources=layout.query_sources(), fmt=fmt))
     except QueryError as err:
         fail(str(err))
 
@@ -133,7 +136,8 @@ def preset(
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Print a preset as `-S key=value` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
-    from pipeline.core.config import apply_overrides, flatten_overrides
+    from pipeline.core.config import flatten_overrides
+    from pipeline.params import apply_overrides
 
     try:
         overrides = flatten_overrides(load_yaml(path))

@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.config import Params, digest
+from pipeline.core.config import digest
 from pipeline.core.execution import Shard
-from pipeline.core.store import ManifestKey, code_version, file_sha256
+from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
+from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, model_tokenizer, open_model
 from stages.layout import Layout
-from stages.sharded import run_sharded_stage
-
-HIVE_TYPES = {"model": "VARCHAR", "layer": "INTEGER"}
+from stages.sharded import Plan, run_sharded_stage, stage_code
 
 
 def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
     """(n_seq, seq_len) token ids: our val windows, re-encoded for external models' own tokenizers."""
+    from transformers import AutoTokenizer
+
     from pipeline.text.corpus import load_tokens
     from pipeline.text.evalset import eval_windows, retokenize
 
@@ -24,23 +25,14 @@ def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.n
     tokens = load_tokens(layout.tokens, "val")
     if model.trained:
         return eval_windows(tokens, n, seq_len)
-    from transformers import AutoTokenizer
-
     ours = AutoTokenizer.from_pretrained(layout.tokenizer)
     theirs = model_tokenizer(layout, params, model)
-    text = ours.decode(tokens[: 4 * n * seq_len].tolist())  # enough text for any tokenizer's windows
-    return retokenize(text, lambda t: theirs(t)["input_ids"], n, seq_len)
+    return retokenize(tokens, ours.decode, lambda text: theirs(text)["input_ids"], n, seq_len)
 
 
-def extract_task(
-    layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str
-) -> int:
-    import torch
-
+def extract_task(layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str) -> int:
     from pipeline.study_a.extract import extract_batches
-    from pipeline.core.store import ShardWriter
 
-    torch.set_num_threads(max(1, int(params.ray.resources_for("extract").num_cpus)))
     net, device = open_model(layout, params, model)
     tokens = eval_sequences(params, layout, model)[seq_ids]
     metadata = {
@@ -61,7 +53,7 @@ def extract_task(
     return rows
 
 
-def shard_key(params: Params, layout: Layout, model: AnalysedModel) -> ManifestKey:
+def shard_key(params: Params, layout: Layout, model: AnalysedModel, code: str) -> ManifestKey:
     """What an activation shard depends on: the eval tokens, the model's weights, the extraction params."""
     a = params.analysis
     inputs = {"tokens": file_sha256(layout.tokens / "meta.json")}
@@ -70,23 +62,24 @@ def shard_key(params: Params, layout: Layout, model: AnalysedModel) -> ManifestK
     else:
         inputs["revision"] = model.revision or ""
     extraction = (params.prepare, a.eval_sequences, a.sequences_per_shard, a.vector_dtype)
-    return ManifestKey(inputs=inputs, params_hash=digest(extraction), code_version=code_version())
+    return ManifestKey(inputs=inputs, params_hash=digest(extraction), code_version=code)
 
 
-def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
+def plan(params: Params, layout: Layout) -> Plan:
+    code = stage_code("extract", layout)
     per_shard = params.analysis.sequences_per_shard
     seqs = list(range(params.analysis.eval_sequences))
     planned = []
     for model in analysed_models(params, layout):
-        key = shard_key(params, layout, model)
+        key = shard_key(params, layout, model, code)
         for start in range(0, len(seqs), per_shard):
             name = f"{model.path_id}/seq={start}"
             args = (layout, params, model, seqs[start : start + per_shard], key, name)
-            planned.append((Shard(key=name, fn=extract_task, args=args), key))
+            planned.append((Shard(name, extract_task, args, code=("stages.extract", code)), key))
     return planned
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
     check_external_models(params, layout)
-    run_sharded_stage("extract", params, ray_address, layout.activations, plan(params, layout))
+    run_sharded_stage("extract", params, ray_address, [layout.activations], plan(params, layout))

@@ -1,8 +1,8 @@
-"""Where each stage reads and writes inside the workspace (the folder holding dvc.yaml).
+"""Where each dataset lives inside the workspace (the folder holding dvc.yaml): the one place, with
+`dvc.yaml`, that knows the `data/` and `reports/` paths of SPEC §2.
 
-These paths are the data contract of SPEC §2; `dvc.yaml` names the same ones. Ray tasks get the
-absolute `Layout`, so they never depend on a worker's current directory (on a cluster, the workspace
-must be a path that every node sees).
+Ray tasks get the absolute `Layout`, so they never depend on a worker's current directory (on a cluster,
+the workspace must be a path that every node sees).
 """
 
 from __future__ import annotations
@@ -51,8 +51,15 @@ class Layout:
     def reports(self) -> Path:
         return self.root / "reports"
 
-    def run_dir(self, run_id: str) -> Path:
-        return self.models / run_id
+    @property
+    def tables(self) -> Path:
+        return self.reports / "tables"
 
-    def steps_file(self, run_id: str) -> Path:
-        return self.train / f"run={run_id}" / "steps.parquet"
+    def checkpoint(self, run_id: str, checkpoint: str) -> Path:
+        return self.models / run_id / checkpoint
+
+    def query_sources(self) -> dict[str, str]:
+        """Workspace-relative folders `lmgeo query` reads: the result tables and each sharded dataset."""
+        relative = {"tables": self.tables, "steps": self.train, "activations": self.activations,
+                    "fits": self.fits, "perturb": self.perturb}  # fmt: skip
+        return {name: path.relative_to(self.root).as_posix() for name, path in relative.items()}

@@ -7,58 +7,38 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.config import Params, digest
+from pipeline.core.config import digest
+from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, read
 from pipeline.core.execution import Shard
-from pipeline.core.store import ManifestKey, code_version, dataset_digest
-from stages.analysis_set import AnalysedModel, analysed_models, open_model
-from stages.extract import HIVE_TYPES as ACTIVATION_TYPES
-from stages.fit import HIVE_TYPES as FIT_TYPES
+from pipeline.core.store import ManifestKey, ShardWriter, arrow_to_vectors, dataset_digest, verified_files
+from pipeline.params import Params
+from stages.analysis_set import AnalysedModel, analysed_models, layers_by_model, open_model
 from stages.layout import Layout
-from stages.sharded import run_sharded_stage
-
-SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float64()), ("kl_seq", pa.float64())])
+from stages.sharded import Plan, run_sharded_stage, stage_code
 
 
-def sequences(layout: Layout, model: str, seq_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(unique seq ids, their token ids (n_seq, seq_len)), replayed from the stored activations (layer 0)."""
-    from pipeline.core.store import read_dataset
-
-    unique = np.unique(seq_ids)
-    table = read_dataset(
-        layout.activations, ACTIVATION_TYPES, columns="seq_id, pos, token_id",
-        where=f"model = '{model}' AND layer = 0 AND seq_id IN ({', '.join(str(int(s)) for s in unique)})",
-        order_by="seq_id, pos",
-    )
-    return unique, table["token_id"].to_numpy().astype(np.int64).reshape(len(unique), -1)
-
-
-def perturb_task(
-    layout: Layout, params: Params, model: AnalysedModel, layer: int, fn: str, key: ManifestKey, shard: str
-) -> int:
-    import torch
-
+def perturb_task(layout: Layout, params: Params, model: AnalysedModel, layer: int, fn: str, key: ManifestKey, shard: str) -> int:
     from pipeline.study_a.patching import patch_kl_anchors
-    from pipeline.core.store import ShardWriter, arrow_to_vectors, read_dataset
 
-    torch.set_num_threads(max(1, int(params.ray.resources_for("perturb").num_cpus)))
-    fits = read_dataset(
-        layout.fits, FIT_TYPES, columns="seq_id, pos, patched",
-        where=f"model = '{model.path_id}' AND layer = {int(layer)} AND fn = '{fn}'", order_by="seq_id, pos",
-    )
+    where = {"model": model.path_id, "layer": layer, "fn": fn}
+    fits = read(layout.fits, FITS, verified_files(layout.fits, rebuild="`lmgeo fit`"), where, ["seq_id", "pos", "patched"])
     seq_id, pos, patched = fits["seq_id"].to_numpy(), fits["pos"].to_numpy(), arrow_to_vectors(fits["patched"])
+    # The sequences are replayed from the stored activations (layer 0 holds every token id).
+    stored = read(layout.activations, ACTIVATIONS, verified_files(layout.activations, rebuild="`lmgeo extract`"),
+                  {"model": model.path_id, "layer": 0}, ["seq_id", "pos", "token_id"])  # fmt: skip
+    unique = np.unique(seq_id)
+    wanted = np.isin(stored["seq_id"].to_numpy(), unique)
+    tokens = stored["token_id"].to_numpy()[wanted].astype(np.int64).reshape(len(unique), -1)
     net, _device = open_model(layout, params, model)
-    unique, tokens = sequences(layout, model.path_id, seq_id)
-    rows = np.searchsorted(unique, seq_id)
-    kl, kl_seq = patch_kl_anchors(net, tokens, rows, pos, layer, patched, params.analysis.batch_size)
-    table = pa.table({"seq_id": seq_id, "pos": pos, "kl": kl, "kl_seq": kl_seq}, schema=SCHEMA)
+    kl, kl_seq = patch_kl_anchors(net, tokens, np.searchsorted(unique, seq_id), pos, layer, patched, params.analysis.batch_size)
+    table = pa.table({"seq_id": seq_id, "pos": pos, "kl": kl, "kl_seq": kl_seq}, schema=PERTURB.file_schema())
     with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id, "fn": fn}) as writer:
-        writer.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
+        writer.write(where, table)
     return table.num_rows
 
 
-def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
-    from stages.fit import layers_by_model
-
+def plan(params: Params, layout: Layout) -> Plan:
+    code = stage_code("perturb", layout)
     stored = layers_by_model(layout)
     patch_params = digest((params.analysis.batch_size, params.security))
     planned = []
@@ -67,14 +47,13 @@ def plan(params: Params, layout: Layout) -> list[tuple[Shard, ManifestKey]]:
             for fn in params.analysis.classes:
                 name = f"{model.path_id}/layer={layer}/fn={fn}"
                 key = ManifestKey(
-                    inputs={"fits": dataset_digest(layout.fits, prefix=name)},
-                    params_hash=patch_params, code_version=code_version(),
+                    inputs={"fits": dataset_digest(layout.fits, prefix=name)}, params_hash=patch_params, code_version=code,
                 )
                 args = (layout, params, model, layer, fn, key, name)
-                planned.append((Shard(key=name, fn=perturb_task, args=args), key))
+                planned.append((Shard(name, perturb_task, args, code=("stages.perturb", code)), key))
     return planned
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
-    run_sharded_stage("perturb", params, ray_address, layout.perturb, plan(params, layout))
+    run_sharded_stage("perturb", params, ray_address, [layout.perturb], plan(params, layout))

@@ -1,11 +1,12 @@
 """`lmgeo prepare`: corpus → train/val token ids and the tokenizer (no Ray: one short process)."""
 
-from pipeline.core.config import Params
-from pipeline.text.corpus import prepare
+from pipeline.params import Params
 from stages.layout import Layout
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
+    from pipeline.text.corpus import prepare
+
     layout = Layout.here()
     summary = prepare(
         params.prepare,
@@ -14,4 +15,9 @@ def run(params: Params, ray_address: str | None = None) -> None:
         workspace=layout.root,
         allow_outside_paths=params.security.allow_outside_paths,
     )
-    print(f"prepare: {summary}", flush=True)
+    print(
+        f"prepare: {summary.n_train_tokens:,} train and {summary.n_val_tokens:,} val tokens "
+        f"({summary.n_train_documents} + {summary.n_val_documents} documents of {summary.source}), "
+        f"{summary.tokenizer} tokenizer with {summary.vocab_size:,} tokens",
+        flush=True,
+    )

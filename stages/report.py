@@ -1,13 +1,42 @@
 """`lmgeo report`: reports/report.md and reports/figures/*.png from reports/tables."""
 
-from pipeline.core.config import Params
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.params import Params
 from stages.layout import Layout
+
+# Small files whose content identifies the inputs; dvc.lock also carries the hash of every stage output.
+CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
+
+
+def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
+    """What the report's Setup section states: git revision, params hash, seeds, package versions,
+    hardware and data checksums."""
+    from pipeline.core import provenance
+
+    lock = layout.root / "dvc.lock"
+    checksums: dict[str, Any] = provenance.checksums(layout.root, CHECKSUMMED)
+    outputs = provenance.locked_outputs(lock.read_text()) if lock.is_file() else {}
+    if outputs:
+        checksums["stage outputs (dvc.lock)"] = outputs
+    return {
+        "git": provenance.git_state(layout.root),
+        "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
+        "seeds": {
+            "prepare": params.prepare.seed, "train": list(params.train.seeds),
+            "analysis": params.analysis.seed, "report (bootstrap)": params.report.seed,
+        },  # fmt: skip
+        "packages": provenance.versions(),
+        "hardware": provenance.machine(),
+        "data_checksums": checksums,
+    }
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
-    from pipeline.results.report import collect_provenance, render_report
+    from pipeline.results.report import render_report
 
     layout = Layout.here()
-    provenance = collect_provenance(layout.root, params)
-    render_report(layout.reports / "tables", layout.reports / "report.md", layout.reports / "figures", provenance)
+    render_report(layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params))
     print(f"report: wrote {layout.reports / 'report.md'}", flush=True)

@@ -1,4 +1,5 @@
-"""The common shape of a sharded stage: plan shards, prune stale ones, skip complete ones, fan out."""
+"""The one loop of every sharded stage: plan (validated), prune what the plan no longer has, skip the
+shards that are complete, fan the rest out as Ray tasks."""
 
 from __future__ import annotations
 
@@ -6,24 +7,31 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from pipeline.core.config import Params
 from pipeline.core.execution import Shard, run_shards
+from pipeline.core.fingerprint import code_version
 from pipeline.core.store import ManifestKey, prune_shards, shard_complete
+from pipeline.params import Params
+from stages.layout import Layout
+
+Plan = Sequence[tuple[Shard, ManifestKey]]
+
+
+def stage_code(stage: str, layout: Layout) -> str:
+    """The code version of `stages.<stage>` as the stage's Ray workers will import it."""
+    return code_version(f"stages.{stage}", roots=[layout.root])
 
 
 def run_sharded_stage(
-    stage: str,
-    params: Params,
-    ray_address: str | None,
-    root: Path,
-    plan: Sequence[tuple[Shard, ManifestKey]],
+    stage: str, params: Params, ray_address: str | None, roots: Sequence[Path], plan: Plan
 ) -> dict[str, Any]:
-    """Run the planned shards that are not complete under `root` (a shard is complete when its
-    manifest matches its key); first remove shards that are no longer in the plan."""
+    """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
+    writes; a shard is complete when its manifest has the planned key); first remove shards that are no
+    longer in the plan. Returns each run task's result."""
     from stages.runtime import start_ray
 
-    removed = prune_shards(root, keep={shard.key for shard, _ in plan})
-    todo = [shard for shard, key in plan if not shard_complete(root, shard.key, key)]
+    keep = {shard.key for shard, _ in plan}
+    removed = max((prune_shards(root, keep) for root in roots), default=0)
+    todo = [shard for shard, key in plan if not all(shard_complete(root, shard.key, key) for root in roots)]
     print(
         f"{stage}: {len(plan) - len(todo)}/{len(plan)} shards complete, {len(todo)} to do"
         + (f", {removed} stale removed" if removed else ""),

@@ -1,7 +1,7 @@
 """`lmgeo tune`: the head step-size sweep of `pipeline/tuning.py`, one Ray task per trial.
 
 It writes the protocol and every trial to `docs/tuning.md` (and the same data as JSON next to it);
-the chosen values are then copied by hand into `DEFAULT_HEAD_STEP` in `pipeline/recipes.py`, so a
+the chosen values are then copied by hand into each recipe's `default_step` (`pipeline/study_b/recipes/`), so a
 default only changes through a reviewed edit that points at the document. Not a DVC stage: its
 output documents the defaults that `train` uses, it is not an input of `train`.
 """
@@ -17,7 +17,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.core.config import ARCHS, RECIPES, Params, TaskResources, TrainConfig
+from pipeline.params import Params
+from pipeline.study_b.config import TrainConfig
 from stages.layout import Layout
 
 if TYPE_CHECKING:  # at run time these load torch, which `lmgeo --help` must not
@@ -36,14 +37,11 @@ def tuning_config(train: TrainConfig, steps: int) -> TrainConfig:
     return train.model_copy(update={"steps": steps, "eval_interval": steps, "geometry_interval": steps})
 
 
-def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int, resources: TaskResources) -> dict:
+def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int) -> dict:
     """Ray task: train one trial and return its row."""
-    import torch
-
     from pipeline.text.corpus import load_meta, load_tokens
     from pipeline.tools.tuning import run_trial
 
-    torch.set_num_threads(max(1, int(resources.num_cpus)))  # parallelism comes from Ray, not from BLAS
     return run_trial(
         trial, base, load_tokens(tokens_dir, "train"), load_tokens(tokens_dir, "val"),
         load_meta(tokens_dir)["vocab_size"], seq_len,
@@ -62,22 +60,24 @@ def run(
 ) -> dict[str, Choice | None]:
     """Sweep every recipe's head step on `arch` (defaults: the study's steps and seeds, all recipes),
     extend edge winners, write `out` and `out.with_suffix('.json')`; returns the chosen steps."""
-    from pipeline.tools import tuning
-    from pipeline.text.corpus import load_meta
     from pipeline.core.execution import Shard, run_shards
+    from pipeline.text.corpus import load_meta
+    from pipeline.tools import tuning
     from stages.runtime import start_ray
 
     layout = Layout.here()
     base = tuning_config(params.train, steps or params.train.steps)
     seeds = list(seeds or params.train.seeds)
-    recipes = list(recipes or RECIPES)
+    from pipeline.study_b.recipes import RECIPES
+
+    recipes = list(recipes or RECIPES.names())
     _check_choices(arch, recipes)
     vocab_size = load_meta(layout.tokens)["vocab_size"]  # fails here, not in every task, before `prepare`
     resources = params.ray.resources_for("train")
     start_ray(params.ray, ray_address)
 
     def execute(trials: list[Trial]) -> list[dict]:
-        shards = [Shard(t.key, tune_task, (layout.tokens, t, base, params.prepare.seq_len, resources)) for t in trials]
+        shards = [Shard(t.key, tune_task, (layout.tokens, t, base, params.prepare.seq_len)) for t in trials]
         results = run_shards(
             shards, resources, max_in_flight=params.ray.max_in_flight,
             max_retries=params.ray.max_retries, label="tune",
@@ -108,12 +108,14 @@ def run(
 
 def _check_choices(arch: str, recipes: list[str]) -> None:
     from pipeline.core.errors import InputError
+    from pipeline.models.registry import FAMILIES
+    from pipeline.study_b.recipes import RECIPES
 
-    if arch not in ARCHS:
-        raise InputError(f"tune: unknown arch {arch!r}; expected one of {', '.join(ARCHS)}")
+    if arch not in FAMILIES or not FAMILIES[arch].trainable:
+        raise InputError(f"tune: unknown arch {arch!r}; expected one of {', '.join(f.name for f in FAMILIES if f.trainable)}")
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown or len(set(recipes)) != len(recipes):
-        raise InputError(f"tune: recipes must be distinct names from {', '.join(RECIPES)}; got {recipes}")
+        raise InputError(f"tune: recipes must be distinct names from {', '.join(RECIPES.names())}; got {recipes}")
 
 
 def _rounded(step: tuple[str, float]) -> tuple[str, float]:
@@ -142,7 +144,7 @@ def _protocol(
     params: Params, base: TrainConfig, arch: str, seeds: list[int], grids: dict, previous: dict, wall_s: float,
     vocab: int,
 ) -> dict:
-    from pipeline.models.arch import build_model
+    from pipeline.models.registry import build_model
     from pipeline.tools.tuning import EDGE_FACTOR, GRID_FACTORS
 
     model = build_model(arch, base.model, vocab, params.prepare.seq_len, seed=0)
@@ -168,7 +170,7 @@ def _protocol(
         "grids": grids,
         "defaults_at_sweep": {r: {"knob": knob, "value": value} for r, (knob, value) in previous.items()},
         "wall_time_s": round(wall_s, 1),
-        "threads_per_run": max(1, int(params.ray.resources_for("train").num_cpus)),
+        "threads_per_run": params.ray.resources_for("train").threads,
         "machine": f"{platform.machine()}, {platform.system()}, device={base.device}",
     }
 
@@ -193,7 +195,7 @@ def render(protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) 
         "# Head step-size tuning",
         "",
         "Generated by `lmgeo tune` (`stages/tune.py`, library `pipeline/tuning.py`); the chosen values are",
-        "the defaults in `DEFAULT_HEAD_STEP` (`pipeline/recipes.py`). SPEC §3.2 asks for per-recipe defaults",
+        "the `default_step` of each recipe (`pipeline/study_b/recipes/`). SPEC §3.2 asks for per-recipe defaults",
         "chosen by a documented protocol; this is it.",
         "",
         "## Protocol",

@@ -49,3 +49,35 @@ def ray_local() -> Iterator[ModuleType]:
     assert resources.get("CPU") == RAY_TEST_CPUS and not resources.get("GPU"), resources
     yield ray
     ray.shutdown()
+
+
+# --------------------------------------------------------------------------------- tiny models
+# One size for every tiny random-weight model of the suite, built from configs (no download).
+TINY_D_MODEL, TINY_LAYERS = 32, 2
+VOCAB, SEQ_LEN = 128, 16
+
+
+def tiny_size():
+    from pipeline.models.config import ModelSize
+
+    return ModelSize(d_model=TINY_D_MODEL, n_layers=TINY_LAYERS, n_heads=4, d_state=8, expand=2)
+
+
+def trainable_families() -> list[str]:
+    from pipeline.models.registry import FAMILIES
+
+    return [family.name for family in FAMILIES if family.trainable]
+
+
+@pytest.fixture(scope="module", params=trainable_families())
+def arch(request: pytest.FixtureRequest) -> str:
+    """Every registered family that can be built from a config: a new family is tested by adding it."""
+    return request.param
+
+
+@pytest.fixture
+def tiny_model(arch: str):
+    """A tiny random-weight model of `arch` (seed 0), in eval mode."""
+    from pipeline.models.registry import build_model
+
+    return build_model(arch, tiny_size(), VOCAB, SEQ_LEN, seed=0).eval()

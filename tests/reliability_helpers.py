@@ -21,20 +21,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from pipeline.core.config import (
-    Params,
-    apply_overrides,
-    flatten_overrides,
-    load_params,
-    load_yaml,
-)
+from pipeline.core.config import flatten_overrides, load_yaml
 from pipeline.core.store import (
     MANIFEST_DIR,
     ManifestKey,
     ShardWriter,
-    complete_files,
     manifest_path,
+    verified_files,
 )
+from pipeline.params import Params, apply_overrides, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -44,7 +39,7 @@ STAGE_TIMEOUT_S = 300
 # that Ray starts once per pipeline instead of once per stage.
 _PIPELINE = (
     "import importlib, sys\n"
-    "from pipeline.core.config import load_params\n"
+    "from pipeline.params import load_params\n"
     "params = load_params('params.yaml')\n"
     "for stage in sys.argv[1:]:\n"
     "    importlib.import_module(f'stages.{stage}').run(params)\n"
@@ -208,7 +203,7 @@ def manifest_times(root: Path) -> dict[str, int]:
 def dataset_rows(root: Path, sort_by: list[str]) -> pa.Table:
     """Every row of the complete shards under `root` (vectors included), in a stable order."""
     tables = []
-    for path in complete_files(root):
+    for path in verified_files(root):
         table = pq.read_table(path).replace_schema_metadata(None)
         for part in path.relative_to(root).parent.parts:  # hive partitions: key=value
             name, value = part.split("=", 1)

@@ -13,17 +13,12 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.results.aggregate import (
-    FIT_METRICS,
-    MAX_CURVE_POINTS,
-    TABLES,
-    aggregate,
-    build_tables,
-    metrics,
-)
-from pipeline.core.config import ReportConfig
-from pipeline.results.stats import spearman_by_layer
+from pipeline.core.contracts import FIT_METRICS
+from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
+from pipeline.results.aggregate import MAX_CURVE_POINTS, aggregate, build_tables, load_sources, metrics
+from pipeline.results.config import ReportConfig
+from pipeline.results.stats import spearman_by_layer
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -39,9 +34,13 @@ STEPS = 20
 GEOMETRY_EVERY = 5
 
 
-def _write(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(table, path)
+def write_steps(data_dir: Path, run: str, steps: pa.Table) -> None:
+    with ShardWriter(data_dir / "train", run, KEY) as writer:
+        writer.write({"run": run}, steps, name="steps.parquet")
+
+
+def sources(data_dir: Path):
+    return load_sources(data_dir / "train", data_dir / "fits", data_dir / "perturb", data_dir / "models")
 
 
 def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
@@ -79,7 +78,7 @@ def diverged_steps(run: str) -> pa.Table:
 def write_study_b(data_dir: Path) -> None:
     for run, val in FINAL_VAL.items():
         steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
-        _write(steps, data_dir / "train" / f"run={run}" / "steps.parquet")
+        write_steps(data_dir, run, steps)
         arch, recipe, seed = run.split("-")
         record = {
             "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
@@ -89,11 +88,10 @@ def write_study_b(data_dir: Path) -> None:
             "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
             "params_hash": "abc",
         }  # fmt: skip
-        path = data_dir / "models" / run / "final" / "run.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
+        with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
+            (folder / "run.json").write_text(json.dumps(record))
     # A run that crashed before writing run.json still shows up, as not finished.
-    _write(steps_table("gpt2-rownorm-s0"), data_dir / "train" / "run=gpt2-rownorm-s0" / "steps.parquet")
+    write_steps(data_dir, "gpt2-rownorm-s0", steps_table("gpt2-rownorm-s0"))
 
 
 # Study A: per (model dir, layer) the rel_err of the anchors; kl is a monotone function of rel_err
@@ -147,8 +145,10 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                     kl = np.exp(sign * np.array(REL_ERR[layer]))
                     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
                         writer.write(partition, pa.table({"seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2}))
-    # A file that no complete manifest lists (a shard killed before its manifest) is never read.
-    _write(table, data_dir / "fits" / "model=org--tiny-mamba" / "layer=0" / "fn=lowrank" / "part-killed.parquet")
+    # A file that no manifest lists (a shard killed before its manifest, a stray copy) is never read.
+    stray = data_dir / "fits" / "model=org--tiny-mamba" / "layer=0" / "fn=lowrank" / "part-killed.parquet"
+    stray.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(table, stray)
 
 
 def write_tiny_study(data_dir: Path) -> None:
@@ -160,7 +160,7 @@ def write_tiny_study(data_dir: Path) -> None:
 def tables(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pa.Table]:
     data = tmp_path_factory.mktemp("data")
     write_tiny_study(data)
-    return build_tables(data, CFG)
+    return build_tables(sources(data), CFG)
 
 
 def rows(table: pa.Table, **where: object) -> list[dict]:
@@ -224,8 +224,8 @@ def test_curves_keep_evaluations_and_mark_tightness(tables: dict[str, pa.Table])
 
 def test_long_curves_are_thinned_but_keep_evals_and_last_step(tmp_path: Path) -> None:
     n = 5 * MAX_CURVE_POINTS + 3
-    _write(steps_table("gpt2-muon-s0", n), tmp_path / "train" / "run=gpt2-muon-s0" / "steps.parquet")
-    curve = build_tables(tmp_path, CFG)["curves"].to_pylist()
+    write_steps(tmp_path, "gpt2-muon-s0", steps_table("gpt2-muon-s0", n))
+    curve = build_tables(sources(tmp_path), CFG)["curves"].to_pylist()
     steps = {r["step"] for r in curve}
     assert len(curve) <= 2 * MAX_CURVE_POINTS + 10
     assert {n // 2, n - 1} <= steps  # evaluations and the last step
@@ -262,7 +262,7 @@ def test_geometry_pooled_over_layers(tables: dict[str, pa.Table]) -> None:
     assert (r["n"], r["n_layers"], r["n_nonfinite"], r["n_nonfinite_values"]) == (11, 2, 2, 1)
     assert (r["run"], r["checkpoint"], r["arch"], r["family"]) == ("gpt2-muon-s0", "final", "gpt2", "transformer")
     (ext,) = rows(tables["geometry_pooled"], model="org/tiny-mamba", fn="lowrank")
-    assert (ext["run"], ext["arch"], ext["checkpoint"], ext["family"]) == (None, None, None, "mamba")
+    assert (ext["run"], ext["arch"], ext["checkpoint"], ext["family"]) == (None, None, None, "ssm")
 
 
 def test_angle_histogram_matches_numpy(tables: dict[str, pa.Table]) -> None:
@@ -295,13 +295,14 @@ def test_correlations_use_the_anchor_grouped_bootstrap(tmp_path: Path) -> None:
     for layer in (0, 1):
         r = rng.random(n)
         k = r + rng.normal(scale=0.3, size=n)
-        part = tmp_path / "{}" / "model=m" / f"layer={layer}" / "fn=lowrank" / "part-0.parquet"
-        _write(pa.table({"seq_id": seq, "pos": pos, "rel_err": r}), Path(str(part).format("fits")))
-        _write(pa.table({"seq_id": seq, "pos": pos, "kl": k}), Path(str(part).format("perturb")))
+        partition = {"model": "m", "layer": layer, "fn": "lowrank"}
+        for dataset, table in (("fits", {"rel_err": r}), ("perturb", {"kl": k})):
+            with ShardWriter(tmp_path / dataset, f"m/{layer}", KEY) as writer:
+                writer.write(partition, pa.table({"seq_id": seq, "pos": pos, **table}))
         layers.append(np.full(n, layer))
         rel.append(r)
         kl.append(k)
-    got = build_tables(tmp_path, CFG)["correlations"].to_pylist()
+    got = build_tables(sources(tmp_path), CFG)["correlations"].to_pylist()
     anchors = np.tile(seq.astype(np.int64) * 4294967296 + pos, 2)
     want = spearman_by_layer(np.concatenate(layers), np.concatenate(rel), np.concatenate(kl), anchors,
                              n_boot=CFG.bootstrap, ci=CFG.ci, seed=CFG.seed)  # fmt: skip
@@ -344,7 +345,7 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     write_tiny_study(data)
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
-        aggregate(data, out, CFG)
+        aggregate(sources(data), out, CFG)
     a, b = ((o / "metrics.json").read_bytes() for o in outs)
     assert a == b
     m = json.loads(a)
@@ -366,7 +367,7 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
 
 
 def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:
-    aggregate(tmp_path / "nothing", tmp_path / "out", CFG)
+    aggregate(sources(tmp_path / "nothing"), tmp_path / "out", CFG)
     for name in TABLES:
         assert pq.read_table(tmp_path / "out" / "tables" / f"{name}.parquet").num_rows == 0
     assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {
@@ -376,7 +377,7 @@ def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:
 
 def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> None:
     write_study_a(tmp_path, with_perturb=False)
-    tables = build_tables(tmp_path, CFG)
+    tables = build_tables(sources(tmp_path), CFG)
     assert tables["correlations"].num_rows == 0
     spearman = rows(tables["claims"], claim="spearman_rel_err_kl")
     assert spearman and all(r["holds"] is None and r["value"] is None for r in spearman)

@@ -19,17 +19,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.tools.bench import (
-    Timings,
-    bar,
-    compare_with_reference,
-    interleaved,
-    newton_schulz_flops,
-    peak_rss_bytes,
-    reset_peak_rss,
-    run_fresh,
-    synthetic_states,
-)
+from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.recipes.base import newton_schulz_flops
+from pipeline.tools.bench.fits import compare_with_reference
+from pipeline.tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
+from pipeline.tools.bench.synthetic import synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("extraction", "fits", "knn_memory", "recipes", "fanout", "gpu")
@@ -70,7 +64,7 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
         assert key in report, key
     assert report["quick"] is True and report["command"].startswith("lmgeo bench --quick")
     assert all(math.isfinite(x) for x in _numbers(report))
-    assert {"cpu", "logical_cores", "memory_bytes", "gpu"} <= report["machine"].keys()
+    assert {"cpu", "logical_cores", "memory_gib", "gpus"} <= report["machine"].keys()
     assert {"python", "torch", "transformers", "ray", "lmgeo"} <= report["versions"].keys()
     names = [r["name"] for r in report["ratios"]]
     for prefix in ("extraction: extract path", "extraction: peak RSS", "fits diag_psd", "fits lowrank",
@@ -87,8 +81,8 @@ def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     agreement = [r for r in report["ratios"] if "max |fit_layer − reference|" in r["name"]]
     assert len(agreement) == 3 and all(r["passed"] for r in agreement)  # same numbers to 1e-4
     assert report["fanout"]["same_outputs"] is True
-    assert set(report["recipes"]["vs_muon"]) == {"adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hilbert_equi"}
-    assert report["recipes"]["vs_muon"]["muon"] == pytest.approx(1.0)
+    assert set(report["recipes"]["vs_baseline"]) == set(RECIPES.names())
+    assert report["recipes"]["vs_baseline"][baseline().name] == pytest.approx(1.0)
     assert report["gpu"]["available"] == torch.cuda.is_available()
 
 
@@ -166,7 +160,8 @@ def test_run_fresh_runs_in_another_process_with_the_thread_count():
 
 
 def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
-    from pipeline.core.config import AnalysisConfig
+    from pipeline.study_a.classes import FIT_CLASSES
+    from pipeline.study_a.config import AnalysisConfig
     from pipeline.study_a.fits import choose_anchors, fit_layer
     from pipeline.study_a.reference import reference_rows
 
@@ -175,7 +170,7 @@ def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
     cfg = AnalysisConfig(k=8, anchors=5, rank=2, p=2)
     anchors = choose_anchors(60, 5, seed=0)
     table, _ = fit_layer(states[0], states[1], seq, seq, seq, anchors, "lowrank", cfg)
-    rows = reference_rows(states[0].astype(np.float64), states[1].astype(np.float64), seq, anchors, "lowrank", cfg)
+    rows = reference_rows(states[0].astype(np.float64), states[1].astype(np.float64), seq, anchors, FIT_CLASSES["lowrank"], cfg)
     same = compare_with_reference(table, rows)
     assert same["max_abs_diff"] < 1e-4 and same["null_mismatches"] == 0
     rows[2]["rel_err"] += 0.5

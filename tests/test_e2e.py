@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.config import apply_overrides, flatten_overrides, load_params, load_yaml
+from pipeline.core.config import flatten_overrides, load_yaml
+from pipeline.params import apply_overrides, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -85,3 +87,20 @@ def test_repro_query_and_metrics_diff(study: Path):
     diff = sh("dvc", "metrics", "diff", "HEAD~1", "HEAD", "--json", cwd=study).stdout
     changed = json.loads(diff)["reports/metrics.json"]
     assert any(key.startswith("geometry.") and v.get("diff") for key, v in changed.items()), diff[:2000]
+
+
+def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
+    """The code version of a shard covers the glue in `stages/` as well as the library: after an edit of
+    `stages/fit.py` DVC reruns fit and every fit shard is recomputed (none skipped as complete), while a
+    comment in the report's code reruns the report alone."""
+    sh("dvc", "repro", cwd=study)
+    fit = study / "stages" / "fit.py"
+    fit.write_text(fit.read_text().replace("    return table.num_rows\n", "    return int(table.num_rows)\n", 1))
+    rerun = sh("dvc", "repro", cwd=study)
+    assert "Running stage 'fit'" in rerun.stdout and "Running stage 'extract'" not in rerun.stdout, rerun.stdout
+    assert re.search(r"fit: 0/(\d+) shards complete, \1 to do", rerun.stdout), rerun.stdout
+    report = study / "pipeline" / "results" / "report.py"
+    report.write_text(report.read_text() + "\n# a comment\n")
+    last = sh("dvc", "repro", cwd=study)
+    assert "Running stage 'report'" in last.stdout, last.stdout
+    assert all(f"Running stage '{s}'" not in last.stdout for s in ("train", "extract", "fit", "perturb", "aggregate"))

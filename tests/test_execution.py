@@ -162,23 +162,39 @@ def test_duplicate_shard_keys_are_refused() -> None:
         run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="fit")
 
 
-def test_results_are_handled_in_the_driver_as_they_arrive(ray_local, capsys: pytest.CaptureFixture[str]) -> None:
-    handled = []
-
-    def on_result(shard: Shard, value: int) -> str:
-        handled.append((shard.key, value, os.getpid()))
-        return f"wrote {shard.key}"
-
+def test_results_are_collected_as_they_arrive(ray_local, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [Shard(f"sq{i}", square, (i,)) for i in range(5)]
-    results = run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="squares", on_result=on_result)
-    assert results == {f"sq{i}": f"wrote sq{i}" for i in range(5)}  # what on_result returned
-    assert sorted((key, value) for key, value, _ in handled) == [(f"sq{i}", i * i) for i in range(5)]
-    assert {pid for _, _, pid in handled} == {os.getpid()}
+    results = run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="squares")
+    assert results == {f"sq{i}": i * i for i in range(5)}
     lines = capsys.readouterr().err.splitlines()
     assert [line.split(" shards")[0] for line in lines] == [f"squares: {n}/5" for n in range(1, 6)]
 
 
-def test_results_without_on_result_are_the_task_values(ray_local) -> None:
+def threads_in_task() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+@pytest.mark.parametrize("cpus", [1, 2])
+def test_every_task_runs_with_the_thread_count_of_its_resources(ray_local, cpus: int) -> None:
+    shards = [Shard(f"t{i}", threads_in_task) for i in range(2)]
+    assert set(run_shards(shards, TaskResources(num_cpus=cpus), max_in_flight=2, max_retries=0, label="t").values()) == {cpus}
+
+
+def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) -> None:
+    from pipeline.core.execution import CodeMismatch
+    from pipeline.core.fingerprint import code_version
+
+    planned = Shard("ok", square, (3,), code=("stages.fit", code_version("stages.fit")))
+    assert run_shards([planned], ONE_CPU, max_in_flight=1, max_retries=0, label="fit") == {"ok": 9}
+    other = Shard("stale", square, (3,), code=("stages.fit", "0.1.0+0000000000000000"))
+    with pytest.raises(ShardFailed) as failure:
+        run_shards([other], ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
+    assert isinstance(failure.value.cause, CodeMismatch) and "planned version 0.1.0+0000000000000000" in str(failure.value)
+
+
+def test_keyword_arguments_reach_the_task(ray_local) -> None:
     shards = [Shard(f"sq{i}", square, kwargs={"x": i}) for i in range(3)]
     assert run_shards(shards, ONE_CPU, max_in_flight=8, max_retries=0, label="squares") == {
         "sq0": 0,
@@ -205,19 +221,14 @@ def test_in_flight_tasks_are_bounded(ray_local, monkeypatch: pytest.MonkeyPatch,
     assert ray.get(tracker.get_peak.remote()) == max_in_flight
 
 
-def test_a_failing_task_is_reported_with_its_shard_and_stops_the_rest(ray_local) -> None:
-    handled = []
+def test_a_failing_task_is_reported_with_its_shard(ray_local) -> None:
     shards = [Shard(f"part-{i}", fail_if, (i, 1)) for i in range(4)]
     with pytest.raises(ShardFailed) as failure:
-        run_shards(
-            shards, ONE_CPU, max_in_flight=1, max_retries=0, label="fit",
-            on_result=lambda shard, value: handled.append(shard.key),
-        )
+        run_shards(shards, ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
     assert failure.value.key == "part-1"
     assert isinstance(failure.value.cause, ValueError)
     assert str(failure.value).startswith("shard 'part-1' failed: ValueError: boom at 1")
     assert "fail_if" in str(failure.value)  # the remote traceback comes along
-    assert handled == ["part-0"]  # nothing after the failure was collected
 
 
 @pytest.mark.timeout(90)

@@ -6,18 +6,19 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from conftest import SEQ_LEN, VOCAB, tiny_size
 
-from pipeline.models.arch import ARCHS, blocks_of, build_model, final_norm_of, head_of
-from pipeline.core.config import ModelSize
-from pipeline.study_a.extract import block_input, block_output, extract_batches
+from pipeline.models.hooks import block_input, block_output
+from pipeline.models.registry import blocks_of, build_model, final_norm_of, head_of
+from pipeline.study_a.extract import extract_batches
 
-TINY = ModelSize(d_model=32, n_layers=2, n_heads=4, d_state=8, expand=2)
-VOCAB, SEQ_LEN, N_SEQ = 128, 16, 5
+TINY = tiny_size()
+N_SEQ = 5
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
-def model(request):
-    return build_model(request.param, TINY, VOCAB, SEQ_LEN, seed=1).eval()
+@pytest.fixture(scope="module")
+def model(arch):
+    return build_model(arch, TINY, VOCAB, SEQ_LEN, seed=1).eval()
 
 
 @pytest.fixture(scope="module")

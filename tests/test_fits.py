@@ -1,10 +1,11 @@
 """Tokenwise fits against an independent per-anchor reference.
 
-The reference (`pipeline.study_a.reference`, which `lmgeo bench` also times) works one anchor at a time in
-NumPy float64: its own neighbour search by fully sorting the distances, its own least squares
-(`np.linalg.lstsq` on ridge-augmented systems), the full `d × d` Jacobian of each fitted map (by
-autograd for the MLP) and its full SVD. It shares nothing with `pipeline.study_a.fits` except the MLP's
-initial weights, which are part of that fit's definition.
+The reference (`pipeline.study_a.reference` with each class's `FitClass.reference`, which `lmgeo bench`
+also times) works one anchor at a time in NumPy float64: its own neighbour search by fully sorting the
+distances, its own least squares (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d`
+Jacobian of each fitted map (by autograd for the MLP) and its full SVD. It shares nothing with the
+batched fits except the MLP's initial weights, which are part of that fit's definition. Every test over
+classes is parametrised over the registry, so a new class is tested by registering it.
 """
 
 from __future__ import annotations
@@ -14,19 +15,17 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.core.config import AnalysisConfig
-from pipeline.study_a.fits import (
-    METRICS,
-    choose_anchors,
-    fit_diag_psd,
-    fit_layer,
-    fit_lowrank,
-    fit_orthogonal,
-    fit_schema,
-)
+from pipeline.core.contracts import FIT_METRICS as METRICS
+from pipeline.core.contracts import FITS
+from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_a.classes.diag_psd import fit_diag_psd
+from pipeline.study_a.classes.lowrank import fit_lowrank
+from pipeline.study_a.classes.orthogonal import fit_orthogonal
+from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_a.fits import choose_anchors, fit_layer
 from pipeline.study_a.reference import reference_rows
 
-CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear")
+CLASSES = FIT_CLASSES.names()
 
 
 # ------------------------------------------------------------------------------------- reference
@@ -77,8 +76,8 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
     table, info = fit_layer(x.astype(np.float32), y.astype(np.float32), seq, pos, tok, anchors, fn, cfg)
     # The reference sees the same float32-rounded inputs.
     x32, y32 = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
-    assert_rows_match(table, reference_rows(x32, y32, seq, anchors, fn, cfg))
-    assert table.schema == fit_schema(d)
+    assert_rows_match(table, reference_rows(x32, y32, seq, anchors, FIT_CLASSES[fn], cfg))
+    assert table.schema == FITS.file_schema(d)
     assert table.column("seq_id").to_pylist() == seq[anchors].tolist()
     assert table.column("pos").to_pylist() == pos[anchors].tolist()
     assert table.column("token_id").to_pylist() == tok[anchors].tolist()
@@ -87,12 +86,12 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
 
 
 def test_schema_is_the_contract():
-    assert fit_schema(3).names == [
+    assert FITS.file_schema(3).names == [
         "seq_id", "pos", "token_id", "k", "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res",
         "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global", "norm_full",
         "norm_res", "patched", "n_nonfinite",
     ]
-    assert fit_schema(3).field("patched").type == pa.list_(pa.float32(), 3)
+    assert FITS.file_schema(3).field("patched").type == pa.list_(pa.float32(), 3)
 
 
 # ---------------------------------------------------------------------------------- class checks

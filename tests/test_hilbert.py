@@ -67,9 +67,9 @@ def test_worst_case_over_unit_inputs_is_the_row_diameter() -> None:
     gen = torch.Generator().manual_seed(3)
     delta = torch.randn(40, 6, dtype=DOUBLE, generator=gen)
     found = hilbert.diam(delta)
-    h, found_again = hilbert.worst_case_direction(delta)
-    assert found_again == found
-    assert float(h.norm()) == pytest.approx(1.0, rel=1e-12)
+    # By Cauchy–Schwarz nothing beats h ∝ w_i − w_j for the maximising pair, and that h attains it.
+    h = delta[found.i] - delta[found.j]
+    h = h / h.norm()
     assert float(hilbert.osc(delta @ h)) == pytest.approx(found.value, rel=1e-12)  # attained
     random_h = torch.randn(20000, 6, dtype=DOUBLE, generator=gen)
     random_h /= random_h.norm(dim=1, keepdim=True)

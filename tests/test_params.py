@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.config import ParamsError, load_params, parse_params
+from pipeline.core.config import ParamsError
+from pipeline.params import load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +33,7 @@ def test_default_params_are_valid():
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
         ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
-        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "tau applies to hilbert recipes only"),
+        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "recipe_overrides.muon.tau: tau applies to hilbert, hilbert_equi only"),
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
     ],
 )

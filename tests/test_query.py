@@ -11,17 +11,31 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_aggregate import CFG, write_tiny_study
+from test_aggregate import CFG, sources, write_tiny_study
 
+from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import aggregate
-from pipeline.results.query import QueryError, check_read_only, query_table, run_query
+from pipeline.results.query import QueryError, check_read_only
+from pipeline.results.query import query_table as query_in
+from pipeline.results.query import run_query as run_in
+from stages.layout import Layout
+
+SOURCES = Layout(Path.cwd()).query_sources()
+
+
+def query_table(sql, revs, workspace):  # noqa: ANN001, ANN201
+    return query_in(sql, revs, workspace, SOURCES)
+
+
+def run_query(sql, revs, workspace, fmt="table"):  # noqa: ANN001, ANN201
+    return run_in(sql, revs, workspace, SOURCES, fmt)
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ws = tmp_path_factory.mktemp("ws")
     write_tiny_study(ws / "data")
-    aggregate(ws / "data", ws / "reports", CFG)
+    aggregate(sources(ws / "data"), ws / "reports", CFG)
     return ws
 
 
@@ -120,10 +134,10 @@ def commit_version(repo: Path, version: int) -> None:
 
     (repo / "reports" / "tables").mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}), repo / "reports" / "tables" / "runs.parquet")
-    fits = repo / "data" / "fits" / "model=gpt2-muon-s0.final" / "layer=0" / "fn=lowrank"
-    fits.mkdir(parents=True, exist_ok=True)
     n = version + 1
-    pq.write_table(pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}), fits / "part-0.parquet")
+    with ShardWriter(repo / "data" / "fits", "fits", ManifestKey({}, "p", "c")) as writer:
+        writer.write({"model": "gpt2-muon-s0.final", "layer": 0, "fn": "lowrank"},
+                     pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}))
     with Repo(str(repo)) as dvc_repo:
         dvc_repo.add(str(repo / "reports" / "tables"))
     git(repo, "add", "-A")

@@ -12,8 +12,8 @@ needs a pristine state):
 - `reference`: a copy of `extracted` after `fit`, `perturb`, `aggregate`, `report` (run A, undisturbed);
 - `second_run`: a copy of `prepared` after `train` … `report` (run B, for determinism).
 
-Shard manifests carry the code version (a hash of `pipeline/`): editing `pipeline/` while this file runs
-makes re-runs redo complete shards, and the resume checks fail.
+Shard manifests carry the code version (a hash of the code each stage runs): editing that code while this
+file runs makes re-runs redo complete shards, and the resume checks fail.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from reliability_helpers import (
     write_raw_params,
 )
 
-from pipeline.core.store import verify_shard
+from pipeline.core.store import manifest_path, verify_shard
 
 pytestmark = pytest.mark.slow
 
@@ -164,17 +164,19 @@ def test_killed_train_driver_redoes_only_the_unfinished_run(prepared, tmp_path):
     workspace = copy_workspace(prepared, tmp_path / "ws")
     write_params(workspace, {"train.recipes": '["adamw","muon"]', "train.steps": "60", "ray.max_in_flight": "1"})
     first, second = "neox-adamw-s0", "neox-muon-s0"
-    marker = workspace / "data" / "models" / first / "final" / "run.json"
+    marker = manifest_path(workspace / "data" / "models", first)  # written last: the run is complete
     driver = start_stage(workspace, "train", tmp_path / "train.log")
     try:
         wait_for(marker.is_file, 300, "the first run's completion marker")
-        kill_group(driver)
+        # Everything at once, workers included: a Ray worker runs in its own process group and would
+        # otherwise finish the shard it holds (atomically, so that too would be a valid resume).
+        kill_all(kill_group(driver))
     finally:
         stop(driver)
-    assert not (workspace / "data" / "models" / second / "final" / "run.json").exists(), "the kill came too late"
+    assert not manifest_path(workspace / "data" / "models", second).exists(), "the kill came too late"
     finished_at = marker.stat().st_mtime_ns
     rerun = lmgeo(workspace, "train")
-    assert "train: 1/2 runs complete, 1 to do" in rerun.stdout, rerun.stdout
+    assert "train: 1/2 shards complete, 1 to do" in rerun.stdout, rerun.stdout
     assert marker.stat().st_mtime_ns == finished_at, "the finished run was redone"
     for run in (first, second):
         assert json.loads((workspace / "data" / "models" / run / "final" / "run.json").read_text())["steps_done"] == 60
@@ -412,7 +414,7 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
 
 # ------------------------------------------------------------------------------------- 8. security
 def test_remote_code_and_pickle_weights_are_refused(inputs):
-    from pipeline.models.arch import check_model
+    from pipeline.models.loading import check_model
 
     refused_everywhere(inputs, {
         "remote_code": ("extract", external("./models/remote"), ("auto_map", "security.trust_remote_code")),
@@ -423,7 +425,7 @@ def test_remote_code_and_pickle_weights_are_refused(inputs):
 
 
 def test_paths_cannot_leave_the_workspace(inputs):
-    from pipeline.models.arch import check_model
+    from pipeline.models.loading import check_model
 
     outside = inputs.parent / "outside_model"
     refused_everywhere(inputs, {

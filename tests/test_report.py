@@ -8,18 +8,20 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
-from test_aggregate import CFG, write_study_b, write_tiny_study
+from test_aggregate import CFG, sources, write_study_b, write_tiny_study
 
+from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
-from pipeline.core.config import Params
-from pipeline.results.report import collect_provenance, render_report
+from pipeline.results.report import render_report
+from stages.layout import Layout
+from stages.report import collect_provenance
 
 PROVENANCE = {"git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}}
 
 
 def render(tmp_path: Path, write_data) -> tuple[str, Path]:  # noqa: ANN001
     write_data(tmp_path / "data")
-    aggregate(tmp_path / "data", tmp_path / "reports", CFG)
+    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG)
     out = tmp_path / "reports" / "report.md"
     render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE)
     return out.read_text(), out
@@ -33,7 +35,7 @@ def test_full_report_has_every_section_and_its_figures(tmp_path: Path) -> None:
     text, out = render(tmp_path, write_tiny_study)
     for heading in ("## Setup & provenance", "## Study B", "### Final validation loss", "### Head step in Hilbert units",
                     "## Study A", "### Spearman per layer", "### Init (random weights) vs final",
-                    "### Transformers vs Mamba", "## Claims as measured here"):  # fmt: skip
+                    "### Transformers vs state-space models", "## Claims as measured here"):  # fmt: skip
         assert heading in text
     assert "`0123abc`" in text and "`feedbeef`" in text
     assert "| gpt2 | `hilbert` | 3 | 2.583 ± 0.076 |" in text  # mean ± std over seeds
@@ -76,20 +78,20 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     git("add", "dvc.lock")
     git("commit", "-qm", "x")
     params = Params.model_validate({"train": {"seeds": [0, 1, 2]}})
-    prov = collect_provenance(tmp_path, params)
+    prov = collect_provenance(Layout(tmp_path), params)
     assert prov["git"] == {"revision": git("rev-parse", "HEAD"), "uncommitted_changes": False}
     assert prov["params_hash"] == params.section_hash("prepare", "train", "analysis", "report")
     assert prov["seeds"]["train"] == [0, 1, 2]
     assert prov["data_checksums"]["stage outputs (dvc.lock)"] == {"data/tokens": "md5:abc.dir"}
     assert prov["data_checksums"]["dvc.lock"].startswith("sha256:")
     assert {"python", "torch", "duckdb", "dvc"} <= set(prov["packages"])
-    assert prov["hardware"]["cpu_count"] >= 1
+    assert prov["hardware"]["logical_cores"] >= 1
     (tmp_path / "dvc.lock").write_text("changed")
-    assert collect_provenance(tmp_path, params)["git"]["uncommitted_changes"] is True
+    assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is True
 
 
 def test_provenance_outside_git(tmp_path: Path) -> None:
-    prov = collect_provenance(tmp_path, Params())
+    prov = collect_provenance(Layout(tmp_path), Params())
     assert prov["git"]["revision"].startswith("unknown") and prov["data_checksums"] == {}
 
 

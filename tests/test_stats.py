@@ -9,8 +9,6 @@ from scipy.stats import rankdata, spearmanr
 
 from pipeline.results.stats import (
     average_ranks,
-    mean_ignoring_nulls,
-    median_ignoring_nulls,
     spearman,
     spearman_bootstrap,
     spearman_by_layer,
@@ -92,8 +90,3 @@ def test_by_layer_and_pooled():
     assert pooled.rho == pytest.approx(spearmanr(x, y).statistic)
 
 
-def test_median_and_mean_ignore_nulls():
-    assert median_ignoring_nulls([1.0, None, 3.0, float("nan"), 10.0]) == 3.0
-    assert mean_ignoring_nulls(pa.array([1.0, None, 5.0])) == 3.0
-    assert median_ignoring_nulls([None, float("nan")]) is None
-    assert mean_ignoring_nulls([]) is None

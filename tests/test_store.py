@@ -7,16 +7,13 @@ once between renaming its files into place and writing its manifest (the worst m
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
-from importlib import metadata
 from pathlib import Path
 
 import duckdb
@@ -26,28 +23,38 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core import store
+from pipeline.core.contracts import VECTOR, Dataset, read
+from pipeline.core.errors import InputError
 from pipeline.core.store import (
     CorruptShardError,
     ManifestKey,
     ShardWriter,
+    StaleShardError,
     arrow_to_vectors,
     atomic_path,
-    code_version,
-    complete_files,
     dataset_digest,
     file_sha256,
     partition_dir,
     prune_shards,
-    read_dataset,
     shard_complete,
     shard_slug,
     vector_type,
     vectors_to_arrow,
+    verified_files,
     verify_shard,
 )
 
 KEY = ManifestKey(inputs={"activations": "abc123"}, params_hash="p1", code_version="c1")
-TYPES = {"model": "VARCHAR", "layer": "INTEGER"}
+ROWS = Dataset("rows", fields=(pa.field("seq_id", pa.int32()), pa.field("pos", pa.int32()), pa.field("h", VECTOR)),
+               partitions=(pa.field("model", pa.string()), pa.field("layer", pa.int32())), order=("seq_id", "pos"))
+
+
+def read_all(root: Path) -> pa.Table:
+    """Every row of the verified shards, with the partition columns, in (layer, seq_id, pos) order."""
+    files = verified_files(root)
+    parts = [pq.read_table(f).append_column("layer", pa.array([ROWS.partition_values(f.relative_to(root))["layer"]]
+             * pq.read_metadata(f).num_rows, pa.int32())) for f in files]  # fmt: skip
+    return pa.concat_tables(parts).sort_by([("layer", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")])
 
 
 def rows(seq: int, n: int = 4, d: int = 3) -> pa.Table:
@@ -117,32 +124,11 @@ def test_arrow_to_vectors_refuses_ragged_or_null_rows() -> None:
         vectors_to_arrow(np.zeros(3))
 
 
-# ----------------------------------------------------------------------------- hashes, version
+# ---------------------------------------------------------------------------------------- hashes
 def test_file_sha256_matches_hashlib(tmp_path: Path) -> None:
     data = os.urandom(3 * 2**20 + 17)  # spans several read chunks
     (tmp_path / "f").write_bytes(data)
     assert file_sha256(tmp_path / "f") == hashlib.sha256(data).hexdigest()
-
-
-def _code_version_of_copy(package: Path, monkeypatch: pytest.MonkeyPatch) -> str:
-    spec = importlib.util.spec_from_file_location("store_copy", package / "store.py")
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "store_copy", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.code_version()
-
-
-def test_code_version_depends_on_the_sources_not_on_where_they_are(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    version = code_version()
-    assert re.fullmatch(rf"{re.escape(metadata.version('lmgeo'))}\+[0-9a-f]{{16}}", version)
-    copy = tmp_path / "elsewhere" / "pipeline"
-    shutil.copytree(Path(store.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
-    assert _code_version_of_copy(copy, monkeypatch) == version
-    with open(copy / "config.py", "a") as f:
-        f.write("\n# a change\n")
-    assert _code_version_of_copy(copy, monkeypatch) != version
 
 
 def test_shard_slugs_are_safe_and_distinct() -> None:
@@ -214,7 +200,7 @@ def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None
         f"model=m/layer=0/part-{shard_slug('other')}.parquet",
         f"model=m/layer=2/part-{shard_slug('s')}.parquet",
     ]
-    assert complete_files(tmp_path) == [tmp_path / f for f in data_files(tmp_path)]
+    assert verified_files(tmp_path) == [tmp_path / f for f in data_files(tmp_path)]
 
 
 # ------------------------------------------------------------------------------ killed writers
@@ -225,7 +211,7 @@ WRITER = textwrap.dedent("""
     root, shard, moment = sys.argv[1], sys.argv[2], sys.argv[3]
     key = store.ManifestKey({"activations": "abc123"}, "p1", "c1")
     if moment == "before-manifest":  # die after the renames, before the manifest
-        store._write_atomically = lambda path, text: os.kill(os.getpid(), signal.SIGKILL)
+        store.atomic_write = lambda path, text: os.kill(os.getpid(), signal.SIGKILL)
     with store.ShardWriter(root, shard, key) as writer:
         for i in range(10 if moment == "before-manifest" else 10**9):
             table = pa.table({"seq_id": pa.array([i] * 4, pa.int32()), "pos": pa.array(range(4), pa.int32()),
@@ -260,7 +246,7 @@ def resume(root: Path, shards: dict[str, int]) -> list[str]:
 @pytest.mark.parametrize("moment", ["mid-write", "before-manifest"])
 def test_a_killed_shard_is_redone_and_complete_shards_are_skipped(tmp_path: Path, moment: str) -> None:
     write_shard(tmp_path, "done", seq=1)
-    done_file = complete_files(tmp_path)[0]
+    done_file = verified_files(tmp_path)[0]
     before = done_file.stat()
     kill_writer(tmp_path, "killed", moment)
 
@@ -269,14 +255,14 @@ def test_a_killed_shard_is_redone_and_complete_shards_are_skipped(tmp_path: Path
     if moment == "mid-write":
         assert all(name.startswith(".") and ".tmp-" in name for name in leftovers), leftovers
     assert not shard_complete(tmp_path, "killed", KEY)
-    assert complete_files(tmp_path) == [p for p in complete_files(tmp_path) if shard_slug("done") in p.name]
-    assert read_dataset(tmp_path, TYPES, columns="DISTINCT seq_id").column("seq_id").to_pylist() == [1]
+    assert all(shard_slug("done") in p.name for p in verified_files(tmp_path))
+    assert set(read_all(tmp_path)["seq_id"].to_pylist()) == {1}
 
     assert resume(tmp_path, {"done": 1, "killed": 2}) == ["killed"]
     assert done_file.stat().st_ino == before.st_ino and done_file.stat().st_mtime_ns == before.st_mtime_ns
     assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]
-    table = read_dataset(tmp_path, TYPES, columns="seq_id, count(*) AS n", group_by="seq_id", order_by="seq_id")
-    assert table.to_pydict() == {"seq_id": [1, 2], "n": [8, 8]}  # 4 rows x 2 layers each, nothing partial
+    seq_ids = read_all(tmp_path)["seq_id"].to_pylist()
+    assert (seq_ids.count(1), seq_ids.count(2), len(seq_ids)) == (8, 8, 16)  # 4 rows x 2 layers each, nothing partial
     assert resume(tmp_path, {"done": 1, "killed": 2}) == []
 
 
@@ -295,23 +281,23 @@ def test_a_corrupted_shard_is_named_with_how_to_rebuild_it(tmp_path: Path, how: 
     write_shard(tmp_path, "good", seq=1)
     write_shard(tmp_path, "bad", seq=2)
     hour_ago = os.stat(tmp_path).st_mtime - 3600
-    for path in complete_files(tmp_path, verify=False):
+    for path in tmp_path.rglob("*.parquet"):
         os.utime(path, (hour_ago, hour_ago))  # old enough for the hash cache to keep
-    read_dataset(tmp_path, TYPES)  # hashes every file once; the rewrite below must not hit the cache
+    verified_files(tmp_path)  # hashes every file once; the rewrite below must not hit the cache
     victim = tmp_path / f"model=m/layer=1/part-{shard_slug('bad')}.parquet"
     corrupt(victim, how)
 
-    for read in (lambda: verify_shard(tmp_path, "bad"), lambda: complete_files(tmp_path),
-                 lambda: read_dataset(tmp_path, TYPES)):
+    for reader in (lambda: verify_shard(tmp_path, "bad"), lambda: verified_files(tmp_path),
+                   lambda: verified_files(tmp_path, {"bad": KEY})):
         with pytest.raises(CorruptShardError) as err:
-            read()
+            reader()
         message = str(err.value)
         assert message.startswith(f"{victim}: corrupt shard") and reason in message
         assert str(store.manifest_path(tmp_path, "bad")) in message and "dvc repro -f" in message
     assert verify_shard(tmp_path, "good")
 
     assert resume(tmp_path, {"good": 1, "bad": 2}) == ["bad"]  # a re-run redoes just that shard
-    assert read_dataset(tmp_path, TYPES, columns="count(*) AS n").column("n").to_pylist() == [16]
+    assert read_all(tmp_path).num_rows == 16
 
 
 def test_a_corrupted_manifest_is_named_and_the_shard_redone(tmp_path: Path) -> None:
@@ -319,37 +305,55 @@ def test_a_corrupted_manifest_is_named_and_the_shard_redone(tmp_path: Path) -> N
     manifest = store.manifest_path(tmp_path, "s")
     corrupt(manifest, "garbage")
     with pytest.raises(CorruptShardError, match=re.escape(f"{manifest}: corrupt shard: unreadable manifest")):
-        complete_files(tmp_path)
+        verified_files(tmp_path)
     assert resume(tmp_path, {"s": 0}) == ["s"]
     assert verify_shard(tmp_path, "s")
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     write_shard(tmp_path, "s")
-    victim = complete_files(tmp_path)[0]
+    victim = verified_files(tmp_path)[0]
     victim.unlink()
     with pytest.raises(CorruptShardError, match=re.escape(f"{victim}: corrupt shard: missing file")):
         verify_shard(tmp_path, "s")
 
 
 # ------------------------------------------------------------------------------------- reading
-def test_read_dataset_types_partitions_explicitly_and_agrees_with_a_plain_glob(tmp_path: Path) -> None:
-    write_shard(tmp_path, "a", seq=0, layers=(0, 1, 10))
-    write_shard(tmp_path, "b", seq=1, layers=(0, 1, 10))
-    table = read_dataset(tmp_path, TYPES, where="layer >= 1", order_by="layer, seq_id, pos")
-    assert table.schema.field("layer").type == pa.int32() and table.schema.field("model").type == pa.string()
-    assert table["layer"].to_pylist() == [1] * 8 + [10] * 8  # numeric order: 10 after 1
-    expected = np.concatenate([arrow_to_vectors(rows(0)["h"]), arrow_to_vectors(rows(1)["h"])] * 2)
+def test_read_takes_one_partition_in_row_order_and_agrees_with_a_plain_glob(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a", seq=1, layers=(0, 1, 10))
+    write_shard(tmp_path, "b", seq=0, layers=(0, 1, 10))
+    files = verified_files(tmp_path)
+    assert [ROWS.partition_values(f.relative_to(tmp_path))["layer"] for f in files].count(10) == 2  # typed: int
+    table = read(tmp_path, ROWS, files, {"model": "m", "layer": 10})
+    assert table["seq_id"].to_pylist() == [0] * 4 + [1] * 4  # the dataset's order, whatever the shards'
+    expected = np.concatenate([arrow_to_vectors(rows(0)["h"]), arrow_to_vectors(rows(1)["h"])])
     assert np.array_equal(arrow_to_vectors(table["h"]), expected)
-    untyped = read_dataset(tmp_path, {}, columns="DISTINCT layer", order_by="layer")
-    assert untyped["layer"].to_pylist() == ["0", "1", "10"]  # never guessed: VARCHAR unless declared
     glob = duckdb.sql(f"SELECT count(*) FROM read_parquet('{tmp_path}/**/*.parquet', hive_partitioning = true)")
-    assert glob.fetchall()[0][0] == read_dataset(tmp_path, TYPES).num_rows == 24
+    assert glob.fetchall()[0][0] == read_all(tmp_path).num_rows == 24
 
 
-def test_read_dataset_without_complete_shards_says_so(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="no complete shards"):
-        read_dataset(tmp_path, TYPES)
+def test_reading_a_partition_that_has_no_data_says_so(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a")
+    with pytest.raises(InputError, match="no data for"):
+        read(tmp_path, ROWS, verified_files(tmp_path), {"model": "m", "layer": 7})
+
+
+def test_a_reader_takes_only_the_planned_shards_with_their_keys(tmp_path: Path) -> None:
+    write_shard(tmp_path, "planned", seq=0)
+    write_shard(tmp_path, "unplanned", seq=1)
+    assert {p.name for p in verified_files(tmp_path, {"planned": KEY})} == {f"part-{shard_slug('planned')}.parquet"}
+    stale = ManifestKey(KEY.inputs, "p2", KEY.code_version)
+    with pytest.raises(StaleShardError, match="shard 'planned' is stale \\(its params hash differ"):
+        verified_files(tmp_path, {"planned": stale}, rebuild="`lmgeo extract`")
+    with pytest.raises(StaleShardError, match="'missing' is missing; run `lmgeo extract`"):
+        verified_files(tmp_path, {"missing": KEY}, rebuild="`lmgeo extract`")
+
+
+def test_a_dataset_mixing_two_keys_is_refused_without_a_plan(tmp_path: Path) -> None:
+    write_shard(tmp_path, "a")
+    write_shard(tmp_path, "b", key=ManifestKey(KEY.inputs, "p2", KEY.code_version))
+    with pytest.raises(StaleShardError, match="2 different params hashs|2 different params hashes"):
+        verified_files(tmp_path)
 
 
 def test_dataset_digest_follows_the_shards_under_its_prefix(tmp_path: Path) -> None:
@@ -372,11 +376,12 @@ def test_prune_removes_unplanned_shards_and_leftovers_only(tmp_path: Path) -> No
     for stray in (stray_final, stray_temp):
         stray.parent.mkdir(parents=True, exist_ok=True)
         stray.write_bytes(b"leftover")
-    (tmp_path / "README.md").write_text("not ours")
+    (tmp_path / "notes.txt").write_text("a stray file in a stage's output")
     assert prune_shards(tmp_path, keep={"keep-1", "keep-2", "planned-but-not-written"}) == 1
-    assert not stray_final.exists() and not stray_temp.exists() and (tmp_path / "README.md").exists()
+    assert not stray_final.exists() and not stray_temp.exists() and not (tmp_path / "notes.txt").exists()
+    assert not (tmp_path / "model=m" / "layer=5").exists()  # emptied folders go too
     kept = {f"part-{shard_slug(s)}.parquet" for s in ("keep-1", "keep-2")}
-    assert {p.name for p in complete_files(tmp_path)} == kept
+    assert {p.name for p in verified_files(tmp_path)} == kept
     assert not shard_complete(tmp_path, "stale", KEY)
 
 

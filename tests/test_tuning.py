@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
 import pytest
 
+from pipeline.core.contracts import RunSpec
+from pipeline.models.config import ModelSize
+from pipeline.models.registry import build_model, head_of
+from pipeline.study_b.config import RecipeConfig, TrainConfig
+from pipeline.study_b.optim import build_optimizers
+from pipeline.study_b.recipes import RECIPES
+from pipeline.study_b.recipes.base import HeadStepDefault
+from pipeline.study_b.train import train_run
 from pipeline.tools import tuning
-from pipeline.models.arch import build_model, head_of
-from pipeline.core.config import ModelSize, RecipeConfig, TrainConfig
-from pipeline.study_b.recipes import DEFAULT_HEAD_STEP, HeadStepDefault, build_optimizers
-from pipeline.study_b.train import RunSpec, train_run
 from stages.tune import render, tuning_config
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
@@ -85,20 +90,20 @@ def test_edges_extend_the_winning_side_only() -> None:
 def test_default_grids_are_log_spaced_around_the_default() -> None:
     cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
     factors = np.array(tuning.GRID_FACTORS)
-    for recipe in DEFAULT_HEAD_STEP:
+    for recipe in RECIPES.names():
         grid = tuning.default_grid(recipe, cfg)
         knob, value = tuning.default_step(recipe, cfg)
         eta = value / 8.0 if knob == "tau" else value  # √64 = 8
         np.testing.assert_allclose(grid["head_lr"], eta * factors, rtol=1e-3)
-        if recipe in ("hilbert", "hilbert_equi"):
+        if RECIPES[recipe].trust_region:
             np.testing.assert_allclose(grid["tau"], eta * 8.0 * factors, rtol=1e-3)
         else:
             assert set(grid) == {"head_lr"}
 
 
 def test_a_default_that_follows_the_adamw_lr_is_centred_on_it(monkeypatch) -> None:
-    monkeypatch.setitem(DEFAULT_HEAD_STEP, "muon", HeadStepDefault())
-    monkeypatch.setitem(DEFAULT_HEAD_STEP, "hilbert", HeadStepDefault(head_lr=0.05))
+    for recipe, step in (("muon", HeadStepDefault()), ("hilbert", HeadStepDefault(head_lr=0.05))):
+        monkeypatch.setitem(RECIPES._members, recipe, dataclasses.replace(RECIPES[recipe], default_step=step))
     cfg = TrainConfig(model=ModelSize(d_model=16), adamw_lr=2e-3)
     assert tuning.default_step("muon", cfg) == ("head_lr", 2e-3)
     assert tuning.default_grid("muon", cfg, factors=(0.5, 1.0)) == {"head_lr": [1e-3, 2e-3]}
@@ -143,7 +148,8 @@ def tiny_cfg(**overrides) -> TrainConfig:
 def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
     train, val = tokens
     base = tiny_cfg()
-    t = tuning.sweep(base, "hilbert", "neox", {"head_lr": [0.01, 0.3]}, [0, 1], train, val, VOCAB, SEQ)
+    trials = tuning.trials_for("hilbert", "neox", {"head_lr": [0.01, 0.3]}, [0, 1])
+    t = tuning.results_table([tuning.run_trial(trial, base, train, val, VOCAB, SEQ) for trial in trials])
     assert t.schema == tuning.TRIAL_SCHEMA and t.num_rows == 4
     got = t.to_pylist()
     assert [(r["value"], r["seed"]) for r in got] == [(0.01, 0), (0.01, 1), (0.3, 0), (0.3, 1)]
@@ -191,8 +197,8 @@ def test_the_document_marks_the_choice_and_diverged_runs() -> None:
 
 # ---------------------------------------------------------------------------------------- stage
 def test_the_stage_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
-    from pipeline.core.config import Params
     from pipeline.core.errors import InputError
+    from pipeline.params import Params
     from stages import tune
 
     monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens

@@ -1,9 +1,10 @@
 """Fan a stage's shards out as Ray tasks and collect them with a bounded ``ray.wait`` loop (SPEC §1).
 
 The driver keeps at most ``max_in_flight`` tasks submitted, so a stage with thousands of shards
-never holds thousands of refs or results at once, and it handles each result as soon as it arrives
-(``on_result`` runs in the driver: with no shared filesystem, tasks return Arrow data and the driver
-writes it). This module never calls ``ray.init``: the CLI (``stages.runtime.start_ray``) does.
+never holds thousands of refs or results at once. Every task runs through ``run_task``: it sets the
+task's thread count from its resources (parallelism comes from Ray, not from BLAS oversubscription), and
+checks that the worker runs the code the driver planned with before it writes anything. This module
+never calls ``ray.init``: the CLI (``stages.runtime.start_ray``) does.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.config import TaskResources
+from pipeline.core.errors import InputError
 from pipeline.core.progress import Progress
 
 if TYPE_CHECKING:
@@ -27,12 +29,45 @@ WAIT_TIMEOUT_S = 1.0
 
 @dataclass(frozen=True)
 class Shard:
-    """One unit of work: ``fn(*args, **kwargs)`` run as a Ray task. ``fn`` must be module-level."""
+    """One unit of work: ``fn(*args, **kwargs)`` run as a Ray task. ``fn`` must be module-level.
+
+    ``code`` is ``(stage module, code version)`` when the shard's output is keyed by that version: the
+    task refuses to run on a worker whose code has another version.
+    """
 
     key: str
     fn: Callable[..., Any]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    code: tuple[str, str] | None = None
+
+
+class CodeMismatch(InputError):
+    """A Ray worker imports other code than the driver planned with."""
+
+
+def run_task(
+    fn: Callable[..., Any], threads: int, code: tuple[str, str] | None, args: tuple, kwargs: dict
+) -> Any:
+    """The body of every task, in the worker: one thread count, one code check, then ``fn``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    if code is not None:
+        from pipeline.core.fingerprint import code_version
+
+        module, planned = code
+        running = code_version(module)
+        if running != planned:
+            import importlib
+
+            where = importlib.import_module(module.split(".")[0]).__file__
+            raise CodeMismatch(
+                f"this Ray worker runs {module} at code version {running} (imported from {where}), but the "
+                f"driver planned version {planned}: run lmgeo from the workspace whose code you mean to run, "
+                "with the same installation on every node"
+            )
+    return fn(*args, **kwargs)
 
 
 class ShardFailed(RuntimeError):
@@ -55,14 +90,9 @@ def run_shards(
     max_in_flight: int,
     max_retries: int,
     label: str,
-    on_result: Callable[[Shard, Any], Any] | None = None,
 ) -> dict[str, Any]:
-    """Run every shard as a Ray task and return ``{shard.key: result}``.
-
-    With ``on_result``, it is called in the driver as each shard completes and the dict holds what
-    it returns instead of the task's result, so large results are not kept alive. On the first
-    failure the remaining tasks are cancelled and ``ShardFailed`` names the shard.
-    """
+    """Run every shard as a Ray task and return ``{shard.key: result}``. On the first failure the
+    remaining tasks are cancelled and ``ShardFailed`` names the shard."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     _check_unique_keys(shards)
@@ -73,20 +103,20 @@ def run_shards(
     if not ray.is_initialized():
         raise RuntimeError("Ray is not initialised: the CLI must call stages.runtime.start_ray first")
     _check_feasible(resources, label)
-    remote_fns: dict[Callable[..., Any], RemoteFunction] = {}
+    remote_fn = _as_remote(resources, max_retries)  # one RemoteFunction: Ray exports the code once
     pending: Iterator[Shard] = iter(shards)
     in_flight: dict[ObjectRef, Shard] = {}
     results: dict[str, Any] = {}
     with Progress(len(shards), label) as progress:
         try:
             while True:
-                _fill(in_flight, pending, max_in_flight, remote_fns, resources, max_retries)
+                _fill(in_flight, pending, max_in_flight, remote_fn, resources.threads)
                 if not in_flight:
                     return results
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_TIMEOUT_S)
                 for ref in ready:
                     shard = in_flight.pop(ref)
-                    results[shard.key] = _collect(shard, ref, on_result)
+                    results[shard.key] = _collect(shard, ref)
                     progress.advance(detail=shard.key)
                 progress.refresh()
         except BaseException:
@@ -98,20 +128,19 @@ def _fill(
     in_flight: dict[ObjectRef, Shard],
     pending: Iterator[Shard],
     max_in_flight: int,
-    remote_fns: dict[Callable[..., Any], RemoteFunction],
-    resources: TaskResources,
-    max_retries: int,
+    remote_fn: RemoteFunction,
+    threads: int,
 ) -> None:
     while len(in_flight) < max_in_flight:
         shard = next(pending, None)
         if shard is None:
             return
-        if shard.fn not in remote_fns:  # one RemoteFunction per fn: Ray exports the code once
-            remote_fns[shard.fn] = _as_remote(shard.fn, resources, max_retries)
-        in_flight[remote_fns[shard.fn].remote(*shard.args, **shard.kwargs)] = shard
+        # Named after the stage's task (`ray::fit_task` in process lists and the dashboard), not `run_task`.
+        task = remote_fn.options(name=shard.fn.__name__)
+        in_flight[task.remote(shard.fn, threads, shard.code, shard.args, shard.kwargs)] = shard
 
 
-def _as_remote(fn: Callable[..., Any], resources: TaskResources, max_retries: int) -> RemoteFunction:
+def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
     import ray
 
     options: dict[str, Any] = {
@@ -124,23 +153,16 @@ def _as_remote(fn: Callable[..., Any], resources: TaskResources, max_retries: in
     if resources.num_gpus > 0:
         # A fresh worker per GPU task: CUDA memory (allocator caches, contexts) is freed between shards.
         options["max_calls"] = 1
-    return ray.remote(**options)(fn)
+    return ray.remote(**options)(run_task)
 
 
-def _collect(shard: Shard, ref: ObjectRef, on_result: Callable[[Shard, Any], Any] | None) -> Any:
+def _collect(shard: Shard, ref: ObjectRef) -> Any:
     import ray
 
     try:
-        value = ray.get(ref)
+        return ray.get(ref)
     except ray.exceptions.RayError as err:
         raise ShardFailed(shard.key, err) from err
-    if on_result is None:
-        return value
-    try:
-        return on_result(shard, value)
-    except Exception as err:
-        err.add_note(f"while handling the result of shard {shard.key!r}")
-        raise
 
 
 def _cancel(in_flight: dict[ObjectRef, Shard]) -> None:

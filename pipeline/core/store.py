@@ -1,19 +1,23 @@
-"""Atomic, resumable Parquet shard store (SPEC §1).
+"""Atomic, resumable, verified shard store (SPEC §1, §7).
 
-A dataset is a directory ``root`` of hive partitions (``root/model=m/layer=3/part-<slug>.parquet``)
-plus ``root/_manifests/<slug>.json``, one manifest per shard. A shard's files are written to hidden
-temporary names, fsynced and renamed into place; its manifest (the inputs' hashes, the params hash,
-the code version, and every file with its size and sha256) is written last, atomically. So:
+A dataset is a folder ``root`` of files plus ``root/_manifests/<slug>.json``, one manifest per shard. A
+shard's files (hive-partitioned Parquet parts, or whole folders such as a checkpoint) are written under
+hidden temporary names, fsynced and renamed into place; its manifest (the shard's key — the inputs'
+hashes, the params hash, the code version — and every file with its size and sha256) is written last,
+atomically. So:
 
-- a shard is complete exactly when its manifest exists, matches, and its files match the manifest;
+- a shard is complete exactly when its manifest exists, has the planned key, and its files match it;
   a shard killed mid-write has no manifest and is redone by the next run (its leftovers are removed);
-- readers take only the files that complete manifests list, never a stray or half-written file;
-- temporary names do not end in ``.parquet``, so ``read_parquet('root/**/*.parquet')`` never sees them.
+- readers take only the files that manifests list, checked (size and sha256) on every read, never a
+  stray or half-written file, and never the shards of two different keys mixed together;
+- temporary names are hidden and never end in ``.parquet``, so no glob over a dataset sees them.
+
+Every other file the pipeline writes (tables, reports, token files) goes through ``atomic_path`` or
+``atomic_write``: the one atomic-write helper, with fsync.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -21,13 +25,12 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from importlib import metadata
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -35,11 +38,8 @@ import pyarrow.parquet as pq
 
 from pipeline.core.errors import InputError
 
-if TYPE_CHECKING:
-    import duckdb
-
 MANIFEST_DIR = "_manifests"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 
 log = logging.getLogger(__name__)
 
@@ -97,33 +97,30 @@ def _chunk_to_vectors(chunk: pa.Array) -> np.ndarray:
     return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
 
 
-# ------------------------------------------------------------------------------ hashes, version
+
+# ------------------------------------------------------------------------------------- hashes
 def file_sha256(path: str | os.PathLike[str]) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-@functools.cache
-def code_version() -> str:
-    """``<package version>+<hash of the pipeline/ sources>``: the same on every machine for the same code.
-
-    Paths are hashed relative to the package and line endings normalised, so neither the checkout
-    location nor a Windows checkout changes it.
-    """
-    package_dir = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(package_dir.rglob("*.py")):
-        source = path.read_bytes().replace(b"\r\n", b"\n")
-        for part in (path.relative_to(package_dir).as_posix().encode(), source):
-            digest.update(len(part).to_bytes(8, "little") + part)
-    return f"{_package_version()}+{digest.hexdigest()[:16]}"
+# sha256 of files this process has already hashed, keyed by what a rewrite changes. Tasks read the
+# same dataset many times (each fit shard reads two layers of it); each file is hashed once. As in
+# git's "racy clean" rule, a file modified within the last seconds is not cached: file times are
+# coarse (a clock tick), so a rewrite right after hashing could keep the same mtime.
+_hashed: dict[tuple[str, int, int, int], str] = {}
+_RACY_NS = 2_000_000_000
 
 
-def _package_version() -> str:
-    try:
-        return metadata.version("lmgeo")
-    except metadata.PackageNotFoundError:  # running from a checkout that was never installed
-        return "0+uninstalled"
+def sha256_cached(path: Path) -> str:
+    st = path.stat()
+    identity = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+    if identity in _hashed:
+        return _hashed[identity]
+    digest = file_sha256(path)
+    if time.time_ns() - st.st_mtime_ns > _RACY_NS:
+        _hashed[identity] = digest
+    return digest
 
 
 # ---------------------------------------------------------------------------------- manifests
@@ -141,6 +138,10 @@ class CorruptShardError(InputError):
     how to rebuild it; the CLI reports it like any bad input (one message, exit code 2)."""
 
 
+class StaleShardError(InputError):
+    """A dataset whose shards do not match the plan that reads them (missing, stale or mixed keys)."""
+
+
 def shard_slug(shard: str) -> str:
     """A filesystem-safe, unique file stem for a shard key (keys contain '/', '=', '@')."""
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", shard).strip("._")[:80]
@@ -152,16 +153,15 @@ def manifest_path(root: Path, shard: str) -> Path:
     return Path(root) / MANIFEST_DIR / f"{shard_slug(shard)}.json"
 
 
-def shard_complete(root: Path, shard: str, key: ManifestKey, *, verify: bool = True) -> bool:
-    """True when the shard's manifest matches ``key`` and its files are intact (sha256 with ``verify``).
+def shard_complete(root: Path, shard: str, key: ManifestKey) -> bool:
+    """True when the shard's manifest has ``key`` and its files are intact (size and sha256).
 
     A corrupt shard is reported in the log and counts as incomplete, so the caller redoes it.
     """
     try:
-        manifest = _read_manifest(Path(root), shard)
-        if _manifest_key(manifest) != key:
+        if manifest_key(_read_manifest(Path(root), shard)) != key:
             return False
-        _check_files(Path(root), manifest, verify)
+        verify_shard(root, shard)
     except FileNotFoundError:
         return False
     except CorruptShardError as err:
@@ -172,17 +172,56 @@ def shard_complete(root: Path, shard: str, key: ManifestKey, *, verify: bool = T
 
 def verify_shard(root: Path, shard: str) -> list[Path]:
     """The shard's files after checking their size and sha256; ``CorruptShardError`` names a bad one."""
-    return _check_files(Path(root), _read_manifest(Path(root), shard), verify=True)
+    return _check_files(Path(root), _read_manifest(Path(root), shard))
 
 
-def complete_files(root: Path, verify: bool = True) -> list[Path]:
-    """Every file of every complete shard under ``root``, in a stable order.
+def verified_files(
+    root: Path, expected: Mapping[str, ManifestKey] | None = None, *, rebuild: str = "its stage"
+) -> list[Path]:
+    """The files of the dataset under ``root`` that a reader may use, each checked (size and sha256).
 
-    Stray files (a shard killed mid-write, or before its manifest) are never included. Files are
-    always checked for existence and size, and for their sha256 with ``verify``.
+    With ``expected`` (shard → the key the current plan gives it), exactly those shards are read: a
+    planned shard without a manifest, or whose manifest has another key, is an error naming the command
+    that rebuilds it (``rebuild``); shards outside the plan are never read. Without it (reading a
+    result as it was written, e.g. at an old revision), every shard is read, and the shards must share
+    one params hash and one code version: a dataset mixing two runs of a stage is an error.
     """
-    manifests = sorted((Path(root) / MANIFEST_DIR).glob("*.json"))
-    return [path for m in manifests for path in _check_files(Path(root), _load_manifest(m), verify)]
+    root = Path(root)
+    manifests = {m["shard"]: m for m in map(_load_manifest, sorted((root / MANIFEST_DIR).glob("*.json")))}
+    if expected is None:
+        _check_unmixed(root, manifests.values(), rebuild)
+        chosen = list(manifests.values())
+    else:
+        chosen = [_planned(root, manifests.get(shard), shard, key, rebuild) for shard, key in expected.items()]
+    return [path for manifest in chosen for path in _check_files(root, manifest)]
+
+
+def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:
+    if manifest is None:
+        raise StaleShardError(f"{root}: shard {shard!r} is missing; run {rebuild} first")
+    if manifest_key(manifest) != key:
+        changed = [name for name, old, new in _key_parts(manifest_key(manifest), key) if old != new]
+        raise StaleShardError(
+            f"{root}: shard {shard!r} is stale (its {', '.join(changed)} differ from the current plan's); "
+            f"run {rebuild} to recompute it"
+        )
+    return manifest
+
+
+def _key_parts(old: ManifestKey, new: ManifestKey) -> list[tuple[str, Any, Any]]:
+    parts = [("params hash", old.params_hash, new.params_hash), ("code version", old.code_version, new.code_version)]
+    names = sorted(set(old.inputs) | set(new.inputs))
+    return parts + [(f"input {n!r}", old.inputs.get(n), new.inputs.get(n)) for n in names]
+
+
+def _check_unmixed(root: Path, manifests: Any, rebuild: str) -> None:
+    for field in ("params_hash", "code_version"):
+        values = sorted({m[field] for m in manifests})
+        if len(values) > 1:
+            raise StaleShardError(
+                f"{root}: its shards were written with {len(values)} different {field.replace('_', ' ')}s "
+                f"({', '.join(values)}): a stage was interrupted after a change; run {rebuild} to finish it"
+            )
 
 
 def dataset_digest(root: Path, prefix: str = "") -> str:
@@ -200,11 +239,12 @@ def dataset_digest(root: Path, prefix: str = "") -> str:
 
 
 def prune_shards(root: Path, keep: set[str]) -> int:
-    """Remove the shards whose key is not in ``keep`` and every file no manifest lists.
+    """Remove the shards whose key is not in ``keep``, every file no kept manifest lists, and the
+    folders that leaves empty.
 
-    A stage calls it before fanning out, so results of shards that are no longer planned (a model
-    removed from params) never reach a reader, and leftovers of killed writes are swept. Returns the
-    number of shards removed.
+    A stage calls it before fanning out (after its plan validated), so results of shards that are no
+    longer planned (a model removed from params) never reach a reader, and leftovers of killed writes
+    and stray files are swept. Returns the number of shards removed.
     """
     root = Path(root)
     removed = 0
@@ -212,46 +252,56 @@ def prune_shards(root: Path, keep: set[str]) -> int:
     for path in sorted((root / MANIFEST_DIR).glob("*.json")):
         try:
             manifest = _load_manifest(path)
-        except CorruptShardError as err:  # its key is unknown; the stem names its files
+        except CorruptShardError as err:  # its key is unknown: its files are unlisted and go below
             log.warning("%s; removing the shard", err)
-            _remove_slug(root, path.stem)
+            path.unlink()
             continue
         if manifest["shard"] in keep:
             listed.update(root / f["path"] for f in manifest["files"])
         else:
-            _remove_slug(root, path.stem)
+            path.unlink()
             removed += 1
-    for path in _store_files_on_disk(root):
+    for path in _data_files_on_disk(root):
         if path not in listed:
             path.unlink(missing_ok=True)
+    _remove_empty_dirs(root)
     return removed
 
 
 def remove_shard(root: Path, shard: str) -> None:
-    """Delete a shard: its manifest first (so it stops counting as complete), then its files."""
-    _remove_slug(Path(root), shard_slug(shard))
+    """Delete a shard: its manifest first (so it stops counting as complete), then the files it lists
+    and any temporaries of a killed attempt. Emptied folders stay: tasks of the same stage run
+    concurrently and may be about to write into one (`prune_shards`, before the fan-out, sweeps them)."""
+    root = Path(root)
+    path = manifest_path(root, shard)
+    listed: list[Path] = []
+    if path.exists():
+        try:
+            listed = [root / f["path"] for f in _load_manifest(path)["files"]]
+        except CorruptShardError:
+            listed = []
+        path.unlink()
+    for file in listed:
+        file.unlink(missing_ok=True)
+    # Temporaries of a killed attempt, by name (no manifest lists them); a killed checkpoint folder has no
+    # name of the shard's, and goes with the stage's prune of every unlisted file.
+    slug = shard_slug(shard)
+    for temp in _walk_files(root):
+        if temp.name.startswith((f".{slug}.json.tmp-", f".part-{slug}.parquet.tmp-")):
+            temp.unlink(missing_ok=True)
 
 
-def _remove_slug(root: Path, slug: str) -> None:
-    (root / MANIFEST_DIR / f"{slug}.json").unlink(missing_ok=True)
-    for path in _files_on_disk(root, slug):
-        path.unlink(missing_ok=True)
+def _data_files_on_disk(root: Path) -> list[Path]:
+    """Every file under ``root`` except the manifests, temporaries of writes in progress included."""
+    manifests = root / MANIFEST_DIR
+    return [p for p in _walk_files(root) if p.parent != manifests]
 
 
-def _files_on_disk(root: Path, slug: str) -> list[Path]:
-    """The shard's files and temporaries, found by name (a killed write left no manifest to list them)."""
-    final = f"part-{slug}.parquet"
-    temporaries = (f".{final}.tmp-", f".{slug}.json.tmp-")
-    return [p for p in _walk_files(root) if p.name == final or p.name.startswith(temporaries)]
-
-
-def _store_files_on_disk(root: Path) -> list[Path]:
-    """Every data file and temporary this module may have written under ``root`` (not manifests)."""
-    return [p for p in _walk_files(root) if _DATA_FILE.match(p.name) or _TEMPORARY.match(p.name)]
-
-
-_DATA_FILE = re.compile(r"^part-.+\.parquet$")
-_TEMPORARY = re.compile(r"^\..+\.tmp-\d+$")
+def _remove_empty_dirs(root: Path) -> None:
+    for directory, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        path = Path(directory)
+        if path != root and path.name != MANIFEST_DIR and not any(path.iterdir()):
+            path.rmdir()
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
@@ -273,47 +323,28 @@ def _load_manifest(path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _corrupt(path, path, f"unreadable manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
-        raise _corrupt(path, path, "not a manifest of this format")
+        raise _corrupt(path, path, "not a manifest of this format (written by another lmgeo version?)")
     return manifest
 
 
-def _manifest_key(manifest: dict[str, Any]) -> ManifestKey:
+def manifest_key(manifest: dict[str, Any]) -> ManifestKey:
     return ManifestKey(manifest["inputs"], manifest["params_hash"], manifest["code_version"])
 
 
-def _check_files(root: Path, manifest: dict[str, Any], verify: bool) -> list[Path]:
+def _check_files(root: Path, manifest: dict[str, Any]) -> list[Path]:
     own_manifest = manifest_path(root, manifest["shard"])
     paths = []
     for entry in manifest["files"]:
         path = root / entry["path"]
-        if not path.is_file():
+        if path.is_symlink() or not path.is_file():
             raise _corrupt(path, own_manifest, f"missing file of shard {manifest['shard']!r}")
         size = path.stat().st_size
         if size != entry["bytes"]:
             raise _corrupt(path, own_manifest, f"{size} bytes where {entry['bytes']} were written (truncated?)")
-        if verify and _sha256_cached(path) != entry["sha256"]:
+        if sha256_cached(path) != entry["sha256"]:
             raise _corrupt(path, own_manifest, "content differs from what was written (sha256 mismatch)")
         paths.append(path)
     return paths
-
-
-# sha256 of files this process has already hashed, keyed by what a rewrite changes. Tasks read the
-# same dataset many times (each fit shard reads two layers of it); each file is hashed once. As in
-# git's "racy clean" rule, a file modified within the last seconds is not cached: file times are
-# coarse (a clock tick), so a rewrite right after hashing could keep the same mtime.
-_hashed: dict[tuple[str, int, int, int], str] = {}
-_RACY_NS = 2_000_000_000
-
-
-def _sha256_cached(path: Path) -> str:
-    st = path.stat()
-    identity = (str(path.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
-    if identity in _hashed:
-        return _hashed[identity]
-    digest = file_sha256(path)
-    if time.time_ns() - st.st_mtime_ns > _RACY_NS:
-        _hashed[identity] = digest
-    return digest
 
 
 def _corrupt(path: Path, manifest: Path, reason: str) -> CorruptShardError:
@@ -331,7 +362,7 @@ _PARTITION_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _UNSAFE_VALUE = re.compile(r"[/\\=%\x00]")  # path separators, and what hive readers decode or split on
 
 
-def partition_dir(partition: dict[str, str | int]) -> Path:
+def partition_dir(partition: Mapping[str, str | int]) -> Path:
     """``{"model": "m", "layer": 3}`` -> ``model=m/layer=3``, refusing values that would break the path."""
     parts = []
     for name, value in partition.items():
@@ -344,14 +375,19 @@ def partition_dir(partition: dict[str, str | int]) -> Path:
     return Path(*parts)
 
 
+def _temporary(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
 class ShardWriter:
     """Writes one shard of the dataset under ``root``; use as a context manager.
 
-    Entering removes whatever an earlier attempt left of this shard. ``write`` streams record
-    batches into one temporary Parquet file per partition (memory is bounded by the batch). A clean
-    exit fsyncs and renames the files into place and then writes the manifest; an exception deletes
-    everything of the shard and writes no manifest. ``metadata`` goes into every file's key-value
-    metadata, with the shard key, params hash and code version.
+    Entering removes whatever an earlier attempt left of this shard. ``write`` streams record batches
+    into one temporary Parquet file per partition (memory is bounded by the batch); ``directory`` gives a
+    temporary folder to fill (a checkpoint). A clean exit fsyncs and renames everything into place and
+    then writes the manifest; an exception deletes everything of the shard and writes no manifest.
+    ``metadata`` goes into every Parquet file's key-value metadata, with the shard key, params hash and
+    code version.
     """
 
     def __init__(self, root: Path, shard: str, key: ManifestKey, metadata: dict[str, str] | None = None) -> None:
@@ -367,6 +403,7 @@ class ShardWriter:
         }
         self._open: dict[Path, tuple[Path, pq.ParquetWriter]] = {}  # final path -> (temp path, writer)
         self._rows: dict[Path, int] = {}
+        self._folders: dict[Path, Path] = {}  # final folder -> filled temporary folder
         self._entered = False
 
     def __enter__(self) -> ShardWriter:
@@ -374,14 +411,15 @@ class ShardWriter:
         self._entered = True
         return self
 
-    def write(self, partition: dict[str, str | int], data: pa.Table | pa.RecordBatch) -> None:
+    def write(self, partition: Mapping[str, str | int], data: pa.Table | pa.RecordBatch, name: str | None = None) -> None:
+        """Append ``data`` to the shard's file in ``partition`` (named ``part-<slug>.parquet`` unless ``name``)."""
         if not self._entered:
             raise RuntimeError("ShardWriter.write outside its `with` block")
         table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
-        final = self.root / partition_dir(partition) / f"part-{self._slug}.parquet"
+        final = self.root / partition_dir(partition) / (name or f"part-{self._slug}.parquet")
         if final not in self._open:
             final.parent.mkdir(parents=True, exist_ok=True)
-            temp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+            temp = _temporary(final)
             schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self._metadata})
             # Dictionary-encoding float vectors only costs: it made extraction writes ~8x slower.
             scalars = [f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)]
@@ -389,6 +427,22 @@ class ShardWriter:
             self._rows[final] = 0
         self._open[final][1].write_table(table)
         self._rows[final] += table.num_rows
+
+    @contextmanager
+    def directory(self, relative: str) -> Iterator[Path]:
+        """A temporary folder to fill; it becomes ``root/relative`` when the shard commits."""
+        if not self._entered:
+            raise RuntimeError("ShardWriter.directory outside its `with` block")
+        final = self.root / relative
+        temp = _temporary(final)
+        _remove(temp)
+        temp.mkdir(parents=True)
+        try:
+            yield temp
+        except BaseException:
+            _remove(temp)
+            raise
+        self._folders[final] = temp
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -406,27 +460,27 @@ class ShardWriter:
         for temp, writer in self._open.values():
             writer.close()
             _fsync_file(temp)
-        for final, (temp, _) in self._open.items():
+        for temp in self._folders.values():
+            for file in _walk_files(temp):
+                _fsync_file(file)
+        renames = {final: temp for final, (temp, _) in self._open.items()} | self._folders
+        for final, temp in renames.items():
+            _remove(final)  # a leftover of a killed attempt; os.replace cannot replace a folder
             os.replace(temp, final)
-        for directory in {final.parent for final in self._open}:
+        for directory in {final.parent for final in renames}:
             _fsync_dir(directory)
-        files = [self._entry(final) for final in sorted(self._open)]
+        files = sorted(f for final in renames for f in ([final] if final.is_file() else _walk_files(final)))
         self._open.clear()
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "shard": self.shard,
-            **asdict(self.key),
-            "files": files,
-        }
-        _write_atomically(manifest_path(self.root, self.shard), json.dumps(manifest, indent=1, sort_keys=True))
+        self._folders.clear()
+        manifest = {"format": MANIFEST_FORMAT, "shard": self.shard, **asdict(self.key),
+                    "files": [self._entry(path) for path in files]}  # fmt: skip
+        atomic_write(manifest_path(self.root, self.shard), json.dumps(manifest, indent=1, sort_keys=True))
 
-    def _entry(self, final: Path) -> dict[str, Any]:
-        return {
-            "path": final.relative_to(self.root).as_posix(),
-            "bytes": final.stat().st_size,
-            "sha256": file_sha256(final),
-            "rows": self._rows[final],
-        }
+    def _entry(self, path: Path) -> dict[str, Any]:
+        entry = {"path": path.relative_to(self.root).as_posix(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        if path in self._rows:
+            entry["rows"] = self._rows[path]
+        return entry
 
     def _abort(self) -> None:
         for _, writer in self._open.values():
@@ -434,21 +488,16 @@ class ShardWriter:
                 writer.close()
             except Exception:  # noqa: BLE001 - the shard is being discarded; its files go next
                 log.debug("closing a discarded Parquet writer failed", exc_info=True)
+        for temp, _ in self._open.values():
+            temp.unlink(missing_ok=True)
+        for temp in self._folders.values():
+            _remove(temp)
         self._open.clear()
+        self._folders.clear()
         remove_shard(self.root, self.shard)
 
 
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(temp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(temp, path)
-    _fsync_dir(path.parent)
-
-
+# ------------------------------------------------------------------------------- atomic writes
 @contextmanager
 def atomic_path(path: Path) -> Iterator[Path]:
     """Yield a temporary sibling of ``path`` to write a file or a directory to.
@@ -459,7 +508,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temp = _temporary(path)
     _remove(temp)
     try:
         yield temp
@@ -467,13 +516,22 @@ def atomic_path(path: Path) -> Iterator[Path]:
             raise FileNotFoundError(f"{temp}: nothing was written for {path}")
         for file in [temp] if temp.is_file() else list(_walk_files(temp)):
             _fsync_file(file)
-        if path.is_dir():
+        if path.is_dir() and not path.is_symlink():
             _remove(path)  # os.replace cannot replace a non-empty directory
         os.replace(temp, path)
         _fsync_dir(path.parent)
     except BaseException:
         _remove(temp)
         raise
+
+
+def atomic_write(path: Path, content: str | bytes) -> None:
+    """Write ``content`` to ``path`` atomically (see ``atomic_path``)."""
+    with atomic_path(path) as temp:
+        if isinstance(content, bytes):
+            temp.write_bytes(content)
+        else:
+            temp.write_text(content)
 
 
 def _remove(path: Path) -> None:
@@ -495,50 +553,3 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# ------------------------------------------------------------------------------------- reading
-_SQL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-_SQL_TYPE = re.compile(r"^[A-Za-z][A-Za-z0-9_ ]*(\(\d+(,\s*\d+)?\))?$")
-
-
-def read_dataset(
-    root: Path,
-    hive_types: dict[str, str],
-    columns: str = "*",
-    where: str | None = None,
-    con: duckdb.DuckDBPyConnection | None = None,
-    *,
-    group_by: str | None = None,
-    order_by: str | None = None,
-    verify: bool = True,
-) -> pa.Table:
-    """Query the complete shards of ``root`` with DuckDB, partition columns typed by ``hive_types``.
-
-    ``hive_types`` maps partition keys to SQL types (``{"layer": "INTEGER"}``); keys it omits are
-    VARCHAR, never guessed. ``columns``, ``where``, ``group_by`` and ``order_by`` are SQL fragments
-    from the calling code. A corrupt shard raises ``CorruptShardError`` before anything is read.
-    """
-    import duckdb
-
-    files = complete_files(root, verify=verify)
-    if not files:
-        raise FileNotFoundError(f"{root}: no complete shards to read (has the stage that writes it run?)")
-    options = "hive_partitioning = true, hive_types_autocast = false"
-    if hive_types:
-        types = ", ".join(
-            f"'{_sql_checked(k, _SQL_NAME)}': '{_sql_checked(v, _SQL_TYPE)}'" for k, v in hive_types.items()
-        )
-        options += f", hive_types = {{{types}}}"
-    sql = f"SELECT {columns} FROM read_parquet($files, {options})"
-    for clause, fragment in (("WHERE", where), ("GROUP BY", group_by), ("ORDER BY", order_by)):
-        if fragment:
-            sql += f" {clause} {fragment}"
-    con = con if con is not None else duckdb.connect()
-    return con.sql(sql, params={"files": [str(f) for f in files]}).to_arrow_table()
-
-
-def _sql_checked(text: str, pattern: re.Pattern[str]) -> str:
-    if not pattern.match(text):
-        raise ValueError(f"{text!r} is not a valid name or type for hive_types")
-    return text

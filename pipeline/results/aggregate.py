@@ -1,10 +1,9 @@
 """Aggregation of training logs and per-token fits into small result tables (SPEC §2, §3.3, §4.4).
 
-``aggregate(data_dir, out_dir, cfg)`` reads, under ``data_dir``:
-``train/run=<run>/steps.parquet``, ``models/<run>/final/run.json``,
-``fits/model=<m>/layer=<l>/fn=<class>/part-*.parquet`` and ``perturb/...`` (same partitioning), and writes:
+``aggregate(sources, out_dir, cfg)`` reads ``Sources``: the verified files of the steps, fits and perturb
+datasets (``pipeline.core.contracts``) and the records of the finished runs, and writes:
 
-- ``out_dir/tables/<name>.parquet`` for every name in ``TABLES`` (always all of them; a study that was not
+- ``out_dir/tables/<name>.parquet`` for every name in ``RESULT_TABLES`` (always all of them; a study that was not
   run gives empty tables with the documented columns):
   ``runs``, ``curves``, ``recipes``, ``geometry``, ``geometry_pooled``, ``angles``, ``correlations``,
   ``claims``. Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
@@ -30,9 +29,11 @@ Non-finite values in fits are excluded from every statistic and counted (``n_non
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,54 +41,26 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from scipy import stats as sps
 
-from pipeline.core.config import ARCHS, RECIPES, ReportConfig
+from pipeline.core.contracts import (
+    FIT_METRICS,
+    FITS,
+    PERTURB,
+    PERTURB_METRICS,
+    RUN_ID_PATTERN,
+    STEPS,
+    RunRecord,
+    scan,
+    table_id_sql,
+)
+from pipeline.core.store import atomic_path, atomic_write, verified_files
+from pipeline.models.registry import FAMILIES
+from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.core.store import MANIFEST_DIR, complete_files
-
-TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
-
-# ----------------------------------------------------------------------------------- data contracts
-FIT_METRICS = (
-    "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
-    "proj_full_global", "proj_res_global", "norm_full", "norm_res",
-)  # fmt: skip
-PERTURB_METRICS = ("kl", "kl_seq")
-
-STEPS_SCHEMA = pa.schema(
-    [("step", pa.int64()), ("tokens", pa.int64())]
-    + [(c, pa.float64()) for c in ("lr", "train_loss", "val_loss", "step_time_s", "head_diam")]
-    + [("head_diam_sampled", pa.bool_())]
-    + [(c, pa.float64()) for c in ("head_update_rms", "head_update_spectral", "hilbert_realized",
-                                   "hilbert_bound", "equi_ratio")]  # fmt: skip
-)
-# The vector column `patched` is deliberately absent: datasets are opened with these schemas only.
-FITS_SCHEMA = pa.schema(
-    [(c, pa.int32()) for c in ("seq_id", "pos", "token_id", "k")]
-    + [(c, pa.float64()) for c in FIT_METRICS]
-    + [("n_nonfinite", pa.int32())]
-)
-PERTURB_SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("kl", pa.float64()), ("kl_seq", pa.float64())])
-ACTIVATIONS_SCHEMA = pa.schema([("seq_id", pa.int32()), ("pos", pa.int32()), ("token_id", pa.int32())])
-
-RUN_PARTITIONS = pa.schema([("run", pa.string())])
-FIT_PARTITIONS = pa.schema([("model", pa.string()), ("layer", pa.int32()), ("fn", pa.string())])
-ACTIVATION_PARTITIONS = pa.schema([("model", pa.string()), ("layer", pa.int32())])
-
-RUN_JSON_SCHEMA = pa.schema(
-    [("run", pa.string()), ("arch", pa.string()), ("recipe", pa.string()), ("seed", pa.int64()),
-     ("steps", pa.int64()), ("steps_done", pa.int64()), ("tokens", pa.int64()),
-     ("final_train_loss", pa.float64()), ("final_val_loss", pa.float64()), ("diverged", pa.bool_()),
-     ("diverged_at_step", pa.int64()), ("wall_time_s", pa.float64()), ("n_params", pa.int64()),
-     ("params_hash", pa.string())]
-)  # fmt: skip
-
-# `<arch>-<recipe>-s<seed>`: groups 1, 2, 3 (for runs whose run.json is missing).
-RUN_ID = r"^([a-z0-9_.]+)-([a-z0-9_.]+)-s([0-9]+)$"
+from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_b.recipes import RECIPES, baseline
 
 # ------------------------------------------------------------------------------ claims (SPEC §4.4)
 COS_NEAR_ONE = 0.9
@@ -98,78 +71,43 @@ MIN_SEEDS_FOR_TEST = 3
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 ANGLE_BIN_DEG = 10
 MAX_CURVE_POINTS = 1000
-BASELINE_RECIPE = "muon"
 
 
 # ------------------------------------------------------------------------------------ reading data
-def dataset_files(root: Path, verify: bool = True) -> list[str]:
-    """The Parquet files of the hive-partitioned dataset under ``root`` that count as written.
-
-    With shard manifests (``root/_manifests``, pipeline/store.py) only the files of complete shards, checked
-    (sha256 with ``verify``); a dataset written without the shard store is read whole (the store's
-    temporaries never end in ``.parquet``). No ``root`` means the stage did not run: no files.
-    """
-    if (root / MANIFEST_DIR).is_dir():
-        return [str(p) for p in complete_files(root, verify=verify)]
-    if not root.is_dir():
-        return []
-    return sorted(str(p) for p in root.rglob("*.parquet"))
+Files = tuple[Path, Sequence[Path]]  # a dataset's root and its verified files
 
 
-def open_dataset(
-    files: Sequence[str],
-    base_dir: str,
-    schema: pa.Schema,
-    partitions: pa.Schema,
-    filesystem: pafs.FileSystem | None = None,
-) -> ds.Dataset:
-    """A lazy Arrow dataset over ``files`` with exactly ``schema`` + ``partitions`` as columns.
+@dataclass(frozen=True)
+class Sources:
+    """What aggregation reads: the verified files of each per-token dataset, and the finished runs."""
 
-    Columns outside the schema (vectors) are never read, missing ones read as null, and narrower types
-    (float32) are cast up; hive partition values are parsed with the declared types. No files gives an
-    empty dataset with the same columns, so every query runs unchanged on a study that was not run.
-    """
-    full = pa.schema(list(schema) + list(partitions))
-    if not files:
-        return ds.dataset(full.empty_table())
-    partitioning = ds.partitioning(partitions, flavor="hive")
-    return ds.dataset(
-        list(files), schema=full, format="parquet", partitioning=partitioning,
-        partition_base_dir=base_dir, filesystem=filesystem,
-    )  # fmt: skip
+    steps: Files
+    fits: Files
+    perturb: Files
+    runs: Sequence[RunRecord]
 
 
-def model_label_sql(column: str) -> str:
-    """SQL turning a partition model name into its table label: `<run>.final` → `<run>@final`, `a--b` → `a/b`."""
-    trained = r"^(" + "|".join(ARCHS) + r")-[a-z0-9_.]+-s[0-9]+\.(init|final)$"
-    return (
-        f"CASE WHEN regexp_matches({column}, '{trained}') "
-        f"THEN regexp_replace({column}, '\\.(init|final)$', '@\\1') "
-        f"ELSE replace({column}, '--', '/') END"
-    )
+def load_sources(steps: Path, fits: Path, perturb: Path, models: Path) -> Sources:
+    """The verified files under each dataset folder (none where a stage has not run) and the records of
+    the finished runs (`run.json` of each final checkpoint, as its manifest lists it)."""
+
+    def files(root: Path, stage: str) -> Files:
+        return root, verified_files(root, rebuild=f"`lmgeo {stage}`") if root.is_dir() else []
+
+    _, checkpoints = files(models, "train")
+    records = [RunRecord.from_json(json.loads(p.read_text())) for p in checkpoints if p.match("*/final/run.json")]
+    return Sources(files(steps, "train"), files(fits, "fit"), files(perturb, "perturb"), sorted(records, key=lambda r: r.run))
 
 
-def _read_run_json(models_dir: Path) -> pa.Table:
-    rows = []
-    for path in sorted(models_dir.glob("*/final/run.json")):
-        record = json.loads(path.read_text())
-        rows.append({name: record.get(name) for name in RUN_JSON_SCHEMA.names})
-    return pa.Table.from_pylist(rows, schema=RUN_JSON_SCHEMA)
-
-
-def _register_sources(con: duckdb.DuckDBPyConnection, data_dir: Path) -> None:
-    sources = {
-        "steps_raw": ("train", STEPS_SCHEMA, RUN_PARTITIONS),
-        "fits": ("fits", FITS_SCHEMA, FIT_PARTITIONS),
-        "perturb": ("perturb", PERTURB_SCHEMA, FIT_PARTITIONS),
-    }
-    for name, (sub, schema, partitions) in sources.items():
-        root = data_dir / sub
-        con.register(name, open_dataset(dataset_files(root), str(root), schema, partitions))
-    con.register("run_json", _read_run_json(data_dir / "models"))
+def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
+    for name, dataset, (root, files) in (("steps_raw", STEPS, sources.steps), ("fits", FITS, sources.fits),
+                                         ("perturb", PERTURB, sources.perturb)):  # fmt: skip
+        con.register(name, scan(root, dataset, files))
+    records = [dataclasses.asdict(r) for r in sources.runs]
+    con.register("run_json", pa.Table.from_pylist(records, schema=RunRecord.arrow_schema()))
     # A diverging run logs NaN/Inf on its last steps: those values are missing, never summarised or drawn.
     finite = ", ".join(f"CASE WHEN isfinite({f.name}) THEN {f.name} END AS {f.name}"
-                       for f in STEPS_SCHEMA if f.type == pa.float64())  # fmt: skip
+                       for f in STEPS.scalar_schema if f.type == pa.float64())  # fmt: skip
     con.execute(f"CREATE TEMP VIEW steps AS SELECT * REPLACE ({finite}) FROM steps_raw")
 
 
@@ -205,9 +143,9 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
             FROM steps GROUP BY run
         )
         SELECT coalesce(j.run, l.run) AS run,
-               coalesce(j.arch, regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 1)) AS arch,
-               coalesce(j.recipe, regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 2)) AS recipe,
-               coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID}', 3) AS BIGINT)) AS seed,
+               coalesce(j.arch, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 1)) AS arch,
+               coalesce(j.recipe, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 2)) AS recipe,
+               coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
                j.final_train_loss, j.final_val_loss, j.wall_time_s, j.n_params, j.params_hash,
@@ -258,10 +196,11 @@ def _recipes_table(runs: pa.Table) -> pa.Table:
             by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
     losses = {key: _finite([r["final_val_loss"] for r in rows if not r["diverged"]]) for key, rows in by_group.items()}
     out = []
-    for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], recipe_order(item[0][1]))):
+    reference = baseline().name
+    for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
         vals = losses[(arch, recipe)]
-        base = losses.get((arch, BASELINE_RECIPE), np.array([]))
-        compare = recipe != BASELINE_RECIPE and vals.size and base.size
+        base = losses.get((arch, reference), np.array([]))
+        compare = recipe != reference and vals.size and base.size
         out.append({
             "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": int(vals.size),
             "n_diverged": sum(bool(r["diverged"]) for r in rows),
@@ -275,11 +214,6 @@ def _recipes_table(runs: pa.Table) -> pa.Table:
             "p_vs_muon": _none_if_nan(welch_p(vals, base)) if compare else None,
         })  # fmt: skip
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
-
-
-def recipe_order(recipe: str) -> tuple[int, str]:
-    """Recipes in the order of SPEC §3.2 (baselines first, the Hilbert recipes last); unknown ones after."""
-    return (RECIPES.index(recipe) if recipe in RECIPES else len(RECIPES), recipe)
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:
@@ -303,7 +237,7 @@ def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
     any_nonfinite = " OR ".join(f"NOT isfinite(f.{c})" for c in FIT_METRICS)
     con.execute(f"""
         CREATE TEMP VIEW anchors AS
-        SELECT {model_label_sql('f.model')} AS model, f.layer, f.fn, f.seq_id, f.pos, f.k, {finite},
+        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.seq_id, f.pos, f.k, {finite},
                coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite,
                CASE WHEN isfinite(p.kl) THEN p.kl END AS kl,
                CASE WHEN isfinite(p.kl_seq) THEN p.kl_seq END AS kl_seq
@@ -312,12 +246,18 @@ def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
     """)  # fmt: skip
 
 
-_MODEL_FACTS = """
+def _model_facts() -> str:
+    """SQL columns run, checkpoint, arch and family (the registered family's kind; for an external model,
+    the kind of the registered family whose model type its id names, else transformer)."""
+    kinds = " ".join(
+        f"WHEN split_part(model, '-', 1) = '{f.name}' OR lower(model) LIKE '%{f.model_type}%' THEN '{f.kind}'"
+        for f in FAMILIES if f.kind != "transformer"
+    )
+    return f"""
     nullif(regexp_extract(model, '^(.*)@(init|final)$', 1), '') AS run,
     nullif(regexp_extract(model, '^(.*)@(init|final)$', 2), '') AS checkpoint,
     CASE WHEN regexp_matches(model, '@(init|final)$') THEN split_part(model, '-', 1) END AS arch,
-    CASE WHEN split_part(model, '-', 1) = 'mamba' OR lower(model) LIKE '%mamba%' THEN 'mamba'
-         ELSE 'transformer' END AS family
+    CASE {kinds} ELSE 'transformer' END AS family
 """
 _ALL_METRICS = FIT_METRICS + PERTURB_METRICS
 
@@ -345,7 +285,7 @@ def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
             SELECT model, fn, sum(n_nonfinite) AS n_nonfinite, {over_layers}
             FROM geometry GROUP BY model, fn
         )
-        SELECT model, fn, {_MODEL_FACTS}, p.n, p.n_layers, l.n_nonfinite,
+        SELECT model, fn, {_model_facts()}, p.n, p.n_layers, l.n_nonfinite,
                p.* EXCLUDE (model, fn, n, n_layers), l.* EXCLUDE (model, fn, n_nonfinite)
         FROM pooled p JOIN per_layer l USING (model, fn)
         ORDER BY model, fn
@@ -417,8 +357,6 @@ CLAIM_TEXT = {
 }  # fmt: skip
 STUDY_A_CLAIMS = ("cos_full_tok_near_1", "angle_res_tok_large", "proj_res_below_full",
                   "proj_res_global_below_full", "spearman_rel_err_kl")  # fmt: skip
-# Δ_tok = 0 for `identity`, so the alignment claims are undefined there.
-CLASSES_WITHOUT_CLAIMS = ("identity",)
 
 
 def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, threshold: float,
@@ -447,7 +385,7 @@ def _study_a_claims(pooled: pa.Table, correlations: pa.Table) -> list[dict[str, 
     rows = []
     for g in pooled.to_pylist():
         model, fn = g["model"], g["fn"]
-        if fn in CLASSES_WITHOUT_CLAIMS:
+        if fn in FIT_CLASSES and not FIT_CLASSES[fn].tokenwise:
             continue
         cos, angle = g["median_cos_full_tok"], g["median_angle_res_tok"]
         local = _ratio(g["median_proj_res"], g["median_proj_full"])
@@ -499,7 +437,7 @@ def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
                                spread is not None and spread > 1,
                                f"median equi_ratio hilbert_equi {_fmt(equi)} vs hilbert {_fmt(plain)}"))  # fmt: skip
     for r in recipes.to_pylist():
-        if r["recipe"] == BASELINE_RECIPE or r["diff_vs_muon"] is None:
+        if r["recipe"] == baseline().name or r["diff_vs_muon"] is None:
             continue
         p = r["p_vs_muon"]
         row = _claim("B", r["arch"], r["recipe"], "beats_muon", r["diff_vs_muon"], 0.0,
@@ -522,11 +460,11 @@ def _fmt(x: float | None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ outputs
-def build_tables(data_dir: Path, cfg: ReportConfig) -> dict[str, pa.Table]:
-    """Every result table from the datasets under ``data_dir`` (see the module docstring)."""
+def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
+    """Every result table from ``sources`` (see the module docstring)."""
     # One thread: float sums then run in a fixed order, so equal inputs give byte-identical tables.
     con = duckdb.connect(":memory:", config={"threads": 1})
-    _register_sources(con, data_dir)
+    _register_sources(con, sources)
     runs = _runs_table(con)
     recipes = _recipes_table(runs)
     _create_anchor_view(con)
@@ -542,21 +480,14 @@ def build_tables(data_dir: Path, cfg: ReportConfig) -> dict[str, pa.Table]:
     }  # fmt: skip
 
 
-def aggregate(data_dir: Path, out_dir: Path, cfg: ReportConfig) -> None:
+def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig) -> None:
     """Write ``out_dir/tables/*.parquet``, ``out_dir/metrics.json`` and ``out_dir/plots/`` (module docstring)."""
-    tables = build_tables(data_dir, cfg)
-    (out_dir / "tables").mkdir(parents=True, exist_ok=True)
+    tables = build_tables(sources, cfg)
     for name, table in tables.items():
-        _atomic_write(out_dir / "tables" / f"{name}.parquet", lambda p, t=table: pq.write_table(t, p))
-    text = json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n"
-    _atomic_write(out_dir / "metrics.json", lambda p: p.write_text(text))
+        with atomic_path(out_dir / "tables" / f"{name}.parquet") as temp:
+            pq.write_table(table, temp)
+    atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n")
     write_plot_csvs(tables, out_dir / "plots")
-
-
-def _atomic_write(path: Path, write: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    tmp.replace(path)
 
 
 def _round(x: Any) -> Any:
@@ -617,5 +548,5 @@ def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:
     }
     plots_dir.mkdir(parents=True, exist_ok=True)
     for name, sql in plots.items():
-        table = con.sql(sql).to_arrow_table()
-        _atomic_write(plots_dir / f"{name}.csv", lambda p, t=table: pacsv.write_csv(t, p))
+        with atomic_path(plots_dir / f"{name}.csv") as temp:
+            pacsv.write_csv(con.sql(sql).to_arrow_table(), temp)

@@ -1,15 +1,17 @@
 """Read-only SQL over the result tables and per-token datasets, at the working tree or any revision (SPEC §6).
 
-Views, named as the files or datasets they come from:
-- one per ``reports/tables/<name>.parquet`` (``runs``, ``curves``, ``recipes``, ``geometry``, ...);
-- ``steps`` (``data/train``), ``fits``, ``perturb`` and ``activations`` (scalar columns only; vectors are
-  not exposed) over the hive-partitioned datasets, with ``model`` as in the tables (``<run>@final``, hub
-  ids with ``/``). Only files of complete shards are read (pipeline/store.py manifests).
+Views, named as the files or datasets they come from (``sources`` says where each lives in the workspace):
+- one per result table ``<tables>/<name>.parquet`` (``runs``, ``curves``, ``recipes``, ``geometry``, ...);
+- ``steps``, ``fits``, ``perturb`` and ``activations`` (scalar columns only; vectors are not exposed) over
+  the hive-partitioned datasets, with ``model`` as in the tables (``<run>@final``, hub ids with ``/``).
+  Only files that shard manifests list are read, each checked against its size and sha256, and a dataset
+  that mixes the shards of two runs of its stage is refused (``pipeline.core.store.verified_files``).
 
 With revisions (git revisions or DVC experiment names), DVC's own filesystem (``dvc.api.DVCFileSystem``)
-copies each revision's tables, and the per-token datasets the SQL names, into a temporary folder, so
-DVC-tracked results come from the DVC cache. With several revisions every view is the union (by column
-name) of the revisions' data, with a leading ``rev`` column.
+copies each revision's tables, and the per-token datasets the SQL names literally, into a temporary
+folder, so DVC-tracked results come from the DVC cache; a dataset the SQL does not name is not a view at
+that revision (so reaching it indirectly fails instead of reading nothing). With several revisions every
+view is the union (by column name) of the revisions' data, with a leading ``rev`` column.
 
 Read-only twice over: the statement must parse as one SELECT / WITH / DESCRIBE / SHOW / SUMMARIZE /
 EXPLAIN (of such a statement) / PRAGMA table_info|show_tables, and DuckDB itself runs in memory with the
@@ -35,30 +37,13 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from pipeline.results.aggregate import (
-    ACTIVATION_PARTITIONS,
-    ACTIVATIONS_SCHEMA,
-    FIT_PARTITIONS,
-    FITS_SCHEMA,
-    PERTURB_SCHEMA,
-    RUN_PARTITIONS,
-    STEPS_SCHEMA,
-    dataset_files,
-    model_label_sql,
-    open_dataset,
-)
+from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, STEPS, Dataset, scan, table_id_sql
 from pipeline.core.errors import InputError
-from pipeline.core.store import CorruptShardError
+from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
 
 Format = Literal["table", "csv", "json"]
-TABLES_DIR = "reports/tables"
-# view name -> (dataset folder in the workspace, columns, hive partitions)
-DATASETS: dict[str, tuple[str, pa.Schema, pa.Schema]] = {
-    "steps": ("data/train", STEPS_SCHEMA, RUN_PARTITIONS),
-    "fits": ("data/fits", FITS_SCHEMA, FIT_PARTITIONS),
-    "perturb": ("data/perturb", PERTURB_SCHEMA, FIT_PARTITIONS),
-    "activations": ("data/activations", ACTIVATIONS_SCHEMA, ACTIVATION_PARTITIONS),
-}
+# Views over the per-token datasets, by name; `sources[name]` is each one's workspace-relative folder.
+DATASETS: dict[str, Dataset] = {d.name: d for d in (STEPS, FITS, PERTURB, ACTIVATIONS)}
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
@@ -75,19 +60,24 @@ class QueryError(InputError):
     """A query that cannot run: not read-only, bad SQL, an unknown revision or unreadable data."""
 
 
-def run_query(sql: str, revs: Sequence[str] | None, workspace: Path, fmt: Format = "table") -> str:
+def run_query(sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], fmt: Format = "table") -> str:
     """Run one read-only statement and render the result as ``fmt`` (table | csv | json)."""
-    return format_result(query_table(sql, revs, workspace), fmt)
+    return format_result(query_table(sql, revs, workspace, sources), fmt)
 
 
-def query_table(sql: str, revs: Sequence[str] | None, workspace: Path) -> pa.Table:
-    """Run one read-only statement over the working tree (no ``revs``) or over the given revisions."""
+def query_table(sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str]) -> pa.Table:
+    """Run one read-only statement over the working tree (no ``revs``) or over the given revisions.
+    ``sources`` maps ``tables`` and each dataset name to its workspace-relative folder."""
     statement = check_read_only(sql)
     with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp:
         if revs:
-            snapshots = [_snapshot(_checkout(workspace, rev, Path(tmp) / str(i), sql), rev) for i, rev in enumerate(revs)]
+            snapshots = []
+            for i, rev in enumerate(revs):
+                wanted = ["tables"] + [name for name in DATASETS if _mentions(sql, name)]
+                copy = _checkout(workspace, rev, Path(tmp) / str(i), [sources[w] for w in wanted])
+                snapshots.append(_snapshot(copy, rev, {w: sources[w] for w in wanted}))
         else:
-            snapshots = [_snapshot(workspace, None)]
+            snapshots = [_snapshot(workspace, None, sources)]
         con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1)
         try:
             result = con.sql(statement)
@@ -137,12 +127,11 @@ class _Snapshot:
     datasets: dict[str, ds.Dataset]
 
 
-def _checkout(workspace: Path, rev: str, dest: Path, sql: str) -> Path:
-    """Copy ``rev``'s result tables, and the per-token datasets ``sql`` names, under ``dest`` via DVC."""
+def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
+    """Copy the folders ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
 
-    wanted = [TABLES_DIR] + [folder for name, (folder, _, _) in DATASETS.items() if _mentions(sql, name)]
     try:
         fs = DVCFileSystem(str(workspace), rev=rev)
         for folder in wanted:
@@ -157,20 +146,23 @@ def _mentions(sql: str, name: str) -> bool:
     return re.search(rf"\b{re.escape(name)}\b", sql, re.IGNORECASE) is not None
 
 
-def _snapshot(root: Path, rev: str | None) -> _Snapshot:
-    """The tables (read into memory; they are small) and lazy datasets found under ``root``."""
+def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot:
+    """The tables (read into memory; they are small) and lazy, verified datasets found under ``root``."""
     where = f"revision {rev!r}" if rev else str(root)
     tables = {}
-    for path in sorted((root / TABLES_DIR).glob("*.parquet")):
+    for path in sorted((root / sources["tables"]).glob("*.parquet")):
         if _IDENTIFIER.match(path.stem) and path.stem not in DATASETS:
             tables[path.stem] = _read_table(path, where)
     datasets = {}
-    for name, (folder, schema, partitions) in DATASETS.items():
+    for name, dataset in DATASETS.items():
+        if name not in sources:
+            continue
+        folder = root / sources[name]
         try:
-            files = dataset_files(root / folder, verify=False)  # sizes are checked; sha256 would read it all
-            datasets[name] = open_dataset(files, str(root / folder), schema, partitions)
-        except (CorruptShardError, OSError, pa.ArrowException) as err:
-            raise QueryError(f"{where}: cannot read {folder}: {err}") from None
+            files = verified_files(folder, rebuild=f"the stage that writes {sources[name]}") if folder.is_dir() else []
+            datasets[name] = scan(folder, dataset, files)
+        except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
+            raise QueryError(f"{where}: cannot read {sources[name]}: {err}") from None
     return _Snapshot(rev, tables, datasets)
 
 
@@ -191,8 +183,9 @@ def _locked_connection(snapshots: list[_Snapshot], with_rev: bool) -> duckdb.Duc
         for i, _, _ in sources:
             con.unregister(f"_{name}_{i}")
     for name in DATASETS:
-        sources = [(i, s.rev, s.datasets[name]) for i, s in enumerate(snapshots)]
-        con.execute(f'CREATE VIEW "{name}" AS {_union(con, name, sources, with_rev)}')
+        sources = [(i, s.rev, s.datasets[name]) for i, s in enumerate(snapshots) if name in s.datasets]
+        if sources:
+            con.execute(f'CREATE VIEW "{name}" AS {_union(con, name, sources, with_rev)}')
     for setting in _LOCKDOWN:
         con.execute(setting)
     return con
@@ -203,7 +196,7 @@ def _union(con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, s
     parts = []
     for i, rev, source in sources:
         con.register(f"_{name}_{i}", source)
-        columns = f"* REPLACE ({model_label_sql('model')} AS model)" if name in DATASETS and "model" in source.schema.names else "*"
+        columns = f"* REPLACE ({table_id_sql('model')} AS model)" if name in DATASETS and "model" in source.schema.names else "*"
         label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
         parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
     return " UNION ALL BY NAME ".join(parts)

@@ -3,135 +3,38 @@
 ``render_report(tables_dir, out_md, figures_dir, provenance)`` writes ``out_md`` with the sections Setup &
 provenance, Study B, Study A and Claims, and PNG figures into ``figures_dir`` (matplotlib's Agg canvas
 through ``Figure``, so it needs no display and touches no global pyplot state). A study whose tables are
-empty is reported as not run. ``collect_provenance(workspace, params)`` gathers what the Setup section
-states: git revision, params hash, seeds, package versions, hardware and data checksums.
+empty is reported as not run. The provenance (git revision, params hash, seeds, package versions,
+hardware, data checksums) is gathered by the caller (`pipeline.core.provenance`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import os
-import platform
-import subprocess
 from collections.abc import Sequence
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow.parquet as pq
-import yaml
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from pipeline.results.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS, TABLES, recipe_order
-from pipeline.core.config import RECIPES, Params
+from pipeline.core.contracts import RESULT_TABLES
+from pipeline.core.store import atomic_write
+from pipeline.results.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS
+from pipeline.study_b.recipes import RECIPES
 
 Row = dict[str, Any]
-PACKAGES = ("torch", "transformers", "ray", "duckdb", "dvc", "pyarrow", "numpy", "scipy", "matplotlib", "lmgeo")
-# Small files whose content identifies the inputs; dvc.lock also carries the hash of every stage output.
-CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
-RECIPE_COLORS = dict(zip(RECIPES, ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:red", "tab:orange"), strict=True))
+# One colour per recipe, in registry order (a qualitative palette: ten distinct colours).
+PALETTE = ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:red", "tab:orange", "tab:green", "tab:pink", "tab:cyan")
 SEED_STYLES = ("-", "--", ":", "-.")
-
-
-# ---------------------------------------------------------------------------------------- provenance
-def collect_provenance(workspace: Path, params: Params) -> dict[str, Any]:
-    """What the report's Setup section states; every part tolerates a missing tool or file."""
-    return {
-        "git": _git_state(workspace),
-        "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
-        "seeds": {
-            "prepare": params.prepare.seed, "train": list(params.train.seeds),
-            "analysis": params.analysis.seed, "report (bootstrap)": params.report.seed,
-        },  # fmt: skip
-        "packages": {"python": platform.python_version(), **{p: _version(p) for p in PACKAGES}},
-        "hardware": _hardware(),
-        "data_checksums": _checksums(workspace),
-    }
-
-
-def _run(cmd: Sequence[str], cwd: Path | None = None) -> str | None:
-    try:
-        done = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, timeout=20, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return done.stdout.strip()
-
-
-def _git_state(workspace: Path) -> dict[str, Any]:
-    rev = _run(["git", "rev-parse", "HEAD"], workspace)
-    if rev is None:
-        return {"revision": "unknown (not a git checkout, or no commit yet)"}
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], workspace)
-    return {"revision": rev, "uncommitted_changes": bool(status)}
-
-
-def _version(package: str) -> str:
-    try:
-        return metadata.version(package)
-    except metadata.PackageNotFoundError:
-        return "not installed"
-
-
-def _hardware() -> dict[str, Any]:
-    import psutil
-
-    gpus = _run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"])
-    return {
-        "platform": platform.platform(),
-        "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count(),
-        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "gpus": gpus.splitlines() if gpus else [],
-    }
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _checksums(workspace: Path) -> dict[str, Any]:
-    sums: dict[str, Any] = {}
-    for name in CHECKSUMMED:
-        path = workspace / name
-        if path.is_file():
-            sums[name] = "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
-    lock = workspace / "dvc.lock"
-    outs = _locked_outputs(lock.read_text()) if lock.is_file() else {}
-    if outs:
-        sums["stage outputs (dvc.lock)"] = outs
-    return sums
-
-
-def _locked_outputs(lock_text: str) -> dict[str, str]:
-    """path -> md5 of every stage output recorded in dvc.lock; nothing when it is not a DVC lock file."""
-    try:
-        lock = yaml.safe_load(lock_text)
-    except yaml.YAMLError:
-        return {}
-    stages = lock.get("stages") if isinstance(lock, dict) else None
-    if not isinstance(stages, dict):
-        return {}
-    outs = {
-        o["path"]: f"md5:{o['md5']}"
-        for stage in stages.values() if isinstance(stage, dict)
-        for o in stage.get("outs", []) if isinstance(o, dict) and "path" in o and "md5" in o
-    }  # fmt: skip
-    return dict(sorted(outs.items()))
 
 
 # ------------------------------------------------------------------------------------------- report
 def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any]) -> None:
     """Write the report (module docstring); figures that have no data are not drawn."""
-    tables = {name: _read(tables_dir / f"{name}.parquet") for name in TABLES}
+    tables = {name: _read(tables_dir / f"{name}.parquet") for name in RESULT_TABLES}
     figures_dir.mkdir(parents=True, exist_ok=True)
     for stale in figures_dir.glob("*.png"):
         stale.unlink()
@@ -143,10 +46,7 @@ def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance:
         _study_a_section(tables, figures),
         _claims_section(tables),
     ]
-    out_md.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_md.with_name(f".{out_md.name}.tmp")
-    tmp.write_text("\n".join(parts))
-    tmp.replace(out_md)
+    atomic_write(out_md, "\n".join(parts))
 
 
 def _read(path: Path) -> list[Row]:
@@ -276,11 +176,12 @@ def _problem_runs(runs: list[Row]) -> str:
 
 
 def _by_arch(runs: list[Row], archs: list[str]) -> dict[str, list[Row]]:
-    return {a: sorted((r for r in runs if r["arch"] == a), key=lambda r: (recipe_order(r["recipe"]), r["seed"] or 0)) for a in archs}
+    return {a: sorted((r for r in runs if r["arch"] == a), key=lambda r: (RECIPES.order(r["recipe"]), r["seed"] or 0)) for a in archs}
 
 
 def _recipe_color(recipe: str) -> str:
-    return RECIPE_COLORS.get(recipe, "black")
+    order = RECIPES.order(recipe)[0]
+    return PALETTE[order % len(PALETTE)] if recipe in RECIPES else "black"
 
 
 def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: str, label: str, log: bool) -> Figure:
@@ -452,9 +353,9 @@ def _value(spearman: dict[tuple[str, str], Row], g: Row) -> float | None:
 
 
 def _families(pooled: list[Row], spearman: dict[tuple[str, str], Row]) -> str:
-    """Transformers vs Mamba: medians over the models of each family (trained checkpoints at `final`
+    """Transformers vs state-space models: medians over the models of each kind (trained checkpoints at `final`
     and external models; `init` is random weights and is compared above)."""
-    out = ["### Transformers vs Mamba\n"]
+    out = ["### Transformers vs state-space models\n"]
     groups: dict[tuple[str, str], list[Row]] = {}
     for g in pooled:
         if g["checkpoint"] != "init":

@@ -1,5 +1,4 @@
-"""Summary statistics of the fit tables (SPEC §4.4): Spearman correlation with a bootstrap CI, and
-null-aware means and medians.
+"""Summary statistics of the fit tables (SPEC §4.4): Spearman correlation with a bootstrap CI.
 
 Nulls (None) and NaN are treated alike: missing. A pair with a missing side is dropped.
 """
@@ -92,18 +91,6 @@ def spearman_by_layer(
     return result
 
 
-def median_ignoring_nulls(values: ArrayLike) -> float | None:
-    """Median of the non-missing values; None when there are none."""
-    present = _present(values)
-    return float(np.median(present)) if present.size else None
-
-
-def mean_ignoring_nulls(values: ArrayLike) -> float | None:
-    """Mean of the non-missing values; None when there are none."""
-    present = _present(values)
-    return float(np.mean(present)) if present.size else None
-
-
 def average_ranks(values: np.ndarray) -> np.ndarray:
     """Ranks 1..n, tied values sharing the mean of their ranks."""
     unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
@@ -134,11 +121,6 @@ def _as_float(values: ArrayLike) -> np.ndarray:
     if hasattr(values, "to_numpy"):
         values = values.to_numpy(zero_copy_only=False)
     return np.asarray(values, dtype=float)
-
-
-def _present(values: ArrayLike) -> np.ndarray:
-    v = _as_float(values)
-    return v[~np.isnan(v)]
 
 
 def _complete_pairs(

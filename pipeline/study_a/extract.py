@@ -7,7 +7,6 @@ its entries for Mamba are block outputs, not inputs.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,45 +16,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.models.arch import blocks_of
 from pipeline.core.store import vectors_to_arrow
+from pipeline.models.hooks import block_input, block_output, eval_mode, hooks, model_device
+from pipeline.models.registry import blocks_of
 
 ACTIVATION_COLUMNS = ("seq_id", "pos", "token_id", "h")
-
-
-def block_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
-    """The hidden states a block receives: positional in transformers 5, by keyword in some remote code."""
-    return args[0] if args else kwargs["hidden_states"]
-
-
-def block_output(output: Any) -> torch.Tensor:
-    """The hidden states a block returns: a tensor in transformers 5, a tuple's first entry in older code."""
-    return output[0] if isinstance(output, tuple) else output
-
-
-@contextlib.contextmanager
-def eval_mode(model: nn.Module) -> Iterator[None]:
-    """Dropout off for the duration, restoring the caller's mode afterwards."""
-    was_training = model.training
-    model.eval()
-    try:
-        yield
-    finally:
-        model.train(was_training)
-
-
-@contextlib.contextmanager
-def hooks(*handles: torch.utils.hooks.RemovableHandle) -> Iterator[None]:
-    """Remove the hooks however the forward ends: a leftover hook would corrupt every later forward."""
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
-
-
-def model_device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def capture_states(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torch.Tensor]:

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.models.arch import blocks_of
-from pipeline.study_a.extract import block_output, eval_mode, hooks, model_device
+from pipeline.models.hooks import block_output, eval_mode, hooks, model_device
+from pipeline.models.registry import blocks_of
 
 
 def _log_probs(model: PreTrainedModel, input_ids: torch.Tensor) -> torch.Tensor:
@@ -111,17 +111,3 @@ def patch_kl_anchors(
             kl[chunk] = divergence.gather(1, pos[:, None])[:, 0].cpu().numpy()
             kl_seq[chunk] = ((divergence * from_anchor).sum(1) / from_anchor.sum(1)).cpu().numpy()
     return kl, kl_seq
-
-
-def patch_kl(
-    model: PreTrainedModel,
-    tokens: np.ndarray,
-    layer: int,
-    positions: np.ndarray,
-    vectors: np.ndarray,
-    batch_size: int,
-    device: torch.device | str | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(kl, kl_seq) for anchors of one sequence `tokens` (seq_len,); see `patch_kl_anchors`."""
-    rows = np.zeros(len(positions), dtype=np.int64)
-    return patch_kl_anchors(model, tokens[None], rows, positions, layer, vectors, batch_size, device)

@@ -170,14 +170,3 @@ def equi_ratio(w: Tensor, sample_rows: int = 1024, seed: int = 0) -> float:
     off_diagonal = ~torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
     largest = float(dist[off_diagonal].max())
     return float(dist[off_diagonal].min()) / largest if largest > 0 else float("nan")
-
-
-@torch.no_grad()
-def worst_case_direction(w: Tensor) -> tuple[Tensor, Diameter]:
-    """A unit `h` attaining `osc(W h) = diam(W)`: `h ∝ w_i − w_j` for the maximising pair (by
-    Cauchy–Schwarz nothing can do better). The zero vector when all rows coincide."""
-    found = diam(w)
-    direction = (w[found.i] - w[found.j]).to(_EXACT)
-    norm = direction.norm()
-    unit = direction / norm if norm > 0 else direction
-    return unit.to(w.dtype), found

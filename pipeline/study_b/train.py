@@ -11,74 +11,24 @@ import contextlib
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import pyarrow as pa
 import torch
 
+from pipeline.core.contracts import STEPS, RunRecord, RunSpec
+from pipeline.models.registry import build_model, head_of
 from pipeline.study_b import hilbert
-from pipeline.models.arch import build_model, head_of
-from pipeline.core.config import TrainConfig
-from pipeline.study_b.recipes import build_optimizers
+from pipeline.study_b.config import TrainConfig
+from pipeline.study_b.optim import build_optimizers
 
-STEP_SCHEMA = pa.schema(
-    [
-        ("step", pa.int64()),
-        ("tokens", pa.int64()),
-        ("lr", pa.float64()),
-        ("train_loss", pa.float64()),
-        ("val_loss", pa.float64()),
-        ("step_time_s", pa.float64()),
-        ("head_diam", pa.float64()),
-        ("head_diam_sampled", pa.bool_()),
-        ("head_update_rms", pa.float64()),
-        ("head_update_spectral", pa.float64()),
-        ("hilbert_realized", pa.float64()),
-        ("hilbert_bound", pa.float64()),
-        ("equi_ratio", pa.float64()),
-    ]
-)
 # Relative slack for the invariant: both sides are float32 reductions of the same ΔW.
 INVARIANT_RTOL = 1e-4
 
 
 class InvariantViolated(AssertionError):
     """hilbert_realized exceeded hilbert_bound with an exact diameter: a bug, never a data issue."""
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    arch: str
-    recipe: str
-    seed: int
-
-    @property
-    def run_id(self) -> str:
-        return f"{self.arch}-{self.recipe}-s{self.seed}"
-
-    @classmethod
-    def parse(cls, run_id: str) -> RunSpec:
-        arch, recipe, seed = run_id.split("-")
-        return cls(arch, recipe, int(seed.removeprefix("s")))
-
-
-@dataclass
-class RunResult:
-    run: str
-    arch: str
-    recipe: str
-    seed: int
-    steps: int
-    steps_done: int
-    tokens: int
-    final_train_loss: float | None
-    final_val_loss: float | None
-    diverged: bool
-    diverged_at_step: int | None
-    wall_time_s: float
-    n_params: int
-    params_hash: str
 
 
 def pick_device(preference: str) -> torch.device:
@@ -175,7 +125,7 @@ def train_run(
     params_hash: str,
     save_checkpoint: Callable[[torch.nn.Module, str, dict], None],
     on_step: Callable[[int, float], None] | None = None,
-) -> tuple[RunResult, pa.Table]:
+) -> tuple[RunRecord, pa.Table]:
     """Train one run; returns its summary and the per-step table. Checkpoints go through the callback
     (`init` before the first step, `final` after the last or at divergence)."""
     torch.manual_seed(spec.seed)
@@ -235,7 +185,7 @@ def train_run(
             on_step(step, train_loss)
 
     diverged = diverged_at is not None
-    result = RunResult(
+    result = RunRecord(
         run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
         steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
         final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
@@ -243,4 +193,4 @@ def train_run(
         n_params=sum(p.numel() for p in model.parameters()), params_hash=params_hash,
     )
     save_checkpoint(model, "final", {"checkpoint": "final", **asdict(result)})
-    return result, pa.Table.from_pylist(rows, schema=STEP_SCHEMA)
+    return result, pa.Table.from_pylist(rows, schema=STEPS.file_schema())

@@ -21,7 +21,6 @@ import shutil
 import tempfile
 import unicodedata
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,14 +29,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.config import CorpusConfig, PrepareConfig, TokenizerConfig
+from pipeline.core.contracts import SPLITS, TOKENS_SCHEMA
 from pipeline.core.errors import InputError
+from pipeline.core.store import atomic_path
+from pipeline.text.config import CorpusConfig, PrepareConfig, TokenizerConfig
 
 if TYPE_CHECKING:  # transformers is imported only where a tokenizer is built
     from transformers import PreTrainedTokenizerBase
 
 EOS_TOKEN = "<|endoftext|>"
-SPLITS = ("train", "val")
 META_FILE = "meta.json"
 
 # Modern-spelling Gutenberg texts (Globe edition); the `*_gut_f.txt` First Folio variants are left out
@@ -382,7 +382,7 @@ def encode_documents(
 
 # ----------------------------------------------------------------------------------------- output
 def write_tokens(path: Path, ids: np.ndarray) -> None:
-    table = pa.table({"token_id": pa.array(ids, type=pa.int32())})
+    table = pa.table({"token_id": pa.array(ids, type=pa.int32())}, schema=TOKENS_SCHEMA)
     pq.write_table(table, path, compression="zstd")
 
 
@@ -404,39 +404,6 @@ def load_meta(tokens_dir: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise CorpusError(f"{path}: cannot read token metadata ({err}); run the prepare stage") from None
-
-
-@contextmanager
-def staged_dirs(*targets: Path) -> Iterator[list[Path]]:
-    """Fresh temporary directories next to `targets`; on success each replaces its target, on any
-    failure they are removed and the targets are left as they were."""
-    for target in targets:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    stages = [Path(tempfile.mkdtemp(prefix=f".{t.name}.tmp-", dir=t.parent)) for t in targets]
-    try:
-        for stage in stages:
-            stage.chmod(0o755)  # mkdtemp makes it private; the outputs are ordinary shared directories
-        yield stages
-    except BaseException:
-        for stage in stages:
-            shutil.rmtree(stage, ignore_errors=True)
-        raise
-    for stage, target in zip(stages, targets):
-        _replace_dir(stage, target)
-
-
-def _replace_dir(stage: Path, target: Path) -> None:
-    if not target.exists():
-        stage.rename(target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    old.rmdir()
-    target.rename(old)  # a directory cannot be renamed over a non-empty one: move the old one aside
-    stage.rename(target)
-    if old.is_dir():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
 
 
 # ---------------------------------------------------------------------------------------- prepare
@@ -489,7 +456,9 @@ def prepare(
         n_train_tokens=int(ids["train"].size),
         n_val_tokens=int(ids["val"].size),
     )
-    with staged_dirs(tokens_dir, tokenizer_dir) as (tokens_stage, tokenizer_stage):
+    # Both are written in full before either replaces the old one; nothing is replaced when anything fails.
+    with atomic_path(tokens_dir) as tokens_stage, atomic_path(tokenizer_dir) as tokenizer_stage:
+        tokens_stage.mkdir()
         for split, split_ids in ids.items():
             write_tokens(tokens_stage / f"{split}.parquet", split_ids)
         meta = json.dumps(dataclasses.asdict(summary), indent=2, sort_keys=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from pipeline.core.errors import InputError
@@ -18,6 +20,14 @@ def eval_windows(tokens: np.ndarray, n_sequences: int, seq_len: int) -> np.ndarr
     return np.ascontiguousarray(tokens[:needed].reshape(n_sequences, seq_len), dtype=np.int32)
 
 
-def retokenize(text: str, encode, n_sequences: int, seq_len: int) -> np.ndarray:
-    """Eval windows for a model with its own tokenizer: the same text, encoded by `encode`."""
+# A tokenizer of another model may need up to this many times our tokens for the same text.
+RETOKENIZE_SLACK = 4
+
+
+def retokenize(
+    tokens: np.ndarray, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]], n_sequences: int, seq_len: int
+) -> np.ndarray:
+    """Eval windows for a model with its own tokenizer: the text of our leading eval tokens (`decode`),
+    encoded by its tokenizer (`encode`), cut into windows as `eval_windows` does."""
+    text = decode(tokens[: RETOKENIZE_SLACK * n_sequences * seq_len].tolist())
     return eval_windows(np.asarray(encode(text), dtype=np.int32), n_sequences, seq_len)

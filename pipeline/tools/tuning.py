@@ -1,4 +1,4 @@
-"""The head step-size tuning sweep behind `DEFAULT_HEAD_STEP` (SPEC §3.2: "defaults chosen by a
+"""The head step-size tuning sweep behind each recipe's `default_step` (SPEC §3.2: "defaults chosen by a
 documented tuning protocol").
 
 Protocol: for one recipe on one arch, train one run per (head step size, seed) with everything else of
@@ -22,9 +22,10 @@ from statistics import fmean
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.config import RecipeConfig, TrainConfig
-from pipeline.study_b.recipes import DEFAULT_HEAD_STEP, HILBERT_RECIPES
-from pipeline.study_b.train import RunSpec, train_run
+from pipeline.core.contracts import RunSpec
+from pipeline.study_b.config import RecipeConfig, TrainConfig
+from pipeline.study_b.recipes import RECIPES
+from pipeline.study_b.train import train_run
 
 KNOBS = ("head_lr", "tau")  # also the tie-break order between families
 GRID_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
@@ -58,8 +59,8 @@ class Trial:
     def __post_init__(self) -> None:
         if self.knob not in KNOBS:
             raise ValueError(f"knob must be one of {KNOBS}, got {self.knob!r}")
-        if self.knob == "tau" and self.recipe not in HILBERT_RECIPES:
-            raise ValueError(f"{self.recipe}: tau applies to {HILBERT_RECIPES} only")
+        if self.knob == "tau" and not RECIPES[self.recipe].trust_region:
+            raise ValueError(f"{self.recipe}: tau applies only to recipes with a trust region")
 
     @property
     def key(self) -> str:
@@ -81,9 +82,9 @@ def round_sig(x: float, digits: int = 3) -> float:
 
 
 def default_step(recipe: str, cfg: TrainConfig) -> tuple[str, float]:
-    """The recipe's head step when no override is given, as (knob, value): `DEFAULT_HEAD_STEP`, or the
+    """The recipe's head step when no override is given, as (knob, value): its `default_step`, or the
     run's `adamw_lr` where the default follows it."""
-    default = DEFAULT_HEAD_STEP[recipe]
+    default = RECIPES[recipe].default_step
     if default.tau is not None:
         return "tau", default.tau
     return "head_lr", default.head_lr if default.head_lr is not None else cfg.adamw_lr
@@ -100,7 +101,7 @@ def default_grid(recipe: str, cfg: TrainConfig, factors: Sequence[float] = GRID_
     sqrt_d = math.sqrt(cfg.model.d_model)
     eta = value / sqrt_d if knob == "tau" else value
     centres = {"head_lr": eta}
-    if recipe in HILBERT_RECIPES:
+    if RECIPES[recipe].trust_region:
         centres["tau"] = value if knob == "tau" else eta * sqrt_d
     return {knob: [round_sig(c * f) for f in factors] for knob, c in centres.items()}
 
@@ -143,22 +144,6 @@ def run_trial(
 
 def _no_checkpoint(*_: object) -> None:
     """Tuning runs keep only their final loss."""
-
-
-def sweep(
-    base: TrainConfig,
-    recipe: str,
-    arch: str,
-    grid: dict[str, Sequence[float]],
-    seeds: Sequence[int],
-    train_tokens: np.ndarray,
-    val_tokens: np.ndarray,
-    vocab_size: int,
-    seq_len: int,
-) -> pa.Table:
-    """Every (knob, value, seed) of `grid` × `seeds` for one recipe, in process; one row per trial."""
-    trials = trials_for(recipe, arch, grid, seeds)
-    return results_table([run_trial(t, base, train_tokens, val_tokens, vocab_size, seq_len) for t in trials])
 
 
 def results_table(rows: Sequence[dict]) -> pa.Table:

@@ -1,22 +1,13 @@
-"""The seven head-optimizer recipes of Study B (SPEC §3.2).
+"""The optimizers of a Study B run (SPEC §3.2), built from its recipe (`pipeline.study_b.recipes`) and its
+model family's parameter groups (`pipeline.models`).
 
 Every recipe but `adamw` trains the hidden 2-D matrices with `torch.optim.Muon` and embeddings, norms,
-biases (and SSM parameters) with AdamW, so that only the head differs between recipes:
-
-| recipe         | head step                                                               |
-|----------------|-------------------------------------------------------------------------|
-| `adamw`        | AdamW (as everything else)                                              |
-| `muon`         | AdamW                                                                   |
-| `muon_head`    | `torch.optim.Muon` (its own param group)                                |
-| `sign`         | `−η·sign(M)/d`                                                          |
-| `rownorm`      | `−η·m_i/‖m_i‖`                                                          |
-| `hilbert`      | `−(η/2)·centre(rownorm(centre(M)))`: `diam(ΔW) ≤ η`                     |
-| `hilbert_equi` | `equi_iters` × (centre, Newton–Schulz, rownorm), centre, `η/2`           |
+biases (and SSM parameters) with AdamW, so that only the head differs between recipes.
 
 `M` is the head's momentum, an EMA with β = 0.95 read with Nesterov exactly as torch.optim.Muon does
-(`buf ← lerp(buf, g, 1−β)`, `M = lerp(g, buf, β)`). For the two Hilbert recipes the step may be given in
-nats (`tau`): η_t = tau_t / r_t with r_t the radius of the batch's final hidden states, which the trainer
-passes to `RecipeOptimizer.step`.
+(`buf ← lerp(buf, g, 1−β)`, `M = lerp(g, buf, β)`). For recipes with a trust region the step may be given
+in nats (`tau`): η_t = tau_t / r_t with r_t the radius of the batch's final hidden states, which the
+trainer passes to `RecipeOptimizer.step`.
 
 Decoupled weight decay `W ← (1 − η·λ) W` applies to the hidden matrices and the head (never to
 embeddings, norms or biases); with `tau`, the trust region bounds the LMO step, and a non-zero
@@ -36,49 +27,16 @@ import torch
 from torch import Tensor, nn
 from torch.optim.lr_scheduler import LambdaLR
 
-# torch's own Newton–Schulz kernel (the one torch.optim.Muon runs), reused for `hilbert_equi` so the
-# spectral step is the same code in every recipe. Private in torch, hence pinned in constraints.txt.
-from torch.optim._muon import (
-    DEFAULT_A,
-    DEFAULT_B,
-    DEFAULT_C,
-    DEFAULT_NS_STEPS,
-    EPS,
-    _zeropower_via_newtonschulz,
-)
-
-from pipeline.core.config import RecipeConfig, Schedule, TrainConfig
-from pipeline.study_b.hilbert import center_rows, equi_ratio
+from pipeline.models.family import GroupRule
+from pipeline.models.registry import family_of
+from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.recipes import RECIPES
 
 MOMENTUM = 0.95
 ADAMW_BETAS = (0.9, 0.95)
-HILBERT_RECIPES = ("hilbert", "hilbert_equi")
 
 
 # ------------------------------------------------------------------------------------ step sizes
-@dataclass(frozen=True)
-class HeadStepDefault:
-    """A recipe's default head step size: `head_lr` (η; None = the run's `adamw_lr`) or `tau` (nats)."""
-
-    head_lr: float | None = None
-    tau: float | None = None
-
-
-# Chosen by the tuning sweep documented in docs/tuning.md (`lmgeo tune`: neox, d_model 64, 150 steps,
-# 2 seeds; every head, the AdamW heads of `adamw` and `muon` included, tuned on a ×2 grid with the hidden
-# and AdamW lrs fixed). Rerun the sweep before relying on them for other archs or sizes. The Hilbert
-# recipes won in nats per step (`tau`); their best η (0.1) was within seed noise of it.
-DEFAULT_HEAD_STEP: dict[str, HeadStepDefault] = {
-    "adamw": HeadStepDefault(head_lr=0.096),
-    "muon": HeadStepDefault(head_lr=0.024),
-    "muon_head": HeadStepDefault(head_lr=0.06),
-    "sign": HeadStepDefault(head_lr=0.4),
-    "rownorm": HeadStepDefault(head_lr=0.03),
-    "hilbert": HeadStepDefault(tau=0.8),
-    "hilbert_equi": HeadStepDefault(tau=0.8),
-}
-
-
 @dataclass(frozen=True)
 class HeadStep:
     """The resolved head step of one run. `lr` is η, or tau in nats when `trust_region`."""
@@ -95,9 +53,10 @@ def resolve_head_step(recipe: str, cfg: TrainConfig) -> HeadStep:
     override = cfg.recipe_overrides.get(recipe, RecipeConfig())  # type: ignore[call-overload]
     if override.tau is not None and override.head_lr is not None:
         raise ValueError(f"recipe_overrides.{recipe}: set head_lr or tau, not both")
-    chosen = override if (override.tau, override.head_lr) != (None, None) else DEFAULT_HEAD_STEP[recipe]
-    if chosen.tau is not None and recipe not in HILBERT_RECIPES:
-        raise ValueError(f"{recipe}: tau applies to {HILBERT_RECIPES} only")
+    spec = RECIPES[recipe]
+    chosen = override if (override.tau, override.head_lr) != (None, None) else spec.default_step
+    if chosen.tau is not None and not spec.trust_region:
+        raise ValueError(f"{recipe}: tau applies only to recipes with a trust region")
     if chosen.tau is not None:
         lr = chosen.tau
     else:
@@ -124,31 +83,12 @@ def schedule_factor(step: int, total_steps: int, schedule: Schedule) -> float:
 
 
 # ------------------------------------------------------------------------------ parameter groups
-@dataclass(frozen=True)
-class GroupRule:
-    """Parameters whose qualified name matches `pattern` (re.search) belong to `group`."""
-
-    group: str
-    pattern: str
-
-
-# By name, torchtitan style, for GPT-2, GPT-NeoX and Mamba. The head is assigned by identity.
-DEFAULT_GROUP_RULES: tuple[GroupRule, ...] = (
-    GroupRule("embed", r"(?:^|\.)(?:wte|wpe|embed_in|embeddings)\.weight$"),
-    GroupRule(
-        "hidden",
-        r"\.\d+\.(?:attn|attention|mlp|mixer)\.(?:c_attn|c_proj|c_fc|query_key_value|dense\w*|\w+_proj)\.weight$",
-    ),
-    GroupRule("scalar", r"(?:\.bias|\.A_log|\.D|(?:^|[._])(?:ln_\w+|\w*norm\w*)\.weight|\.conv1d\.weight)$"),
-)
-
-
 class ParamGroupError(ValueError):
     """The group rules do not partition the model's trainable parameters."""
 
 
 def partition_parameters(
-    model: nn.Module, head: nn.Parameter, rules: Sequence[GroupRule] = DEFAULT_GROUP_RULES
+    model: nn.Module, head: nn.Parameter, rules: Sequence[GroupRule]
 ) -> dict[str, list[nn.Parameter]]:
     """Groups `head` + one per rule; every trainable parameter lands in exactly one, or this raises
     listing every offender (unmatched, matched twice, a tied head, a non-2-D `hidden` parameter)."""
@@ -174,64 +114,22 @@ def partition_parameters(
 
 
 # ------------------------------------------------------------------------------------ head LMOs
-Direction = Callable[[Tensor], Tensor]  # momentum -> unit step; the optimizer applies −η times it
-
-
-def _unit_rows(m: Tensor) -> Tensor:
-    """Rows scaled to norm 1; zero rows stay zero (still feasible: inside every ball)."""
-    return m / m.norm(dim=1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
-
-
-def sign_direction(m: Tensor) -> Tensor:
-    """Scion "Sign" (ℓ₁→ℓ∞): entries ±1/d, d the head's input width."""
-    return torch.sign(m) / m.shape[1]
-
-
-def rownorm_direction(m: Tensor) -> Tensor:
-    """Scion "RowNorm" (ℓ₂→ℓ∞): unit rows, not centred."""
-    return _unit_rows(m)
-
-
-def hilbert_direction(m: Tensor) -> Tensor:
-    """The diameter LMO of SPEC §3.1: centred rows on the sphere of radius 1/2, so diam ≤ 1. The final
-    re-centring removes only the common shift that row-normalisation reintroduced; diam is
-    shift-invariant, so the bound still holds exactly (up to float32 rounding, ~1e-7 relative)."""
-    return 0.5 * center_rows(_unit_rows(center_rows(m)))
-
-
-def equidistant_direction(m: Tensor, iters: int) -> Tensor:
-    """The seed's equidistant spreading: alternate orthogonalisation of the centred matrix (rows become a
-    tight frame) with row-normalisation (equal norms); equal-norm tight frames are the configurations
-    that approach the Welch bound on the min/max distance ratio. Ends on unit rows, then as
-    `hilbert_direction`: centre and halve, so diam ≤ 1."""
-    x = m
-    for _ in range(iters):
-        x = _unit_rows(_orthogonalise(center_rows(x)))
-    return 0.5 * center_rows(x)
-
-
-def _orthogonalise(m: Tensor) -> Tensor:
-    ortho = _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
-    return ortho.to(m.dtype)
-
-
 class HeadLMO(torch.optim.Optimizer):
     """Muon's momentum followed by a linear minimisation oracle: `W ← (1 − ηλ) W − η·direction(M)`.
 
     With `trust_region`, a group's `lr` is tau (nats) and η = tau / r, r set by `set_radius` before each
-    step. `record_equi_rows` > 0 records `equi_ratio` of each step's direction (on that many rows).
+    step.
     """
 
     def __init__(
         self,
         params: Any,
-        direction: Direction,
+        direction: Callable[[Tensor], Tensor],
         lr: float,
         momentum: float = MOMENTUM,
         nesterov: bool = True,
         weight_decay: float = 0.0,
         trust_region: bool = False,
-        record_equi_rows: int = 0,
     ) -> None:
         defaults = {"lr": lr, "momentum": momentum, "nesterov": nesterov, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -241,10 +139,8 @@ class HeadLMO(torch.optim.Optimizer):
                     raise ValueError(f"HeadLMO takes (vocab, width) matrices, got shape {tuple(p.shape)}")
         self.direction = direction
         self.trust_region = trust_region
-        self.record_equi_rows = record_equi_rows
         self.radius: float | None = None
         self.last_eta: float | None = None
-        self._last_direction: torch.Tensor | None = None
 
     def set_radius(self, radius: float) -> None:
         if not (math.isfinite(radius) and radius > 0):
@@ -257,14 +153,6 @@ class HeadLMO(torch.optim.Optimizer):
         if self.radius is None:
             raise ValueError("a tau step needs the batch's hidden-state radius: call set_radius first")
         return lr / self.radius
-
-    @property
-    def last_equi_ratio(self) -> float | None:
-        """`equi_ratio` of the last step's direction, computed when asked (a 1024-row pairwise
-        distance matrix per step would cost as much as the step itself)."""
-        if self._last_direction is None:
-            return None
-        return equi_ratio(self._last_direction, self.record_equi_rows)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -286,24 +174,11 @@ class HeadLMO(torch.optim.Optimizer):
                 direction = self.direction(momentum.float())
                 p.mul_(1 - eta * group["weight_decay"])
                 p.add_(direction.to(p.dtype), alpha=-eta)
-                if self.record_equi_rows:
-                    self._last_direction = direction
             self.last_eta = eta
         self.radius = None  # a radius belongs to one batch
         return loss
 
 
-def head_direction(recipe: str, equi_iters: int) -> Direction:
-    directions: dict[str, Direction] = {
-        "sign": sign_direction,
-        "rownorm": rownorm_direction,
-        "hilbert": hilbert_direction,
-        "hilbert_equi": partial(equidistant_direction, iters=equi_iters),
-    }
-    return directions[recipe]
-
-
-# ------------------------------------------------------------------------------- the optimizer
 class RecipeOptimizer:
     """The 1–3 torch optimizers of a recipe and their schedulers, stepped together."""
 
@@ -330,11 +205,6 @@ class RecipeOptimizer:
     @property
     def needs_radius(self) -> bool:
         return self.head_step.trust_region
-
-    @property
-    def head_equi_ratio(self) -> float | None:
-        """`equi_ratio` of `hilbert_equi`'s last head direction; None for the other recipes."""
-        return self._head_lmo.last_equi_ratio if self._head_lmo is not None else None
 
     def step(self, radius: float | None = None) -> None:
         """One step of every group. `radius` (r_t) is required by tau recipes and ignored otherwise."""
@@ -370,33 +240,17 @@ class RecipeOptimizer:
             lrs["head"] = self._head_lmo.last_eta if self._head_lmo.last_eta is not None else math.nan
         return lrs
 
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "recipe": self.recipe,
-            "optimizers": {name: opt.state_dict() for name, opt in self.optimizers.items()},
-            "schedulers": {name: sch.state_dict() for name, sch in self.schedulers.items()},
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["recipe"] != self.recipe or state["optimizers"].keys() != self.optimizers.keys():
-            raise ValueError(f"optimizer state of recipe {state['recipe']!r} cannot resume {self.recipe!r}")
-        for name, optimizer in self.optimizers.items():
-            optimizer.load_state_dict(state["optimizers"][name])
-        for name, scheduler in self.schedulers.items():
-            scheduler.load_state_dict(state["schedulers"][name])
-
 
 def build_optimizers(
     model: nn.Module,
     head: nn.Parameter,
     recipe: str,
     cfg: TrainConfig,
-    rules: Sequence[GroupRule] = DEFAULT_GROUP_RULES,
 ) -> RecipeOptimizer:
-    """The recipe's optimizers over `model`, whose untied head weight `(vocab, width)` is `head`."""
-    if recipe not in DEFAULT_HEAD_STEP:
-        raise ValueError(f"unknown recipe {recipe!r}; expected one of {sorted(DEFAULT_HEAD_STEP)}")
-    groups = partition_parameters(model, head, rules)
+    """The recipe's optimizers over `model`, whose untied head weight `(vocab, width)` is `head`; the
+    parameter groups come from the model's family."""
+    spec = RECIPES[recipe]
+    groups = partition_parameters(model, head, family_of(model).param_groups)
     head_step = resolve_head_step(recipe, cfg)
     wd = cfg.weight_decay
 
@@ -407,22 +261,22 @@ def build_optimizers(
     muon_groups = [group("hidden", cfg.hidden_lr, wd)]
     head_group = group("head", head_step.lr, wd)
     optimizers: dict[str, torch.optim.Optimizer] = {}
-    if recipe == "adamw":
-        adamw_groups = [group("hidden", cfg.adamw_lr, wd), *adamw_groups, head_group]
-    elif recipe == "muon":
+    if spec.hidden == "adamw":
+        adamw_groups.insert(0, group("hidden", cfg.adamw_lr, wd))
+    if spec.head == "adamw":
         adamw_groups.append(head_group)
-    elif recipe == "muon_head":
+    elif spec.head == "muon":
         muon_groups.append(head_group)
     else:
+        assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
         optimizers["head"] = HeadLMO(
             [head_group],
-            head_direction(recipe, head_step.equi_iters),
+            partial(spec.direction, equi_iters=head_step.equi_iters),
             lr=head_step.lr,
             weight_decay=wd,
             trust_region=head_step.trust_region,
-            record_equi_rows=cfg.equi_sample_rows if recipe == "hilbert_equi" else 0,
         )
-    if recipe != "adamw":
+    if spec.hidden == "muon":
         optimizers["muon"] = torch.optim.Muon(
             _non_empty(muon_groups), lr=cfg.hidden_lr, weight_decay=wd, momentum=MOMENTUM, nesterov=True
         )

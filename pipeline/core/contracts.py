@@ -1,0 +1,274 @@
+"""The data contracts of SPEC §2–§4, each declared once: what every dataset holds, how it is partitioned,
+how ids are written, and the one reader per dataset.
+
+A dataset here is a *shape* (columns, vector columns, hive partitions, row order); where it lives in a
+workspace is the glue's knowledge (`stages/layout.py`), so every reader takes the dataset's root folder.
+Readers see only the files of complete, verified shards (`pipeline.core.store`), never a stray file.
+
+Ids:
+- a run is `<arch>-<recipe>-s<seed>` (`run_id`, `parse_run_id`); names are `[a-z0-9_.]`, `-` only
+  separates;
+- a model is `<run>@init` / `<run>@final` in tables and `<run>.init` / `<run>.final` in partition paths;
+  an external model is its hub id or workspace path (without `./`) in tables and the same with `/` → `--`
+  in paths (`path_id`, `table_id`, and `table_id_sql` for the same inverse inside DuckDB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from pipeline.core.errors import InputError
+
+# ------------------------------------------------------------------------------------------- run ids
+_NAME = r"[a-z0-9_.]+"
+RUN_ID_PATTERN = rf"^({_NAME})-({_NAME})-s([0-9]+)$"  # groups: arch, recipe, seed
+CHECKPOINTS = ("init", "final")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    arch: str
+    recipe: str
+    seed: int
+
+    @property
+    def run_id(self) -> str:
+        return run_id(self.arch, self.recipe, self.seed)
+
+
+def run_id(arch: str, recipe: str, seed: int) -> str:
+    run = f"{arch}-{recipe}-s{seed}"
+    if not re.match(RUN_ID_PATTERN, run):
+        raise ValueError(f"{run!r} is not a valid run id (names are [a-z0-9_.], seeds non-negative)")
+    return run
+
+
+def parse_run_id(run: str) -> RunSpec:
+    match = re.match(RUN_ID_PATTERN, run)
+    if not match:
+        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>`")
+    return RunSpec(match[1], match[2], int(match[3]))
+
+
+# ----------------------------------------------------------------------------------------- model ids
+_TRAINED_PATH = re.compile(rf"^{_NAME}-{_NAME}-s[0-9]+\.(init|final)$")
+_TRAINED_TABLE = re.compile(rf"^{_NAME}-{_NAME}-s[0-9]+@(init|final)$")
+_EXTERNAL = re.compile(r"^[A-Za-z0-9_.\-/]+$")
+
+
+def trained_model_id(run: str, checkpoint: str) -> str:
+    """The table id of a trained run's checkpoint: `<run>@<checkpoint>`."""
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINTS}, got {checkpoint!r}")
+    return f"{run}@{checkpoint}"
+
+
+def external_table_id(ref: str) -> str:
+    """An external model's table id: the id as given, without a leading `./` or trailing `/`."""
+    return ref.removeprefix("./").rstrip("/")
+
+
+def check_external_id(ref: str) -> None:
+    """Refuse ids that cannot round-trip through a partition path (`path_id` ↔ `table_id`)."""
+    table = external_table_id(ref)
+    problem = None
+    if not _EXTERNAL.match(table):
+        problem = "only letters, digits, '_', '.', '-' and '/' can be used (give a path inside the workspace)"
+    elif "--" in table or table in (".", ".."):
+        problem = "'--' is reserved: partition paths write '/' as '--'"
+    elif _TRAINED_TABLE.match(table):
+        problem = "it has the form of a trained run's checkpoint id"
+    if problem:
+        raise ValueError(f"external model id {ref!r} cannot be used: {problem}")
+
+
+def path_id(table_id: str) -> str:
+    """A model's partition-path id from its table id."""
+    if _TRAINED_TABLE.match(table_id):
+        return table_id.replace("@", ".")
+    return table_id.replace("/", "--")
+
+
+def table_id(path: str) -> str:
+    """The inverse of `path_id`."""
+    if _TRAINED_PATH.match(path):
+        return path[: path.rindex(".")] + "@" + path[path.rindex(".") + 1 :]
+    return path.replace("--", "/")
+
+
+def table_id_sql(column: str) -> str:
+    """`table_id` as a DuckDB expression over a column of path ids."""
+    trained = _TRAINED_PATH.pattern
+    return (
+        f"CASE WHEN regexp_matches({column}, '{trained}') "
+        f"THEN regexp_replace({column}, '\\.(init|final)$', '@\\1') "
+        f"ELSE replace({column}, '--', '/') END"
+    )
+
+
+# ------------------------------------------------------------------------------------------ datasets
+VECTOR = pa.list_(pa.float32())  # placeholder type of a vector column: fixed_size_list<float32>[d] on disk
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A hive-partitioned Parquet dataset: columns in file order (vector columns typed `VECTOR`),
+    partition columns with their types, and the order rows are read in."""
+
+    name: str
+    fields: tuple[pa.Field, ...]
+    partitions: tuple[pa.Field, ...]
+    order: tuple[str, ...] = ()
+
+    @property
+    def vectors(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.fields if f.type == VECTOR)
+
+    @property
+    def scalar_schema(self) -> pa.Schema:
+        """The columns SQL sees: every scalar column, never a vector."""
+        return pa.schema([f for f in self.fields if f.type != VECTOR])
+
+    @property
+    def partition_schema(self) -> pa.Schema:
+        return pa.schema(self.partitions)
+
+    def file_schema(self, d: int | None = None, half: bool = False) -> pa.Schema:
+        """The schema a shard file is written with; vectors of dimension `d` (float16 with `half`)."""
+        element = pa.float16() if half else pa.float32()
+        if self.vectors and d is None:
+            raise ValueError(f"{self.name}: the vector dimension d is needed for its file schema")
+        return pa.schema([pa.field(f.name, pa.list_(element, d)) if f.type == VECTOR else f for f in self.fields])
+
+    def partition_values(self, relative: Path) -> dict[str, Any]:
+        """`{"model": "m", "layer": 3}` from a file path `model=m/layer=3/part-….parquet`, typed."""
+        values: dict[str, Any] = {}
+        for part in relative.parts[:-1]:
+            key, _, value = part.partition("=")
+            values[key] = int(value) if pa.types.is_integer(self.partition_schema.field(key).type) else value
+        return values
+
+
+def _fields(*names: str, kind: pa.DataType) -> tuple[pa.Field, ...]:
+    return tuple(pa.field(name, kind) for name in names)
+
+
+IDS = _fields("seq_id", "pos", "token_id", kind=pa.int32())
+MODEL_LAYER = (pa.field("model", pa.string()), pa.field("layer", pa.int32()))
+
+STEPS = Dataset(
+    "steps",
+    fields=_fields("step", "tokens", kind=pa.int64())
+    + _fields("lr", "train_loss", "val_loss", "step_time_s", "head_diam", kind=pa.float64())
+    + (pa.field("head_diam_sampled", pa.bool_()),)
+    + _fields("head_update_rms", "head_update_spectral", "hilbert_realized", "hilbert_bound", "equi_ratio",
+              kind=pa.float64()),  # fmt: skip
+    partitions=(pa.field("run", pa.string()),),
+    order=("step",),
+)
+ACTIVATIONS = Dataset("activations", IDS + (pa.field("h", VECTOR),), MODEL_LAYER, order=("seq_id", "pos"))
+FIT_METRICS = (
+    "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
+    "proj_full_global", "proj_res_global", "norm_full", "norm_res",
+)  # fmt: skip
+FITS = Dataset(
+    "fits",
+    fields=IDS + (pa.field("k", pa.int32()),) + _fields(*FIT_METRICS, kind=pa.float64())
+    + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32())),
+    partitions=MODEL_LAYER + (pa.field("fn", pa.string()),),
+    order=("seq_id", "pos"),
+)
+PERTURB_METRICS = ("kl", "kl_seq")
+PERTURB = Dataset(
+    "perturb",
+    fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64()),
+    partitions=FITS.partitions,
+    order=("seq_id", "pos"),
+)
+TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parquet`, one row per token
+SPLITS = ("train", "val")
+
+# Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
+RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
+SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
+
+
+# --------------------------------------------------------------------------------------- run record
+@dataclass
+class RunRecord:
+    """A finished run, as `run.json` of its final checkpoint states it (and the `runs` table reads it)."""
+
+    run: str
+    arch: str
+    recipe: str
+    seed: int
+    steps: int
+    steps_done: int
+    tokens: int
+    final_train_loss: float | None
+    final_val_loss: float | None
+    diverged: bool
+    diverged_at_step: int | None
+    wall_time_s: float
+    n_params: int
+    params_hash: str
+
+    @classmethod
+    def arrow_schema(cls) -> pa.Schema:
+        kinds = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_()}
+        hints = typing.get_type_hints(cls)
+        return pa.schema([pa.field(f.name, kinds[_base_type(hints[f.name])]) for f in dataclasses.fields(cls)])
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> RunRecord:
+        return cls(**{f.name: record.get(f.name) for f in dataclasses.fields(cls)})
+
+
+def _base_type(hint: Any) -> type:
+    """`float | None` → float."""
+    if isinstance(hint, types.UnionType):
+        return next(arg for arg in typing.get_args(hint) if arg is not type(None))
+    return hint
+
+
+# ------------------------------------------------------------------------------------------ readers
+def select(root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any]) -> list[Path]:
+    """The files (of `root`, already verified) whose partition values equal every entry of `where`."""
+    return [f for f in files if all(dataset.partition_values(f.relative_to(root)).get(k) == v for k, v in where.items())]
+
+
+def read(root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any], columns: Sequence[str] | None = None) -> pa.Table:
+    """The rows of `dataset` in the partition `where`, from the verified `files` of `root`, in the
+    dataset's row order. Vector columns come back as `fixed_size_list` (as written)."""
+    chosen = select(root, dataset, files, where)
+    if not chosen:
+        raise InputError(f"{root}: no data for {where}; run the stage that writes {dataset.name} first")
+    table = pa.concat_tables([pq.read_table(f, columns=list(columns) if columns else None) for f in chosen])
+    order = [(c, "ascending") for c in dataset.order if c in table.column_names]
+    return table.sort_by(order) if order else table
+
+
+def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None) -> ds.Dataset:
+    """A lazy Arrow dataset over the verified `files` of `root` with exactly the dataset's scalar columns
+    and its typed partition columns (for DuckDB). Vectors are never read, missing columns read as null,
+    narrower types (float32) are cast up. No files gives an empty dataset with the same columns, so every
+    query runs unchanged on a study that was not run."""
+    full = pa.schema(list(dataset.scalar_schema) + list(dataset.partition_schema))
+    if not files:
+        return ds.dataset(full.empty_table())
+    partitioning = ds.partitioning(dataset.partition_schema, flavor="hive")
+    return ds.dataset(
+        [str(f) for f in files], schema=full, format="parquet", partitioning=partitioning,
+        partition_base_dir=str(root), filesystem=filesystem,
+    )  # fmt: skip

@@ -1,0 +1,51 @@
+"""A model family: where a causal LM keeps its blocks, final norm and head, and how its parameters split
+into optimizer groups (SPEC §1, §3.2, §4.1).
+
+Extraction, patching and training locate modules only through a family, and the optimizer groups of
+Study B come from its name patterns (torchtitan style, with a partition assertion in
+`pipeline.study_b.optim`). A family is one module of `pipeline/models/` plus one line in
+`pipeline/models/registry.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from transformers import PretrainedConfig
+
+from pipeline.models.config import ModelSize
+
+ConfigBuilder = Callable[[ModelSize, int, int], PretrainedConfig]  # (size, vocab_size, seq_len)
+
+
+@dataclass(frozen=True)
+class GroupRule:
+    """Parameters whose qualified name matches `pattern` (re.search) belong to `group`: `embed`, `hidden`
+    (2-D matrices for Muon) or `scalar` (norms, biases, SSM parameters). The head is assigned by identity."""
+
+    group: Literal["embed", "hidden", "scalar"]
+    pattern: str
+
+
+# Biases, every norm's weight: the same rule in every family.
+NORMS_AND_BIASES = r"\.bias$|(?:^|[._])(?:ln_\w+|\w*norm\w*)\.weight$"
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    name: str  # our short name, used in run ids
+    model_type: str  # Hugging Face `config.model_type`
+    kind: Literal["transformer", "ssm"]  # how the report groups families
+    blocks: str  # dotted path to the ModuleList of blocks
+    final_norm: str  # dotted path to the norm applied after the last block
+    head: str  # dotted path to the LM head (nn.Linear)
+    make_config: ConfigBuilder | None = None  # None: analysed only, never trained here
+    param_groups: tuple[GroupRule, ...] = ()
+    # Hidden matrices stored (in, out), like GPT-2's Conv1D, instead of nn.Linear's (out, in).
+    hidden_stored_transposed: bool = False
+
+    @property
+    def trainable(self) -> bool:
+        return self.make_config is not None

@@ -1,0 +1,10 @@
+"""The registered function classes of Study A, in the order reports list them."""
+
+from pipeline.core.registry import Registry
+from pipeline.study_a.classes import diag_psd, global_linear, identity, lowrank, mlp, orthogonal
+from pipeline.study_a.classes.base import FitClass
+
+FIT_CLASSES: Registry[FitClass] = Registry(
+    "function class",
+    [diag_psd.CLASS, lowrank.CLASS, orthogonal.CLASS, mlp.CLASS, identity.CLASS, global_linear.CLASS],
+)

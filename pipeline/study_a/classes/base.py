@@ -1,0 +1,52 @@
+"""What a function class of Study A is (SPEC §4.2): a fit, batched over anchors, and an independent
+per-anchor reference of the same map, which the tests and the bench compare it with.
+
+A class is one module of `pipeline/study_a/classes/` defining `CLASS = FitClass(...)`, plus one line in
+`pipeline/study_a/classes/__init__.py`. Everything is float64: neighbour order, rank cut-offs and the
+1e-4 agreement with the reference depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+from torch import Tensor
+
+from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_a.geometry import Update
+
+
+class RefContext(NamedTuple):
+    """Where the reference is in the layer: anchor `anchor` of `n_anchors` (the MLP's initial weights are
+    drawn for all anchors at once, so the reference needs both)."""
+
+    anchor: int
+    n_anchors: int
+
+
+# (inputs, outputs, x_a, cfg) -> Update: inputs/outputs are (A, k, d) neighbours for a local class,
+# the (n, d) pool for a layer-wide one.
+BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig], Update]
+# (inputs, outputs, x_a, cfg, context) -> (T(x_a), J − I) for one anchor, in NumPy.
+ReferenceFit = Callable[[np.ndarray, np.ndarray, np.ndarray, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray]]
+
+
+def _no_constraint(cfg: AnalysisConfig) -> str | None:
+    del cfg
+    return None
+
+
+@dataclass(frozen=True)
+class FitClass:
+    name: str
+    local: bool  # fitted per anchor on its k nearest neighbours; otherwise one map for the whole layer
+    fit: BatchedFit
+    reference: ReferenceFit
+    summary: str  # the map, in one line (the report and `lmgeo --help` show it)
+    tokenwise: bool = True  # False when Δ_tok ≡ 0 (`identity`): the alignment claims are undefined
+    iterative: bool = False  # fitted by an optimiser (not in closed form): agreement is to its tolerance
+    # A reason the analysis params cannot be used with this class, or None.
+    check_config: Callable[[AnalysisConfig], str | None] = _no_constraint

@@ -1,0 +1,55 @@
+"""The `analysis` section of params: which models Study A analyses, on which tokens, with which fits."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.core.config import FitClassName, PositiveInt, Section, Seed, _fit_classes, unique_non_empty
+
+
+class ExternalModel(Section):
+    id: str  # hub id or local path
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _usable_id(self) -> ExternalModel:
+        from pipeline.core.contracts import check_external_id  # pyarrow: not for `lmgeo --help`
+
+        check_external_id(self.id)
+        return self
+
+
+class AnalysisConfig(Section):
+    checkpoints: list[Literal["init", "final"]] = ["init", "final"]
+    external_models: list[ExternalModel] = []
+    eval_sequences: PositiveInt = 32  # sequences of prepare.seq_len tokens from the val split
+    sequences_per_shard: PositiveInt = 16
+    batch_size: PositiveInt = 8
+    vector_dtype: Literal["float32", "float16"] = "float32"
+    anchors: PositiveInt = 256
+    pool_size: PositiveInt | None = None  # null = every stored token
+    k: Annotated[int, Field(ge=2)] = 32
+    distance: Literal["euclidean", "cosine"] = "euclidean"
+    exclude_same_sequence: bool = False
+    classes: list[FitClassName] = Field(default_factory=lambda: list(_fit_classes().names()))
+    rank: PositiveInt = 4  # lowrank
+    ridge: Annotated[float, Field(ge=0)] = 1e-3
+    mlp_hidden: PositiveInt = 16
+    mlp_steps: PositiveInt = 200
+    orthogonal_scale: bool = False
+    p: PositiveInt = 4  # dominant tokenwise subspace dimension
+    knn_chunk: PositiveInt = 4096
+    seed: Seed = 0
+
+    @model_validator(mode="after")
+    def _classes(self) -> AnalysisConfig:
+        unique_non_empty("classes", self.classes)
+        unique_non_empty("checkpoints", self.checkpoints)
+        registry = _fit_classes()
+        for name in self.classes:
+            problem = registry[name].check_config(self)
+            if problem:
+                raise ValueError(f"classes: {name}: {problem}")
+        return self

@@ -1,0 +1,94 @@
+"""The `train` section of params: the run grid (families × recipes × seeds), model size, step sizes,
+schedules and what training records."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from pipeline.core.config import (
+    FamilyName,
+    NonNegInt,
+    PositiveFloat,
+    PositiveInt,
+    RecipeName,
+    Section,
+    Seed,
+    _families,
+    _recipes,
+    unique_non_empty,
+)
+from pipeline.models.config import ModelSize
+
+
+class Schedule(Section):
+    """Linear warm-up, then a decay to `final_frac` of the peak."""
+
+    warmup_steps: NonNegInt = 10
+    decay: Literal["cosine", "linear", "constant"] = "cosine"
+    final_frac: Annotated[float, Field(ge=0, le=1)] = 0.1
+
+
+class RecipeConfig(Section):
+    """Step sizes of one recipe. `head_lr` is the head's step size (η for the LMO recipes).
+
+    `tau` (recipes with a Hilbert trust region only) replaces `head_lr` by a trust region in nats per
+    step: η_t = tau_t / r_t, with r_t the `radius_quantile` of ‖h‖ over the batch's final hidden states.
+    """
+
+    head_lr: PositiveFloat | None = None
+    tau: PositiveFloat | None = None
+    radius_quantile: Annotated[float, Field(gt=0, le=1)] = 1.0
+    equi_iters: PositiveInt = 3
+    schedule: Schedule | None = None
+
+    @model_validator(mode="after")
+    def _one_step_size(self) -> RecipeConfig:
+        if self.head_lr is not None and self.tau is not None:
+            raise ValueError("give either head_lr or tau, not both")
+        return self
+
+
+class TrainConfig(Section):
+    archs: list[FamilyName] = Field(default_factory=lambda: [f.name for f in _families() if f.trainable])
+    recipes: list[RecipeName] = Field(default_factory=lambda: list(_recipes().names()))
+    seeds: list[Seed] = [0]
+    model: ModelSize = ModelSize()
+    steps: PositiveInt = 200
+    batch_size: PositiveInt = 16
+    hidden_lr: PositiveFloat = 0.02  # Muon on hidden 2-D matrices
+    adamw_lr: PositiveFloat = 3e-3  # AdamW on embeddings, norms, biases (and everything for `adamw`)
+    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    grad_clip: PositiveFloat | None = 1.0
+    schedule: Schedule = Schedule()
+    recipe_overrides: dict[RecipeName, RecipeConfig] = {}
+    eval_interval: PositiveInt = 50
+    eval_batches: PositiveInt = 4
+    geometry_interval: PositiveInt = 10
+    probe_sequences: PositiveInt = 8
+    diam_exact_max_rows: PositiveInt = 16384  # above this V, head_diam is a row-sample estimate
+    equi_sample_rows: Annotated[int, Field(ge=2, le=1024)] = 1024
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    compile: bool = False
+
+    @model_validator(mode="after")
+    def _grid(self) -> TrainConfig:
+        for name in ("archs", "recipes", "seeds"):
+            unique_non_empty(name, getattr(self, name))
+        families, recipes = _families(), _recipes()
+        for arch in self.archs:
+            if not families[arch].trainable:
+                trainable = ", ".join(f.name for f in families if f.trainable)
+                raise ValueError(f"archs: {arch!r} is analysed only, not trained; trainable: {trainable}")
+        for recipe, override in self.recipe_overrides.items():
+            if override.tau is not None and not recipes[recipe].trust_region:
+                allowed = ", ".join(r.name for r in recipes if r.trust_region)
+                raise ValueError(f"recipe_overrides.{recipe}.tau: tau applies to {allowed} only")
+        return self
+
+    def runs(self) -> list[str]:
+        """Run ids of the grid, in a stable order."""
+        from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
+
+        return [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds]

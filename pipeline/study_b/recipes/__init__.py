@@ -1,0 +1,15 @@
+"""The registered head-optimizer recipes of Study B, in the order of SPEC §3.2 (baselines first)."""
+
+from pipeline.core.registry import Registry
+from pipeline.study_b.recipes import adamw, hilbert, hilbert_equi, muon, muon_head, rownorm, sign
+from pipeline.study_b.recipes.base import HeadRecipe
+
+RECIPES: Registry[HeadRecipe] = Registry(
+    "recipe",
+    [adamw.RECIPE, muon.RECIPE, muon_head.RECIPE, sign.RECIPE, rownorm.RECIPE, hilbert.RECIPE, hilbert_equi.RECIPE],
+)
+
+
+def baseline() -> HeadRecipe:
+    """The recipe every other one is compared with (`muon`)."""
+    return next(r for r in RECIPES if r.baseline)

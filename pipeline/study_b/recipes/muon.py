@@ -1,0 +1,13 @@
+"""`muon`: Muon on the hidden matrices, AdamW on the head: today's standard practice, and the baseline."""
+
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
+
+RECIPE = HeadRecipe(
+    name="muon",
+    summary="AdamW head",
+    hidden="muon",
+    head="adamw",
+    default_step=HeadStepDefault(head_lr=0.024),
+    head_flops=lambda vocab, width, equi_iters: 11.0 * vocab * width,
+    baseline=True,
+)

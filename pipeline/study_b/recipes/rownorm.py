@@ -1,0 +1,23 @@
+"""`rownorm`: Scion's "RowNorm" LMO (ℓ₂→ℓ∞): `−η·m_i/‖m_i‖`, not centred."""
+
+from torch import Tensor
+
+from pipeline.study_b.lmo import unit_rows
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
+
+
+def direction(m: Tensor, equi_iters: int) -> Tensor:
+    del equi_iters
+    return unit_rows(m)
+
+
+RECIPE = HeadRecipe(
+    name="rownorm",
+    summary="−η·m_i/‖m_i‖",
+    hidden="muon",
+    head="lmo",
+    direction=direction,
+    default_step=HeadStepDefault(head_lr=0.03),
+    # momentum 4, row normalisation 3, scaling 1, update 2
+    head_flops=lambda vocab, width, equi_iters: 10.0 * vocab * width,
+)

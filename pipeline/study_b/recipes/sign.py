@@ -1,0 +1,24 @@
+"""`sign`: Scion's "Sign" LMO (ℓ₁→ℓ∞): `−η·sign(M)/d`."""
+
+import torch
+from torch import Tensor
+
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
+
+
+def direction(m: Tensor, equi_iters: int) -> Tensor:
+    """Entries ±1/d, d the head's input width."""
+    del equi_iters
+    return torch.sign(m) / m.shape[1]
+
+
+RECIPE = HeadRecipe(
+    name="sign",
+    summary="−η·sign(M)/d",
+    hidden="muon",
+    head="lmo",
+    direction=direction,
+    default_step=HeadStepDefault(head_lr=0.4),
+    # momentum 4, sign and scaling 2, decay 1, update 2
+    head_flops=lambda vocab, width, equi_iters: 9.0 * vocab * width,
+)

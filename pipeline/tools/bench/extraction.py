@@ -1,0 +1,111 @@
+"""Extraction vs a bare forward (throughput), and extraction's peak memory as tokens grow 4×."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.tools.bench.measure import (
+    Runner,
+    bar,
+    current_rss_bytes,
+    interleaved,
+    peak_rss_bytes,
+    profile_top,
+    run_fresh,
+)
+from pipeline.tools.bench.sizes import ExtractionSize
+from pipeline.tools.bench.synthetic import token_ids
+
+
+def _extraction_model(size: ExtractionSize) -> Any:
+    from pipeline.models.registry import build_model
+
+    return build_model(size.arch, size.model_size(), size.vocab, size.seq_len, seed=0).eval()
+
+
+def extract_to_parquet(model: Any, tokens: np.ndarray, batch_size: int, root: Path) -> int:
+    """The extract stage's path for one shard: hooks, Arrow batches, `ShardWriter` (atomic, manifest)."""
+    from pipeline.core.store import ManifestKey, ShardWriter
+    from pipeline.study_a.extract import extract_batches
+
+    key = ManifestKey({"tokens": "bench"}, "bench", "bench")
+    seq_ids = np.arange(len(tokens), dtype=np.int32)
+    rows = 0
+    with ShardWriter(root, "bench/seq=0", key) as writer:
+        for layer, batch in extract_batches(model, tokens, seq_ids, batch_size):
+            writer.write({"model": "bench", "layer": layer}, batch)
+            rows += batch.num_rows
+    return rows
+
+
+def bare_forward(model: Any, tokens: np.ndarray, batch_size: int) -> int:
+    """A plain transformers forward asking for `output_hidden_states`, on the same batches. The base
+    model (no LM head, no KV cache), as extraction runs it, so the ratio prices hooks and writing only."""
+    import torch
+
+    with torch.inference_mode():
+        for start in range(0, len(tokens), batch_size):
+            ids = torch.as_tensor(tokens[start : start + batch_size], dtype=torch.long)
+            out = model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+            assert len(out.hidden_states) > 1
+    return tokens.size
+
+
+def forward_flops_per_token(size: ExtractionSize) -> float:
+    """Kaplan et al. (2020): `2·N + 2·L·T·d` per token, N the non-embedding parameters (`12·L·d²`)."""
+    return 2 * 12 * size.n_layers * size.d_model**2 + 2 * size.n_layers * size.seq_len * size.d_model
+
+
+def extraction_throughput(size: ExtractionSize, batch_size: int, threads: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(threads)
+    model = _extraction_model(size)
+    tokens = token_ids(size.n_seq, size.seq_len, size.vocab, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {
+            "extract_path": lambda: extract_to_parquet(model, tokens, batch_size, Path(tmp)),
+            "bare_forward": lambda: bare_forward(model, tokens, batch_size),
+        }
+        timings = interleaved(cases, size.repeats)
+        ratio = 1 / timings.ratio("extract_path", "bare_forward")  # throughput ratio
+        verdict = bar("extraction: extract path / bare HF forward (tokens/s)", ratio, ">=", 0.8)
+        profile = [] if verdict.passed else profile_top(cases["extract_path"])
+    n_tokens = tokens.size
+    return {
+        "model": {**asdict(size), "params": sum(p.numel() for p in model.parameters())},
+        "batch_size": batch_size,
+        "tokens_per_repeat": n_tokens,
+        "tokens_per_s": {case: n_tokens / timings.median(case) for case in cases},
+        "timings": timings.summary(),
+        "bars": [verdict],
+        "profile": {verdict.name: profile} if profile else {},
+    }
+
+
+def extraction_peak_rss(size: ExtractionSize, n_seq: int, batch_size: int, threads: int) -> dict[str, int]:
+    """Peak RSS of a fresh process that builds the model and extracts `n_seq` sequences to Parquet."""
+    import torch
+
+    torch.set_num_threads(threads)
+    model = _extraction_model(size)
+    tokens = token_ids(n_seq, size.seq_len, size.vocab, seed=2)
+    after_setup = current_rss_bytes()
+    with tempfile.TemporaryDirectory() as tmp:
+        extract_to_parquet(model, tokens, batch_size, Path(tmp))
+    return {"tokens": int(tokens.size), "rss_after_setup_bytes": after_setup, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def extraction_section(size: ExtractionSize, batch_size: int, threads: int, runner: Runner = run_fresh) -> dict[str, Any]:
+    section = runner(extraction_throughput, threads, size=size, batch_size=batch_size)
+    runs = [run_fresh(extraction_peak_rss, threads, size=size, n_seq=n, batch_size=batch_size) for n in size.rss_n_seq]
+    growth = runs[1]["peak_rss_bytes"] / runs[0]["peak_rss_bytes"]
+    section["peak_rss"] = runs
+    section["bars"].append(bar("extraction: peak RSS, 4× the tokens", growth, "<=", 1.3,
+                               note=f"{runs[0]['tokens']} → {runs[1]['tokens']} tokens, whole process, nothing subtracted"))
+    return section

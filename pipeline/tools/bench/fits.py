@@ -1,0 +1,128 @@
+"""Fits vs the per-anchor reference (speed and agreement), and the kNN's peak memory as the pool grows 4×."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_a.config import AnalysisConfig
+from pipeline.tools.bench.measure import (
+    bar,
+    current_rss_bytes,
+    interleaved,
+    peak_rss_bytes,
+    profile_top,
+    reset_peak_rss,
+    run_fresh,
+)
+from pipeline.tools.bench.sizes import FitScale, KnnSize, fit_bench_classes
+from pipeline.tools.bench.synthetic import synthetic_states
+
+
+def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, float | int]:
+    """Max |fit_layer − reference| over every metric value and `patched`, and null-pattern mismatches."""
+    from pipeline.core.contracts import FIT_METRICS as METRICS
+
+    worst, mismatched = 0.0, 0
+    for name in METRICS:
+        got = table.column(name).to_pylist()
+        for g, w in zip(got, (r[name] for r in rows), strict=True):
+            if (g is None) != (w is None):
+                mismatched += 1
+            elif g is not None:
+                worst = max(worst, abs(g - w))
+    patched = np.array(table.column("patched").to_pylist())
+    worst = max(worst, float(np.abs(patched - np.array([r["patched"] for r in rows])).max()))
+    return {"max_abs_diff": worst, "null_mismatches": mismatched}
+
+
+def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dict[str, Any]:
+    """`fit_layer` vs the per-anchor reference on the same synthetic layer, per class."""
+    import torch
+
+    from pipeline.study_a.fits import choose_anchors, fit_layer
+    from pipeline.study_a.reference import reference_rows
+
+    torch.set_num_threads(threads)
+    states = synthetic_states(scale.n_seq, scale.seq_len, scale.d, n_layers=1, seed=3)
+    x32, y32 = states[0], states[1]
+    x64, y64 = x32.astype(np.float64), y32.astype(np.float64)  # the reference sees the same float32 values
+    seq = np.repeat(np.arange(scale.n_seq), scale.seq_len)
+    pos = np.tile(np.arange(scale.seq_len), scale.n_seq)
+    anchors = choose_anchors(len(x32), scale.anchors, cfg.seed)
+    out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {}}
+    for fn in fit_bench_classes():
+        cases = {
+            "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, fn, cfg)[0],
+            "reference": lambda fn=fn: reference_rows(x64, y64, seq, anchors, FIT_CLASSES[fn], cfg),
+        }
+        cases["fit_layer"]()  # warm-up: the first call pays lazy initialisation of torch's linalg
+        reference_rows(x64, y64, seq, anchors[:1], FIT_CLASSES[fn], cfg)
+        timings = interleaved(cases, scale.repeats, warmup=0)
+        agreement = compare_with_reference(timings.results["fit_layer"][-1], timings.results["reference"][-1])
+        speedup = timings.ratio("reference", "fit_layer")
+        speed_bar = bar(f"fits {fn}, {scale.label}: speed-up over per-anchor reference", speedup, ">=", 20)
+        same_bar = bar(
+            f"fits {fn}, {scale.label}: max |fit_layer − reference|", agreement["max_abs_diff"], "<=", 1e-4,
+            unit="", note=f"{agreement['null_mismatches']} null-pattern mismatches",
+            extra_ok=agreement["null_mismatches"] == 0,
+        )
+        out["classes"][fn] = {"speedup": speedup, **agreement, "timings": timings.summary()}
+        out["bars"] += [speed_bar, same_bar]
+        if not speed_bar.passed:
+            out["profile"][speed_bar.name] = profile_top(cases["fit_layer"])
+    return out
+
+
+def knn_peak_memory(size: KnnSize, n_pool: int, k: int, threads: int) -> dict[str, int]:
+    """Peak RSS of a fresh process running `nearest_neighbours` over a float64 pool (as the fits do).
+    `working_bytes` = peak − RSS with the pool already loaded: the search's own memory."""
+    import torch
+
+    from pipeline.study_a.fits import choose_anchors
+    from pipeline.study_a.knn import nearest_neighbours
+
+    torch.set_num_threads(threads)
+    pool = torch.from_numpy(np.random.default_rng(4).normal(size=(n_pool, size.d)))
+    anchors = torch.from_numpy(choose_anchors(n_pool, size.anchors, seed=0))
+    # A small search first: torch's and the BLAS's one-off buffers (thread pools, workspaces) belong
+    # to the process, not to the search; then the peak is reset, so it is the search's own.
+    nearest_neighbours(pool[: 2 * k], torch.arange(2), k, chunk=size.chunk)
+    reset = reset_peak_rss()
+    before = current_rss_bytes()
+    nearest_neighbours(pool, anchors, k, chunk=size.chunk)
+    peak = peak_rss_bytes()
+    return {"pool": n_pool, "pool_bytes": pool.numel() * 8, "rss_with_pool_bytes": before, "peak_reset": reset,
+            "peak_rss_bytes": peak, "working_bytes": max(0, peak - before)}
+
+
+# Peak RSS is read from the kernel's high-water mark; a fixed mmap threshold makes glibc return every
+# large block to the system when freed, so the search's working set cannot hide in heap pages kept
+# from earlier allocations.
+
+
+_EXACT_RSS_ENV = {"MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+
+
+def knn_block_bytes(size: KnnSize, k: int) -> int:
+    """One float64 matrix of an anchor block's candidates, `min(chunk, anchors) × (chunk + k)`: the
+    unit the search's working memory is bounded by (it holds a few such matrices at once)."""
+    return min(size.chunk, size.anchors) * (size.chunk + k) * 8
+
+
+def knn_section(size: KnnSize, k: int, threads: int) -> dict[str, Any]:
+    runs = [run_fresh(knn_peak_memory, threads, env=_EXACT_RSS_ENV, size=size, n_pool=n, k=k) for n in size.pools]
+    block = knn_block_bytes(size, k)
+    growth = max(runs[1]["working_bytes"], block) / max(runs[0]["working_bytes"], block)
+    for run in runs:
+        run["working_in_blocks"] = run["working_bytes"] / block
+    return {
+        "size": asdict(size), "k": k, "block_bytes": block, "runs": runs,
+        "memory_accounting": "peak RSS (VmHWM, reset after a warm-up search) of a fresh process − its RSS "
+                             "with the pool loaded",
+        "bars": [bar("kNN: working memory, pool 4× larger", growth, "<=", 1.3,
+                     note=f"{runs[1]['working_in_blocks']:.1f} blocks of {block / 2**20:.1f} MiB at the larger pool")],
+    }

@@ -1,0 +1,67 @@
+"""Each head recipe's training-step time against `muon` on the same model and batch."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict
+from typing import Any
+
+from pipeline.models.config import ModelSize
+from pipeline.study_b.config import TrainConfig
+from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.tools.bench.measure import bar, interleaved, profile_top
+from pipeline.tools.bench.sizes import RecipeSize
+from pipeline.tools.bench.synthetic import token_ids
+
+
+def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dict[str, Any]:
+    """Training-step time of every recipe on the same model and batch; only the head's optimizer differs."""
+    import torch
+
+    from pipeline.models.registry import build_model, head_of
+    from pipeline.study_b.optim import build_optimizers, resolve_head_step
+
+    torch.set_num_threads(threads)
+    model_size = ModelSize(d_model=size.d_model, n_layers=size.n_layers, n_heads=size.n_heads)
+    batch = torch.from_numpy(token_ids(size.batch, size.seq_len, size.vocab, seed=5))
+    names = RECIPES.names()
+    optimizer_s: dict[str, list[float]] = {r: [] for r in names}
+
+    def training_step(recipe: str, model: Any, optimizer: Any) -> None:
+        model(input_ids=batch, labels=batch).loss.backward()
+        start = time.perf_counter()
+        optimizer.step(radius=1.0)  # the radius only sets η for `tau` recipes; it does not change the cost
+        optimizer_s[recipe].append(time.perf_counter() - start)
+        optimizer.zero_grad()
+
+    cases = {}
+    for recipe in names:
+        model = build_model(size.arch, model_size, size.vocab, size.seq_len, seed=0)
+        optimizer = build_optimizers(model, head_of(model).weight, recipe, train)
+        cases[recipe] = lambda r=recipe, m=model, o=optimizer: training_step(r, m, o)
+    timings = interleaved(cases, size.repeats, warmup=2)
+    equi_iters = {r.name: resolve_head_step(r.name, train).equi_iters for r in RECIPES}
+    flops = {r.name: r.head_flops(size.flops_vocab, size.flops_width, equi_iters[r.name]) for r in RECIPES}
+    # Each bar from its own pair, interleaved A B B A: adjacent steps share the machine's load.
+    bars, profile = [], {}
+    for spec in RECIPES:
+        if spec.step_time_bar is None:
+            continue
+        base, threshold = spec.step_time_bar
+        pair = interleaved({spec.name: cases[spec.name], base: cases[base]}, 3 * size.repeats, warmup=0)
+        bars.append(bar(f"recipes: {spec.name} / {base} (training-step time)", pair.ratio(spec.name, base), "<=", threshold))
+        if not bars[-1].passed:
+            profile[bars[-1].name] = profile_top(cases[spec.name])
+    reference = baseline().name
+    return {
+        "model": asdict(size),
+        "baseline": reference,
+        "vs_baseline": {r: timings.ratio(r, reference) for r in names},
+        "optimizer_step_median_s": {r: statistics.median(optimizer_s[r]) for r in names},
+        "timings": timings.summary(),
+        "head_step_flops": {"vocab": size.flops_vocab, "width": size.flops_width, "equi_iters": equi_iters,
+                            "per_recipe": flops},
+        "bars": bars,
+        "profile": profile,
+    }

@@ -1,0 +1,58 @@
+"""The code each DVC stage depends on, computed from its imports (`pipeline.core.fingerprint`), and the
+check that `dvc.yaml` lists exactly that: `python -m stages.deps` prints the lists, `--write` puts them
+into `dvc.yaml` (keeping its data deps, order and comments). `tests/test_fingerprint.py` fails when they
+drift, so `dvc repro` and the shard manifests agree on what a code change invalidates."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from pipeline.core.fingerprint import closure, has_code
+
+STAGES = ("prepare", "train", "extract", "fit", "perturb", "aggregate", "report")
+CODE_ROOTS = ("pipeline/", "stages/")
+
+
+def code_deps(stage: str, workspace: Path) -> list[str]:
+    """Workspace-relative source files of `stages.<stage>` and everything it imports, config included
+    (package `__init__` files without code are left out: they cannot change anything)."""
+    files = closure(f"stages.{stage}", roots=[workspace], with_config=True)
+    return sorted(
+        entry.path.resolve().relative_to(workspace.resolve()).as_posix()
+        for entry in files
+        if entry.path.name != "__init__.py" or has_code(entry.path)
+    )
+
+
+def is_code(dep: str) -> bool:
+    return dep.startswith(CODE_ROOTS) and dep.endswith(".py")
+
+
+def write(dvc_yaml: Path) -> None:
+    from ruamel.yaml import YAML
+
+    yaml = YAML()
+    yaml.preserve_quotes = True
+    yaml.width = 4096
+    document = yaml.load(dvc_yaml.read_text())
+    for stage in STAGES:
+        deps = document["stages"][stage]["deps"]
+        data = [d for d in deps if not is_code(str(d))]
+        deps.clear()
+        deps.extend(data + code_deps(stage, dvc_yaml.parent))
+    with dvc_yaml.open("w") as f:
+        yaml.dump(document, f)
+
+
+def main(argv: list[str]) -> None:
+    workspace = Path.cwd()
+    if argv == ["--write"]:
+        write(workspace / "dvc.yaml")
+        return
+    for stage in STAGES:
+        print(f"{stage}:\n" + "\n".join(f"  - {dep}" for dep in code_deps(stage, workspace)))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
