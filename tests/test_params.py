@@ -33,7 +33,7 @@ def test_default_params_are_valid():
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
         ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
-        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "recipe_overrides.muon.tau: tau applies to hilbert, hilbert_equi only"),
+        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "recipe_overrides.muon.tau: tau applies to hilbert"),
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
     ],
 )
