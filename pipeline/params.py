@@ -41,6 +41,12 @@ class Params(Section):
             raise ValueError(f"analysis.k ({self.analysis.k}) must be smaller than the pool ({pool} tokens)")
         if self.analysis.anchors > pool:
             raise ValueError(f"analysis.anchors ({self.analysis.anchors}) exceeds the pool ({pool} tokens)")
+        # Excluding the anchor's own sequence can remove up to one whole sequence from its candidates.
+        if self.analysis.exclude_same_sequence and self.analysis.k > pool - self.prepare.seq_len:
+            raise ValueError(
+                f"analysis.k ({self.analysis.k}) leaves too few neighbours once an anchor's own sequence "
+                f"({self.prepare.seq_len} tokens) is excluded from a pool of {pool} tokens"
+            )
         return self
 
     def section_hash(self, *sections: str) -> str:

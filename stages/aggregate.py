@@ -7,9 +7,18 @@ from stages.layout import Layout
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
+    from pipeline.core.config import digest
+    from pipeline.core.store import ManifestKey, dataset_digest
     from pipeline.results.aggregate import aggregate, load_sources
+    from stages.sharded import planned_keys, stage_code
 
     layout = Layout.here()
-    sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models)
-    aggregate(sources, layout.reports, params.report)
+    trained = planned_keys("train", params, layout)
+    expected = {"steps": trained, "models": trained, "fits": planned_keys("fit", params, layout),
+                "perturb": planned_keys("perturb", params, layout)}  # fmt: skip
+    sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models, expected)
+    read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
+    key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
+                      stage_code("aggregate", layout))  # fmt: skip
+    aggregate(sources, layout.reports, params.report, key)
     print(f"aggregate: wrote {layout.tables}, metrics.json and plots/", flush=True)

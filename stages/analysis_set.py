@@ -1,15 +1,22 @@
-"""The models Study A analyses: every trained run at the analysed checkpoints, plus external models."""
+"""The models Study A analyses: every trained run at the analysed checkpoints, plus external models, each
+with a digest of its weights that the shards computed from it are keyed by and that is checked again
+when a task opens it."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from pipeline.core.contracts import ACTIVATIONS, external_table_id, path_id, trained_model_id
 from pipeline.core.errors import InputError
-from pipeline.core.store import verified_files
+from pipeline.core.store import folder_digest, sha256_cached, verified_files, verify_shard
 from pipeline.params import Params
 from stages.layout import Layout
+
+TRAIN = "`lmgeo train` (or `dvc repro train`)"
+EXTRACT = "`lmgeo extract` (or `dvc repro extract`)"
+FIT = "`lmgeo fit` (or `dvc repro fit`)"
 
 
 @dataclass(frozen=True)
@@ -17,7 +24,13 @@ class AnalysedModel:
     table_id: str  # `<run>@init` / `<run>@final`, or the hub id / workspace path
     ref: str  # what `load_model` opens: a checkpoint dir or the external id
     revision: str | None
-    trained: bool  # our own checkpoint: same tokenizer as the eval tokens
+    run: str | None  # the trained run this checkpoint belongs to; None for an external model
+    digest: str  # the weights: sha256 of a checkpoint's safetensors, a local folder's hash, a hub revision
+
+    @property
+    def trained(self) -> bool:
+        """Our own checkpoint: same tokenizer as the eval tokens."""
+        return self.run is not None
 
     @property
     def path_id(self) -> str:
@@ -25,41 +38,56 @@ class AnalysedModel:
 
 
 def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
-    """Trained checkpoints (a diverged run's `final` is left out: its weights are not finite) and
-    external models."""
+    """Trained checkpoints, read from the verified checkpoints of the current train plan (a diverged run's
+    `final` is left out: its weights are not finite), then external models."""
+    from pipeline.core.store import manifest_path
+    from stages.sharded import planned_keys
+
+    checkpoints = verified_files(layout.models, planned_keys("train", params, layout), rebuild=TRAIN)
+    weights = {
+        entry["path"]: entry["sha256"]
+        for run in params.train.runs()
+        for entry in json.loads(manifest_path(layout.models, run).read_text())["files"]
+    }
+    records = {p.parent.parent.name: json.loads(p.read_text()) for p in checkpoints if p.match("*/final/run.json")}
     trained = [
-        AnalysedModel(trained_model_id(run, ckpt), str(layout.checkpoint(run, ckpt)), None, True)
+        AnalysedModel(trained_model_id(run, ckpt), str(layout.checkpoint(run, ckpt)), None, run,
+                      weights[f"{run}/{ckpt}/model.safetensors"])
         for run in params.train.runs()
         for ckpt in params.analysis.checkpoints
-        if not (ckpt == "final" and diverged(layout, run))
-    ]
-    external = [AnalysedModel(external_table_id(m.id), m.id, m.revision, False) for m in params.analysis.external_models]
-    return trained + external
+        if not (ckpt == "final" and records[run].get("diverged"))
+    ]  # fmt: skip
+    return trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
 
 
-def diverged(layout: Layout, run: str) -> bool:
-    run_json = layout.checkpoint(run, "final") / "run.json"
-    if not run_json.is_file():
-        raise InputError(f"{run} has no final checkpoint ({run_json}): run `lmgeo train` (or `dvc repro train`) first")
-    return bool(json.loads(run_json.read_text()).get("diverged"))
+def external_model(params: Params, layout: Layout, ref: str, revision: str | None) -> AnalysedModel:
+    """An external model, its source checked (paths, remote code, budget) and its weights digested."""
+    source = model_source(layout, params, ref, revision)
+    digest = folder_digest(Path(source)) if Path(source).is_dir() else f"hub:{revision or 'main'}"
+    return AnalysedModel(external_table_id(ref), ref, revision, None, digest)
 
 
-def layers_by_model(layout: Layout) -> dict[str, int]:
-    """model path id → number of blocks L (activations hold layers 0..L), from the manifests' files."""
-    top: dict[str, int] = {}
-    for path in verified_files(layout.activations, rebuild="`lmgeo extract`"):
+def activation_shapes(layout: Layout, files: list[Path]) -> dict[str, tuple[int, int]]:
+    """model path id → (number of blocks L, width d) of its stored activations (layers 0..L)."""
+    import pyarrow.parquet as pq
+
+    shapes: dict[str, tuple[int, int]] = {}
+    for path in files:
         values = ACTIVATIONS.partition_values(path.relative_to(layout.activations))
-        top[values["model"]] = max(top.get(values["model"], 0), values["layer"])
-    return top
+        width = pq.read_schema(path).field("h").type.list_size
+        top, _ = shapes.get(values["model"], (0, width))
+        shapes[values["model"]] = (max(top, values["layer"]), width)
+    return shapes
 
 
-def model_source(layout: Layout, params: Params, model: AnalysedModel) -> str:
-    """What to open for `model` (a resolved local dir or a hub id), after every safety check."""
+def model_source(layout: Layout, params: Params, ref: str, revision: str | None) -> str:
+    """What to open for `ref` (a resolved local dir or a hub id), after every safety check."""
     from pipeline.models.loading import check_model
 
+    s = params.security
     return check_model(
-        model.ref, revision=model.revision, trust_remote_code=params.security.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=params.security.allow_outside_paths,
+        ref, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
     )
 
 
@@ -67,12 +95,11 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
     """An external model's own tokenizer (the eval text is re-encoded with it); never remote code."""
     from transformers import AutoTokenizer
 
+    source = model_source(layout, params, model.ref, model.revision)
     try:
-        return AutoTokenizer.from_pretrained(
-            model_source(layout, params, model), revision=model.revision, trust_remote_code=False
-        )
-    except (OSError, ValueError) as err:
-        raise InputError(f"{model.ref}: no usable tokenizer beside the model ({err})") from None
+        return AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
+    except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for bad files
+        raise InputError(f"{model.ref}: no usable tokenizer beside the model ({type(err).__name__}: {err})") from None
 
 
 def check_external_models(params: Params, layout: Layout) -> None:
@@ -82,15 +109,31 @@ def check_external_models(params: Params, layout: Layout) -> None:
             model_tokenizer(layout, params, model)
 
 
+def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
+    """What to load for `model`, after checking that its weights are still those it was planned with:
+    a checkpoint against its training manifest, a local external folder against its digest."""
+    if model.trained:
+        assert model.run is not None
+        verify_shard(layout.models, model.run)
+        if sha256_cached(Path(model.ref) / "model.safetensors") != model.digest:
+            raise InputError(f"{model.table_id}: retrained after the stage was planned; run the stage again")
+        return model.ref
+    source = model_source(layout, params, model.ref, model.revision)
+    if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:
+        raise InputError(f"{model.ref}: its files changed after the stage was planned; run the stage again")
+    return source
+
+
 def open_model(layout: Layout, params: Params, model: AnalysedModel):
-    """The model on the task's device (a GPU when Ray gave the task one), under the security params."""
+    """The verified model on the task's device (a GPU when Ray gave the task one), under the security params."""
     import torch
 
     from pipeline.models.loading import load_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    s = params.security
     net = load_model(
-        model_source(layout, params, model), revision=model.revision,
-        trust_remote_code=params.security.trust_remote_code,
+        verify_weights(layout, params, model), revision=model.revision, trust_remote_code=s.trust_remote_code,
+        workspace=layout.root, allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
     )
     return net.to(device), device

@@ -36,6 +36,7 @@ from pipeline.tools.bench.synthetic import activation_batch, synthetic_states, t
 from stages.layout import Layout
 
 FANOUT_MODEL = "bench"
+ACTIVATION_SHARD, ACTIVATION_KEY = f"{FANOUT_MODEL}/seq=0", ManifestKey({"tokens": "bench"}, "bench", "bench")
 FANOUT_WORKERS = (1, 2)
 
 
@@ -134,8 +135,7 @@ def _fanout_params(params: Params, size: FanoutSize) -> Params:
 def _write_activations(root: Path, size: FanoutSize) -> Path:
     states = synthetic_states(size.n_seq, size.seq_len, size.d, size.n_layers, seed=6)
     tokens = token_ids(size.n_seq, size.seq_len, vocab=1000, seed=6)
-    key = ManifestKey({"tokens": "bench"}, "bench", "bench")
-    with ShardWriter(root, f"{FANOUT_MODEL}/seq=0", key) as writer:
+    with ShardWriter(root, ACTIVATION_SHARD, ACTIVATION_KEY) as writer:
         for layer, batch in enumerate(activation_batch(states, size.seq_len, tokens)):
             writer.write({"model": FANOUT_MODEL, "layer": layer}, batch)
     return root
@@ -157,7 +157,7 @@ def _timed_fit_stage(layout: Layout, params: Params, size: FanoutSize, n_workers
 
     key = ManifestKey({"activations": "bench"}, "bench", "bench")
     shards = [
-        Shard(name, fit_task, (layout, params, FANOUT_MODEL, layer, fn, key, name))
+        Shard(name, fit_task, (layout, params, FANOUT_MODEL, layer, fn, key, name, {ACTIVATION_SHARD: ACTIVATION_KEY}))
         for layer in range(size.n_layers)
         for fn in size.classes
         for name in [f"{FANOUT_MODEL}/layer={layer}/fn={fn}"]

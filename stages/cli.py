@@ -38,6 +38,13 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def interrupted() -> None:
+    """Ctrl-C: one line and the shell's code for SIGINT (128 + 2); nothing half-written is kept, since
+    every output is written atomically."""
+    typer.echo("lmgeo: interrupted", err=True)
+    raise typer.Exit(code=130)
+
+
 def _load(params_path: Path) -> Params:
     try:
         return load_params(params_path)
@@ -59,6 +66,8 @@ def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options
         module.run(params, ray_address=ray_address, **options)
     except InputError as err:
         fail(str(err))
+    except KeyboardInterrupt:
+        interrupted()
     except ShardFailed as err:
         if not isinstance(err.cause, InputError):  # a bug or a crash: keep the traceback
             raise
@@ -78,6 +87,7 @@ def _stage_command(stage: str, summary: str) -> None:
 
 _stage_command("prepare", "Read the corpus, train or load the tokenizer, write train/val token ids.")
 _stage_command("train", "Train the grid of runs (arch x recipe x seed), one Ray task per run.")
+_stage_command("external", "Record what the external models are now (digests of their files), for DVC.")
 _stage_command("extract", "Capture block inputs/outputs of every analysed model into data/activations.")
 _stage_command("fit", "Fit tokenwise maps on nearest-neighbour pairs, per (model, layer, class).")
 _stage_command("perturb", "Patch each fitted anchor and measure the KL of the next-token distribution.")
@@ -90,18 +100,23 @@ def query(
     sql: Annotated[str, typer.Argument(help="a read-only SQL statement")],
     rev: Annotated[Optional[list[str]], typer.Option("--rev", help="git revision or DVC experiment (repeatable)")] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | csv | json")] = "table",
+    timeout: Annotated[Optional[float], typer.Option("--timeout", help="stop the query after this many seconds")] = None,
 ) -> None:
     """Run read-only SQL over the result tables, at the working tree or at given revisions."""
     if fmt not in ("table", "csv", "json"):
         fail(f"--format must be one of table, csv, json (got {fmt!r})")
+    if timeout is not None and timeout <= 0:
+        fail(f"--timeout must be positive (got {timeout})")
     from pipeline.results.query import QueryError, run_query
     from stages.layout import Layout
 
     layout = Layout.here()
     try:
-        typer.echo(run_query(sql, revs=rev or [], workspace=layout.root, sources=layout.query_sources(), fmt=fmt))
+        typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, timeout))
     except QueryError as err:
         fail(str(err))
+    except KeyboardInterrupt:
+        interrupted()
 
 
 @app.command()

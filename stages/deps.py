@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pipeline.core.fingerprint import closure, has_code
 
-STAGES = ("prepare", "train", "extract", "fit", "perturb", "aggregate", "report")
+STAGES = ("prepare", "train", "external", "extract", "fit", "perturb", "aggregate", "report")
 CODE_ROOTS = ("pipeline/", "stages/")
 
 

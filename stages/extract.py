@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.core.config import digest
 from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, model_tokenizer, open_model
 from stages.layout import Layout
-from stages.sharded import Plan, run_sharded_stage, stage_code
+from stages.sharded import Plan, run_sharded_stage, stage_code, stage_params
 
 
 def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
@@ -56,13 +55,9 @@ def extract_task(layout: Layout, params: Params, model: AnalysedModel, seq_ids: 
 def shard_key(params: Params, layout: Layout, model: AnalysedModel, code: str) -> ManifestKey:
     """What an activation shard depends on: the eval tokens, the model's weights, the extraction params."""
     a = params.analysis
-    inputs = {"tokens": file_sha256(layout.tokens / "meta.json")}
-    if model.trained:
-        inputs["weights"] = file_sha256(layout.root / model.ref / "model.safetensors")
-    else:
-        inputs["revision"] = model.revision or ""
-    extraction = (params.prepare, a.eval_sequences, a.sequences_per_shard, a.vector_dtype)
-    return ManifestKey(inputs=inputs, params_hash=digest(extraction), code_version=code)
+    inputs = {"tokens": file_sha256(layout.tokens / "meta.json"), "model": model.digest}
+    extraction = (params.prepare, a.eval_sequences, a.sequences_per_shard, a.vector_dtype, params.security)
+    return ManifestKey(inputs=inputs, params_hash=stage_params("extract", params, *extraction), code_version=code)
 
 
 def plan(params: Params, layout: Layout) -> Plan:

@@ -3,23 +3,25 @@ written to `data/fits/model=<m>/layer=<l>/fn=<class>/`."""
 
 from __future__ import annotations
 
-from pipeline.core.config import digest
 from pipeline.core.contracts import ACTIVATIONS, read
 from pipeline.core.errors import InputError
 from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
 from pipeline.params import Params
-from stages.analysis_set import analysed_models, layers_by_model
+from stages.analysis_set import EXTRACT, activation_shapes, analysed_models
 from stages.layout import Layout
-from stages.sharded import Plan, run_sharded_stage, stage_code
+from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, stage_params
 
 
-def fit_task(layout: Layout, params: Params, model: str, layer: int, fn: str, key: ManifestKey, shard: str) -> int:
+def fit_task(
+    layout: Layout, params: Params, model: str, layer: int, fn: str, key: ManifestKey, shard: str,
+    activations: dict[str, ManifestKey],
+) -> int:
     import torch
 
     from pipeline.study_a.fits import fit_transition
 
-    files = verified_files(layout.activations, rebuild="`lmgeo extract`")
+    files = verified_files(layout.activations, activations, rebuild=EXTRACT)
     h_in, h_out = (read(layout.activations, ACTIVATIONS, files, {"model": model, "layer": l}) for l in (layer, layer + 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     table = fit_transition(h_in, h_out, fn, params.analysis, device)
@@ -29,22 +31,28 @@ def fit_task(layout: Layout, params: Params, model: str, layer: int, fn: str, ke
 
 
 def plan(params: Params, layout: Layout) -> Plan:
+    """One shard per (model, layer, class) of the verified activations of the current extract plan; every
+    value a task will use is checked here, before anything is pruned."""
     code = stage_code("fit", layout)
     a = params.analysis
-    fit_params = digest((a.model_dump(exclude={"checkpoints", "external_models"}), params.prepare.seq_len))
+    fit_params = stage_params("fit", params, a.model_dump(exclude={"checkpoints", "external_models"}), params.prepare.seq_len)
+    extracted = planned_keys("extract", params, layout)
+    stored = activation_shapes(layout, verified_files(layout.activations, extracted, rebuild=EXTRACT))
     planned = []
-    stored = layers_by_model(layout)
     for model in (m.path_id for m in analysed_models(params, layout)):
-        if model not in stored:
-            raise InputError(f"no activations for {model}: run `lmgeo extract` (or `dvc repro extract`) first")
+        n_blocks, width = stored[model]
+        for name, value in (("p", a.p), ("rank", a.rank)):
+            if value > width:
+                raise InputError(f"analysis.{name} ({value}) exceeds the width d = {width} of {model}; lower it")
         key = ManifestKey(
             inputs={"activations": dataset_digest(layout.activations, prefix=f"{model}/")},
             params_hash=fit_params, code_version=code,
         )
-        for layer in range(stored[model]):
+        own = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model}/")}
+        for layer in range(n_blocks):
             for fn in a.classes:
                 name = f"{model}/layer={layer}/fn={fn}"
-                args = (layout, params, model, layer, fn, key, name)
+                args = (layout, params, model, layer, fn, key, name, own)
                 planned.append((Shard(name, fit_task, args, code=("stages.fit", code)), key))
     return planned
 

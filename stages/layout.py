@@ -28,6 +28,10 @@ class Layout:
         return self.root / "data" / "tokenizer"
 
     @property
+    def external(self) -> Path:
+        return self.root / "data" / "external.json"
+
+    @property
     def models(self) -> Path:
         return self.root / "data" / "models"
 

@@ -12,6 +12,7 @@ import logging
 import os
 
 from pipeline.core.config import RayConfig
+from pipeline.core.errors import InputError
 
 
 def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
@@ -20,6 +21,25 @@ def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
     ``None`` means: start an embedded local Ray.
     """
     return address or os.environ.get("RAY_ADDRESS") or cfg.address or None
+
+
+def check_reachable(cfg: RayConfig, address: str | None = None) -> None:
+    """Fail within `ray.connect_timeout_s`, naming the address, when the cluster to join does not answer
+    (Ray itself would retry for minutes). Called before a stage changes anything."""
+    import socket
+
+    target = resolve_address(cfg, address)
+    if target is None or target == "auto":
+        return
+    host, _, port = target.removeprefix("ray://").rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s):
+            return
+    except (OSError, ValueError) as err:
+        raise InputError(
+            f"cannot reach the Ray cluster at {target!r} ({err}); start it (`ray start --head` on its head node) "
+            "or fix --ray-address / RAY_ADDRESS / ray.address"
+        ) from None
 
 
 def start_ray(cfg: RayConfig, address: str | None = None) -> None:

@@ -3,10 +3,12 @@ shards that are complete, fan the rest out as Ray tasks."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from pipeline.core.config import digest
 from pipeline.core.execution import Shard, run_shards
 from pipeline.core.fingerprint import code_version
 from pipeline.core.store import ManifestKey, prune_shards, shard_complete
@@ -14,6 +16,21 @@ from pipeline.params import Params
 from stages.layout import Layout
 
 Plan = Sequence[tuple[Shard, ManifestKey]]
+
+
+def planned_keys(stage: str, params: Params, layout: Layout) -> dict[str, ManifestKey]:
+    """shard → key of another stage's current plan: what a reader of that stage's output must find.
+
+    The stage is imported by name, so a reader's code version does not include the writer's code (the
+    writer's output, keyed by it, is what the reader depends on)."""
+    module = importlib.import_module(f"stages.{stage}")
+    return {shard.key: key for shard, key in module.plan(params, layout)}
+
+
+def stage_params(stage: str, params: Params, *values: Any) -> str:
+    """The params hash of a stage's shards: the values its tasks use, and the threads each task runs with
+    (a reduction over another number of threads sums in another order: floats change in the last bits)."""
+    return digest((values, params.ray.resources_for(stage).threads))
 
 
 def stage_code(stage: str, layout: Layout) -> str:
@@ -27,8 +44,9 @@ def run_sharded_stage(
     """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key); first remove shards that are no
     longer in the plan. Returns each run task's result."""
-    from stages.runtime import start_ray
+    from stages.runtime import check_reachable, start_ray
 
+    check_reachable(params.ray, ray_address)  # before the prune: a stage that cannot run changes nothing
     keep = {shard.key for shard, _ in plan}
     removed = max((prune_shards(root, keep) for root in roots), default=0)
     todo = [shard for shard, key in plan if not all(shard_complete(root, shard.key, key) for root in roots)]

@@ -14,7 +14,7 @@ from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import Params
 from stages.layout import Layout
-from stages.sharded import Plan, run_sharded_stage, stage_code
+from stages.sharded import Plan, run_sharded_stage, stage_code, stage_params
 
 RUN_JSON = "run.json"
 
@@ -58,7 +58,7 @@ def plan(params: Params, layout: Layout) -> Plan:
     code = stage_code("train", layout)
     key = ManifestKey(
         inputs={"tokens": load_meta(layout.tokens)["corpus_sha256"]},
-        params_hash=params.section_hash("prepare", "train"),
+        params_hash=stage_params("train", params, params.prepare, params.train),
         code_version=code,
     )
     return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.train.runs()]

@@ -345,7 +345,7 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     write_tiny_study(data)
     outs = [tmp_path / "a", tmp_path / "b"]
     for out in outs:
-        aggregate(sources(data), out, CFG)
+        aggregate(sources(data), out, CFG, KEY)
     a, b = ((o / "metrics.json").read_bytes() for o in outs)
     assert a == b
     m = json.loads(a)
@@ -367,7 +367,7 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
 
 
 def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:
-    aggregate(sources(tmp_path / "nothing"), tmp_path / "out", CFG)
+    aggregate(sources(tmp_path / "nothing"), tmp_path / "out", CFG, KEY)
     for name in TABLES:
         assert pq.read_table(tmp_path / "out" / "tables" / f"{name}.parquet").num_rows == 0
     assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {

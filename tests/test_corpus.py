@@ -155,6 +155,17 @@ def test_paths_escaping_the_workspace_are_refused_unless_allowed(tmp_path):
         C.resolve_path("../outside", workspace)
 
 
+def test_a_symlinked_table_file_inside_a_named_folder_is_checked_like_the_folder(tmp_path):
+    workspace, outside = tmp_path / "ws", tmp_path / "outside.parquet"
+    pq.write_table(pa.table({"text": ["a document outside", "another"]}), outside)
+    (workspace / "tables").mkdir(parents=True)
+    (workspace / "tables" / "part.parquet").symlink_to(outside)
+    corpus = CorpusConfig(source="parquet", paths=["tables"])
+    with pytest.raises(C.CorpusError, match="outside the workspace.*allow_outside_paths"):
+        C.read_documents(corpus, workspace)
+    assert len(C.read_documents(corpus, workspace, allow_outside_paths=True)) == 2
+
+
 # ----------------------------------------------------------------------------------------- split
 def test_split_puts_the_requested_fraction_of_equal_documents_in_val():
     docs = [C.Document(str(i), "x" * 10) for i in range(100)]

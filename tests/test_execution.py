@@ -26,6 +26,7 @@ import ray
 
 import pipeline.core.store
 from pipeline.core.config import RayConfig, TaskResources
+from pipeline.core.errors import InputError
 from pipeline.core.execution import Shard, ShardFailed, run_shards
 from pipeline.core.progress import Progress
 from stages.runtime import resolve_address, start_ray
@@ -253,9 +254,9 @@ def test_a_dead_worker_is_retried_then_reported(ray_local, tmp_path: Path) -> No
 
 
 def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
-    with pytest.raises(RuntimeError, match=r"fit: no node .*'GPU': 1\.0"):
+    with pytest.raises(InputError, match=r"fit: no node .*'GPU': 1\.0"):
         run_shards([Shard("a", square, (1,))], TaskResources(num_gpus=1), max_in_flight=1, max_retries=0, label="fit")
-    with pytest.raises(RuntimeError, match="fake_gpu"):
+    with pytest.raises(InputError, match="fake_gpu"):
         run_shards([Shard("a", square, (1,))], TaskResources(resources={"fake_gpu": 1}), max_in_flight=1,
                    max_retries=0, label="fit")
 
@@ -384,7 +385,7 @@ def scenario_two_node_cluster() -> None:
         try:
             run_shards([Shard("x", square, (1,))], TaskResources(resources={"fake_gpu": 2}), max_in_flight=1,
                        max_retries=0, label="fit")
-        except RuntimeError as err:
+        except ValueError as err:  # an InputError: one line, exit 2, in the CLI
             assert "fake_gpu" in str(err), err
         else:
             raise AssertionError("an infeasible task was accepted")

@@ -35,6 +35,10 @@ def test_default_params_are_valid():
         ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
         ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "recipe_overrides.muon.tau: tau applies to hilbert"),
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
+        # Values a task would crash on are refused here, before a stage deletes anything.
+        ({"train": {"seeds": [18446744073709551616]}}, "train.seeds.0: Input should be less than or equal to"),
+        ({"analysis": {"exclude_same_sequence": True, "eval_sequences": 2, "k": 100, "anchors": 10}, "prepare": {"seq_len": 64}},
+         "too few neighbours once an anchor's own sequence"),
     ],
 )
 def test_each_kind_of_error_names_the_key(raw, needle):

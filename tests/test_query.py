@@ -11,7 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_aggregate import CFG, sources, write_tiny_study
+from test_aggregate import CFG, KEY, sources, write_tiny_study
 
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import aggregate
@@ -35,7 +35,7 @@ def run_query(sql, revs, workspace, fmt="table"):  # noqa: ANN001, ANN201
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ws = tmp_path_factory.mktemp("ws")
     write_tiny_study(ws / "data")
-    aggregate(sources(ws / "data"), ws / "reports", CFG)
+    aggregate(sources(ws / "data"), ws / "reports", CFG, KEY)
     return ws
 
 
@@ -128,12 +128,17 @@ def git(repo: Path, *args: str) -> None:
                    capture_output=True)  # fmt: skip
 
 
+def write_runs(repo: Path, runs: pa.Table) -> None:
+    """A `runs` result table as aggregate writes it: one verified shard of reports/tables."""
+    with ShardWriter(repo / "reports" / "tables", "tables", KEY) as writer:
+        writer.write({}, runs, name="runs.parquet")
+
+
 def commit_version(repo: Path, version: int) -> None:
     """runs.parquet tracked by DVC (so old versions come from the DVC cache), fits plainly by git."""
     from dvc.repo import Repo
 
-    (repo / "reports" / "tables").mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}), repo / "reports" / "tables" / "runs.parquet")
+    write_runs(repo, pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}))
     n = version + 1
     with ShardWriter(repo / "data" / "fits", "fits", ManifestKey({}, "p", "c")) as writer:
         writer.write({"model": "gpt2-muon-s0.final", "layer": 0, "fn": "lowrank"},
@@ -153,7 +158,7 @@ def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Repo.init(str(repo)).close()
     commit_version(repo, 1)
     commit_version(repo, 2)
-    pq.write_table(pa.table({"run": ["dirty"], "final_val_loss": [9.0]}), repo / "reports" / "tables" / "runs.parquet")
+    write_runs(repo, pa.table({"run": ["dirty"], "final_val_loss": [9.0]}))
     return repo
 
 
@@ -172,3 +177,17 @@ def test_several_revisions_are_united_with_a_rev_column(versioned_repo: Path) ->
 def test_unknown_revision_is_a_query_error(versioned_repo: Path) -> None:
     with pytest.raises(QueryError, match="no-such-rev"):
         run_query("SELECT * FROM runs", ["no-such-rev"], versioned_repo)
+
+
+def test_a_dataset_reached_indirectly_at_a_revision_fails_instead_of_reading_nothing(versioned_repo: Path) -> None:
+    with pytest.raises(QueryError, match="name 'fits' literally"):
+        query_table("SELECT count(*) FROM query_table('fi' || 'ts')", ["HEAD"], versioned_repo)
+
+
+def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_them(
+    versioned_repo: Path, tmp_path: Path
+) -> None:
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
+    with pytest.raises(QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"):
+        query_table("SELECT * FROM runs", ["HEAD~1"], clone)

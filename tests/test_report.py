@@ -8,7 +8,7 @@ from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
-from test_aggregate import CFG, sources, write_study_b, write_tiny_study
+from test_aggregate import CFG, KEY, sources, write_study_b, write_tiny_study
 
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
@@ -21,7 +21,7 @@ PROVENANCE = {"git": {"revision": "0123abc", "uncommitted_changes": False}, "par
 
 def render(tmp_path: Path, write_data) -> tuple[str, Path]:  # noqa: ANN001
     write_data(tmp_path / "data")
-    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG)
+    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
     out = tmp_path / "reports" / "report.md"
     render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE)
     return out.read_text(), out

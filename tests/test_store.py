@@ -46,7 +46,8 @@ from pipeline.core.store import (
 
 KEY = ManifestKey(inputs={"activations": "abc123"}, params_hash="p1", code_version="c1")
 ROWS = Dataset("rows", fields=(pa.field("seq_id", pa.int32()), pa.field("pos", pa.int32()), pa.field("h", VECTOR)),
-               partitions=(pa.field("model", pa.string()), pa.field("layer", pa.int32())), order=("seq_id", "pos"))
+               partitions=(pa.field("model", pa.string()), pa.field("layer", pa.int32())), written_by="extract",
+               order=("seq_id", "pos"))
 
 
 def read_all(root: Path) -> pa.Table:

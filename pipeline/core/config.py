@@ -114,6 +114,8 @@ class RayConfig(Section):
 class SecurityConfig(Section):
     trust_remote_code: bool = False
     allow_outside_paths: bool = False  # paths in params must stay inside the workspace unless true
+    # A model whose config describes more parameters is refused before anything is allocated.
+    max_model_parameters: PositiveInt = 10_000_000_000
 
 
 # --------------------------------------------------------------------------------------- hashing

@@ -129,6 +129,7 @@ class Dataset:
     name: str
     fields: tuple[pa.Field, ...]
     partitions: tuple[pa.Field, ...]
+    written_by: str  # the stage (`lmgeo <stage>`) that writes it, named in every error about it
     order: tuple[str, ...] = ()
 
     @property
@@ -175,9 +176,10 @@ STEPS = Dataset(
     + _fields("head_update_rms", "head_update_spectral", "hilbert_realized", "hilbert_bound", "equi_ratio",
               kind=pa.float64()),  # fmt: skip
     partitions=(pa.field("run", pa.string()),),
+    written_by="train",
     order=("step",),
 )
-ACTIVATIONS = Dataset("activations", IDS + (pa.field("h", VECTOR),), MODEL_LAYER, order=("seq_id", "pos"))
+ACTIVATIONS = Dataset("activations", IDS + (pa.field("h", VECTOR),), MODEL_LAYER, "extract", order=("seq_id", "pos"))
 FIT_METRICS = (
     "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
     "proj_full_global", "proj_res_global", "norm_full", "norm_res",
@@ -187,6 +189,7 @@ FITS = Dataset(
     fields=IDS + (pa.field("k", pa.int32()),) + _fields(*FIT_METRICS, kind=pa.float64())
     + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32())),
     partitions=MODEL_LAYER + (pa.field("fn", pa.string()),),
+    written_by="fit",
     order=("seq_id", "pos"),
 )
 PERTURB_METRICS = ("kl", "kl_seq")
@@ -194,6 +197,7 @@ PERTURB = Dataset(
     "perturb",
     fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64()),
     partitions=FITS.partitions,
+    written_by="perturb",
     order=("seq_id", "pos"),
 )
 TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parquet`, one row per token
@@ -253,10 +257,17 @@ def read(root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, A
     dataset's row order. Vector columns come back as `fixed_size_list` (as written)."""
     chosen = select(root, dataset, files, where)
     if not chosen:
-        raise InputError(f"{root}: no data for {where}; run the stage that writes {dataset.name} first")
+        raise InputError(f"{root}: no data for {where}; run `lmgeo {dataset.written_by}` first")
     table = pa.concat_tables([pq.read_table(f, columns=list(columns) if columns else None) for f in chosen])
     order = [(c, "ascending") for c in dataset.order if c in table.column_names]
     return table.sort_by(order) if order else table
+
+
+def read_result_tables(folder: Path) -> dict[str, pa.Table]:
+    """The result tables under `folder` (`RESULT_TABLES`, and any other the manifest lists), verified."""
+    from pipeline.core.store import verified_files  # the store imports nothing of this module's readers
+
+    return {path.stem: pq.read_table(path) for path in verified_files(folder, rebuild="`lmgeo aggregate`")}
 
 
 def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None) -> ds.Dataset:

@@ -191,7 +191,7 @@ def _check_feasible(resources: TaskResources, label: str) -> None:
     if any(all(offer.get(name, 0) >= amount for name, amount in need.items()) for offer in offers):
         return
     shown = [{k: v for k, v in offer.items() if not k.startswith(_BOOKKEEPING)} for offer in offers]
-    raise RuntimeError(
+    raise InputError(
         f"{label}: no node of the Ray cluster can run a task needing {need}; its nodes offer {shown}. "
         "Lower the stage's task resources (ray.tasks in params.yaml) or join a cluster that has them."
     )

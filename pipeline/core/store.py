@@ -123,6 +123,14 @@ def sha256_cached(path: Path) -> str:
     return digest
 
 
+def folder_digest(path: Path) -> str:
+    """A hash of every file under a folder (names and contents): it changes when any file does."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in Path(path).rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(path).as_posix()}\0{sha256_cached(file)}\n".encode())
+    return digest.hexdigest()[:16]
+
+
 # ---------------------------------------------------------------------------------- manifests
 @dataclass(frozen=True)
 class ManifestKey:
@@ -215,11 +223,11 @@ def _key_parts(old: ManifestKey, new: ManifestKey) -> list[tuple[str, Any, Any]]
 
 
 def _check_unmixed(root: Path, manifests: Any, rebuild: str) -> None:
-    for field in ("params_hash", "code_version"):
+    for field, plural in (("params_hash", "params hashes"), ("code_version", "code versions")):
         values = sorted({m[field] for m in manifests})
         if len(values) > 1:
             raise StaleShardError(
-                f"{root}: its shards were written with {len(values)} different {field.replace('_', ' ')}s "
+                f"{root}: its shards were written with {len(values)} different {plural} "
                 f"({', '.join(values)}): a stage was interrupted after a change; run {rebuild} to finish it"
             )
 

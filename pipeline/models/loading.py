@@ -1,13 +1,16 @@
 """Opening a causal LM safely: a local `save_pretrained` directory or a hub id, safetensors only, no remote
-code unless trusted, registered families only."""
+code unless trusted, registered families only, every file inside the workspace unless allowed, a
+parameter budget checked before anything is allocated, and every tensor of the checkpoint matched to the
+model (a missing, unexpected or mis-shaped tensor is an error, never a randomly initialised weight)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from pipeline.core.errors import InputError
 from pipeline.models.registry import family_for_model_type, family_of
@@ -30,12 +33,45 @@ def _local_dir(ref: str, workspace: Path | None, allow_outside_paths: bool) -> P
         return None
     if not path.is_dir():
         raise ModelLoadError(f"model path {ref!r} is not a directory")
-    if workspace is not None and not allow_outside_paths and not path.is_relative_to(workspace.resolve()):
-        raise ModelLoadError(
-            f"model path {ref!r} resolves to {path}, outside the workspace {workspace.resolve()}; "
-            "set security.allow_outside_paths to allow it"
-        )
+    if workspace is not None and not allow_outside_paths:
+        # The folder and every file in it: a symlinked `model.safetensors` counts like a symlinked folder.
+        for inside in [path, *sorted(path.rglob("*"))]:
+            if not inside.resolve().is_relative_to(workspace.resolve()):
+                raise ModelLoadError(
+                    f"model path {ref!r}: {inside} resolves to {inside.resolve()}, outside the workspace "
+                    f"{workspace.resolve()}; set security.allow_outside_paths to allow it"
+                )
     return path
+
+
+def parameter_count(config: dict[str, Any], trust_remote_code: bool = False) -> int:
+    """Parameters of the model a config describes, counted on the meta device (nothing is allocated)."""
+    settings = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
+    try:
+        built = AutoConfig.for_model(config["model_type"], **settings)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(built, trust_remote_code=trust_remote_code)
+    except (KeyError, ValueError, TypeError) as err:
+        raise ModelLoadError(f"config.json does not describe a model transformers can build: {err}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_budget(n_parameters: int, ref: str, max_parameters: int, dtype: torch.dtype) -> None:
+    """Refuse a model over the params budget or over the memory this machine has free."""
+    import psutil
+
+    if n_parameters > max_parameters:
+        raise ModelLoadError(
+            f"{ref}: its config describes {n_parameters:,} parameters, over security.max_model_parameters "
+            f"({max_parameters:,}); raise it if you mean to load a model this size"
+        )
+    needed = n_parameters * torch.finfo(dtype).bits // 8
+    available = psutil.virtual_memory().available
+    if needed > available:
+        raise ModelLoadError(
+            f"{ref}: {n_parameters:,} parameters need {needed / 2**30:.1f} GiB in {dtype}, but this machine "
+            f"has {available / 2**30:.1f} GiB free"
+        )
 
 
 def _check_local_weights(path: Path) -> None:
@@ -65,6 +101,8 @@ def check_model(
     trust_remote_code: bool = False,
     workspace: Path | None = None,
     allow_outside_paths: bool = False,
+    max_parameters: int = 10**10,
+    dtype: torch.dtype = torch.float32,
 ) -> str:
     """Everything `load_model` refuses, checked without reading any weight; returns what to load.
 
@@ -84,6 +122,7 @@ def check_model(
                 f"{ref!r} is neither a local model directory nor a reachable hub model: {err}"
             ) from None
     _check_config(config, ref, trust_remote_code)
+    check_budget(parameter_count(config, trust_remote_code), ref, max_parameters, dtype)
     if local is not None:
         _check_local_weights(local)
     return str(local) if local is not None else ref
@@ -96,26 +135,45 @@ def load_model(
     trust_remote_code: bool = False,
     workspace: Path | None = None,
     allow_outside_paths: bool = False,
+    max_parameters: int = 10**10,
     dtype: torch.dtype = torch.float32,
 ) -> PreTrainedModel:
     """A causal LM from a local `save_pretrained` directory or a hub id, in eval mode.
 
-    The config is checked (remote code, supported family) before any weight is read, and weights are
-    read from safetensors only. Relative local paths are taken from `workspace` when given.
+    The config is checked (remote code, supported family, parameter budget) before any weight is read,
+    weights are read from safetensors only, and every tensor must match the model. Relative local paths
+    are taken from `workspace` when given.
     """
     source = check_model(
         ref, revision=revision, trust_remote_code=trust_remote_code, workspace=workspace,
-        allow_outside_paths=allow_outside_paths,
+        allow_outside_paths=allow_outside_paths, max_parameters=max_parameters, dtype=dtype,
     )
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(
             source,
             revision=revision,
             trust_remote_code=trust_remote_code,
             use_safetensors=True,
             dtype=dtype,
+            output_loading_info=True,
         )
-    except OSError as err:
-        raise ModelLoadError(f"cannot load model {ref!r}: {err}") from None
+    except Exception as err:  # noqa: BLE001 - safetensors, tokenizers and torch raise their own types
+        raise ModelLoadError(f"cannot load model {ref!r}: {type(err).__name__}: {err}") from None
+    _check_every_tensor_matched(ref, loading)
     family_of(model)  # remote code could still map to a class outside the registry
     return model.eval()
+
+
+def _check_every_tensor_matched(ref: str, loading: dict[str, Any]) -> None:
+    """transformers fills a weight the checkpoint lacks (or holds in another shape) with a fresh random
+    init and warns; here that is an error naming the tensors."""
+    problems = {
+        "missing from the checkpoint": loading.get("missing_keys", []),
+        "in the checkpoint but not in the model": loading.get("unexpected_keys", []),
+        "of another shape than the model's": [str(m[0]) if isinstance(m, tuple) else str(m) for m in loading.get("mismatched_keys", [])],
+        "not loadable": loading.get("error_msgs", []),
+    }
+    found = {what: sorted(map(str, names)) for what, names in problems.items() if names}
+    if found:
+        detail = "; ".join(f"{len(n)} {what} ({', '.join(n[:6])}{', …' if len(n) > 6 else ''})" for what, n in found.items())
+        raise ModelLoadError(f"{ref}: the checkpoint does not match its config: {detail}")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,6 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-import pyarrow.parquet as pq
 from scipy import stats as sps
 
 from pipeline.core.contracts import (
@@ -55,7 +54,7 @@ from pipeline.core.contracts import (
     scan,
     table_id_sql,
 )
-from pipeline.core.store import atomic_path, atomic_write, verified_files
+from pipeline.core.store import ManifestKey, ShardWriter, atomic_path, atomic_write, verified_files
 from pipeline.models.registry import FAMILIES
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
@@ -87,16 +86,26 @@ class Sources:
     runs: Sequence[RunRecord]
 
 
-def load_sources(steps: Path, fits: Path, perturb: Path, models: Path) -> Sources:
+def load_sources(
+    steps: Path, fits: Path, perturb: Path, models: Path, expected: Mapping[str, Mapping[str, ManifestKey]] | None = None
+) -> Sources:
     """The verified files under each dataset folder (none where a stage has not run) and the records of
-    the finished runs (`run.json` of each final checkpoint, as its manifest lists it)."""
+    the finished runs (`run.json` of each final checkpoint, as its manifest lists it).
 
-    def files(root: Path, stage: str) -> Files:
-        return root, verified_files(root, rebuild=f"`lmgeo {stage}`") if root.is_dir() else []
+    `expected` (dataset → shard → key, from the writing stages' current plans: `train` for the steps and
+    the models, `fit`, `perturb`) makes every read take exactly the planned shards, and refuse a missing,
+    stale or mixed one; without it a dataset is read as written (one params hash, one code version)."""
+    planned = dict(expected or {})
 
-    _, checkpoints = files(models, "train")
+    def files(root: Path, name: str, stage: str) -> Files:
+        if name not in planned and not root.is_dir():
+            return root, []
+        return root, verified_files(root, planned.get(name), rebuild=f"`lmgeo {stage}`")
+
+    _, checkpoints = files(models, "models", "train")
     records = [RunRecord.from_json(json.loads(p.read_text())) for p in checkpoints if p.match("*/final/run.json")]
-    return Sources(files(steps, "train"), files(fits, "fit"), files(perturb, "perturb"), sorted(records, key=lambda r: r.run))
+    return Sources(files(steps, "steps", "train"), files(fits, "fits", "fit"), files(perturb, "perturb", "perturb"),
+                   sorted(records, key=lambda r: r.run))  # fmt: skip
 
 
 def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
@@ -480,12 +489,15 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
     }  # fmt: skip
 
 
-def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig) -> None:
-    """Write ``out_dir/tables/*.parquet``, ``out_dir/metrics.json`` and ``out_dir/plots/`` (module docstring)."""
+def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey) -> None:
+    """Write ``out_dir/tables/*.parquet``, ``out_dir/metrics.json`` and ``out_dir/plots/`` (module docstring).
+
+    The tables are one shard of the store under ``key``, so their readers (the report, ``lmgeo query``)
+    verify every file against the manifest, as for any dataset."""
     tables = build_tables(sources, cfg)
-    for name, table in tables.items():
-        with atomic_path(out_dir / "tables" / f"{name}.parquet") as temp:
-            pq.write_table(table, temp)
+    with ShardWriter(out_dir / "tables", "tables", key) as writer:
+        for name, table in tables.items():
+            writer.write({}, table, name=f"{name}.parquet")
     atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n")
     write_plot_csvs(tables, out_dir / "plots")
 

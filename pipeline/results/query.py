@@ -21,12 +21,15 @@ it can neither read nor write any file, attach a database or load an extension.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import math
 import re
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +38,17 @@ from typing import Any, Literal
 import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
-from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, STEPS, Dataset, scan, table_id_sql
+from pipeline.core.contracts import (
+    ACTIVATIONS,
+    FITS,
+    PERTURB,
+    STEPS,
+    Dataset,
+    read_result_tables,
+    scan,
+    table_id_sql,
+)
 from pipeline.core.errors import InputError
 from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
 
@@ -60,15 +71,23 @@ class QueryError(InputError):
     """A query that cannot run: not read-only, bad SQL, an unknown revision or unreadable data."""
 
 
-def run_query(sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], fmt: Format = "table") -> str:
+def run_query(
+    sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], fmt: Format = "table",
+    timeout_s: float | None = None,
+) -> str:
     """Run one read-only statement and render the result as ``fmt`` (table | csv | json)."""
-    return format_result(query_table(sql, revs, workspace, sources), fmt)
+    return format_result(query_table(sql, revs, workspace, sources, timeout_s), fmt)
 
 
-def query_table(sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str]) -> pa.Table:
+def query_table(
+    sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], timeout_s: float | None = None
+) -> pa.Table:
     """Run one read-only statement over the working tree (no ``revs``) or over the given revisions.
-    ``sources`` maps ``tables`` and each dataset name to its workspace-relative folder."""
+    ``sources`` maps ``tables`` and each dataset name to its workspace-relative folder; a statement still
+    running after ``timeout_s`` is interrupted."""
     statement = check_read_only(sql)
+    # Outside the workspace, private, emptied afterwards: DuckDB may read its own temp folder even with
+    # external access off, so it must never be one a workspace (or a symlink in it) controls.
     with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp:
         if revs:
             snapshots = []
@@ -78,14 +97,56 @@ def query_table(sql: str, revs: Sequence[str] | None, workspace: Path, sources: 
                 snapshots.append(_snapshot(copy, rev, {w: sources[w] for w in wanted}))
         else:
             snapshots = [_snapshot(workspace, None, sources)]
-        con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1)
+        con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
+        try:
+            return _run_interruptibly(con, statement, timeout_s)
+        finally:
+            # After Ctrl-C DuckDB can still count the interrupted call as running and refuse to close;
+            # the in-memory database goes with the process either way.
+            with contextlib.suppress(duckdb.Error):
+                con.close()
+
+
+def _run_interruptibly(con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None) -> pa.Table:
+    """Run the statement in a thread, so the main thread can stop it: at the deadline, or on Ctrl-C (DuckDB
+    does not see Python's signals while it computes), by `con.interrupt()`."""
+    outcome: dict[str, Any] = {}
+
+    def execute() -> None:
         try:
             result = con.sql(statement)
-            return result.to_arrow_table() if result is not None else pa.table({})
+            outcome["table"] = result.to_arrow_table() if result is not None else pa.table({})
         except duckdb.Error as err:
-            raise QueryError(f"query failed: {err}") from None
-        finally:
-            con.close()
+            outcome["error"] = err
+
+    def stop() -> None:
+        # Repeated: an interrupt that lands before DuckDB starts executing is reset by the query's start.
+        while worker.is_alive():
+            con.interrupt()
+            worker.join(0.05)
+
+    worker = threading.Thread(target=execute, daemon=True)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    worker.start()
+    try:
+        while worker.is_alive():
+            worker.join(0.1)
+            if deadline is not None and time.monotonic() > deadline and worker.is_alive():
+                stop()
+                raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
+    except KeyboardInterrupt:
+        stop()
+        raise
+    if "error" in outcome:
+        raise QueryError(f"query failed: {outcome['error']}{_hint(outcome['error'])}")
+    return outcome["table"]
+
+
+def _hint(err: duckdb.Error) -> str:
+    """A per-token dataset is a view at a revision only when the SQL names it literally (it is copied
+    then); say so when the missing table is one of them."""
+    missing = [name for name in DATASETS if f"Table with name {name} does not exist" in str(err)]
+    return f" (at a revision, name {missing[0]!r} literally in the SQL so that it is fetched)" if missing else ""
 
 
 # --------------------------------------------------------------------------------- read-only check
@@ -131,6 +192,7 @@ def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> P
     """Copy the folders ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
+    from dvc_data.index.index import DataIndexError
 
     try:
         fs = DVCFileSystem(str(workspace), rev=rev)
@@ -138,8 +200,20 @@ def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> P
             if fs.isdir(folder):
                 fs.get(folder, str(dest / folder), recursive=True)
     except DvcException as err:
-        raise QueryError(f"revision {rev!r}: {err}") from None
+        if "unknown Git revision" in str(err) or "revision" in type(err).__name__.lower():
+            raise QueryError(f"revision {rev!r}: {err}") from None
+        raise _not_local(rev, err) from None
+    except (DataIndexError, OSError) as err:  # DVC's data index, for outputs its cache lacks
+        raise _not_local(rev, err) from None
     return dest
+
+
+def _not_local(rev: str, err: BaseException) -> QueryError:
+    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return QueryError(
+        f"revision {rev!r}: its results are not in the local DVC cache ({type(err).__name__}: {first_line}); "
+        f"fetch them with `dvc pull` (from the remote) or rebuild them with `git checkout {rev} && dvc repro`"
+    )
 
 
 def _mentions(sql: str, name: str) -> bool:
@@ -149,34 +223,29 @@ def _mentions(sql: str, name: str) -> bool:
 def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot:
     """The tables (read into memory; they are small) and lazy, verified datasets found under ``root``."""
     where = f"revision {rev!r}" if rev else str(root)
-    tables = {}
-    for path in sorted((root / sources["tables"]).glob("*.parquet")):
-        if _IDENTIFIER.match(path.stem) and path.stem not in DATASETS:
-            tables[path.stem] = _read_table(path, where)
+    folder = root / sources["tables"]
+    try:
+        found = read_result_tables(folder) if folder.is_dir() else {}
+    except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
+        raise QueryError(f"{where}: cannot read {sources['tables']}: {err}") from None
+    tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
     datasets = {}
     for name, dataset in DATASETS.items():
         if name not in sources:
             continue
         folder = root / sources[name]
         try:
-            files = verified_files(folder, rebuild=f"the stage that writes {sources[name]}") if folder.is_dir() else []
+            files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`") if folder.is_dir() else []
             datasets[name] = scan(folder, dataset, files)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[name]}: {err}") from None
     return _Snapshot(rev, tables, datasets)
 
 
-def _read_table(path: Path, where: str) -> pa.Table:
-    try:
-        return pq.read_table(path)
-    except (OSError, pa.ArrowException) as err:
-        raise QueryError(f"{where}: cannot read {path.name}: {err}") from None
-
-
-def _locked_connection(snapshots: list[_Snapshot], with_rev: bool) -> duckdb.DuckDBPyConnection:
+def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -> duckdb.DuckDBPyConnection:
     """Result tables are copied into DuckDB's memory; per-token datasets stay lazy Arrow scans behind views
     (their registered sources `_<name>_<i>` remain visible to SHOW TABLES)."""
-    con = duckdb.connect(":memory:")
+    con = duckdb.connect(":memory:", config={"temp_directory": str(temp)})
     for name in sorted({n for s in snapshots for n in s.tables}):
         sources = [(i, s.rev, s.tables[name]) for i, s in enumerate(snapshots) if name in s.tables]
         con.execute(f'CREATE TABLE "{name}" AS {_union(con, name, sources, with_rev)}')

@@ -16,11 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pyarrow.parquet as pq
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from pipeline.core.contracts import RESULT_TABLES
+from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
 from pipeline.results.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS
 from pipeline.study_b.recipes import RECIPES
@@ -34,7 +33,8 @@ SEED_STYLES = ("-", "--", ":", "-.")
 # ------------------------------------------------------------------------------------------- report
 def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any]) -> None:
     """Write the report (module docstring); figures that have no data are not drawn."""
-    tables = {name: _read(tables_dir / f"{name}.parquet") for name in RESULT_TABLES}
+    found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
+    tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
     figures_dir.mkdir(parents=True, exist_ok=True)
     for stale in figures_dir.glob("*.png"):
         stale.unlink()
@@ -47,10 +47,6 @@ def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance:
         _claims_section(tables),
     ]
     atomic_write(out_md, "\n".join(parts))
-
-
-def _read(path: Path) -> list[Row]:
-    return pq.read_table(path).to_pylist() if path.is_file() else []
 
 
 class _Figures:

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 
 from pipeline.core.contracts import SPLITS, TOKENS_SCHEMA
 from pipeline.core.errors import InputError
-from pipeline.core.store import atomic_path
+from pipeline.core.store import atomic_path, file_sha256, sha256_cached
 from pipeline.text.config import CorpusConfig, PrepareConfig, TokenizerConfig
 
 if TYPE_CHECKING:  # transformers is imported only where a tokenizer is built
@@ -150,6 +150,8 @@ def read_documents(
         where = ", ".join(corpus.paths)
     else:
         tables = _table_files(expand_patterns(corpus.paths, workspace, allow_outside_paths))
+        # A file inside a named folder may itself be a link out of the workspace: checked like the folder.
+        tables = [resolve_path(str(path), workspace, allow_outside_paths) for path in tables]
         raw = (row for path in tables for row in _read_table_texts(path, corpus.text_column))
         where = ", ".join(corpus.paths)
     documents = [Document(name, text) for name, text in ((n, normalise(t)) for n, t in raw) if text]
@@ -391,6 +393,12 @@ def load_tokens(tokens_dir: Path, split: str) -> np.ndarray:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(tokens_dir) / f"{split}.parquet"
+    written = load_meta(tokens_dir).get("sha256", {}).get(path.name)
+    if not path.is_file() or sha256_cached(path) != written:
+        raise CorpusError(
+            f"{path}: missing, or not the file `prepare` wrote (its sha256 differs from {META_FILE}); "
+            "run `lmgeo prepare` (or `dvc repro prepare`) again"
+        )
     try:
         column = pq.read_table(path, columns=["token_id"]).column("token_id")
     except (OSError, pa.ArrowException) as err:
@@ -461,7 +469,9 @@ def prepare(
         tokens_stage.mkdir()
         for split, split_ids in ids.items():
             write_tokens(tokens_stage / f"{split}.parquet", split_ids)
-        meta = json.dumps(dataclasses.asdict(summary), indent=2, sort_keys=True)
+        # Every reader checks the token files against these (`load_tokens`).
+        written = {p.name: file_sha256(p) for p in sorted(tokens_stage.glob("*.parquet"))}
+        meta = json.dumps({**dataclasses.asdict(summary), "sha256": written}, indent=2, sort_keys=True)
         (tokens_stage / META_FILE).write_text(meta + "\n")
         tokenizer.save_pretrained(tokenizer_stage)
     return summary

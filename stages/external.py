@@ -1,0 +1,32 @@
+"""`lmgeo external`: what the external models of `analysis.external_models` are right now, for DVC.
+
+DVC cannot list a params-dependent set of folders as deps, so this small stage runs on every `dvc repro`
+(`always_changed`) and writes `data/external.json`: each model's id, revision and a digest of its local
+files. The file changes only when a model does, and `extract` depends on it, so DVC reruns the analysis
+exactly when an external model changed. No torch, no Ray: files are hashed once and remembered by
+(path, inode, size, mtime) within the process.
+"""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.params import Params
+from stages.layout import Layout
+
+
+def run(params: Params, ray_address: str | None = None) -> None:
+    from pipeline.core.contracts import external_table_id
+    from pipeline.core.store import atomic_write, folder_digest
+
+    layout = Layout.here()
+    models = {}
+    for model in params.analysis.external_models:
+        local = (layout.root / model.id).resolve()
+        digest = folder_digest(local) if local.is_dir() else None  # a hub id: its revision is its identity
+        models[external_table_id(model.id)] = {"id": model.id, "revision": model.revision, "files": digest}
+    text = json.dumps(models, indent=2, sort_keys=True) + "\n"
+    target = layout.external
+    if not target.is_file() or target.read_text() != text:
+        atomic_write(target, text)
+    print(f"external: {len(models)} external model(s) recorded in {target.relative_to(layout.root)}", flush=True)
