@@ -103,6 +103,19 @@ def test_items_past_the_budget_are_skipped_with_the_reason():
     assert all(r.status == "skipped" and "budget" in r.summary for r in results)
 
 
+def test_gpu_test_outcomes_are_read_from_pytests_junit_report():
+    from xml.etree import ElementTree
+
+    cases = ElementTree.fromstring(
+        '<testsuite><testcase name="a"/><testcase name="b"><failure message="assert 1 == 2&#10;more"/></testcase>'
+        '<testcase name="c"><skipped message="no CUDA: run it there"/></testcase><testcase name="d"><error/></testcase>'
+        "</testsuite>"
+    )
+    assert [plan.case_outcome(c) for c in cases] == [
+        ("passed", ""), ("failed", "assert 1 == 2"), ("skipped", "no CUDA: run it there"), ("error", ""),
+    ]
+
+
 def test_summaries_hold_every_result_tables_and_failures(tmp_path):
     results = [
         Result("Study A", "fit x", "pass", 1.0, "max |Δ| 1e-9", {"worst": np.float64(1e-9), "nan": float("nan")}),

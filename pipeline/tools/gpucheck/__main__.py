@@ -49,14 +49,24 @@ def main(argv: list[str] | None = None) -> int:
         if reason:
             print(f"no CUDA: skipped ({reason})")
             return 0
-    return run(args, wheels.install_missing(args.wheels, args.site))
+    install = wheels.install_missing(args.wheels, args.site)
+    print(f"gpu-check: installed {', '.join(install['installed']) or 'nothing'} from {args.wheels}", flush=True)
+    for unmet in install["unmet_requirements"]:
+        print(f"gpu-check: unmet: {unmet}", flush=True)
+    return run(args, install)
 
 
 def run(args: argparse.Namespace, install: dict) -> int:
     import torch  # only now: the carried wheels are on the path
+    from transformers.utils import logging as transformers_logging
 
     from pipeline.core.provenance import machine
     from pipeline.tools.gpucheck import compat, plan, summary
+
+    # The device returns only the last 12,000 characters of output: keep them for the check's own lines
+    # (everything it finds is in gpu.json and gpu.md anyway).
+    transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()
 
     device = torch.device(args.device)
     cuda = device.type == "cuda"

@@ -3,9 +3,9 @@
 Items run in order of what a first GPU run most needs to learn: the environment, the GPU tests, agreement
 with the CPU (Study A, then Study B) on tiny models of every family and at GPT-2-small width (V = 50,304),
 memory between shards, the measurements, and last what compiles (tens of seconds per model), which a short
-budget cuts first. Each item is isolated: an exception is recorded with its traceback
-and the next item runs, so one run reports every failure. Once the budget is spent the remaining items
-are recorded as skipped, and the summaries are rewritten after every item.
+budget cuts first. Each item is isolated: an exception is recorded with its traceback and the next item
+runs, so one run reports every failure. Items are started only within the budget (the rest are recorded as
+skipped), and the summaries are rewritten after every item.
 """
 
 from __future__ import annotations
@@ -163,7 +163,7 @@ def gpu_tests() -> Outcome:
             return Outcome(f"pytest ended with code {done.returncode} and no report", {"output": done.stdout[-4000:]
                                                                                        + done.stderr[-2000:]}, False)
         cases = ElementTree.parse(report).getroot().iter("testcase")
-        outcomes = {f"{c.get('classname')}::{c.get('name')}": _case_outcome(c) for c in cases}
+        outcomes = {f"{c.get('classname')}::{c.get('name')}": case_outcome(c) for c in cases}
     tally = {k: sum(v[0] == k for v in outcomes.values()) for k in ("passed", "failed", "error", "skipped")}
     problems = {name: why for name, (kind, why) in outcomes.items() if kind in ("failed", "error")}
     skipped = {why for kind, why in outcomes.values() if kind == "skipped"}
@@ -173,14 +173,16 @@ def gpu_tests() -> Outcome:
     if problems:
         summary += "; " + "; ".join(f"{n}: {why}" for n, why in problems.items())
     return Outcome(summary, {"tally": tally, "problems": problems, "exit_code": done.returncode},
-                   done.returncode in (0, 5) and not problems)
+                   done.returncode == 0 and not problems)
 
 
-def _case_outcome(case: ElementTree.Element) -> tuple[str, str]:
+def case_outcome(case: ElementTree.Element) -> tuple[str, str]:
+    """(passed | failed | error | skipped, the first line of pytest's message) of one JUnit test case."""
     for kind in ("failure", "error", "skipped"):
         child = case.find(kind)
         if child is not None:
-            return {"failure": "failed"}.get(kind, kind), (child.get("message") or "").splitlines()[0][:300]
+            first_line = next(iter((child.get("message") or "").splitlines()), "")
+            return {"failure": "failed"}.get(kind, kind), first_line[:300]
     return "passed", ""
 
 

@@ -98,7 +98,8 @@ def _versions(header: dict[str, Any]) -> list[str]:
     versions = ", ".join(f"{k} {v}" for k, v in header.get("versions", {}).items())
     install = header.get("install") or {}
     installed = ", ".join(install.get("installed", [])) or "nothing"
-    lines = ["## Machine and versions", "", f"- {versions}", f"- carried wheels installed: {installed}"]
+    facts = ", ".join(f"{k} {v}" for k, v in {**header.get("device_facts", {}), **header.get("machine", {})}.items())
+    lines = ["## Machine and versions", "", f"- {facts}", f"- {versions}", f"- carried wheels installed: {installed}"]
     if install.get("unmet_requirements"):
         lines.append("- unmet requirements: " + "; ".join(install["unmet_requirements"]))
     return lines + [""]
