@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install study test bench
+.PHONY: install study test bench gpu-wheels gpu-check
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -24,3 +24,16 @@ test: install
 
 bench: install
 	$(VENV)/bin/lmgeo bench
+
+# The GPU check (pipeline/tools/gpucheck): `make gpu-wheels` here fetches, into the git-ignored .whl/, the
+# wheels the CUDA machine lacks (built for its Python 3.12); `make gpu-check` there installs the missing ones
+# into /tmp and runs the check, writing gpu.json and gpu.md under $$OUT (default build/gpu-check/).
+# Without CUDA it prints "no CUDA: skipped" and exits 0. The machine's own python3 runs it (no .venv there).
+# GPU_CHECK_ARGS passes options, e.g. GPU_CHECK_ARGS="--only compile --budget-s 400" to rerun what a run skipped.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+
+gpu-wheels: install
+	$(PY) -m pipeline.tools.gpucheck.wheels download --to .whl
+
+gpu-check:
+	$(GPU_PYTHON) -m pipeline.tools.gpucheck --wheels .whl $(GPU_CHECK_ARGS)

@@ -1,0 +1,337 @@
+"""Measurements side by side on the device: extraction against a bare forward, kNN and fits against the same
+code on the CPU, one training step of each recipe (eager and compiled) with the achieved TFLOP/s of its
+heaviest operations, Mamba's training step with or without its CUDA kernels, and the bf16 matmul peak.
+
+Timings synchronise the device before the clock stops and run interleaved (`A B B A …` after a warm-up,
+`pipeline.tools.bench.measure.interleaved`). On the CPU stand-in the same code runs at tiny sizes; its
+figures are CPU figures and say nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pipeline.models.config import ModelSize
+from pipeline.models.registry import build_model, family_of, head_of
+from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_a.fits import choose_anchors, fit_layer
+from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_b.config import TrainConfig
+from pipeline.study_b.optim import build_optimizers, partition_parameters, resolve_head_step
+from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.train import HeadInputs
+from pipeline.tools.bench.extraction import extract_to_parquet
+from pipeline.tools.bench.measure import interleaved
+from pipeline.tools.bench.synthetic import synthetic_states, token_ids
+from pipeline.tools.gpucheck.summary import Outcome
+
+CPU = torch.device("cpu")
+# Dense bf16 matrix rate of the H200, as measured on such a machine (8192³ products, docs of the device):
+# the ceiling each operation's achieved rate is compared with.
+H200_BF16_TFLOPS = 790.0
+
+
+@dataclass(frozen=True)
+class ModelRun:
+    """A model and the batch it runs: `batch` sequences of `seq_len` tokens."""
+
+    arch: str
+    size: ModelSize
+    vocab: int
+    seq_len: int
+    batch: int
+    repeats: int  # timed repetitions (or training steps)
+
+
+@dataclass(frozen=True)
+class KnnRun:
+    pool: int
+    d: int
+    anchors: int
+    chunk: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class FitRun:
+    d: int
+    n_seq: int
+    seq_len: int
+    anchors: int
+    repeats: int
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _synced(cases: dict[str, Callable[[], Any]], device: torch.device) -> dict[str, Callable[[], Any]]:
+    """Each case followed by a device synchronisation, so the clock sees the work and not its launch."""
+
+    def wrap(run: Callable[[], Any]) -> Callable[[], Any]:
+        return lambda: (run(), synchronize(device))[0]
+
+    return {name: wrap(run) for name, run in cases.items()}
+
+
+def _build(run: ModelRun, device: torch.device) -> Any:
+    return build_model(run.arch, run.size, run.vocab, run.seq_len, seed=0).to(device)
+
+
+def matmul_params(model: Any) -> int:
+    """Parameters that enter a matrix product for every token: the hidden matrices and the head."""
+    head = head_of(model).weight
+    groups = partition_parameters(model, head, family_of(model).param_groups)
+    return sum(p.numel() for name in ("hidden", "head") for p in groups[name])
+
+
+def forward_flops(model: Any, tokens: int, seq_len: int) -> float:
+    """Kaplan et al. (2020): `2·N + 2·L·T·d` per token, N the matrix parameters (the head included)."""
+    config = model.config
+    layers, width = config.num_hidden_layers, config.hidden_size
+    return tokens * (2 * matmul_params(model) + 2 * layers * seq_len * width)
+
+
+# ------------------------------------------------------------------------------------- the peak
+def matmul_peak(device: torch.device, n: int = 8192, repeats: int = 10) -> Outcome:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    synchronize(device)
+    tflops = 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
+    share = tflops / H200_BF16_TFLOPS
+    return Outcome(f"bf16 {n}³ product: {tflops:.0f} TFLOP/s ({share:.0%} of {H200_BF16_TFLOPS:.0f})",
+                   {"n": n, "repeats": repeats, "tflops": tflops})
+
+
+# ---------------------------------------------------------------------------------- extraction
+def extraction_speed(run: ModelRun, device: torch.device) -> Outcome:
+    """The extract stage's path for one shard (hooks, Arrow, Parquet through `ShardWriter`) against a bare
+    forward of the base model asking for every hidden state, on the same batches and device."""
+    model = _build(run, device).eval()
+    tokens = token_ids(run.batch * 4, run.seq_len, run.vocab, seed=1)
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = {"extract_path": lambda: extract_to_parquet(model, tokens, run.batch, Path(tmp)),
+                 "bare_forward": lambda: _bare_forward(model, tokens, run.batch, device)}
+        timings = interleaved(_synced(cases, device), run.repeats)
+    per_s = {case: tokens.size / timings.median(case) for case in cases}
+    bare_tflops = forward_flops(model, tokens.size, run.seq_len) / timings.median("bare_forward") / 1e12
+    ratio = 1 / timings.ratio("extract_path", "bare_forward")
+    return Outcome(
+        f"{_describe(run, model)}: extract path {per_s['extract_path']:,.0f} tokens/s, bare forward "
+        f"{per_s['bare_forward']:,.0f} tokens/s ({bare_tflops:.1f} TFLOP/s): ratio {ratio:.2f}",
+        {"run": asdict(run), "tokens": int(tokens.size), "tokens_per_s": per_s, "throughput_ratio": ratio,
+         "bare_forward_tflops": bare_tflops, "timings": timings.summary()},
+    )
+
+
+def _bare_forward(model: Any, tokens: np.ndarray, batch: int, device: torch.device) -> None:
+    with torch.inference_mode():
+        for start in range(0, len(tokens), batch):
+            ids = torch.as_tensor(tokens[start : start + batch], device=device)
+            model.base_model(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+
+def _describe(run: ModelRun, model: Any) -> str:
+    n = sum(p.numel() for p in model.parameters())
+    return (f"{run.arch} {run.size.n_layers} × {run.size.d_model}, V = {run.vocab:,} ({n / 1e6:.0f}M params), "
+            f"{run.batch} × {run.seq_len} tokens")
+
+
+# ------------------------------------------------------------------------------------- kNN, fits
+def knn_speed(run: KnnRun, device: torch.device) -> Outcome:
+    generator = torch.Generator().manual_seed(0)
+    pool = torch.randn(run.pool, run.d, dtype=torch.float64, generator=generator)
+    anchors = torch.randperm(run.pool, generator=generator)[: run.anchors]
+    pool_dev, anchors_dev = pool.to(device), anchors.to(device)
+    k = AnalysisConfig().k
+    cases = {"device": lambda: nearest_neighbours(pool_dev, anchors_dev, k, chunk=run.chunk),
+             "cpu": lambda: nearest_neighbours(pool, anchors, k, chunk=run.chunk)}
+    timings = interleaved(_synced(cases, device), run.repeats)
+    speedup = timings.ratio("cpu", "device")
+    tflops = 2 * run.pool * run.anchors * run.d / timings.median("device") / 1e12
+    return Outcome(
+        f"pool {run.pool:,} × {run.d} float64, {run.anchors:,} anchors, k = {k}: device "
+        f"{timings.median('device'):.3f} s ({tflops:.1f} TFLOP/s fp64), cpu {timings.median('cpu'):.2f} s: "
+        f"{speedup:.1f}× faster",
+        {"run": asdict(run), "speedup": speedup, "device_fp64_tflops": tflops, "timings": timings.summary()},
+    )
+
+
+def fits_speed(run: FitRun, device: torch.device) -> Outcome:
+    """`fit_layer` of every class on the same synthetic layer, device against CPU."""
+    states = synthetic_states(run.n_seq, run.seq_len, run.d, n_layers=1, seed=3)
+    seq = np.repeat(np.arange(run.n_seq), run.seq_len)
+    cfg = AnalysisConfig(anchors=run.anchors)
+    anchors = choose_anchors(states.shape[1], run.anchors, cfg.seed)
+    rows = []
+    for fn in FIT_CLASSES.names():
+        def fit(where: torch.device, fn: str = fn) -> Any:
+            return fit_layer(states[0], states[1], seq, seq, seq, anchors, fn, cfg, device=where)
+
+        timings = interleaved(_synced({"device": lambda: fit(device), "cpu": lambda: fit(CPU)}, device), run.repeats)
+        rows.append([fn, timings.median("device"), timings.median("cpu"), timings.ratio("cpu", "device")])
+    fastest, slowest = min(r[3] for r in rows), max(r[3] for r in rows)
+    return Outcome(
+        f"pool {states.shape[1]:,} × {run.d}, {run.anchors} anchors: device {fastest:.1f}–{slowest:.1f}× "
+        "faster than cpu",
+        {"run": asdict(run), "tables": {"fit_layer per class": {"columns": ["class", "device s", "cpu s", "speedup"],
+                                                                  "rows": rows}}},
+    )
+
+
+# ---------------------------------------------------------------------------------- training
+def _autocast(device: torch.device) -> contextlib.AbstractContextManager:
+    """What `train_run` runs a step under: bf16 autocast on CUDA, nothing on the CPU."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _training_step(forward: Any, model: Any, optimizer: Any, head_inputs: HeadInputs, batch: torch.Tensor,
+                   cfg: TrainConfig) -> None:
+    """One step as `train_run` takes it, without its logging: forward under autocast, backward, clipping,
+    every optimizer of the recipe (a `tau` recipe's step size set from the batch's radius)."""
+    with _autocast(batch.device):
+        loss = forward(input_ids=batch, labels=batch).loss
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step(radius=head_inputs.radius(optimizer.radius_quantile))
+    optimizer.zero_grad()
+
+
+def _step_seconds(step: Callable[[], None], device: torch.device, repeats: int, warmup: int = 2) -> dict[str, float]:
+    """The median of `repeats` timed steps after `warmup` untimed ones, and the first call's time (for a
+    compiled model, mostly compilation)."""
+    times = []
+    for _ in range(warmup + repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        step()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"median_s": statistics.median(times[warmup:]), "first_s": times[0]}
+
+
+def heaviest_ops(run: Callable[[], None], device: torch.device, top: int = 5) -> list[dict[str, Any]]:
+    """The operations that took the most time in one call of `run` (device time on CUDA), with their FLOPs
+    where torch counts them (matrix products) and the rate they achieved."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_flops=True) as prof:
+        run()
+        synchronize(device)
+    ops = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]  # kernels are charged to their op
+
+    def micros(event: Any) -> float:
+        return event.self_device_time_total if cuda else event.self_cpu_time_total
+
+    total = sum(micros(e) for e in ops) or 1.0
+    rows = []
+    for event in sorted(ops, key=micros, reverse=True)[:top]:
+        seconds = micros(event) / 1e6
+        tflops = event.flops / seconds / 1e12 if event.flops and seconds else None
+        rows.append({"op": event.key, "calls": event.count, "ms": seconds * 1e3, "share": micros(event) / total,
+                     "gflop": event.flops / 1e9 if event.flops else None, "tflops": tflops,
+                     "of_h200_peak": tflops / H200_BF16_TFLOPS if (tflops and cuda) else None})
+    return rows
+
+
+def training_steps(run: ModelRun, device: torch.device, compile: bool = False) -> Outcome:
+    """One training step of every recipe on the same model and batch (only the head's optimizer differs).
+    Eager: with the heaviest operations of one step and the rate they achieved. Compiled (`train.compile`,
+    CUDA only, as in `train_run`): step times, and the first call's time, which is mostly compilation."""
+    model = _build(run, device)
+    head_inputs = HeadInputs(head_of(model))  # registered before compiling, as train_run does
+    forward = torch.compile(model) if compile else model
+    batch = torch.as_tensor(token_ids(run.batch, run.seq_len, run.vocab, seed=5), device=device)
+    cfg = TrainConfig(model=run.size, steps=1000)
+    step_flops = 3 * forward_flops(model, batch.numel(), run.seq_len)
+    rows, details = [], {}
+    for recipe in RECIPES.names():
+        optimizer = build_optimizers(model, head_of(model).weight, recipe, cfg)
+
+        def step(optimizer: Any = optimizer) -> None:
+            _training_step(forward, model, optimizer, head_inputs, batch, cfg)
+
+        times = _step_seconds(step, device, run.repeats)
+        ops = [] if compile else heaviest_ops(step, device)
+        equi_iters = resolve_head_step(recipe, cfg).equi_iters
+        head_gflop = RECIPES[recipe].head_flops(run.vocab, run.size.d_model, equi_iters) / 1e9
+        details[recipe] = {**times, "heaviest_ops": ops, "head_step_gflop": head_gflop}
+        row = [recipe, times["median_s"] * 1e3, times["first_s"], step_flops / times["median_s"] / 1e12, head_gflop]
+        if ops:
+            matmul = next((o for o in ops if o["tflops"]), None)
+            row += [f"{matmul['op']} {matmul['tflops']:.0f}" if matmul else None,
+                    f"{ops[0]['op']} ({ops[0]['share']:.0%})"]
+        rows.append(row)
+    milliseconds = [r[1] for r in rows]
+    columns = ["recipe", "ms per step", "first call s", "model TFLOP/s", "head step GFLOP"]
+    tables = {"per recipe": {"columns": columns + ([] if compile else ["heaviest counted op (TFLOP/s)",
+                                                                        "op with most time (share)"]), "rows": rows}}
+    if not compile:
+        tables["heaviest operations of one step"] = ops_table({r: d["heaviest_ops"] for r, d in details.items()})
+    return Outcome(
+        f"{_describe(run, model)}, {'compiled' if compile else 'eager'}: "
+        f"{min(milliseconds):.0f}–{max(milliseconds):.0f} ms/step "
+        f"({step_flops / 1e12:.2f} TFLOP of model per step, 6N·tokens estimate)"
+        + (f"; first call {rows[0][2]:.0f} s (compiling)" if compile else ""),
+        {"run": asdict(run), "compiled": compile, "step_flops": step_flops, "per_recipe": details, "tables": tables},
+    )
+
+
+def ops_table(ops: dict[str, list[dict[str, Any]]], top: int = 3) -> dict[str, Any]:
+    rows = [[label, o["op"], o["calls"], o["ms"], f"{o['share']:.0%}", o["tflops"],
+             f"{o['of_h200_peak']:.0%}" if o["of_h200_peak"] else None]
+            for label, found in ops.items() for o in found[:top]]
+    return {"columns": ["recipe", "op", "calls", "ms", "share of step", "TFLOP/s", f"of {H200_BF16_TFLOPS:.0f}"],
+            "rows": rows}
+
+
+def mamba_step(run: ModelRun, device: torch.device) -> Outcome:
+    """Mamba's training step with the scan this machine has: the CUDA kernels (mamba-ssm, causal-conv1d)
+    when both import, else transformers' PyTorch fallback (mambapy's parallel scan when training). Only
+    one of the two can be measured: transformers picks the kernels whenever they import."""
+    kernels = {name: importlib.util.find_spec(name) is not None for name in ("mamba_ssm", "causal_conv1d")}
+    model = _build(run, device)
+    head_inputs = HeadInputs(head_of(model))
+    batch = torch.as_tensor(token_ids(run.batch, run.seq_len, run.vocab, seed=5), device=device)
+    cfg = TrainConfig(model=run.size, steps=1000)
+    optimizer = build_optimizers(model, head_of(model).weight, baseline().name, cfg)
+
+    def step() -> None:
+        _training_step(model, model, optimizer, head_inputs, batch, cfg)
+
+    seconds = _step_seconds(step, device, run.repeats)["median_s"]
+    missing = [name for name, found in kernels.items() if not found]
+    if missing:
+        path = "PyTorch fallback (mambapy scan)"
+        other = (f"CUDA kernels: not measured, {' and '.join(missing)} not importable (PyPI has no wheels, only "
+                 "sources that compile CUDA extensions against the local torch with nvcc)")
+    else:
+        path, other = "CUDA kernels", "PyTorch fallback: not measured (the kernels are used whenever they import)"
+    return Outcome(
+        f"{_describe(run, model)}, {path}: {seconds * 1e3:.0f} ms/step, {batch.numel() / seconds:,.0f} tokens/s; "
+        + other,
+        {"run": asdict(run), "kernels_importable": kernels, "path": path, "step_s": seconds,
+         "tokens_per_s": batch.numel() / seconds,
+         "tables": {"heaviest operations of one step": ops_table({run.arch: heaviest_ops(step, device)})}},
+    )
