@@ -24,7 +24,7 @@ from pipeline.models.registry import FAMILIES, family_of
 from pipeline.study_b import hilbert, lmo, optim
 from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
 from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import HeadStepDefault
+from pipeline.study_b.recipes.base import HeadStepDefault, LMOKnobs
 
 VOCAB, WIDTH, SEQ, BATCH = 256, 32, 16, 8
 FLAT = Schedule(warmup_steps=0, decay="constant")
@@ -130,12 +130,15 @@ def gradients(seed: int) -> list[torch.Tensor]:
     return [dense, low_rank, shifted]
 
 
-def lmo_step(recipe: str, grad: torch.Tensor, eta: float, equi_iters: int = 3) -> tuple[torch.Tensor, optim.HeadLMO]:
+KNOBS = LMOKnobs(equi_iters=5, equi_alignment=0.5)
+
+
+def lmo_step(recipe: str, grad: torch.Tensor, eta: float, knobs: LMOKnobs = KNOBS, seed: int = 0) -> tuple[torch.Tensor, optim.HeadLMO]:
     """ΔW of one HeadLMO step (from zero momentum) on a parameter whose gradient is `grad`."""
     w = torch.nn.Parameter(torch.randn_like(grad))
     before = w.detach().clone()
     w.grad = grad.clone()
-    optimizer = optim.HeadLMO([w], partial(RECIPES[recipe].direction, equi_iters=equi_iters), lr=eta)
+    optimizer = optim.HeadLMO([w], RECIPES[recipe].direction, lr=eta, knobs=knobs, seed=seed)
     optimizer.step()
     return w.detach() - before, optimizer
 
@@ -160,14 +163,78 @@ def test_hilbert_step_is_the_centred_gradient_rows_on_the_sphere() -> None:
     assert float(alignment) < 0  # a descent direction
 
 
-def test_equidistant_spreading_separates_rows_that_hilbert_collapses() -> None:
-    """On a rank-2 gradient the centred unit rows lie on a circle, with near-coincident pairs; the
-    seed's spreading pushes them apart."""
-    grad = gradients(3)[1]
+def nearly_parallel(n_rows: int = 600, width: int = 24, seed: int = 7) -> torch.Tensor:
+    """A planted head gradient whose centred rows are nearly parallel: one direction with random signed
+    sizes, plus 1% noise (as rare tokens' rows are: all ≈ their probability times the mean hidden state)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randn(n_rows, 1, generator=gen)
+    return sizes * torch.randn(1, width, generator=gen) + 0.01 * torch.randn(n_rows, width, generator=gen)
+
+
+def min_distance(x: torch.Tensor) -> float:
+    return float(torch.pdist(x.double()).min())
+
+
+def test_equidistance_lmo_spreads_nearly_parallel_rows_as_far_as_random_unit_rows() -> None:
+    """Centred unit rows of a nearly parallel gradient sit on two antipodal clusters (hilbert's
+    equi_ratio ≈ 0); the equidistance LMO spreads them at least as well as random unit rows of the same
+    shape, the baseline of SPEC §3.2, and below the Welch-type bound."""
+    grad = nearly_parallel()
     plain, _ = lmo_step("hilbert", grad, eta=1.0)
     spread, _ = lmo_step("hilbert_equi", grad, eta=1.0)
+    baseline = hilbert.equi_ratio_random(*grad.shape)
     assert hilbert.equi_ratio(plain) < 0.05
-    assert hilbert.equi_ratio(spread) > 0.3
+    assert baseline <= hilbert.equi_ratio(spread) <= hilbert.equi_ratio_bound(*grad.shape)
+
+
+def test_spreading_iterations_raise_the_minimum_row_distance() -> None:
+    """The iterations are ascent on the smallest distance: from the same random start (same seed), more
+    iterations leave the closest pair further apart."""
+    grad = nearly_parallel()
+    gaps = [
+        min_distance(lmo_step("hilbert_equi", grad, eta=1.0, knobs=LMOKnobs(iters, 0.5), seed=3)[0])
+        for iters in (0, 2, 8)
+    ]
+    assert gaps[0] < gaps[1] < gaps[2], gaps
+
+
+def test_into_cones_moves_only_rows_outside_to_the_nearest_point_of_their_cone() -> None:
+    gen = torch.Generator().manual_seed(10)
+    axes = lmo.unit_rows(torch.randn(200, 6, generator=gen))
+    u = lmo.unit_rows(torch.randn(200, 6, generator=gen))
+    moved = lmo.into_cones(u, axes, 0.6)
+    cosine_before, cosine_after = (u * axes).sum(1), (moved * axes).sum(1)
+    inside = cosine_before >= 0.6
+    assert 0 < int(inside.sum()) < 200
+    torch.testing.assert_close(moved[inside], u[inside], rtol=0, atol=0)
+    torch.testing.assert_close(cosine_after[~inside], torch.full_like(cosine_after[~inside], 0.6), rtol=0, atol=1e-6)
+    torch.testing.assert_close(moved.norm(dim=1), torch.ones(200), rtol=0, atol=1e-6)
+    # The nearest point of the cap: no other point of the cone boundary in the plane (u, a) is closer.
+    for angle in torch.linspace(-0.3, 0.3, 7):
+        rotated = math.cos(angle) * moved + math.sin(angle) * lmo.tangent_rows(moved, axes)
+        rotated = torch.where(((rotated * axes).sum(1, keepdim=True) >= 0.6 - 1e-6), rotated, moved)
+        assert bool(((rotated - u).norm(dim=1) >= (moved - u).norm(dim=1) - 1e-6).all())
+
+
+@pytest.mark.parametrize("alignment", [0.3, 0.5, 0.9])
+def test_the_equidistance_step_keeps_its_share_of_hilberts_alignment(alignment: float) -> None:
+    """Every row keeps ⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c (`into_cones` after every move), so ⟨M, ΔW⟩ ≥ c·⟨M, ΔW_hilbert⟩
+    at the same η (the centring shift is invisible to a centred M); and the diameter stays within η."""
+    grad = gradients(8)[0]
+    spread, _ = lmo_step("hilbert_equi", grad, eta=1.0, knobs=LMOKnobs(equi_iters=5, equi_alignment=alignment))
+    plain, _ = lmo_step("hilbert", grad, eta=1.0)
+    ratio = float((grad * spread).sum() / (grad * plain).sum())
+    assert alignment - 1e-5 <= ratio < 1
+    assert hilbert.diam(spread).value <= 1 + 1e-5
+
+
+def test_the_spreading_draws_from_the_runs_seed() -> None:
+    grad = gradients(9)[0]
+    first, again, other = (lmo_step("hilbert_equi", grad, eta=1.0, seed=seed)[1] for seed in (4, 4, 5))
+    assert first.generator(grad.device).initial_seed() == 4
+    step = [RECIPES["hilbert_equi"].direction(grad, KNOBS, opt.generator(grad.device)) for opt in (first, again, other)]
+    torch.testing.assert_close(step[0], step[1], rtol=0, atol=0)
+    assert not torch.equal(step[0], step[2])
 
 
 def test_sign_step_entries_are_plus_minus_eta_over_width() -> None:
@@ -190,7 +257,7 @@ def test_head_momentum_is_muons() -> None:
     gen = torch.Generator().manual_seed(6)
     start = torch.randn(64, 16, generator=gen)
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    head = optim.HeadLMO([ours], lmo.orthogonalise, lr=0.01 * math.sqrt(64 / 16), weight_decay=0.0)
+    head = optim.HeadLMO([ours], lambda m, _k, _g: lmo.orthogonalise(m), lr=0.01 * math.sqrt(64 / 16), knobs=KNOBS)
     muon = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.0)
     for _ in range(4):
         grad = torch.randn(64, 16, generator=gen)
@@ -297,7 +364,7 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
         recipe_overrides={
             "hilbert": RecipeConfig(tau=0.7, radius_quantile=0.9),
             "sign": RecipeConfig(head_lr=0.11, schedule=FLAT),
-            "hilbert_equi": RecipeConfig(equi_iters=5),
+            "hilbert_equi": RecipeConfig(equi_iters=2, equi_alignment=0.7),
         },
     )
     hil = optim.resolve_head_step("hilbert", cfg)
@@ -305,7 +372,7 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
     sign = optim.resolve_head_step("sign", cfg)
     assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
     equi = optim.resolve_head_step("hilbert_equi", cfg)
-    assert (equi.lr, equi.equi_iters, equi.schedule) == (RECIPES["hilbert_equi"].default_step.tau, 5, cfg.schedule)
+    assert (equi.lr, equi.knobs, equi.schedule) == (RECIPES["hilbert_equi"].default_step.tau, LMOKnobs(2, 0.7), cfg.schedule)
     assert optim.resolve_head_step("muon", cfg).lr == RECIPES["muon"].default_step.head_lr
     no_default = dataclasses.replace(RECIPES["muon"], default_step=HeadStepDefault())
     monkeypatch.setitem(RECIPES._members, "muon", no_default)

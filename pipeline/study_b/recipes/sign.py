@@ -3,12 +3,12 @@
 import torch
 from torch import Tensor
 
-from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 
-def direction(m: Tensor, equi_iters: int) -> Tensor:
+def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
     """Entries ±1/d, d the head's input width."""
-    del equi_iters
+    del knobs, gen
     return torch.sign(m) / m.shape[1]
 
 
