@@ -220,6 +220,7 @@ class RunRecord:
     final_train_loss: float | None
     final_val_loss: float | None
     final_test_loss: float | None  # None for runs that never see the test split (tuning)
+    head_budget_tau: float | None  # the matched-budget cap of the run's head steps (nats), None: none
     diverged: bool
     diverged_at_step: int | None
     wall_time_s: float
