@@ -80,7 +80,7 @@ def diverged_steps(run: str) -> pa.Table:
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
 
-def write_study_b(data_dir: Path) -> None:
+def write_study_b(data_dir: Path, head_budget_tau: float | None = None) -> None:
     for run, val in FINAL_VAL.items():
         steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
         write_steps(data_dir, run, steps)
@@ -90,7 +90,8 @@ def write_study_b(data_dir: Path) -> None:
             "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
             "final_train_loss": None if math.isnan(val) else val - 0.1,
             "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
-            "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": None,
+            "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
+            "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
             "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
             "params_hash": "abc",
         }  # fmt: skip
@@ -239,7 +240,7 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
             write_steps(tmp_path, run, steps_table(run).append_column("head_step_scale", pa.array(capped)))
             record = {"run": run, "arch": "neox", "recipe": recipe, "seed": seed, "steps": STEPS, "steps_done": STEPS,
                       "tokens": 1, "final_train_loss": 1.0, "final_val_loss": loss, "final_test_loss": loss,
-                      "head_budget_tau": 0.3, "diverged": False, "diverged_at_step": None, "wall_time_s": 1.0,
+                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None, "wall_time_s": 1.0,
                       "n_params": 1, "params_hash": "x"}  # fmt: skip
             with ShardWriter(tmp_path / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
                 (folder / "run.json").write_text(json.dumps(record))

@@ -220,6 +220,7 @@ class RunRecord:
     final_train_loss: float | None
     final_val_loss: float | None
     final_test_loss: float | None  # None for runs that never see the test split (tuning)
+    head_step: str  # the head step size it ran with, `tau=<nats>` or `head_lr=<η>`
     head_budget_tau: float | None  # the matched-budget cap of the run's head steps (nats), None: none
     diverged: bool
     diverged_at_step: int | None

@@ -159,7 +159,7 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
-               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_budget_tau,
+               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step, j.head_budget_tau,
                j.wall_time_s, j.n_params, j.params_hash,
                l.* EXCLUDE (run)
         FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
@@ -197,7 +197,8 @@ RECIPES_SCHEMA = pa.schema(
     [("arch", pa.string()), ("recipe", pa.string()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
      ("n_diverged", pa.int64()), ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
      ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
-     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_budget_tau", pa.float64()), ("n_paired", pa.int64()),
+     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
+     ("n_paired", pa.int64()),
      ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
      ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
      ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64())]
@@ -229,6 +230,7 @@ def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "test_loss_ci_low": _none_if_nan(loss.low), "test_loss_ci_high": _none_if_nan(loss.high),
             "val_loss_mean": _none_if_nan(mean_interval([r["final_val_loss"] for r in rows if _usable(r, "final_val_loss")]).mean),
             "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
+            "head_step": _single([r["head_step"] for r in rows]),
             "head_budget_tau": _single([r["head_budget_tau"] for r in rows]),
             "n_paired": diff.n if diff else None,
             "diff_vs_muon": _none_if_nan(diff.mean) if diff else None,

@@ -57,6 +57,10 @@ class HeadStep:
     knobs: LMOKnobs
     schedule: Schedule
 
+    def describe(self) -> str:
+        """`tau=<nats>` or `head_lr=<η>`, as runs record and `lmgeo tune` names its choices."""
+        return f"{'tau' if self.trust_region else 'head_lr'}={self.lr:g}"
+
 
 def resolve_head_step(recipe: str, cfg: TrainConfig) -> HeadStep:
     """Recipe override (`train.recipe_overrides`) over the recipe's default over the run's AdamW lr."""
