@@ -42,7 +42,7 @@ class RecipeConfig(Section):
     head_lr: PositiveFloat | None = None
     tau: PositiveFloat | None = None
     radius_quantile: Annotated[float, Field(gt=0, le=1)] = 1.0
-    equi_iters: NonNegInt = 5
+    equi_iters: NonNegInt = 3
     equi_alignment: Annotated[float, Field(gt=0, le=1)] = 0.5
     schedule: Schedule | None = None
 

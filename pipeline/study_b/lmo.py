@@ -19,6 +19,10 @@ from torch.optim._muon import (
 )
 
 
+# Rows of a distance block held at once: memory O(CHUNK_ROWS · bucket size).
+CHUNK_ROWS = 512
+
+
 def unit_rows(m: Tensor) -> Tensor:
     """Rows scaled to norm 1; zero rows stay zero (still feasible: inside every ball)."""
     return m / m.norm(dim=1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
@@ -34,47 +38,75 @@ def tangent_rows(u: Tensor, axes: Tensor) -> Tensor:
     return unit_rows(u - (u * axes).sum(dim=1, keepdim=True) * axes)
 
 
-def into_cones(u: Tensor, axes: Tensor, cos_min: float) -> Tensor:
-    """Unit rows `u` moved, where needed, onto the boundary of the cone `⟨u_i, a_i⟩ ≥ cos_min` around
-    their axis, along the great circle through the axis (the nearest point of the cone on the sphere)."""
-    cosine = (u * axes).sum(dim=1, keepdim=True)
-    boundary = cos_min * axes + math.sqrt(1 - cos_min * cos_min) * tangent_rows(u, axes)
-    return torch.where(cosine < cos_min, boundary, u)
+def on_cone(axes: Tensor, tangents: Tensor, cos_min: float) -> Tensor:
+    """The points of the cones' boundaries `⟨u_i, a_i⟩ = cos_min` in the unit `tangents` directions."""
+    return cos_min * axes + math.sqrt(1 - cos_min * cos_min) * tangents
 
 
-# Above this width the candidate search runs on a fixed random projection (Johnson–Lindenstrauss): its
-# cost is V²·SKETCH_WIDTH instead of V²·d, and a pair that is close in R^d stays close in the sketch.
+def into_cones_(u: Tensor, axes: Tensor, cos_min: float) -> Tensor:
+    """In place: unit rows `u` moved, where needed, onto the boundary of the cone `⟨u_i, a_i⟩ ≥ cos_min`
+    around their axis, along the great circle through the axis (the nearest point of the cone on the
+    sphere). Returns `u`."""
+    outside = torch.nonzero((u * axes).sum(dim=1) < cos_min).flatten()
+    u[outside] = on_cone(axes[outside], tangent_rows(u[outside], axes[outside]), cos_min)
+    return u
+
+
+# Above this width, distances between rows are measured on a fixed random projection (Johnson–Lindenstrauss):
+# close rows stay close, and the search costs V·(buckets + bucket size)·SKETCH_WIDTH instead of V²·d.
 SKETCH_WIDTH = 64
-# Rows of the V × V distance block held at once: memory O(CHUNK_ROWS · V).
-CHUNK_ROWS = 512
+# The candidate search is exact within buckets of about this many rows (one bucket, exact, up to it): an
+# inverted-file index assigns each row to the nearest of V / BUCKET_ROWS random rows, so nothing is V × V.
+BUCKET_ROWS = 2048
 
 
-def nearest_candidates(u: Tensor, k: int, seed: int = 0) -> Tensor:
-    """(V, k) indices of each unit row's `k` nearest other rows (largest inner products): exact when the
-    width is at most `SKETCH_WIDTH`, otherwise found on a seeded Gaussian sketch of the rows, renormalised
-    (the caller measures the true distances to these candidates)."""
-    n_rows, width = u.shape
-    k = min(k, n_rows - 1)
-    if width > SKETCH_WIDTH:
+def sketch_projection(width: int, like: Tensor, seed: int = 0) -> Tensor | None:
+    """None up to `SKETCH_WIDTH` columns (rows are compared as they are), else a seeded Gaussian
+    (width, SKETCH_WIDTH) projection: distances between unit rows survive it to about 1/√SKETCH_WIDTH."""
+    if width <= SKETCH_WIDTH:
+        return None
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(width, SKETCH_WIDTH, generator=gen).to(like.device, like.dtype)
+
+
+def sketch(u: Tensor, projection: Tensor | None) -> Tensor:
+    """The rows as compared by the candidate search: themselves, or projected and renormalised."""
+    return u if projection is None else unit_rows(u @ projection)
+
+
+def nearest_candidates(s: Tensor, k: int, seed: int = 0, bucket_rows: int = BUCKET_ROWS) -> Tensor:
+    """(V, k) indices of each unit row's `k` nearest other rows of its bucket (largest inner products);
+    a row whose bucket has fewer than k + 1 rows lists itself in the spare places (`nearest_among` skips
+    them). Exact for V ≤ `bucket_rows`."""
+    n_rows = s.shape[0]
+    n_buckets = max(1, n_rows // bucket_rows)
+    if n_buckets == 1:
+        bucket = torch.zeros(n_rows, dtype=torch.long, device=s.device)
+    else:
         gen = torch.Generator().manual_seed(seed)
-        u = unit_rows(u @ torch.randn(width, SKETCH_WIDTH, generator=gen).to(u.device, u.dtype))
-    found = torch.empty(n_rows, k, dtype=torch.long, device=u.device)
-    for start in range(0, n_rows, CHUNK_ROWS):
-        stop = min(start + CHUNK_ROWS, n_rows)
-        similarity = u[start:stop] @ u.T
-        similarity[torch.arange(stop - start), torch.arange(start, stop)] = -math.inf  # not its own candidate
-        found[start:stop] = similarity.topk(k, dim=1).indices
+        centres = s[torch.randperm(n_rows, generator=gen)[:n_buckets].to(s.device)]
+        bucket = torch.cat([(s[i : i + CHUNK_ROWS] @ centres.T).argmax(dim=1) for i in range(0, n_rows, CHUNK_ROWS)])
+    found = torch.arange(n_rows, device=s.device)[:, None].repeat(1, k)
+    for b in range(n_buckets):
+        members = torch.nonzero(bucket == b).flatten()
+        take = min(k, len(members) - 1)
+        for start in range(0, len(members), CHUNK_ROWS) if take > 0 else ():
+            block = members[start : start + CHUNK_ROWS]
+            similarity = s[block] @ s[members].T
+            similarity[torch.arange(len(block)), torch.arange(start, start + len(block))] = -math.inf  # not itself
+            found[block, :take] = members[similarity.topk(take, dim=1).indices]
     return found
 
 
-def nearest_among(u: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
-    """For each row, the nearest of its candidate rows: (index, distance), computed in chunks."""
-    index = torch.empty(u.shape[0], dtype=torch.long, device=u.device)
-    distance = torch.empty(u.shape[0], dtype=u.dtype, device=u.device)
-    rows = torch.arange(u.shape[0], device=u.device)
-    for start in range(0, u.shape[0], CHUNK_ROWS):
-        block = slice(start, min(start + CHUNK_ROWS, u.shape[0]))
-        gaps = (u[block, None, :] - u[candidates[block]]).norm(dim=2)
+def nearest_among(s: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
+    """For each row, the nearest of its candidate rows (itself excluded): (index, distance), in chunks."""
+    index = torch.empty(s.shape[0], dtype=torch.long, device=s.device)
+    distance = torch.empty(s.shape[0], dtype=s.dtype, device=s.device)
+    rows = torch.arange(s.shape[0], device=s.device)
+    for start in range(0, s.shape[0], CHUNK_ROWS):
+        block = slice(start, min(start + CHUNK_ROWS, s.shape[0]))
+        gaps = (s[block, None, :] - s[candidates[block]]).norm(dim=2)
+        gaps[candidates[block] == rows[block, None]] = math.inf
         distance[block], best = gaps.min(dim=1)
-        index[block] = candidates[block][rows[: len(best)], best]
+        index[block] = candidates[block][torch.arange(len(best), device=s.device), best]
     return index, distance

@@ -348,6 +348,20 @@ def build_optimizers(
     return RecipeOptimizer(recipe, optimizers, schedulers, head_step, head, budget)
 
 
+def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed: int = 0) -> torch.optim.Optimizer:
+    """The optimizer that steps the head inside `recipe`, on the head alone (the bench times head steps at
+    GPT-2 scale without a model): AdamW, Muon or the recipe's `HeadLMO`, with its resolved step (a tau is
+    taken as η: no radius is needed, and the cost is the same)."""
+    spec = RECIPES[recipe]
+    step = resolve_head_step(recipe, cfg)
+    if spec.head == "adamw":
+        return torch.optim.AdamW([head], lr=step.lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
+    if spec.head == "muon":
+        return torch.optim.Muon([head], lr=step.lr, weight_decay=cfg.weight_decay, momentum=MOMENTUM, nesterov=True)
+    assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
+    return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, seed=seed, weight_decay=cfg.weight_decay)
+
+
 def _hidden_muon_groups(params: list[nn.Parameter], lr: float, weight_decay: float, transposed: bool) -> list[dict[str, Any]]:
     """One `hidden` group, or for matrices stored (in, out) one per shape correction (`lr_scale`)."""
     if not transposed:

@@ -58,5 +58,7 @@ class HeadRecipe:
     direction: Direction | None = None
     trust_region: bool = False  # the step may be given in nats per step (`tau`)
     baseline: bool = False  # the recipe the others are compared with
-    # The bench's bar: this recipe's training step takes at most `ratio` × that of `recipe`.
+    # The bench's bars: this recipe's training step takes at most `ratio` × that of `recipe` (at the bench's
+    # model size), and its head step alone at GPT-2 scale (V = 50,304, d = 768) at most `ratio` × `recipe`'s.
     step_time_bar: tuple[str, float] | None = None
+    head_step_bar: tuple[str, float] | None = None

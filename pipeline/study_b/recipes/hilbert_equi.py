@@ -7,10 +7,11 @@ centred momentum row, `⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c`, so `⟨M, ΔW⟩` is
 
 1. start on each cone's boundary in a fresh random tangent direction (a seeded stream: rows whose
    momenta are parallel then start apart, which right-multiplying by any d × d matrix cannot do);
-2. `equi_iters` times: find each row's nearest row (among candidates found once, exactly or on a sketch
-   when d is large) and push it away by half its gap to the median nearest-row distance, then project
-   back into its cone. Rows already as far from their neighbours as the median do not move, so only the
-   closest pairs are pushed: this is ascent on the minimum distance, not on an average.
+2. `equi_iters` times: find each row's nearest row among `CANDIDATES` found once (exactly for V ≤ 2048 and
+   d ≤ 64; above, on a width-64 sketch of the rows and within buckets of ~2048 rows, so nothing costs
+   V²) and push it away by half its gap to the median nearest-row distance, then project back into its
+   cone. Rows already as far from their neighbours as the median do not move, so only the closest pairs
+   are pushed: this is ascent on the minimum distance, not on an average.
 
 Unit rows are then centred and halved, so diam(ΔW) ≤ η exactly (a common shift changes no distance).
 The step in Hilbert units is therefore the same as `hilbert`'s; only its direction differs.
@@ -20,7 +21,16 @@ import torch
 from torch import Tensor
 
 from pipeline.study_b.hilbert import center_rows
-from pipeline.study_b.lmo import into_cones, nearest_among, nearest_candidates, tangent_rows, unit_rows
+from pipeline.study_b.lmo import (
+    into_cones_,
+    nearest_among,
+    nearest_candidates,
+    on_cone,
+    sketch,
+    sketch_projection,
+    tangent_rows,
+    unit_rows,
+)
 from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 CANDIDATES = 8  # nearest rows kept per row for the spreading iterations
@@ -29,24 +39,30 @@ CANDIDATES = 8  # nearest rows kept per row for the spreading iterations
 def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
     axes = unit_rows(center_rows(m))
     c = knobs.equi_alignment
-    start = torch.randn(m.shape, generator=gen, device=m.device, dtype=m.dtype)
-    u = c * axes + (1 - c * c) ** 0.5 * tangent_rows(start, axes)
+    u = on_cone(axes, tangent_rows(torch.randn(m.shape, generator=gen, device=m.device, dtype=m.dtype), axes), c)
     if knobs.equi_iters:
-        candidates = nearest_candidates(u, CANDIDATES)
+        projection = sketch_projection(m.shape[1], m)
+        compared = sketch(u, projection)
+        candidates = nearest_candidates(compared, CANDIDATES)
         for _ in range(knobs.equi_iters):
-            nearest, gap = nearest_among(u, candidates)
-            push = 0.5 * (gap.median() - gap).clamp_min(0)
-            u = into_cones(unit_rows(u + push[:, None] * unit_rows(u - u[nearest])), axes, c)
+            nearest, gap = nearest_among(compared, candidates)
+            push = 0.5 * (gap.median() - gap)
+            moving = torch.nonzero(push > 0).flatten()  # only rows closer to a neighbour than the median move
+            away = unit_rows(u[moving] - u[nearest[moving]])
+            u[moving] = into_cones_(unit_rows(u[moving] + push[moving, None] * away), axes[moving], c)
+            compared[moving] = sketch(u[moving], projection)
     return 0.5 * center_rows(u)
 
 
 def head_flops(vocab: int, width: int, equi_iters: int) -> float:
-    """Momentum 4, centring and unit axes 5, random start and tangent 8; the candidate search
-    2·V²·min(d, 64); per iteration the candidate distances 3·k·V·d and push, renormalise, project 16·V·d;
-    centre, scale, decay, update 6 (all per V·d unless stated)."""
-    n = vocab * width
-    search = 2.0 * vocab * vocab * min(width, 64) if equi_iters else 0.0
-    return (4 + 5 + 8 + 6) * n + search + equi_iters * (3 * CANDIDATES + 16) * n
+    """Per V·d: momentum 4, centring and unit axes 5, random start and tangent 8, centre, scale, decay,
+    update 6; per iteration push, renormalise, project 16. With s = min(d, 64) the sketch width and
+    B = min(V, 2048) the bucket size: the search 2·V·(V/B + B)·s, and per iteration the sketch 2·V·d·s
+    (when d > 64) and the candidate distances 3·k·V·s."""
+    n, s, bucket = vocab * width, min(width, 64), min(vocab, 2048)
+    search = 2.0 * vocab * (vocab / bucket + bucket) * s
+    per_iter = 16 * n + (2 * n * s if width > 64 else 0) + 3 * CANDIDATES * vocab * s
+    return (4 + 5 + 8 + 6) * n + (search + equi_iters * per_iter if equi_iters else 0)
 
 
 RECIPE = HeadRecipe(
@@ -58,5 +74,9 @@ RECIPE = HeadRecipe(
     trust_region=True,
     default_step=HeadStepDefault(tau=0.8),
     head_flops=head_flops,
-    step_time_bar=("muon_head", 1.5),
+    # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is
+    # as large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2
+    # scale, where the model dwarfs it, ~1.3× `muon_head`'s (docs/benchmarks.md).
+    step_time_bar=("muon_head", 2.5),
+    head_step_bar=("muon_head", 1.5),
 )
