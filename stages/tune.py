@@ -87,14 +87,15 @@ def run(
     started = time.perf_counter()
     defaults = {r: tuning.round_sig(tuning.default_value(r, base)) for r in recipes}
     rows = execute([t for r in recipes for t in tuning.trials_for(r, arch, tuning.first_round(r, base), seeds)])
-    rows += execute([t for r in recipes for t in tuning.trials_for(r, arch, tuning.refinement(_of(rows, r, arch)), seeds)])
+    refine = [t for r in recipes for t in tuning.trials_for(r, arch, tuning.refinement(_of(rows, r, arch)), seeds)]
+    rows += execute(refine)
     choices = {r: _choose(_of(rows, r, arch)) for r in recipes}
     others = [a for a in params.train.archs if a != arch]
     transfer = execute([
         t for a in others for r, c in choices.items() if c is not None
         for t in tuning.trials_for(r, a, tuning.transfer_values(c), seeds)
     ])  # fmt: skip
-    rows = sorted(rows + transfer, key=lambda r: (r["arch"] != arch, r["arch"], recipes.index(r["recipe"]), r["value"], r["seed"]))
+    rows = sorted(rows + transfer, key=lambda r: (r["arch"] != arch, r["arch"], recipes.index(r["recipe"]), r["value"], r["seed"]))  # fmt: skip
     protocol = _protocol(params, base, arch, seeds, defaults, others, time.perf_counter() - started, vocab_size)
     protocol["transfer"] = _transfer_summary(rows, choices, others)
     _write(out, protocol, rows, choices)

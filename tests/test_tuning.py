@@ -81,7 +81,8 @@ def test_every_recipe_gets_the_same_budget_in_one_knob() -> None:
     cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
     for recipe in RECIPES.names():
         values = tuning.first_round(recipe, cfg)
-        np.testing.assert_allclose(values, tuning.default_value(recipe, cfg) * np.array(tuning.GRID_FACTORS), rtol=1e-3)
+        centre = tuning.default_value(recipe, cfg)
+        np.testing.assert_allclose(values, centre * np.array(tuning.GRID_FACTORS), rtol=5e-3)  # 3 significant digits
         assert tuning.knob_of(recipe) == ("tau" if RECIPES[recipe].trust_region else "head_lr")
         trials = tuning.trials_for(recipe, "neox", values + [1.0, 2.0], tuning.TUNING_SEEDS)
         assert len(trials) == (len(tuning.GRID_FACTORS) + tuning.REFINEMENTS) * len(tuning.TUNING_SEEDS)

@@ -215,7 +215,7 @@ def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
             by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
-    test = {key: {r["seed"]: r["final_test_loss"] for r in rows if _usable(r, "final_test_loss")} for key, rows in by_group.items()}
+    test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
     out = []
     for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
@@ -228,7 +228,7 @@ def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "n_diverged": sum(bool(r["diverged"]) for r in rows),
             "test_loss_mean": _none_if_nan(loss.mean), "test_loss_sd": _none_if_nan(loss.sd),
             "test_loss_ci_low": _none_if_nan(loss.low), "test_loss_ci_high": _none_if_nan(loss.high),
-            "val_loss_mean": _none_if_nan(mean_interval([r["final_val_loss"] for r in rows if _usable(r, "final_val_loss")]).mean),
+            "val_loss_mean": _none_if_nan(mean_interval(list(_by_seed(rows, "final_val_loss").values())).mean),
             "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
             "head_step": _single([r["head_step"] for r in rows]),
             "head_budget_tau": _single([r["head_budget_tau"] for r in rows]),
@@ -238,17 +238,30 @@ def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "diff_ci_low": _none_if_nan(diff.low) if diff else None,
             "diff_ci_high": _none_if_nan(diff.high) if diff else None,
             "p_vs_muon": _testable(paired),
-            "detectable_diff": _none_if_nan(detectable_difference(diff.sd, diff.n, SIGNIFICANCE, POWER)) if diff else None,
-            "seeds_to_resolve": seeds_needed(RESOLVE_NATS, diff.sd, SIGNIFICANCE, POWER) if diff else None,
-            "seeds_for_observed": seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if diff and math.isfinite(diff.mean) else None,
+            **_planning(diff),
         })  # fmt: skip
     _holm_per_arch(out)
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
 
 
-def _usable(run: dict[str, Any], column: str) -> bool:
-    value = run[column]
-    return not run["diverged"] and value is not None and math.isfinite(value) and run["seed"] is not None
+def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
+    """seed → value of the finished, non-diverged runs with a finite value."""
+    return {
+        r["seed"]: r[column] for r in runs
+        if not r["diverged"] and r[column] is not None and math.isfinite(r[column]) and r["seed"] is not None
+    }  # fmt: skip
+
+
+def _planning(diff: Any) -> dict[str, Any]:
+    """What the paired SD says about seeds: the difference these seeds detect with POWER, and the seeds
+    RESOLVE_NATS and the observed difference would need."""
+    if diff is None:
+        return {"detectable_diff": None, "seeds_to_resolve": None, "seeds_for_observed": None}
+    return {
+        "detectable_diff": _none_if_nan(detectable_difference(diff.sd, diff.n, SIGNIFICANCE, POWER)),
+        "seeds_to_resolve": seeds_needed(RESOLVE_NATS, diff.sd, SIGNIFICANCE, POWER),
+        "seeds_for_observed": seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if math.isfinite(diff.mean) else None,
+    }
 
 
 def _testable(paired: Any) -> float | None:

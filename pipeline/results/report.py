@@ -227,11 +227,12 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
 def _budget_statement(runs: list[Row]) -> str:
     budgets = {r["head_budget_tau"] for r in runs if r["finished"]} - {None}
     if budgets:
+        taus = ", ".join(map(_num, sorted(budgets)))
         return (
-            f"- **Step size vs direction.** This study is the **matched-budget ablation**: every recipe's realised "
-            f"head step was scaled down where needed to diam(ΔW) ≤ tau_t / r_t with tau = {', '.join(map(_num, sorted(budgets)))} "
-            "nats on the run's schedule (r_t = max ‖h‖ of the batch), so recipes compare at equal worst-case nats per "
-            "step; the geometry table gives the fraction of steps the cap bound."
+            "- **Step size vs direction.** This study is the **matched-budget ablation**: every recipe's realised "
+            f"head step was scaled down where needed to diam(ΔW) ≤ tau_t / r_t with tau = {taus} nats on the run's "
+            "schedule (r_t = max ‖h‖ of the batch), so recipes compare at equal worst-case nats per step; the "
+            "geometry table gives the fraction of steps the cap bound."
         )
     return (
         "- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as well "
@@ -285,7 +286,8 @@ def _geometry_table(runs: list[Row]) -> str:
         if r["arch"] and r["recipe"]:
             groups.setdefault((r["arch"], r["recipe"]), []).append(r)
     ordered = sorted(groups.items(), key=lambda g: (g[0][0], RECIPES.order(g[0][1])))
-    rows = [[arch, f"`{recipe}`", *(_median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)] for (arch, recipe), rs in ordered]
+    rows = [[arch, f"`{recipe}`", *(_median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
+            for (arch, recipe), rs in ordered]  # fmt: skip
     header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its training batch", "cos(ΔW, −G)",
               "descent per unit diam / hilbert's", "equi_ratio", "random unit rows", "steps capped"]  # fmt: skip
     note = ("Medians over logged steps, then over seeds. *d_H on its training batch*: the largest change of a token's "

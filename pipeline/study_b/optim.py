@@ -11,8 +11,8 @@ trainer passes to `RecipeOptimizer.step`.
 
 Decoupled weight decay `W ← (1 − η·λ) W` applies to the hidden matrices and the head (never to
 embeddings, norms or biases). With `tau` the decay is inside the trust region: the decay moves a token by
-at most `η·λ·‖h‖·diam(W)` nats and diam(W) ≤ 2·max_i ‖w_i − w̄‖, so η_t = tau_t / (r_t·(1 + 2λ·max_i ‖w_i − w̄‖))
-keeps the whole head step (decay plus LMO) within tau.
+at most `η·λ·‖h‖·diam(W)` nats and diam(W) ≤ 2·max_i ‖w_i − w̄‖, so
+η_t = tau_t / (r_t·(1 + 2λ·max_i ‖w_i − w̄‖)) keeps the whole head step (decay plus LMO) within tau.
 
 torch.optim.Muon scales a matrix's step by √max(1, A/B) for its shape (A, B), read as (out, in). A family
 whose hidden matrices are stored (in, out) (GPT-2's Conv1D) gets the scale of the same matrix stored
@@ -280,9 +280,8 @@ class RecipeOptimizer:
         return self.lrs()["head"]
 
     def _current_lrs(self) -> dict[str, float]:
-        lrs = {
-            g["name"]: float(g["lr"]) / g.get("lr_scale", 1.0) for opt in self.optimizers.values() for g in opt.param_groups
-        }
+        groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        lrs = {g["name"]: float(g["lr"]) / g.get("lr_scale", 1.0) for g in groups}
         if self.head_step.trust_region:
             assert self._head_lmo is not None
             lrs["head_tau"] = lrs.pop("head")
@@ -317,8 +316,8 @@ def build_optimizers(
     head_step = resolve_head_step(recipe, cfg)
     wd = cfg.weight_decay
 
-    def group(name: str, lr: float, weight_decay: float, params: list[nn.Parameter] | None = None) -> dict[str, Any]:
-        return {"name": name, "params": groups[name] if params is None else params, "lr": lr, "weight_decay": weight_decay}
+    def group(name: str, lr: float, weight_decay: float) -> dict[str, Any]:
+        return {"name": name, "params": groups[name], "lr": lr, "weight_decay": weight_decay}
 
     adamw_groups = [group("embed", cfg.adamw_lr, 0.0), group("scalar", cfg.adamw_lr, 0.0)]
     muon_groups = _hidden_muon_groups(groups["hidden"], cfg.hidden_lr, wd, family.hidden_stored_transposed)
@@ -362,7 +361,9 @@ def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed:
     return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, seed=seed, weight_decay=cfg.weight_decay)
 
 
-def _hidden_muon_groups(params: list[nn.Parameter], lr: float, weight_decay: float, transposed: bool) -> list[dict[str, Any]]:
+def _hidden_muon_groups(
+    params: list[nn.Parameter], lr: float, weight_decay: float, transposed: bool
+) -> list[dict[str, Any]]:
     """One `hidden` group, or for matrices stored (in, out) one per shape correction (`lr_scale`)."""
     if not transposed:
         return [{"name": "hidden", "params": params, "lr": lr, "weight_decay": weight_decay}]

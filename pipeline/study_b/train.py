@@ -221,7 +221,8 @@ def train_run(
     diverged = diverged_at is not None
     test_loss = None
     if test_tokens is not None and not diverged:
-        test_loss = evaluate(model, Windows(test_tokens, seq_len, device).fixed(cfg.test_batches * cfg.batch_size), autocast)
+        test_batches = Windows(test_tokens, seq_len, device).fixed(cfg.test_batches * cfg.batch_size)
+        test_loss = evaluate(model, test_batches, autocast)
     result = RunRecord(
         run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
         steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,

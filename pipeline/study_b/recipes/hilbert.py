@@ -23,8 +23,7 @@ RECIPE = HeadRecipe(
     head="lmo",
     direction=direction,
     trust_region=True,
-    # The sweep of docs/tuning.md chose nats per step; its best η (0.1) was within seed noise of it.
-    default_step=HeadStepDefault(tau=0.8),
+    default_step=HeadStepDefault(tau=0.566),
     # momentum 4, centring 2, row normalisation 3, re-centring 2, scaling 1, decay 1, update 2
     head_flops=lambda vocab, width, equi_iters: 15.0 * vocab * width,
     step_time_bar=("muon", 1.1),

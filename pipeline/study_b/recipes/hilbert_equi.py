@@ -2,8 +2,8 @@
 while its diameter stays within η, trading against alignment with the momentum M (SPEC §3.2).
 
 The trade-off is one knob, `equi_alignment` = c: every row keeps at least c of its alignment with its
-centred momentum row, `⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c`, so `⟨M, ΔW⟩` is at least c times `hilbert`'s at the same η
-(exactly c before the spreading moves anything). Within those cones the rows are spread apart:
+centred momentum row, `⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c`, so `⟨M, ΔW⟩` is at least c times `hilbert`'s at the same
+η (exactly c before the spreading moves anything). Within those cones the rows are spread apart:
 
 1. start on each cone's boundary in a fresh random tangent direction (a seeded stream: rows whose
    momenta are parallel then start apart, which right-multiplying by any d × d matrix cannot do);
@@ -76,7 +76,7 @@ RECIPE = HeadRecipe(
     head_flops=head_flops,
     # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is
     # as large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2
-    # scale, where the model dwarfs it, ~1.3× `muon_head`'s (docs/benchmarks.md).
+    # scale, where the model dwarfs it, ~1.3× `muon_head`'s (`lmgeo bench`).
     step_time_bar=("muon_head", 2.5),
     head_step_bar=("muon_head", 1.5),
 )
