@@ -54,6 +54,7 @@ def test_full_report_has_every_section_and_its_figures(tmp_path: Path) -> None:
     assert "not tested (< 3 paired seeds)" in text
     assert "3 seeds (0, 1, 2) for every recipe" in text and "matched-budget ablation caps" in text
     assert "No record of the head step-size sweep" in text
+    assert "`hilbert_equi`'s equi_ratio 0.6 against 0.55 for random unit rows (`hilbert` 0.4)" in text
     assert "**Diverged runs**: `gpt2-sign-s0` (non-finite loss at step 7)" in text
     assert "`gpt2-rownorm-s0`" in text.split("Runs without a final")[1]
     assert "| `gpt2-muon-s0@final` | lowrank | spearman_rel_err_kl | 1 | holds | does not hold |" in text

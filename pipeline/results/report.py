@@ -126,6 +126,7 @@ def _study_b_section(tables: dict[str, list[Row]], figures: _Figures, tuning: di
                             "Final test loss per recipe: each seed (dots), mean and its 95% t-interval (bars)."))  # fmt: skip
     out.append("### Head step geometry\n")
     out.append(_geometry_table(runs))
+    out.append(_equidistance_statement(runs))
     if curves:
         out.append("### Curves\n")
         out.append(figures.save(_curve_figure(curves, runs, archs, "val_loss", "validation loss", log=False),
@@ -241,6 +242,34 @@ def _budget_statement(runs: list[Row]) -> str:
     )
 
 
+def _equidistance_statement(runs: list[Row]) -> str:
+    """The seed's proposal in two numbers per arch: how evenly `hilbert_equi` spreads the rows against random
+    unit rows, and how much of `hilbert`'s descent per unit of diameter it keeps."""
+    parts = []
+    for arch in sorted({r["arch"] for r in runs if r["arch"]}):
+        equi, plain = (_medians([r for r in runs if r["arch"] == arch and r["recipe"] == name])
+                       for name in ("hilbert_equi", "hilbert"))  # fmt: skip
+        if equi["median_equi_ratio"] is None or equi["median_equi_ratio_random"] is None:
+            continue
+        part = (f"{arch}: `hilbert_equi`'s equi_ratio {_num(equi['median_equi_ratio'])} against "
+                f"{_num(equi['median_equi_ratio_random'])} for random unit rows (`hilbert` {_num(plain['median_equi_ratio'])})")
+        kept = _ratio(equi["median_head_alignment_hilbert"], plain["median_head_alignment_hilbert"])
+        parts.append(part + (f"; it keeps {_num(kept, 2)} of `hilbert`'s descent per unit diameter" if kept else ""))
+    if not parts:
+        return ""
+    return ("**The equidistance LMO.** " + "; ".join(parts) + ". By construction every row keeps at least "
+            "`equi_alignment` of its alignment with the momentum, so ⟨M, ΔW⟩ ≥ c·⟨M, ΔW_hilbert⟩ (SPEC §3.2).\n")
+
+
+def _medians(runs: list[Row]) -> dict[str, float | None]:
+    """Per geometry column, the median over runs of each run's median."""
+    return {c: _median([r[c] for r in runs]) for c in GEOMETRY_COLUMNS}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
 def _pooled(sds: Sequence[float | None]) -> float | None:
     finite = [s for s in sds if s is not None and math.isfinite(s)]
     return float(np.sqrt(np.mean(np.square(finite)))) if finite else None
@@ -291,7 +320,8 @@ def _geometry_table(runs: list[Row]) -> str:
     header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its training batch", "cos(ΔW, −G)",
               "descent per unit diam / hilbert's", "equi_ratio", "random unit rows", "steps capped"]  # fmt: skip
     note = ("Medians over logged steps, then over seeds. *d_H on its training batch*: the largest change of a token's "
-            "log-probability the head step made on the batch it was computed from. *cos(ΔW, −G)*: alignment with that "
+            "log-probability the head step made on the batch it was computed from (at most tau_t for the tau recipes, "
+            "weight decay included). *cos(ΔW, −G)*: alignment with that "
             "batch's head gradient G; *descent per unit diam*: −⟨G, ΔW⟩ / (½·diam(ΔW)·Σ‖g̃_i‖), about 1 for the "
             "`hilbert` step of G itself and at most √(2d/(d+1)) for any step (SPEC §3.3). *equi_ratio*: min/max row "
             "distance of ΔW on a fixed row sample, against random unit rows of the same shape; no configuration of "
