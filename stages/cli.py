@@ -133,15 +133,16 @@ def bench(
 
 @app.command()
 def tune(
-    arch: Annotated[str, typer.Option(help="architecture to tune on")] = "neox",
-    steps: Annotated[Optional[int], typer.Option(help="steps per trial (default: train.steps)")] = None,
-    seed: Annotated[Optional[list[int]], typer.Option(help="seed (repeatable; default: train.seeds)")] = None,
-    recipe: Annotated[Optional[list[str]], typer.Option(help="recipe (repeatable; default: all seven)")] = None,
+    arch: Annotated[Optional[str], typer.Option(help="architecture to tune on (default: the study's first)")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="steps per trial (default: train.steps, the study's horizon)")] = None,
+    seed: Annotated[Optional[list[int]], typer.Option(help="seed (repeatable; default: 1000 1001, not the study's)")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(help="recipe (repeatable; default: all registered)")] = None,
     out: Annotated[Path, typer.Option(help="where the protocol and results go")] = Path("docs/tuning.md"),
     params: ParamsOpt = Path("params.yaml"),
     ray_address: RayAddressOpt = None,
 ) -> None:
-    """Sweep each recipe's head step size and write the protocol and results (docs/tuning.md)."""
+    """Sweep each recipe's head step size with equal budgets, select on val, check transfer to the study's
+    other archs, and write the protocol and results (docs/tuning.md)."""
     _run_stage("tune", params, ray_address, arch=arch, steps=steps, seeds=seed, recipes=recipe, out=out)
 
 

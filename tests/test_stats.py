@@ -90,3 +90,65 @@ def test_by_layer_and_pooled():
     assert pooled.rho == pytest.approx(spearmanr(x, y).statistic)
 
 
+
+
+# ------------------------------------------------------------------------- comparisons over seeds (Study B)
+def test_mean_interval_is_the_student_t_interval():
+    from scipy import stats as sps
+
+    from pipeline.results.stats import mean_interval
+
+    x = np.random.default_rng(1).normal(4.8, 0.015, size=7)
+    got = mean_interval(list(x) + [np.nan], ci=0.9)
+    low, high = sps.t.interval(0.9, 6, loc=x.mean(), scale=sps.sem(x))
+    assert (got.n, got.mean, got.sd) == (7, pytest.approx(x.mean()), pytest.approx(x.std(ddof=1)))
+    assert (got.low, got.high) == (pytest.approx(low), pytest.approx(high))
+    assert np.isnan(mean_interval([4.0]).low)
+
+
+def test_paired_difference_matches_scipy_and_recovers_a_planted_difference():
+    """Seeds share a large effect (init, data order) that pairing removes: a planted −0.02 nats is found
+    with a CI that covers it, while an unpaired comparison of the same runs could not tell."""
+    from scipy import stats as sps
+
+    from pipeline.results.stats import paired_difference
+
+    rng = np.random.default_rng(2)
+    seed_effect = rng.normal(0, 0.02, size=10)
+    base = {s: 4.8 + seed_effect[s] + rng.normal(0, 0.004) for s in range(10)}
+    better = {s: 4.78 + seed_effect[s] + rng.normal(0, 0.004) for s in range(10)}
+    better[10] = 1.0  # a seed the baseline lacks is not paired
+    got = paired_difference(better, base)
+    a, b = [better[s] for s in range(10)], [base[s] for s in range(10)]
+    assert got.p == pytest.approx(sps.ttest_rel(a, b).pvalue, rel=1e-9)
+    assert got.diff.n == 10 and got.diff.low < -0.02 < got.diff.high and got.p < 1e-4
+    assert sps.ttest_ind(a, b).pvalue > 0.01  # the seed effect hides it without pairing
+
+
+def test_seeds_needed_gives_the_power_a_simulation_measures():
+    from scipy import stats as sps
+
+    from pipeline.results.stats import detectable_difference, paired_t_power, seeds_needed
+
+    rng = np.random.default_rng(3)
+    effect, sd = 0.02, 0.03
+    n = seeds_needed(effect, sd)
+    assert n is not None and n > 2
+
+    def simulated_power(pairs: int, trials: int = 4000) -> float:
+        diffs = rng.normal(effect, sd, size=(trials, pairs))
+        return float((sps.ttest_1samp(diffs, 0, axis=1).pvalue < 0.05).mean())
+
+    assert simulated_power(n) >= 0.8 - 0.02 and paired_t_power(effect, sd, n) >= 0.8
+    assert simulated_power(n - 1) < 0.8 + 0.02 and paired_t_power(effect, sd, n - 1) < 0.8
+    assert detectable_difference(sd, n) <= effect < detectable_difference(sd, n - 1)
+    assert seeds_needed(0.0, sd) is None and seeds_needed(effect, 0.0) is None
+
+
+def test_holm_adjusts_step_down_and_keeps_missing_values():
+    from pipeline.results.stats import holm
+
+    got = holm([0.01, 0.04, np.nan, 0.03, 0.5])
+    # sorted 0.01, 0.03, 0.04, 0.5 → ×4, ×3, ×2, ×1, then made monotone
+    assert got[0] == pytest.approx(0.04) and got[3] == pytest.approx(0.09) and got[1] == pytest.approx(0.09)
+    assert got[4] == pytest.approx(0.5) and np.isnan(got[2])

@@ -174,7 +174,8 @@ STEPS = Dataset(
     + _fields("lr", "train_loss", "val_loss", "step_time_s", "head_diam", kind=pa.float64())
     + (pa.field("head_diam_sampled", pa.bool_()),)
     + _fields("head_update_rms", "head_update_spectral", "hilbert_realized", "hilbert_bound", "equi_ratio",
-              kind=pa.float64()),  # fmt: skip
+              "equi_ratio_random", "equi_ratio_bound", "head_alignment", "head_alignment_hilbert",
+              "hilbert_realized_train", "head_step_scale", kind=pa.float64()),  # fmt: skip
     partitions=(pa.field("run", pa.string()),),
     written_by="train",
     order=("step",),
@@ -201,7 +202,7 @@ PERTURB = Dataset(
     order=("seq_id", "pos"),
 )
 TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parquet`, one row per token
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
 RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
@@ -222,6 +223,9 @@ class RunRecord:
     tokens: int
     final_train_loss: float | None
     final_val_loss: float | None
+    final_test_loss: float | None  # None for runs that never see the test split (tuning)
+    head_step: str  # the head step size it ran with, `tau=<nats>` or `head_lr=<η>`
+    head_budget_tau: float | None  # the matched-budget cap of the run's head steps (nats), None: none
     diverged: bool
     diverged_at_step: int | None
     wall_time_s: float

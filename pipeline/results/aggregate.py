@@ -10,9 +10,10 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
 - ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
   left out rather than written as null::
 
-      {"train":    {<run>:   {"final_val_loss", "final_train_loss", "diverged",
+      {"train":    {<run>:   {"final_test_loss", "final_val_loss", "final_train_loss", "diverged",
                               "median_hilbert_bound", "median_tightness", "median_equi_ratio"}},
-       "recipes":  {<arch>:  {<recipe>: {"val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon"}}},
+       "recipes":  {<arch>:  {<recipe>: {"test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon",
+                                         "p_vs_muon_holm"}}},
        "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
                                      "median_proj_full", "median_proj_res", "spearman_pooled",
                                      "spearman_ci_low", "spearman_ci_high"}}},
@@ -41,7 +42,6 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from scipy import stats as sps
 
 from pipeline.core.contracts import (
     FIT_METRICS,
@@ -57,7 +57,14 @@ from pipeline.core.contracts import (
 from pipeline.core.store import ManifestKey, ShardWriter, atomic_path, atomic_write, verified_files
 from pipeline.models.registry import FAMILIES
 from pipeline.results.config import ReportConfig
-from pipeline.results.stats import spearman_by_layer
+from pipeline.results.stats import (
+    detectable_difference,
+    holm,
+    mean_interval,
+    paired_difference,
+    seeds_needed,
+    spearman_by_layer,
+)
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_b.recipes import RECIPES, baseline
 
@@ -67,6 +74,9 @@ LARGE_ANGLE_DEG = 60.0
 SPEARMAN_STRONG = 0.7
 SIGNIFICANCE = 0.05
 MIN_SEEDS_FOR_TEST = 3
+# Study B resolves differences of this size (issue 12): seeds are planned for it at this power.
+RESOLVE_NATS = 0.02
+POWER = 0.8
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 ANGLE_BIN_DEG = 10
 MAX_CURVE_POINTS = 1000
@@ -120,14 +130,6 @@ def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
     con.execute(f"CREATE TEMP VIEW steps AS SELECT * REPLACE ({finite}) FROM steps_raw")
 
 
-# -------------------------------------------------------------------------------------- statistics
-def welch_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Welch t-test p-value; NaN unless both samples have MIN_SEEDS_FOR_TEST values."""
-    if len(a) < MIN_SEEDS_FOR_TEST or len(b) < MIN_SEEDS_FOR_TEST:
-        return math.nan
-    return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
-
-
 # ------------------------------------------------------------------------------------ Study B tables
 _TIGHTNESS = "hilbert_realized / hilbert_bound"
 # The bound is tested on exact diameters only: a sampled diameter is a lower bound (SPEC §3.3).
@@ -148,7 +150,16 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                    count(*) FILTER (WHERE {_EXACT} AND hilbert_realized IS NOT NULL) AS n_exact_geometry_steps,
                    coalesce(bool_or(head_diam_sampled), false) AS head_diam_sampled,
                    median(head_diam) AS median_head_diam,
-                   median(equi_ratio) AS median_equi_ratio
+                   median(equi_ratio) AS median_equi_ratio,
+                   median(equi_ratio_random) AS median_equi_ratio_random,
+                   median(equi_ratio_bound) AS median_equi_ratio_bound,
+                   median(head_alignment) AS median_head_alignment,
+                   median(head_alignment_hilbert) AS median_head_alignment_hilbert,
+                   median(hilbert_realized_train) AS median_hilbert_realized_train,
+                   max(hilbert_realized_train) AS max_hilbert_realized_train,
+                   median(head_step_scale) AS median_head_step_scale,
+                   avg(CASE WHEN head_step_scale < 1 THEN 1.0 ELSE 0.0 END)
+                       FILTER (WHERE head_step_scale IS NOT NULL) AS frac_steps_capped
             FROM steps GROUP BY run
         )
         SELECT coalesce(j.run, l.run) AS run,
@@ -157,7 +168,8 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
-               j.final_train_loss, j.final_val_loss, j.wall_time_s, j.n_params, j.params_hash,
+               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step, j.head_budget_tau,
+               j.wall_time_s, j.n_params, j.params_hash,
                l.* EXCLUDE (run)
         FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
         ORDER BY arch, recipe, seed, run
@@ -179,7 +191,8 @@ def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
         SELECT run, step, tokens, lr, train_loss, val_loss, step_time_s, head_diam, head_diam_sampled,
                hilbert_bound, hilbert_realized,
                CASE WHEN {_EXACT} THEN {_TIGHTNESS} END AS tightness,
-               equi_ratio, head_update_rms, head_update_spectral
+               equi_ratio, equi_ratio_random, head_update_rms, head_update_spectral, head_alignment,
+               head_alignment_hilbert, hilbert_realized_train, head_step_scale
         FROM numbered
         WHERE i % greatest(1, ceil(n / {MAX_CURVE_POINTS}))::BIGINT = 0
            OR val_loss IS NOT NULL
@@ -191,38 +204,89 @@ def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 RECIPES_SCHEMA = pa.schema(
     [("arch", pa.string()), ("recipe", pa.string()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
-     ("n_diverged", pa.int64()), ("val_loss_mean", pa.float64()), ("val_loss_std", pa.float64()),
-     ("val_loss_min", pa.float64()), ("val_loss_max", pa.float64()), ("steps", pa.int64()),
-     ("tokens", pa.int64()), ("diff_vs_muon", pa.float64()), ("p_vs_muon", pa.float64())]
+     ("n_diverged", pa.int64()), ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
+     ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
+     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
+     ("n_paired", pa.int64()),
+     ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
+     ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
+     ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64())]
 )  # fmt: skip
 
 
-def _recipes_table(runs: pa.Table) -> pa.Table:
-    """Per arch × recipe: final val loss over seeds (diverged runs counted, not averaged), Welch vs muon."""
+def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
+    """Per arch × recipe: final test loss over seeds with its t-interval (diverged runs counted, not
+    averaged), and the paired comparison with `muon` on the same seeds (same init, same data order): the
+    mean difference with its t-interval, the paired t-test p-value and its Holm adjustment over the arch's
+    recipes, the difference these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed
+    difference would need."""
     by_group: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
             by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
-    losses = {key: _finite([r["final_val_loss"] for r in rows if not r["diverged"]]) for key, rows in by_group.items()}
-    out = []
+    test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
+    out = []
     for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
-        vals = losses[(arch, recipe)]
-        base = losses.get((arch, reference), np.array([]))
-        compare = recipe != reference and vals.size and base.size
+        loss = mean_interval(list(test[(arch, recipe)].values()), cfg.ci)
+        compared = recipe != reference and (arch, reference) in test
+        paired = paired_difference(test[(arch, recipe)], test[(arch, reference)], cfg.ci) if compared else None
+        diff = paired.diff if paired else None
         out.append({
-            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": int(vals.size),
+            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": loss.n,
             "n_diverged": sum(bool(r["diverged"]) for r in rows),
-            "val_loss_mean": float(vals.mean()) if vals.size else None,
-            "val_loss_std": float(vals.std(ddof=1)) if vals.size > 1 else None,
-            "val_loss_min": float(vals.min()) if vals.size else None,
-            "val_loss_max": float(vals.max()) if vals.size else None,
-            "steps": _single([r["steps_done"] for r in rows]),
-            "tokens": _single([r["tokens"] for r in rows]),
-            "diff_vs_muon": float(vals.mean() - base.mean()) if compare else None,
-            "p_vs_muon": _none_if_nan(welch_p(vals, base)) if compare else None,
+            "test_loss_mean": _none_if_nan(loss.mean), "test_loss_sd": _none_if_nan(loss.sd),
+            "test_loss_ci_low": _none_if_nan(loss.low), "test_loss_ci_high": _none_if_nan(loss.high),
+            "val_loss_mean": _none_if_nan(mean_interval(list(_by_seed(rows, "final_val_loss").values())).mean),
+            "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
+            "head_step": _single([r["head_step"] for r in rows]),
+            "head_budget_tau": _single([r["head_budget_tau"] for r in rows]),
+            "n_paired": diff.n if diff else None,
+            "diff_vs_muon": _none_if_nan(diff.mean) if diff else None,
+            "diff_sd": _none_if_nan(diff.sd) if diff else None,
+            "diff_ci_low": _none_if_nan(diff.low) if diff else None,
+            "diff_ci_high": _none_if_nan(diff.high) if diff else None,
+            "p_vs_muon": _testable(paired),
+            **_planning(diff),
         })  # fmt: skip
+    _holm_per_arch(out)
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
+
+
+def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
+    """seed → value of the finished, non-diverged runs with a finite value."""
+    return {
+        r["seed"]: r[column] for r in runs
+        if not r["diverged"] and r[column] is not None and math.isfinite(r[column]) and r["seed"] is not None
+    }  # fmt: skip
+
+
+def _planning(diff: Any) -> dict[str, Any]:
+    """What the paired SD says about seeds: the difference these seeds detect with POWER, and the seeds
+    RESOLVE_NATS and the observed difference would need."""
+    if diff is None:
+        return {"detectable_diff": None, "seeds_to_resolve": None, "seeds_for_observed": None}
+    return {
+        "detectable_diff": _none_if_nan(detectable_difference(diff.sd, diff.n, SIGNIFICANCE, POWER)),
+        "seeds_to_resolve": seeds_needed(RESOLVE_NATS, diff.sd, SIGNIFICANCE, POWER),
+        "seeds_for_observed": seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if math.isfinite(diff.mean) else None,
+    }
+
+
+def _testable(paired: Any) -> float | None:
+    """The paired p-value where there are MIN_SEEDS_FOR_TEST pairs, else None (not tested)."""
+    if paired is None or paired.diff.n < MIN_SEEDS_FOR_TEST:
+        return None
+    return _none_if_nan(paired.p)
+
+
+def _holm_per_arch(rows: list[dict[str, Any]]) -> None:
+    """`p_vs_muon_holm`: the arch's family of comparisons with `muon`, adjusted together."""
+    for arch in {r["arch"] for r in rows}:
+        family = [r for r in rows if r["arch"] == arch]
+        adjusted = holm([math.nan if r["p_vs_muon"] is None else r["p_vs_muon"] for r in family])
+        for r, p in zip(family, adjusted, strict=True):
+            r["p_vs_muon_holm"] = _none_if_nan(p)
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:
@@ -230,7 +294,7 @@ def _finite(values: Sequence[float | None]) -> np.ndarray:
     return arr[np.isfinite(arr)]
 
 
-def _single(values: Sequence[int | None]) -> int | None:
+def _single(values: Sequence[Any]) -> Any:
     """The common value (runs compared at equal steps/tokens), or None when they differ or are unknown."""
     distinct = {v for v in values if v is not None}
     return distinct.pop() if len(distinct) == 1 else None
@@ -361,8 +425,10 @@ CLAIM_TEXT = {
     "(median proj_res_global / median proj_full_global < 1)",
     "spearman_rel_err_kl": f"residual size predicts the output change: pooled Spearman(rel_err, kl) > {SPEARMAN_STRONG}",
     "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
-    "beats_muon": f"mean final val loss below muon's, Welch p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} seeds each)",
-    "equi_spreads_rows": "hilbert_equi spreads head-update rows more evenly than hilbert (median equi_ratio ratio > 1)",
+    "beats_muon": f"final test loss below muon's on the same seeds: paired t-test, Holm-adjusted over the arch's "
+    f"recipes, p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} paired seeds)",
+    "equi_spreads_rows": "hilbert_equi spreads head-update rows at least as evenly as random unit rows on the same "
+    "row sample (median equi_ratio / median equi_ratio_random ≥ 1)",
 }  # fmt: skip
 STUDY_A_CLAIMS = ("cos_full_tok_near_1", "angle_res_tok_large", "proj_res_below_full",
                   "proj_res_global_below_full", "spearman_rel_err_kl")  # fmt: skip
@@ -439,28 +505,31 @@ def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
         rows.append(_claim("B", arch, "all", "bound_holds", worst, 1.0,
                            worst is not None and worst <= 1 + BOUND_TOLERANCE,
                            f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact diameters"))  # fmt: skip
-        equi, plain = _median_of(arch_runs, "hilbert_equi"), _median_of(arch_runs, "hilbert")
-        if equi is not None and plain is not None:
-            spread = _ratio(equi, plain)
+        equi = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio")
+        random_rows = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio_random")
+        if equi is not None and random_rows is not None:
+            spread = _ratio(equi, random_rows)
+            plain = _median_of(arch_runs, "hilbert", "median_equi_ratio")
             rows.append(_claim("B", arch, "hilbert_equi", "equi_spreads_rows", spread, 1.0,
-                               spread is not None and spread > 1,
-                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs hilbert {_fmt(plain)}"))  # fmt: skip
+                               spread is not None and spread >= 1,
+                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs random unit rows {_fmt(random_rows)}"
+                               f" (hilbert {_fmt(plain)})"))  # fmt: skip
     for r in recipes.to_pylist():
         if r["recipe"] == baseline().name or r["diff_vs_muon"] is None:
             continue
-        p = r["p_vs_muon"]
+        p = r["p_vs_muon_holm"]
+        detail = (f"paired Δ {_fmt(r['diff_vs_muon'])} nats [{_fmt(r['diff_ci_low'])}, {_fmt(r['diff_ci_high'])}], "
+                  + (f"p {_fmt(r['p_vs_muon'])}, Holm {_fmt(p)}" if p is not None else f"n={r['n_paired']}: too few seeds to test"))  # fmt: skip
         row = _claim("B", r["arch"], r["recipe"], "beats_muon", r["diff_vs_muon"], 0.0,
-                     p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE,
-                     f"mean difference {_fmt(r['diff_vs_muon'])} nats, "
-                     + (f"Welch p {_fmt(p)}" if p is not None else f"n={r['n_seeds']}: too few seeds to test"))  # fmt: skip
+                     p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE, detail)  # fmt: skip
         if p is None:
             row["holds"] = None
         rows.append(row)
     return rows
 
 
-def _median_of(runs: list[dict[str, Any]], recipe: str) -> float | None:
-    vals = _finite([r["median_equi_ratio"] for r in runs if r["recipe"] == recipe])
+def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | None:
+    vals = _finite([r[column] for r in runs if r["recipe"] == recipe])
     return float(np.median(vals)) if vals.size else None
 
 
@@ -475,7 +544,7 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
     con = duckdb.connect(":memory:", config={"threads": 1})
     _register_sources(con, sources)
     runs = _runs_table(con)
-    recipes = _recipes_table(runs)
+    recipes = _recipes_table(runs, cfg)
     _create_anchor_view(con)
     geometry = _geometry_table(con)
     con.register("geometry", geometry)
@@ -520,14 +589,14 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     train = {
         # No wall-clock figure here: two runs of one study must give the same metrics.json byte for byte
         # (step times stay in the `runs` table and the report).
-        r["run"]: _measured({k: r[k] for k in ("final_val_loss", "final_train_loss", "diverged",
+        r["run"]: _measured({k: r[k] for k in ("final_test_loss", "final_val_loss", "final_train_loss", "diverged",
                                                "median_hilbert_bound", "median_tightness", "median_equi_ratio")})
         for r in tables["runs"].to_pylist()
     }  # fmt: skip
     recipes: dict[str, dict[str, Any]] = {}
     for r in tables["recipes"].to_pylist():
         recipes.setdefault(r["arch"], {})[r["recipe"]] = _measured(
-            {k: r[k] for k in ("val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon")}
+            {k: r[k] for k in ("test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon", "p_vs_muon_holm")}
         )
     spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "pooled"}
     geometry: dict[str, dict[str, Any]] = {}

@@ -1,10 +1,12 @@
 """The Markdown report and its figures, from the result tables of pipeline/aggregate.py (SPEC §2, §3.3, §4.4).
 
-``render_report(tables_dir, out_md, figures_dir, provenance)`` writes ``out_md`` with the sections Setup &
-provenance, Study B, Study A and Claims, and PNG figures into ``figures_dir`` (matplotlib's Agg canvas
-through ``Figure``, so it needs no display and touches no global pyplot state). A study whose tables are
-empty is reported as not run. The provenance (git revision, params hash, seeds, package versions,
-hardware, data checksums) is gathered by the caller (`pipeline.core.provenance`).
+``render_report(tables_dir, out_md, figures_dir, provenance, tuning)`` writes ``out_md`` with the sections
+Setup & provenance, Study B, Study A and Claims, and PNG figures into ``figures_dir`` (matplotlib's Agg
+canvas through ``Figure``, so it needs no display and touches no global pyplot state). A study whose
+tables are empty is reported as not run. The provenance (git revision, params hash, seeds, package
+versions, hardware, data checksums) is gathered by the caller (`pipeline.core.provenance`), and so is the
+record of the head step-size tuning (`docs/tuning.json`, written by `lmgeo tune`) that Study B's protocol
+states.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from matplotlib.figure import Figure
 
 from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
-from pipeline.results.aggregate import CLAIM_TEXT, STUDY_A_CLAIMS
+from pipeline.results.aggregate import CLAIM_TEXT, POWER, RESOLVE_NATS, SIGNIFICANCE, STUDY_A_CLAIMS
 from pipeline.study_b.recipes import RECIPES
 
 Row = dict[str, Any]
@@ -31,7 +33,9 @@ SEED_STYLES = ("-", "--", ":", "-.")
 
 
 # ------------------------------------------------------------------------------------------- report
-def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any]) -> None:
+def render_report(
+    tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any], tuning: dict[str, Any] | None = None
+) -> None:
     """Write the report (module docstring); figures that have no data are not drawn."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
@@ -42,7 +46,7 @@ def render_report(tables_dir: Path, out_md: Path, figures_dir: Path, provenance:
     parts = [
         "# lmgeo report\n",
         _setup_section(provenance),
-        _study_b_section(tables, figures),
+        _study_b_section(tables, figures, tuning),
         _study_a_section(tables, figures),
         _claims_section(tables),
     ]
@@ -104,33 +108,25 @@ def _setup_section(provenance: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- Study B
-def _study_b_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
+def _study_b_section(tables: dict[str, list[Row]], figures: _Figures, tuning: dict[str, Any] | None) -> str:
     out = ["## Study B — LM-head update geometry\n"]
     runs, curves, recipes = tables["runs"], tables["curves"], tables["recipes"]
     if not runs:
         out.append("Study B was not run: there are no training logs.\n")
         return "\n".join(out)
     archs = sorted({r["arch"] for r in runs if r["arch"]})
-    out.append(
-        "Recipes are compared at equal steps and tokens; only the LM head's optimizer differs between "
-        "recipes other than `adamw`. Losses are in nats per token.\n"
-    )
-    out.append("### Final validation loss\n")
-    out.append(_table(
-        ["arch", "recipe", "seeds", "mean ± std", "min – max", "Δ vs muon", "Welch p vs muon", "diverged", "steps", "tokens"],
-        [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
-          f"{_num(r['val_loss_mean'], 4)} ± {_num(r['val_loss_std'], 2)}",
-          f"{_num(r['val_loss_min'], 4)} – {_num(r['val_loss_max'], 4)}", _num(r["diff_vs_muon"]),
-          _p_value(r), r["n_diverged"], r["steps"], r["tokens"]] for r in recipes],
-    ))  # fmt: skip
-    out.append("A significance test (Welch's t-test) needs at least 3 non-diverged seeds of both recipes.\n")
-    out.append(figures.save(_final_loss_figure(recipes, runs, archs), "final_val_loss",
-                            "Final validation loss per recipe: each seed (dots), mean ± std (bars)."))  # fmt: skip
+    out.append(_protocol(runs, recipes, tuning))
+    out.append("### Test loss, and the paired difference to `muon`\n")
+    out.append(_comparison_table(recipes))
+    out.append(figures.save(_final_loss_figure(recipes, runs, archs), "final_test_loss",
+                            "Final test loss per recipe: each seed (dots), mean and its 95% t-interval (bars)."))  # fmt: skip
+    out.append("### Head step geometry\n")
+    out.append(_geometry_table(runs))
+    out.append(_equidistance_statement(runs))
     if curves:
-        out.append("### Loss curves\n")
+        out.append("### Curves\n")
         out.append(figures.save(_curve_figure(curves, runs, archs, "val_loss", "validation loss", log=False),
                                 "loss_curves", "Validation loss over training steps (colour: recipe, line style: seed)."))  # fmt: skip
-        out.append("### Head step in Hilbert units\n")
         out.append(
             "`hilbert_bound` = max‖h‖ · diam(ΔW) on a fixed probe batch: the worst-case change, in nats, of any "
             "token's log-probability caused by the head step alone (SPEC §3.1), measured for every recipe. "
@@ -140,26 +136,193 @@ def _study_b_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
                                 "hilbert_bound", "Head step in Hilbert units (hilbert_bound) over training."))  # fmt: skip
         out.append(figures.save(_curve_figure(curves, runs, archs, "tightness", "hilbert_realized / hilbert_bound", log=False),
                                 "tightness", "Tightness of the bound on exact-diameter steps (≤ 1 by SPEC §3.1)."))  # fmt: skip
-        out.append(figures.save(_curve_figure(curves, runs, archs, "equi_ratio", "equi_ratio (min/max row distance)", log=False),
-                                "equi_ratio", "Spread of the head update's rows: min/max pairwise distance (1 = equidistant)."))  # fmt: skip
+        out.append(figures.save(_curve_figure(curves, runs, archs, "equi_ratio", "equi_ratio (min/max row distance)",
+                                              log=False, reference="equi_ratio_random"),
+                                "equi_ratio", "Spread of the head update's rows: min/max pairwise distance on a fixed "
+                                "row sample (1 = equidistant); dotted: random unit rows of the same shape."))  # fmt: skip
     out.append("### Per run\n")
     out.append(_table(
-        ["run", "final val loss", "median step time (s)", "median hilbert_bound", "median tightness", "max tightness",
-         "median equi_ratio", "diameter"],
-        [[f"`{r['run']}`", _num(r["final_val_loss"], 4), _num(r["median_step_time_s"]), _num(r["median_hilbert_bound"]),
-          _num(r["median_tightness"]), _num(r["max_tightness"]), _num(r["median_equi_ratio"]),
+        ["run", "head step", "final test loss", "final val loss", "median step time (s)", "median hilbert_bound",
+         "max tightness", "median equi_ratio", "diameter"],
+        [[f"`{r['run']}`", r["head_step"] or "–", _num(r["final_test_loss"], 4), _num(r["final_val_loss"], 4),
+          _num(r["median_step_time_s"]), _num(r["median_hilbert_bound"]), _num(r["max_tightness"]),
+          _num(r["median_equi_ratio"]),
           "row sample on some steps (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs],
     ))  # fmt: skip
     out.append(_problem_runs(runs))
     return "\n".join(out)
 
 
-def _p_value(recipe_row: Row) -> str:
+def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
+    """What an optimizer researcher needs to trust the comparison (SPEC §3.2): splits, seeds and what they
+    resolve, the tuning budget, and whether step sizes were matched."""
+    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
+    lines = [
+        "### Protocol\n",
+        "- **Splits.** The corpus is split by document into train, val and test. Tuning and every early decision "
+        "(the loss curves) use val; the test split is read once per run, after its last step, and is what recipes "
+        "are compared on here. No tuning run evaluates test.",
+        f"- **Seeds.** {len(seeds)} seeds ({', '.join(map(str, seeds))}) for every recipe; a seed fixes the "
+        "initialisation and the order of the training batches, so recipes are compared *paired* on the same seeds "
+        "(the seed's own effect cancels). Only the LM head's optimizer differs between recipes other than `adamw`; "
+        "all run the same steps and tokens.",
+        _power_statement(recipes),
+        _tuning_statement(tuning, runs),
+        _budget_statement(runs),
+    ]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _power_statement(recipes: list[Row]) -> str:
+    """The measured seed SD and paired SD, what the seeds resolve, and what RESOLVE_NATS would need."""
+    parts = []
+    for arch in sorted({r["arch"] for r in recipes}):
+        rows = [r for r in recipes if r["arch"] == arch]
+        sd = _pooled([r["test_loss_sd"] for r in rows])
+        paired = [r for r in rows if r["diff_sd"] is not None]
+        if sd is None or not paired:
+            continue
+        needed = [r["seeds_to_resolve"] for r in paired if r["seeds_to_resolve"] is not None]
+        parts.append(
+            f"{arch}: seed-to-seed SD of the test loss {_num(sd, 2)} nats (pooled over recipes), SD of the paired "
+            f"difference to `muon` {_num(_pooled([r['diff_sd'] for r in paired]), 2)}; with "
+            f"{min(r['n_paired'] for r in paired)} paired seeds a difference of "
+            f"{_num(_median([r['detectable_diff'] for r in paired]), 2)} nats is detected with power {POWER:g} "
+            f"(paired t-test, α = {SIGNIFICANCE:g}; median over recipes); resolving {RESOLVE_NATS:g} nats needs "
+            f"{max(needed) if needed else 'more than 10,000'} seeds for the noisiest comparison (per recipe below)"
+        )
+    if not parts:
+        return "- **Power.** Not measured: fewer than two paired seeds."
+    return "- **Power.** " + "; ".join(parts) + "."
+
+
+def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
+    if not tuning:
+        return "- **Tuning.** No record of the head step-size sweep (`docs/tuning.json`) was found."
+    p = tuning["protocol"]
+    per_recipe = {}
+    for t in tuning["trials"]:
+        if t["arch"] == p["arch"]:
+            per_recipe.setdefault(t["recipe"], set()).add((t["knob"], t["value"]))
+    budgets = sorted({len(v) for v in per_recipe.values()})
+    chosen = {recipe: f"{c['knob']}={c['value']:g}" for recipe, c in tuning["chosen"].items() if c}
+    used = {r["recipe"]: r["head_step"] for r in runs if r["head_step"]}
+    differing = sorted(r for r, step in used.items() if r in chosen and chosen[r] != step)
+    steps = sorted({r["steps"] for r in runs if r["steps"]})
+    horizon = f"{p['steps']} steps, as here" if steps == [p["steps"]] else f"{p['steps']} steps (here: {steps})"
+    transfer = f" Transfer to other architectures: {p['transfer']}." if p.get("transfer") else ""
+    used_note = ("Every recipe ran at its tuned step." if not differing else "Not at the tuned step here: "
+                 + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
+    return (
+        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's head step size, the baselines' included, "
+        f"was chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} step sizes per recipe "
+        f"({p['grid']}), each trained with seeds {', '.join(map(str, p['seeds']))} (not the study's) for {horizon}, "
+        f"selected on the final **val** loss (mean over seeds; a divergence counts as +∞).{transfer} {used_note}"
+    )
+
+
+def _budget_statement(runs: list[Row]) -> str:
+    budgets = {r["head_budget_tau"] for r in runs if r["finished"]} - {None}
+    if budgets:
+        taus = ", ".join(map(_num, sorted(budgets)))
+        return (
+            "- **Step size vs direction.** This study is the **matched-budget ablation**: every recipe's realised "
+            f"head step was scaled down where needed to diam(ΔW) ≤ tau_t / r_t with tau = {taus} nats on the run's "
+            "schedule (r_t = max ‖h‖ of the batch), so recipes compare at equal worst-case nats per step; the "
+            "geometry table gives the fraction of steps the cap bound."
+        )
+    return (
+        "- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as well "
+        "as direction (`hilbert_bound` below). The matched-budget ablation caps every head step at the same "
+        "worst-case Hilbert budget: `dvc exp run $(lmgeo preset presets/matched_budget.yaml)`."
+    )
+
+
+def _equidistance_statement(runs: list[Row]) -> str:
+    """The seed's proposal in two numbers per arch: how evenly `hilbert_equi` spreads the rows against random
+    unit rows, and how much of `hilbert`'s descent per unit of diameter it keeps."""
+    parts = []
+    for arch in sorted({r["arch"] for r in runs if r["arch"]}):
+        equi, plain = (_medians([r for r in runs if r["arch"] == arch and r["recipe"] == name])
+                       for name in ("hilbert_equi", "hilbert"))  # fmt: skip
+        if equi["median_equi_ratio"] is None or equi["median_equi_ratio_random"] is None:
+            continue
+        part = (f"{arch}: `hilbert_equi`'s equi_ratio {_num(equi['median_equi_ratio'])} against "
+                f"{_num(equi['median_equi_ratio_random'])} for random unit rows (`hilbert` {_num(plain['median_equi_ratio'])})")
+        kept = _ratio(equi["median_head_alignment_hilbert"], plain["median_head_alignment_hilbert"])
+        parts.append(part + (f"; it keeps {_num(kept, 2)} of `hilbert`'s descent per unit diameter" if kept else ""))
+    if not parts:
+        return ""
+    return ("**The equidistance LMO.** " + "; ".join(parts) + ". By construction every row keeps at least "
+            "`equi_alignment` of its alignment with the momentum, so ⟨M, ΔW⟩ ≥ c·⟨M, ΔW_hilbert⟩ (SPEC §3.2).\n")
+
+
+def _medians(runs: list[Row]) -> dict[str, float | None]:
+    """Per geometry column, the median over runs of each run's median."""
+    return {c: _median([r[c] for r in runs]) for c in GEOMETRY_COLUMNS}
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def _pooled(sds: Sequence[float | None]) -> float | None:
+    finite = [s for s in sds if s is not None and math.isfinite(s)]
+    return float(np.sqrt(np.mean(np.square(finite)))) if finite else None
+
+
+def _comparison_table(recipes: list[Row]) -> str:
+    rows = [[r["arch"], f"`{r['recipe']}`", r["head_step"] or "–", r["n_seeds"],
+             f"{_num(r['test_loss_mean'], 4)} [{_num(r['test_loss_ci_low'], 4)}, {_num(r['test_loss_ci_high'], 4)}]",
+             _difference(r), _p_value(r, "p_vs_muon"), _p_value(r, "p_vs_muon_holm"), _num(r["detectable_diff"], 2),
+             _num(r["seeds_to_resolve"]), r["n_diverged"]] for r in recipes]  # fmt: skip
+    header = ["arch", "recipe", "head step", "seeds", "test loss [95% CI]", "Δ vs muon, paired [95% CI]",
+              "p (paired t)", "Holm p", f"detectable Δ (power {POWER:g})", f"seeds for {RESOLVE_NATS:g} nats",
+              "diverged"]  # fmt: skip
+    note = (f"Δ < 0: lower test loss than `muon` on the same seeds. Holm adjusts each arch's comparisons together. "
+            f"*Detectable Δ*: the difference these seeds detect with power {POWER:g} at the measured SD of the paired "
+            f"differences; *seeds for {RESOLVE_NATS:g} nats*: how many seeds that would take.\n")  # fmt: skip
+    return _table(header, rows) + "\n" + note
+
+
+def _difference(r: Row) -> str:
+    if r["diff_vs_muon"] is None:
+        return "(baseline)" if r["recipe"] == "muon" else "–"
+    return f"{_num(r['diff_vs_muon'], 3)} [{_num(r['diff_ci_low'], 3)}, {_num(r['diff_ci_high'], 3)}]"
+
+
+def _p_value(recipe_row: Row, column: str) -> str:
     if recipe_row["recipe"] == "muon":
         return "(baseline)"
-    if recipe_row["p_vs_muon"] is None:
-        return "not tested (< 3 seeds)"
-    return _num(recipe_row["p_vs_muon"], 2)
+    if recipe_row[column] is None:
+        return "not tested (< 3 paired seeds)"
+    return _num(recipe_row[column], 2)
+
+
+GEOMETRY_COLUMNS = ("median_hilbert_bound", "median_hilbert_realized_train", "median_head_alignment",
+                    "median_head_alignment_hilbert", "median_equi_ratio", "median_equi_ratio_random",
+                    "frac_steps_capped")  # fmt: skip
+
+
+def _geometry_table(runs: list[Row]) -> str:
+    """Per arch × recipe, medians over runs of each run's median over logged steps."""
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in runs:
+        if r["arch"] and r["recipe"]:
+            groups.setdefault((r["arch"], r["recipe"]), []).append(r)
+    ordered = sorted(groups.items(), key=lambda g: (g[0][0], RECIPES.order(g[0][1])))
+    rows = [[arch, f"`{recipe}`", *(_median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
+            for (arch, recipe), rs in ordered]  # fmt: skip
+    header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its training batch", "cos(ΔW, −G)",
+              "descent per unit diam / hilbert's", "equi_ratio", "random unit rows", "steps capped"]  # fmt: skip
+    note = ("Medians over logged steps, then over seeds. *d_H on its training batch*: the largest change of a token's "
+            "log-probability the head step made on the batch it was computed from (at most tau_t for the tau recipes, "
+            "weight decay included). *cos(ΔW, −G)*: alignment with that "
+            "batch's head gradient G; *descent per unit diam*: −⟨G, ΔW⟩ / (½·diam(ΔW)·Σ‖g̃_i‖), about 1 for the "
+            "`hilbert` step of G itself and at most √(2d/(d+1)) for any step (SPEC §3.3). *equi_ratio*: min/max row "
+            "distance of ΔW on a fixed row sample, against random unit rows of the same shape; no configuration of "
+            f"that shape exceeds {_num(_median([r['median_equi_ratio_bound'] for r in runs]))} (SPEC §3.1).\n")  # fmt: skip
+    return _table(header, rows) + "\n" + note
 
 
 def _problem_runs(runs: list[Row]) -> str:
@@ -180,15 +343,11 @@ def _recipe_color(recipe: str) -> str:
     return PALETTE[order % len(PALETTE)] if recipe in RECIPES else "black"
 
 
-def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: str, label: str, log: bool) -> Figure:
-    """One panel per arch, one line per run (colour: recipe, line style: seed); null points skipped."""
-    series: dict[str, tuple[list[int], list[float]]] = {}
-    for c in curves:
-        value = c[column]
-        if value is not None and math.isfinite(value) and (not log or value > 0):
-            xs, ys = series.setdefault(c["run"], ([], []))
-            xs.append(c["step"])
-            ys.append(value)
+def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: str, label: str, log: bool,
+                  reference: str | None = None) -> Figure:  # fmt: skip
+    """One panel per arch, one line per run (colour: recipe, line style: seed); null points skipped. A
+    `reference` column (one level per run) is drawn as a dotted grey line at its median."""
+    series = _series(curves, column, positive=log)
     fig, axes = _grid(len(archs))
     seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
     for ax, (arch, arch_runs) in zip(axes, _by_arch(runs, archs).items(), strict=True):
@@ -198,10 +357,15 @@ def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: 
                 xs, ys = series[r["run"]]
                 style = SEED_STYLES[seeds.index(r["seed"]) % len(SEED_STYLES)] if r["seed"] in seeds else "-"
                 # One legend entry per recipe (colour); seeds are told apart by line style.
-                label = None if r["recipe"] in labelled else r["recipe"]
+                legend = None if r["recipe"] in labelled else r["recipe"]
                 labelled.add(r["recipe"])
-                ax.plot(xs, ys, style, color=_recipe_color(r["recipe"]), label=label, linewidth=1.2,
+                ax.plot(xs, ys, style, color=_recipe_color(r["recipe"]), label=legend, linewidth=1.2,
                         marker="." if len(xs) < 30 else None)  # fmt: skip
+        if reference is not None:
+            runs_here = {r["run"] for r in arch_runs}
+            level = _median([c[reference] for c in curves if c["run"] in runs_here])
+            if level is not None:
+                ax.axhline(level, color="gray", linestyle=":", linewidth=1.2, label="random unit rows")
         ax.set_title(arch)
         ax.set_xlabel("step")
         ax.set_ylabel(label)
@@ -215,22 +379,35 @@ def _curve_figure(curves: list[Row], runs: list[Row], archs: list[str], column: 
     return fig
 
 
+def _series(curves: list[Row], column: str, positive: bool) -> dict[str, tuple[list[int], list[float]]]:
+    """run → (steps, values) of `column`, skipping nulls, non-finite values and (for log axes) values ≤ 0."""
+    series: dict[str, tuple[list[int], list[float]]] = {}
+    for c in curves:
+        value = c[column]
+        if value is not None and math.isfinite(value) and (not positive or value > 0):
+            xs, ys = series.setdefault(c["run"], ([], []))
+            xs.append(c["step"])
+            ys.append(value)
+    return series
+
+
 def _final_loss_figure(recipes: list[Row], runs: list[Row], archs: list[str]) -> Figure:
     fig, axes = _grid(len(archs))
     for ax, arch in zip(axes, archs, strict=True):
         rows = [r for r in recipes if r["arch"] == arch]
         names = [r["recipe"] for r in rows]
         for i, r in enumerate(rows):
-            vals = [x["final_val_loss"] for x in runs if x["arch"] == arch and x["recipe"] == r["recipe"]
-                    and not x["diverged"] and x["final_val_loss"] is not None]  # fmt: skip
+            vals = [x["final_test_loss"] for x in runs if x["arch"] == arch and x["recipe"] == r["recipe"]
+                    and not x["diverged"] and x["final_test_loss"] is not None]  # fmt: skip
             ax.scatter(np.full(len(vals), i) + np.linspace(-0.1, 0.1, len(vals)), vals, s=14,
                        color=_recipe_color(r["recipe"]), zorder=3)  # fmt: skip
-            if r["val_loss_mean"] is not None:
-                ax.errorbar(i, r["val_loss_mean"], yerr=r["val_loss_std"] or 0, fmt="_", markersize=18,
-                            color="black", capsize=4, zorder=2)  # fmt: skip
+            mean, low, high = r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"]
+            if mean is not None:
+                spread = [[mean - low], [high - mean]] if low is not None else None
+                ax.errorbar(i, mean, yerr=spread, fmt="_", markersize=18, color="black", capsize=4, zorder=2)
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
         ax.set_title(arch)
-        ax.set_ylabel("final validation loss")
+        ax.set_ylabel("final test loss")
         ax.grid(axis="y", alpha=0.3)
     return fig
 

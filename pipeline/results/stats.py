@@ -141,3 +141,102 @@ def _group_members(labels: np.ndarray) -> Sequence[np.ndarray]:
     _, inverse = np.unique(labels, return_inverse=True)
     order = np.argsort(inverse, kind="stable")
     return np.split(order, np.cumsum(np.bincount(inverse))[:-1])
+
+
+# ------------------------------------------------------------------------- comparisons over seeds (Study B)
+class Interval(NamedTuple):
+    """`mean` of `n` values with its Student-t confidence interval `[low, high]` (NaN below 2 values)."""
+
+    mean: float
+    sd: float
+    low: float
+    high: float
+    n: int
+
+
+class PairedDifference(NamedTuple):
+    """Mean of the per-seed differences `a_s − b_s` over the seeds both have, its t-interval, and the
+    two-sided paired t-test p-value (NaN below 2 pairs)."""
+
+    diff: Interval
+    p: float
+
+
+def mean_interval(values: ArrayLike, ci: float = 0.95) -> Interval:
+    x = _as_float(values)
+    x = x[np.isfinite(x)]
+    if x.size == 0:
+        return Interval(np.nan, np.nan, np.nan, np.nan, 0)
+    if x.size < 2:
+        return Interval(float(x[0]), np.nan, np.nan, np.nan, 1)
+    from scipy.stats import t
+
+    mean, sd = float(x.mean()), float(x.std(ddof=1))
+    half = float(t.ppf(0.5 + ci / 2, x.size - 1)) * sd / np.sqrt(x.size)
+    return Interval(mean, sd, mean - half, mean + half, int(x.size))
+
+
+def paired_difference(a: dict[int, float], b: dict[int, float], ci: float = 0.95) -> PairedDifference:
+    """`a` and `b` map seed → value; only seeds finite in both are paired (same seed: same
+    initialisation and data order, so the seed's own effect cancels)."""
+    seeds = sorted(s for s in a.keys() & b.keys() if np.isfinite(a[s]) and np.isfinite(b[s]))
+    diff = mean_interval([a[s] - b[s] for s in seeds], ci)
+    if diff.n < 2:
+        return PairedDifference(diff, np.nan)
+    from scipy.stats import t
+
+    if diff.sd == 0:
+        return PairedDifference(diff, 0.0 if diff.mean != 0 else 1.0)
+    statistic = diff.mean / (diff.sd / np.sqrt(diff.n))
+    return PairedDifference(diff, float(2 * t.sf(abs(statistic), diff.n - 1)))
+
+
+def paired_t_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
+    """Power of the two-sided paired t-test at level `alpha` with `n` pairs when the true mean difference
+    is `effect` and the differences' SD is `sd` (noncentral t)."""
+    from scipy.stats import nct, t
+
+    if n < 2:
+        return 0.0
+    critical = float(t.ppf(1 - alpha / 2, n - 1))
+    shift = abs(effect) / sd * np.sqrt(n)
+    return float(nct.sf(critical, n - 1, shift) + nct.cdf(-critical, n - 1, shift))
+
+
+def seeds_needed(effect: float, sd: float, alpha: float = 0.05, power: float = 0.8, most: int = 10_000) -> int | None:
+    """The fewest seeds (pairs) for which the paired t-test detects a true difference `effect` with
+    `power`; None when `most` would not do (or `effect` is 0)."""
+    if not (np.isfinite(sd) and sd > 0 and effect != 0):
+        return None
+    n = 2
+    while paired_t_power(effect, sd, n, alpha) < power:
+        n = n * 2 if paired_t_power(effect, sd, 2 * n, alpha) < power else n + 1
+        if n > most:
+            return None
+    return n
+
+
+def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float = 0.8) -> float:
+    """The smallest true difference the paired t-test with `n` pairs detects with `power` (bisection on
+    `paired_t_power`); NaN below 2 pairs."""
+    if n < 2 or not (np.isfinite(sd) and sd > 0):
+        return np.nan
+    low, high = 0.0, sd
+    while paired_t_power(high, sd, n, alpha) < power:
+        high *= 2
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if paired_t_power(middle, sd, n, alpha) < power else (low, middle)
+    return high
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjustment of a family of p-values (NaN stays NaN and is not counted)."""
+    p = np.asarray(p_values, dtype=float)
+    tested = np.flatnonzero(np.isfinite(p))
+    adjusted = np.full(p.shape, np.nan)
+    running = 0.0
+    for rank, i in enumerate(tested[np.argsort(p[tested], kind="stable")]):
+        running = max(running, min(1.0, (len(tested) - rank) * p[i]))
+        adjusted[i] = running
+    return adjusted.tolist()

@@ -48,12 +48,11 @@ KNOWN_LEVERS = {
         "factor, which a timing comparison here did not show to be faster at these condition numbers."
     ),
     "recipes: hilbert_equi": (
-        "`hilbert_equi` runs `equi_iters` Newton–Schulz orthogonalisations per step (3 by default) where "
-        "`muon_head` runs one, each 5·(4·V·d² + 2·d³) FLOPs (see the FLOP table); its `equi_ratio` is "
-        "now computed only when asked (geometry steps), not every step. The rest is structural: "
-        "≈ (fwd+bwd + equi_iters·NS)/(fwd+bwd + NS); `equi_iters = 1` costs as much as `muon_head`, "
-        "and fewer NS steps per inner iteration (the iterate is nearly orthogonal after the first) "
-        "would be the next lever."
+        "`hilbert_equi`'s cost beyond `hilbert`'s is the candidate search for each row's nearest rows, "
+        "2·V²·min(d, 64) FLOPs plus a top-k over V² similarities (a sketch of width 64 above d = 64), and "
+        "`equi_iters` passes over V × 8 candidates; `muon_head` pays one Newton–Schulz, 5·(4·V·d² + 2·d³) in "
+        "bfloat16. At small d the V² search dominates; levers: fewer candidates, a narrower sketch, or "
+        "`equi_iters = 0` (random tangents only, no search)."
     ),
     "recipes: hilbert /": (
         "`hilbert_direction` is element-wise (two centrings and a row normalisation, ≈ 15·V·d FLOPs "
@@ -191,6 +190,12 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
     lines += _table(["recipe", "step s (median)", f"vs {base}", "optimizer step s", "head-step GFLOP"], [
         [r, _num(section["timings"][r]["median_s"]), _num(section["vs_baseline"][r]) + "×",
          _num(section["optimizer_step_median_s"][r]), _num(f["per_recipe"][r] / 1e9)] for r in section["vs_baseline"]])
+    head = section["head_steps"]
+    lines += ["", (f"Head step alone (the head's optimizer on a V = {head['shape'][0]}, d = {head['shape'][1]} weight "
+                   "with a fixed gradient), for recipes whose cost grows faster than V·d:"), ""]  # fmt: skip
+    lines += _table(["pair", "ratio", "median s (each side)"], [
+        [pair, _num(v["ratio"]) + "×", " / ".join(_num(t["median_s"]) for t in v["timings"].values())]
+        for pair, v in head["pairs"].items()])
     return lines + [""]
 
 

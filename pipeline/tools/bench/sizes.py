@@ -60,6 +60,9 @@ class RecipeSize:
     repeats: int
     flops_vocab: int = 50304  # the analytic FLOP estimate is at GPT-2 scale whatever was timed
     flops_width: int = 768
+    head_vocab: int = 50304  # head steps alone are timed at this scale (GPT-2's head)
+    head_width: int = 768
+    head_repeats: int = 3
 
 
 @dataclass(frozen=True)
@@ -104,7 +107,8 @@ QUICK = BenchSizes(
     extraction=ExtractionSize("gpt2", 32, 2, 2, 256, 16, 4, (4, 16), 2),
     fits=(FitScale("d=16 (smoke)", 16, 8, 16, 4, 1),),
     knn=KnnSize(d=8, chunk=64, anchors=64, pools=(256, 1024)),
-    recipes=RecipeSize("neox", 32, 1, 2, 512, 16, 2, 2, flops_vocab=50304, flops_width=768),
+    recipes=RecipeSize("neox", 32, 1, 2, 512, 16, 2, 2, flops_vocab=50304, flops_width=768, head_vocab=1024,
+                       head_width=64, head_repeats=1),
     fanout=FanoutSize(d=16, n_layers=2, n_seq=8, seq_len=16, anchors=8, classes=fit_bench_classes()[:1], repeats=1),
     gpu_knn=KnnSize(d=64, chunk=256, anchors=256, pools=(1024, 4096)),
 )
