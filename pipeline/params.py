@@ -49,6 +49,30 @@ class Params(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _analysed_runs_are_trained(self) -> Params:
+        chosen, grid = self.analysis.runs, self.train
+        for axis in ("archs", "recipes", "seeds"):
+            outside = [v for v in getattr(chosen, axis) or [] if v not in getattr(grid, axis)]
+            if outside:
+                raise ValueError(f"analysis.runs.{axis}: {outside} not in train.{axis} {getattr(grid, axis)}")
+        return self
+
+    def analysed_runs(self) -> list[str]:
+        """The trained runs Study A analyses (`analysis.runs`), in the train grid's order."""
+        from pipeline.core.contracts import parse_run_id  # pyarrow: not for `lmgeo --help`
+
+        chosen = self.analysis.runs
+
+        def picked(values: list | None, value: object) -> bool:
+            return values is None or value in values
+
+        return [
+            run for run in self.train.runs()
+            for spec in [parse_run_id(run)]
+            if picked(chosen.archs, spec.arch) and picked(chosen.recipes, spec.recipe) and picked(chosen.seeds, spec.seed)
+        ]  # fmt: skip
+
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections, for shard manifests."""
         return digest({name: getattr(self, name) for name in sections})
