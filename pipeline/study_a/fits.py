@@ -108,7 +108,7 @@ def fit_layer(
         xs, ys = null_sample(x, y, sample, cfg.seed)
         if sample != "shuffled" or neighbours is None:  # shuffling moves outputs only: same neighbours
             neighbours = _neighbours(xs, anchors, seq_of_row, classes, cfg)
-        pool = _Pool(xs, ys, anchors, neighbours, n_nonfinite, int(torch.unique(xs, dim=0).shape[0]))
+        pool = _pool(xs, ys, anchors, neighbours, n_nonfinite)
         for fn in classes:
             parts[fn].append(_fit_table(sample, ids, cfg, pool, fn))
     info = FitInfo(x.shape[1], x.shape[0], n_nonfinite, len(kept_anchors), len(anchor_idx) - len(kept_anchors))
@@ -172,6 +172,17 @@ class _Pool(NamedTuple):
     neighbours: Neighbours | None
     n_nonfinite: int
     n_distinct: int  # distinct input vectors in the pool
+    input_rank: Tensor | None  # (A,) numerical rank of each anchor's neighbour inputs
+    copies: Tensor | None  # (A,) every neighbour's input is an exact copy of the anchor's
+
+
+def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Neighbours | None, n_nonfinite: int) -> _Pool:
+    n_distinct = int(torch.unique(x, dim=0).shape[0])
+    if neighbours is None:
+        return _Pool(x, y, anchors, None, n_nonfinite, n_distinct, None, None)
+    xn = x[neighbours.index]
+    copies = (xn == x[anchors][:, None]).all(dim=2).all(dim=1)
+    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, numerical_rank(xn), copies)
 
 
 def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Neighbours | None:
@@ -192,12 +203,11 @@ def fit_update(pool: _Pool, fn: str, cfg: AnalysisConfig) -> tuple[Update, Tenso
     xn, yn = pool.x[pool.neighbours.index], pool.y[pool.neighbours.index]  # (A, k, d)
     x_a = pool.x[pool.anchors]
     update = fit_class.fit(xn, yn, x_a, cfg)
-    rank = numerical_rank(xn)
-    copies = (xn == x_a[:, None]).all(dim=2).all(dim=1)  # every neighbour's input is the anchor's own
-    degenerate = (rank < fit_class.needs_rank(pool.x.shape[1])) | copies
+    assert pool.input_rank is not None and pool.copies is not None
+    degenerate = (pool.input_rank < fit_class.needs_rank(pool.x.shape[1])) | pool.copies
     if update.unidentified is not None:
         degenerate |= update.unidentified
-    return update, degenerate, rank
+    return update, degenerate, pool.input_rank
 
 
 def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, pool: _Pool, fn: str) -> pa.Table:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pipeline.study_a.classes.base import FitClass, RefContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import F64, Update, top_left_singular
+from pipeline.study_a.geometry import F64, Update, ridge_inverse, top_left_singular
 
 LEARNING_RATE = 1e-2
 WINDOW = 20  # steps over which the relative decrease of the objective is measured
@@ -64,11 +64,11 @@ def initial_w1(n_anchors: int, hidden: int, d: int, seed: int, device: torch.dev
 
 def output_layer(hidden: Tensor, target: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
     """`(W₂, b₂)` minimising `mean (target − H W₂ᵀ − b₂)² + λ‖W₂‖²` for hidden activations `H` (A, k, h)."""
-    n_anchors, k, h = hidden.shape
+    k = hidden.shape[1]
     h_mean, t_mean = hidden.mean(dim=1, keepdim=True), target.mean(dim=1, keepdim=True)
     hc, tc = hidden - h_mean, target - t_mean
-    gram = hc.transpose(1, 2) @ hc + ridge * k * target.shape[2] * torch.eye(h, dtype=hidden.dtype, device=hidden.device)
-    w2_t = torch.linalg.lstsq(gram, hc.transpose(1, 2) @ tc).solution  # (A, h, d); lstsq: gram may be singular
+    w, _, inv = ridge_inverse(hc.transpose(1, 2) @ hc, ridge * k * target.shape[2])  # minimum norm if singular
+    w2_t = w @ (inv[..., None] * (w.transpose(1, 2) @ (hc.transpose(1, 2) @ tc)))  # (A, h, d)
     return w2_t.transpose(1, 2), (t_mean - h_mean @ w2_t)[:, 0]
 
 
