@@ -215,7 +215,8 @@ TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parque
 SPLITS = ("train", "val")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
+RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims",
+                 "claim_tests")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 
