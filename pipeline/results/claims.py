@@ -9,9 +9,10 @@ seeds of one architecture at one checkpoint) and an architecture's over layers a
 the strata's effects, each stratum resampled on its own, so rows of different layers are never ranked
 together.
 
-Verdict of an effect with interval [lo, hi] and the claim's margin m (the smallest effect worth the name):
-supported when lo > 0; not supported when hi < m (no effect of that size in the claimed direction);
-inconclusive otherwise, or when a stratum has fewer than `MIN_ANCHORS` anchors.
+Verdict of an effect e with interval [lo, hi] and the claim's margin m (the smallest effect worth the name):
+supported when lo > 0 and e ≥ m (in the claimed direction beyond chance, and of a size that counts); not
+supported when hi < m (no effect of that size in the claimed direction); inconclusive otherwise. A stratum
+with fewer than `MIN_ANCHORS` complete anchors is left out.
 """
 
 from __future__ import annotations
@@ -171,10 +172,10 @@ def stratum_effect(stratum: Stratum, test: Test, n_boot: int, seed: int) -> Repl
     return Replicates(point_real, point_null, point_real - point_null, boot, n)
 
 
-def verdict(low: float, high: float, margin: float) -> str:
+def verdict(effect: float, low: float, high: float, margin: float) -> str:
     if not (math.isfinite(low) and math.isfinite(high)):
         return INCONCLUSIVE
-    if low > 0:
+    if low > 0 and effect >= margin:
         return SUPPORTED
     return NOT_SUPPORTED if high < margin else INCONCLUSIVE
 
@@ -201,10 +202,13 @@ def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) ->
     for claim in CLAIMS:
         for null, test in claim.tests.items():
             effects: dict[tuple[str, str], list[tuple[int, Replicates]]] = {}
-            for i, s in enumerate(strata):
+            models = sorted({s.model for s in strata})
+            for s in strata:
                 if not _applies(claim, s.fn):
                     continue
-                rep = stratum_effect(s, test, n_boot, seed + i)
+                # One draw per model: a model's layers share their anchors, so where a layer keeps them all
+                # its resample is the same anchors' (they are not independent across layers).
+                rep = stratum_effect(s, test, n_boot, seed + models.index(s.model))
                 if rep is not None:
                     effects.setdefault((s.subject, s.fn), []).append((s.layer, rep))
             for (subject, fn), reps in sorted(effects.items()):
@@ -233,5 +237,5 @@ def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int 
         "n_models": len(reps) // n_layers, "n_layers": n_layers, "n": sum(r.n for r in reps),
         "statistic": mean([r.statistic for r in reps]), "null_statistic": mean([r.null for r in reps]),
         "effect": mean([r.effect for r in reps]), "ci_low": float(low), "ci_high": float(high),
-        "margin": claim.margin, "verdict": verdict(float(low), float(high), claim.margin),
+        "margin": claim.margin, "verdict": verdict(mean([r.effect for r in reps]), float(low), float(high), claim.margin),
     }  # fmt: skip
