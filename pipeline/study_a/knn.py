@@ -117,12 +117,13 @@ class _Search:
     def _candidates(self, anchors: Tensor) -> tuple[Tensor, Tensor]:
         """Each anchor's `keep` smallest float32 distances (sorted) and their pool rows."""
         n = anchors.numel()
-        a_vec, a_sq = self.approx[anchors], self.approx_sq[anchors]
+        a_vec = self.approx[anchors]
         best_d = torch.full((n, 0), torch.inf, dtype=torch.float32, device=self.pool.device)
         best_i = torch.full((n, 0), -1, dtype=torch.long, device=self.pool.device)
         for p0 in range(0, self.pool.shape[0], self.chunk):
             rows = torch.arange(p0, min(p0 + self.chunk, self.pool.shape[0]), device=self.pool.device)
-            block = (a_sq[:, None] + self.approx_sq[rows][None, :] - 2 * (a_vec @ self.approx[rows].T)).clamp_min(0)
+            # ‖p‖² − 2 a·p: the distance less ‖a‖², a constant per anchor (ranks and gaps are unchanged)
+            block = torch.addmm(self.approx_sq[rows][None, :], a_vec, self.approx[rows].T, alpha=-2)
             block = block.masked_fill(self._excluded(anchors, rows), torch.inf)
             cand_d = torch.cat([best_d, block], dim=1)
             cand_i = torch.cat([best_i, rows.expand(n, -1)], dim=1)
@@ -154,7 +155,7 @@ class _Search:
         """Exact distances from the differences (Euclidean) or the dot products (cosine), row by row."""
         a = self.pool[anchors][:, None, :]
         p = self.pool[candidates.clamp_min(0)]
-        if self.distance == "euclidean":
-            return (p - a).square().sum(dim=2).sqrt()
+        if self.distance == "euclidean":  # pair by pair from the differences (no matmul), in C++
+            return torch.cdist(a, p, compute_mode="donot_use_mm_for_euclid_dist")[:, 0]
         norms = a.norm(dim=2).clamp_min(_TINY_NORM) * p.norm(dim=2).clamp_min(_TINY_NORM)
         return 1 - (p * a).sum(dim=2) / norms
