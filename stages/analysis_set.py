@@ -38,26 +38,34 @@ class AnalysedModel:
 
 
 def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
-    """Trained checkpoints, read from the verified checkpoints of the current train plan (a diverged run's
-    `final` is left out: its weights are not finite), then external models."""
+    """The checkpoints of the runs `analysis.runs` selects, read from the verified checkpoints of the
+    current train plan (a diverged run's `final` is left out: its weights are not finite), then external
+    models. Each distinct weight file is analysed once: a checkpoint whose weights another one before it
+    already has (the `init` of runs that differ only in their recipe) is left out."""
     from pipeline.core.store import manifest_path
     from stages.sharded import planned_keys
 
-    checkpoints = verified_files(layout.models, planned_keys("train", params, layout), rebuild=TRAIN)
+    runs = params.analysed_runs()
+    planned = {run: key for run, key in planned_keys("train", params, layout).items() if run in runs}
+    checkpoints = verified_files(layout.models, planned, rebuild=TRAIN)
     weights = {
         entry["path"]: entry["sha256"]
-        for run in params.train.runs()
+        for run in runs
         for entry in json.loads(manifest_path(layout.models, run).read_text())["files"]
     }
     records = {p.parent.parent.name: json.loads(p.read_text()) for p in checkpoints if p.match("*/final/run.json")}
     trained = [
         AnalysedModel(trained_model_id(run, ckpt), str(layout.checkpoint(run, ckpt)), None, run,
                       weights[f"{run}/{ckpt}/model.safetensors"])
-        for run in params.train.runs()
+        for run in runs
         for ckpt in params.analysis.checkpoints
         if not (ckpt == "final" and records[run].get("diverged"))
     ]  # fmt: skip
-    return trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
+    models = trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
+    first = {}
+    for model in models:
+        first.setdefault(model.digest, model)
+    return list(first.values())
 
 
 def external_model(params: Params, layout: Layout, ref: str, revision: str | None) -> AnalysedModel:

@@ -62,7 +62,7 @@ def plan(params: Params, layout: Layout) -> Plan:
         params_hash=stage_params("train", params, params.prepare, params.train),
         code_version=code,
     )
-    return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.train.runs()]
+    return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.trained_runs()]
 
 
 def run(params: Params, ray_address: str | None = None) -> None:

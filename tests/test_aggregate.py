@@ -135,8 +135,9 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                 n = cols["rel_err"].size
                 seq = np.arange(n, dtype=np.int32)
                 table = pa.table({
-                    "seq_id": seq, "pos": seq + 1, "token_id": seq, "k": np.full(n, 4, np.int32),
+                    "sample": ["real"] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq, "k": np.full(n, 4, np.int32),
                     **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
+                    "degenerate": np.zeros(n, bool), "subspace_tied": np.zeros(n, bool),
                     "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
                     "patched": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 3, np.float32)), 3),
                 })  # fmt: skip
@@ -278,7 +279,7 @@ def test_geometry_per_layer_matches_numpy(tables: dict[str, pa.Table]) -> None:
     for model in MODELS:
         label = model.replace(".final", "@final").replace(".init", "@init").replace("--", "/")
         for layer in REL_ERR:
-            (r,) = rows(geo, model=label, layer=layer, fn="lowrank")
+            (r,) = rows(geo, model=label, layer=layer, fn="lowrank", sample="real")
             cols = fit_columns(model, layer, "lowrank")
             assert r["n"] == len(REL_ERR[layer])
             assert r["n_nonfinite"] == (2 if layer == 0 else 0)
@@ -288,7 +289,7 @@ def test_geometry_per_layer_matches_numpy(tables: dict[str, pa.Table]) -> None:
                 assert r[f"median_{c}"] == pytest.approx(np.median(finite), rel=1e-6), c
                 assert r[f"mean_{c}"] == pytest.approx(np.mean(finite), rel=1e-6), c
             assert r["median_kl"] == pytest.approx(np.median(np.exp(MODELS[model] * np.array(REL_ERR[layer]))))
-    (ident,) = rows(geo, model="gpt2-muon-s0@final", layer=1, fn="identity")
+    (ident,) = rows(geo, model="gpt2-muon-s0@final", layer=1, fn="identity", sample="real")
     assert ident["median_cos_full_tok"] is None and ident["median_rel_err"] is not None  # undefined stays null
 
 
@@ -315,17 +316,16 @@ def test_angle_histogram_matches_numpy(tables: dict[str, pa.Table]) -> None:
 def test_spearman_of_monotone_relation_is_plus_or_minus_one(tables: dict[str, pa.Table]) -> None:
     corr = tables["correlations"]
     for model, expected in (("gpt2-muon-s0@final", 1.0), ("gpt2-muon-s0@init", -1.0)):
-        (pooled,) = rows(corr, model=model, fn="lowrank", scope="pooled")
-        assert pooled["layer"] is None and pooled["n"] == 10  # the NaN rel_err anchor is dropped
-        assert pooled["spearman"] == pytest.approx(expected)
+        (stratified,) = rows(corr, model=model, fn="lowrank", scope="stratified")
+        assert stratified["layer"] is None and stratified["n"] == 10  # the NaN rel_err anchor is dropped
+        assert stratified["spearman"] == pytest.approx(expected)
         per_layer = rows(corr, model=model, fn="lowrank", scope="layer")
         assert [(r["layer"], r["n"]) for r in per_layer] == [(0, 4), (1, 6)]
         assert all(r["spearman"] == pytest.approx(expected) for r in per_layer)
 
 
-def test_correlations_use_the_anchor_grouped_bootstrap(tmp_path: Path) -> None:
-    """Noisy data, two layers sharing anchors: per-layer and pooled rows are those of
-    pipeline.results.stats.spearman_by_layer with anchors (seq_id, pos) resampled together across layers."""
+def test_correlations_are_per_layer_and_stratified(tmp_path: Path) -> None:
+    """Noisy data, two layers: per-layer and stratified rows are those of pipeline.results.stats.spearman_by_layer."""
     rng = np.random.default_rng(1)
     n = 30
     seq, pos = np.arange(n, dtype=np.int32) // 5, np.arange(n, dtype=np.int32) % 5
@@ -334,37 +334,30 @@ def test_correlations_use_the_anchor_grouped_bootstrap(tmp_path: Path) -> None:
         r = rng.random(n)
         k = r + rng.normal(scale=0.3, size=n)
         partition = {"model": "m", "layer": layer, "fn": "lowrank"}
-        for dataset, table in (("fits", {"rel_err": r}), ("perturb", {"kl": k})):
+        for dataset, table in (("fits", {"sample": ["real"] * n, "rel_err": r}), ("perturb", {"kl": k})):
             with ShardWriter(tmp_path / dataset, f"m/{layer}", KEY) as writer:
                 writer.write(partition, pa.table({"seq_id": seq, "pos": pos, **table}))
         layers.append(np.full(n, layer))
         rel.append(r)
         kl.append(k)
     got = build_tables(sources(tmp_path), CFG)["correlations"].to_pylist()
-    anchors = np.tile(seq.astype(np.int64) * 4294967296 + pos, 2)
-    want = spearman_by_layer(np.concatenate(layers), np.concatenate(rel), np.concatenate(kl), anchors,
+    want = spearman_by_layer(np.concatenate(layers), np.concatenate(rel), np.concatenate(kl),
                              n_boot=CFG.bootstrap, ci=CFG.ci, seed=CFG.seed)  # fmt: skip
     for row in got:
-        c = want["pooled" if row["scope"] == "pooled" else row["layer"]]
+        c = want["stratified" if row["scope"] == "stratified" else row["layer"]]
         assert (row["n"], row["spearman"], row["ci_low"], row["ci_high"]) == pytest.approx((c.n, c.rho, c.low, c.high))
-    assert [(r["scope"], r["layer"]) for r in got] == [("pooled", None), ("layer", 0), ("layer", 1)]
+    assert [(r["scope"], r["layer"]) for r in got] == [("stratified", None), ("layer", 0), ("layer", 1)]
+    assert got[0]["spearman"] == pytest.approx((got[1]["spearman"] + got[2]["spearman"]) / 2)
     assert 0 < got[0]["ci_low"] < got[0]["spearman"] < got[0]["ci_high"] < 1
 
 
 # -------------------------------------------------------------------------------------------- claims
-def test_claims_state_each_seed_claim_with_its_value(tables: dict[str, pa.Table]) -> None:
-    claims = tables["claims"]
-    final = {r["claim"]: r for r in rows(claims, subject="gpt2-muon-s0@final", fn="lowrank")}
-    cos = np.median(np.concatenate([fit_columns("gpt2-muon-s0.final", ly, "lowrank")["cos_full_tok"] for ly in REL_ERR]))
-    assert final["cos_full_tok_near_1"]["value"] == pytest.approx(cos)
-    assert final["cos_full_tok_near_1"]["holds"] is bool(cos >= 0.9)
-    assert final["spearman_rel_err_kl"]["holds"] is True
-    assert final["proj_res_below_full"]["holds"] is True
-    # At init cos is 0.5 lower, proj_res above proj_full and kl anti-correlated: none of these hold there.
-    assert final["spearman_rel_err_kl"]["holds_at_init"] is False
-    assert final["proj_res_below_full"]["holds_at_init"] is False
-    assert not rows(claims, fn="identity")
-    assert rows(claims, subject="gpt2-muon-s0@init", claim="spearman_rel_err_kl")[0]["holds_at_init"] is None
+def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(tables: dict[str, pa.Table]) -> None:
+    tests = tables["claim_tests"]
+    spearman = rows(tests, subject="gpt2@final", fn="lowrank", claim="spearman_rel_err_kl", scope="stratified")
+    assert spearman == []  # no null patch in this study: nothing to test the correlation against
+    assert not rows(tests, fn="identity")  # Δ_tok = 0: the alignment claims are undefined
+    assert {r["scope"] for r in tests.to_pylist()} <= {"layer", "stratified"}
 
 
 def test_study_b_claims(tables: dict[str, pa.Table]) -> None:
@@ -390,7 +383,7 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     assert m["train"]["gpt2-muon-s0"]["final_val_loss"] == 3.0
     assert m["train"]["gpt2-muon-s0"]["final_test_loss"] == 3.0 + TEST_OFFSET
     assert m["recipes"]["gpt2"]["hilbert"]["n_seeds"] == 3
-    assert m["geometry"]["gpt2-muon-s0@final"]["lowrank"]["spearman_pooled"] == 1.0
+    assert m["geometry"]["gpt2-muon-s0@final"]["lowrank"]["spearman_stratified"] == 1.0
     assert m["claims"]["gpt2"]["hilbert"]["beats_muon"] is True
     assert "final_val_loss" not in m["train"]["gpt2-sign-s0"]  # not measured: left out, never null
     for name in TABLES:
@@ -418,6 +411,5 @@ def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> N
     write_study_a(tmp_path, with_perturb=False)
     tables = build_tables(sources(tmp_path), CFG)
     assert tables["correlations"].num_rows == 0
-    spearman = rows(tables["claims"], claim="spearman_rel_err_kl")
-    assert spearman and all(r["holds"] is None and r["value"] is None for r in spearman)
+    assert not rows(tables["claim_tests"], claim="spearman_rel_err_kl")
     assert metrics(tables)["geometry"]["org/tiny-mamba"]["lowrank"]["n"] == 11

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from test_aggregate import CFG, KEY, sources, write_tiny_study
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from functools import partial
 
 import numpy as np
 import pytest

@@ -185,15 +185,26 @@ FIT_METRICS = (
     "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
     "proj_full_global", "proj_res_global", "norm_full", "norm_res",
 )  # fmt: skip
+# Which pool a fit row comes from (SPEC §4.5): the model's own pairs, or a null pool built from them.
+SAMPLES = ("real", "shuffled", "gaussian")
+# Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
+# a layer-wide class), whether the neighbourhood cannot identify the class's map (then every metric and
+# `patched` are null), whether an iterative fit met its convergence criterion (null for a closed form),
+# and whether the p-th singular value of the local operator is tied with the next (top-p is then a choice).
+FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("degenerate", pa.bool_()), pa.field("converged", pa.bool_()),
+             pa.field("subspace_tied", pa.bool_()))  # fmt: skip
 FITS = Dataset(
     "fits",
-    fields=IDS + (pa.field("k", pa.int32()),) + _fields(*FIT_METRICS, kind=pa.float64())
-    + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32())),
+    fields=(pa.field("sample", pa.string()),) + IDS + (pa.field("k", pa.int32()),)
+    + _fields(*FIT_METRICS, kind=pa.float64()) + FIT_FLAGS
+    + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32()), pa.field("n_distinct", pa.int32())),
     partitions=MODEL_LAYER + (pa.field("fn", pa.string()),),
     written_by="fit",
-    order=("seq_id", "pos"),
+    order=("sample", "seq_id", "pos"),
 )
-PERTURB_METRICS = ("kl", "kl_seq")
+# `kl`, `kl_seq`: the real patch T(h_l); `kl_random`, `kl_other`: the null patches h_{l+1} − r̃ with r̃ a
+# random direction, or another anchor's residual, rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
+PERTURB_METRICS = ("kl", "kl_seq", "kl_random", "kl_other")
 PERTURB = Dataset(
     "perturb",
     fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64()),
@@ -205,7 +216,8 @@ TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parque
 SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
+RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims",
+                 "claim_tests")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

@@ -5,8 +5,10 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
 
 - ``out_dir/tables/<name>.parquet`` for every name in ``RESULT_TABLES`` (always all of them; a study that was not
   run gives empty tables with the documented columns):
-  ``runs``, ``curves``, ``recipes``, ``geometry``, ``geometry_pooled``, ``angles``, ``correlations``,
-  ``claims``. Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
+  ``runs``, ``curves``, ``recipes``, ``geometry`` (per model, layer, class and sample: real or null),
+  ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
+  layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
+  ``pipeline.results.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
 - ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
   left out rather than written as null::
 
@@ -15,15 +17,16 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
        "recipes":  {<arch>:  {<recipe>: {"test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon",
                                          "p_vs_muon_holm"}}},
        "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
-                                     "median_proj_full", "median_proj_res", "spearman_pooled",
+                                     "median_proj_full", "median_proj_res", "spearman_stratified",
                                      "spearman_ci_low", "spearman_ci_high"}}},
-       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false}}}}
+       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false (Study B)
+                                                          | "supported"|"not supported"|"inconclusive" (Study A)}}}}
 
   Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
 - ``out_dir/plots/*.csv`` for ``dvc plots``, long format with one line per ``run`` (or ``series``) value:
   ``train_loss.csv`` and ``val_loss.csv`` (step, run, train_loss | val_loss; val_loss at evaluations only),
   ``hilbert.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
-  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high).
+  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high; per layer).
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``).
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,11 +55,13 @@ from pipeline.core.contracts import (
     RUN_ID_PATTERN,
     STEPS,
     RunRecord,
+    parse_run_id,
     scan,
     table_id_sql,
 )
 from pipeline.core.store import ManifestKey, ShardWriter, atomic_path, atomic_write, verified_files
 from pipeline.models.registry import FAMILIES
+from pipeline.results.claims import Stratum, claim_tests, combined_verdict
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import (
     detectable_difference,
@@ -65,13 +71,9 @@ from pipeline.results.stats import (
     seeds_needed,
     spearman_by_layer,
 )
-from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_b.recipes import RECIPES, baseline
 
-# ------------------------------------------------------------------------------ claims (SPEC §4.4)
-COS_NEAR_ONE = 0.9
-LARGE_ANGLE_DEG = 60.0
-SPEARMAN_STRONG = 0.7
+# ------------------------------------------------------------------------------ claims (SPEC §3.3)
 SIGNIFICANCE = 0.05
 MIN_SEEDS_FOR_TEST = 3
 # Study B resolves differences of this size (issue 12): seeds are planned for it at this power.
@@ -306,16 +308,18 @@ def _none_if_nan(x: float) -> float | None:
 
 # ------------------------------------------------------------------------------------ Study A tables
 def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
+    """Every fit row (all samples) with its perturbation values (real sample only)."""
     finite = ", ".join(f"CASE WHEN isfinite(f.{c}) THEN f.{c} END AS {c}" for c in FIT_METRICS)
     any_nonfinite = " OR ".join(f"NOT isfinite(f.{c})" for c in FIT_METRICS)
+    kl = ", ".join(f"CASE WHEN isfinite(p.{c}) THEN p.{c} END AS {c}" for c in PERTURB_METRICS)
     con.execute(f"""
         CREATE TEMP VIEW anchors AS
-        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.seq_id, f.pos, f.k, {finite},
-               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite,
-               CASE WHEN isfinite(p.kl) THEN p.kl END AS kl,
-               CASE WHEN isfinite(p.kl_seq) THEN p.kl_seq END AS kl_seq
+        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
+               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
+               f.degenerate, f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
-          ON f.model = p.model AND f.layer = p.layer AND f.fn = p.fn AND f.seq_id = p.seq_id AND f.pos = p.pos
+          ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
+             AND f.seq_id = p.seq_id AND f.pos = p.pos
     """)  # fmt: skip
 
 
@@ -340,23 +344,32 @@ def _summaries() -> str:
 
 
 def _geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Per (model, layer, class, sample): summaries, and what SPEC §4.5 asks to count per layer."""
     return con.sql(f"""
-        SELECT model, layer, fn, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
-               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
-        FROM anchors GROUP BY model, layer, fn ORDER BY model, layer, fn
+        SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
+               max(n_distinct) AS n_distinct, max(k) AS k,
+               count(*) FILTER (WHERE degenerate) AS n_degenerate,
+               count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
+               count(*) FILTER (WHERE NOT converged) AS n_not_converged,
+               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
+               median(CASE WHEN rel_err < 1 THEN sqrt(1 - rel_err * rel_err) END) AS median_cos_bound
+        FROM anchors GROUP BY model, layer, fn, sample ORDER BY model, layer, fn, sample
     """).to_arrow_table()  # fmt: skip
 
 
 def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Descriptive medians of the real sample over every anchor of every layer (the claims never use them:
+    they are tested per layer, `claim_tests`)."""
     over_layers = ", ".join(f"median(median_{c}) AS layer_median_{c}" for c in _ALL_METRICS)
     return con.sql(f"""
         WITH pooled AS (
             SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
+                   count(*) FILTER (WHERE degenerate) AS n_degenerate,
                    count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
-            FROM anchors GROUP BY model, fn
+            FROM anchors WHERE sample = 'real' GROUP BY model, fn
         ), per_layer AS (
             SELECT model, fn, sum(n_nonfinite) AS n_nonfinite, {over_layers}
-            FROM geometry GROUP BY model, fn
+            FROM geometry WHERE sample = 'real' GROUP BY model, fn
         )
         SELECT model, fn, {_model_facts()}, p.n, p.n_layers, l.n_nonfinite,
                p.* EXCLUDE (model, fn, n, n_layers), l.* EXCLUDE (model, fn, n_nonfinite)
@@ -368,11 +381,12 @@ def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 def _angles_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     bins = 180 // ANGLE_BIN_DEG
     return con.sql(f"""
-        WITH groups AS (SELECT DISTINCT model, fn FROM anchors WHERE angle_res_tok IS NOT NULL),
+        WITH real AS (SELECT * FROM anchors WHERE sample = 'real'),
+        groups AS (SELECT DISTINCT model, fn FROM real WHERE angle_res_tok IS NOT NULL),
         grid AS (SELECT model, fn, b FROM groups, range({bins}) t(b)),
         counts AS (
             SELECT model, fn, least(floor(angle_res_tok / {ANGLE_BIN_DEG}), {bins - 1})::BIGINT AS b, count(*) AS c
-            FROM anchors WHERE angle_res_tok IS NOT NULL GROUP BY ALL
+            FROM real WHERE angle_res_tok IS NOT NULL GROUP BY ALL
         )
         SELECT g.model, g.fn, (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
                coalesce(c.c, 0) AS count,
@@ -389,24 +403,80 @@ CORRELATIONS_SCHEMA = pa.schema(
 
 
 def _correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
-    """Spearman(rel_err, kl) per (model, fn, layer) and pooled over layers (scope 'pooled', layer null);
-    the pooled bootstrap resamples anchors (seq_id, pos) with their rows in every layer together."""
+    """Spearman(rel_err, kl) per (model, fn, layer), and `stratified` over layers (the mean of the layers'
+    rhos, never rows of different layers ranked together; layer null)."""
     pairs = con.sql("""
-        SELECT model, fn, layer, seq_id::BIGINT * 4294967296 + pos AS anchor, rel_err, kl FROM anchors
-        WHERE rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
+        SELECT model, fn, layer, rel_err, kl FROM anchors
+        WHERE sample = 'real' AND rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
     """).fetchnumpy()  # fmt: skip
     rows = []
     for model, fn in dict.fromkeys(zip(pairs["model"].tolist(), pairs["fn"].tolist(), strict=True)):
         g = (pairs["model"] == model) & (pairs["fn"] == fn)
-        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g], pairs["anchor"][g],
+        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g],
                                      n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)  # fmt: skip
-        pooled = by_layer.pop("pooled")
-        for layer, c in [(None, pooled)] + sorted(by_layer.items()):
+        stratified = by_layer.pop("stratified", None)
+        for layer, c in ([(None, stratified)] if stratified else []) + sorted(by_layer.items()):
             rows.append({
-                "model": model, "fn": fn, "scope": "pooled" if layer is None else "layer", "layer": layer, "n": c.n,
+                "model": model, "fn": fn, "scope": "stratified" if layer is None else "layer", "layer": layer, "n": c.n,
                 "spearman": _none_if_nan(c.rho), "ci_low": _none_if_nan(c.low), "ci_high": _none_if_nan(c.high),
             })  # fmt: skip
     return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
+
+
+def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
+    """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
+    (`<sample>.<column>`), the null patches' KLs, and `global_linear`'s left-out rel_err (`global.rel_err`)."""
+    columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
+               "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
+    table = con.sql(f"""
+        SELECT model, layer, fn, sample, seq_id, pos, {", ".join(columns)} FROM anchors
+        ORDER BY model, layer, fn, sample, seq_id, pos
+    """).fetchnumpy()  # fmt: skip
+    groups: dict[tuple[str, int, str, str], dict[str, np.ndarray]] = {}
+    keys = list(zip(table["model"].tolist(), table["layer"].tolist(), table["fn"].tolist(), table["sample"].tolist(), strict=True))
+    anchor = table["seq_id"].astype(np.int64) * 2**32 + table["pos"]
+    for key, (start, stop) in _runs(keys).items():
+        groups[key] = {"anchor": anchor[start:stop], **{c: _floats(table[c][start:stop]) for c in columns}}
+    strata = []
+    for (model, layer, fn, sample), real in groups.items():
+        if sample != "real":
+            continue
+        cols = {c: real[c] for c in columns}
+        for other, values in ((s, groups.get((model, layer, fn, s))) for s in ("shuffled", "gaussian")):
+            if values is not None:
+                cols |= {f"{other}.{c}": _aligned(real["anchor"], values["anchor"], values[c]) for c in columns}
+        glob = groups.get((model, layer, "global_linear", "real"))
+        if glob is not None:
+            cols["global.rel_err"] = _aligned(real["anchor"], glob["anchor"], glob["rel_err"])
+        strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
+    return strata
+
+
+def _runs(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """Start and stop of each run of equal keys in a sorted list."""
+    bounds: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for i, key in enumerate(keys):
+        start = bounds.get(key, (i, i))[0]
+        bounds[key] = (start, i + 1)
+    return bounds
+
+
+def _floats(values: Any) -> np.ndarray:
+    return np.ma.filled(np.ma.asarray(values, dtype=float), np.nan)
+
+
+def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`values` (keyed by the sorted `other` anchors) at `anchors`; NaN where an anchor is missing."""
+    where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
+    found = len(other) > 0 and other[where] == anchors
+    return np.where(found, values[where] if len(other) else np.nan, np.nan)
+
+
+def _subject(model: str) -> str:
+    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
+    combined), the model id for an external model."""
+    match = re.match(r"^(.*)@(init|final)$", model)
+    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
 
 
 # ------------------------------------------------------------------------------------------- claims
@@ -416,22 +486,14 @@ CLAIMS_SCHEMA = pa.schema(
      ("holds_at_init", pa.bool_()), ("detail", pa.string())]
 )  # fmt: skip
 
+# Study B's claims (Study A's are tests against nulls: `pipeline.results.claims`, the `claim_tests` table).
 CLAIM_TEXT = {
-    "cos_full_tok_near_1": f"full update aligned with its tokenwise part: median cos_full_tok ≥ {COS_NEAR_ONE}",
-    "angle_res_tok_large": f"residual at a large angle to the tokenwise part: median angle_res_tok > {LARGE_ANGLE_DEG:g}°",
-    "proj_res_below_full": "residual projects less than the full update on the dominant tokenwise subspace "
-    "(median proj_res / median proj_full < 1)",
-    "proj_res_global_below_full": "the same on the layer's global tokenwise subspace "
-    "(median proj_res_global / median proj_full_global < 1)",
-    "spearman_rel_err_kl": f"residual size predicts the output change: pooled Spearman(rel_err, kl) > {SPEARMAN_STRONG}",
     "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
     "beats_muon": f"final test loss below muon's on the same seeds: paired t-test, Holm-adjusted over the arch's "
     f"recipes, p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} paired seeds)",
     "equi_spreads_rows": "hilbert_equi spreads head-update rows at least as evenly as random unit rows on the same "
     "row sample (median equi_ratio / median equi_ratio_random ≥ 1)",
 }  # fmt: skip
-STUDY_A_CLAIMS = ("cos_full_tok_near_1", "angle_res_tok_large", "proj_res_below_full",
-                  "proj_res_global_below_full", "spearman_rel_err_kl")  # fmt: skip
 
 
 def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, threshold: float,
@@ -446,51 +508,6 @@ def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, t
 
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
-
-
-def _study_a_claims(pooled: pa.Table, correlations: pa.Table) -> list[dict[str, Any]]:
-    spearman = {
-        (r["model"], r["fn"]): r for r in correlations.to_pylist() if r["scope"] == "pooled"
-    }
-    best_layer: dict[tuple[str, str], float] = {}
-    for r in correlations.to_pylist():
-        if r["scope"] == "layer" and r["spearman"] is not None:
-            key = (r["model"], r["fn"])
-            best_layer[key] = max(best_layer.get(key, -1.0), r["spearman"])
-    rows = []
-    for g in pooled.to_pylist():
-        model, fn = g["model"], g["fn"]
-        if fn in FIT_CLASSES and not FIT_CLASSES[fn].tokenwise:
-            continue
-        cos, angle = g["median_cos_full_tok"], g["median_angle_res_tok"]
-        local = _ratio(g["median_proj_res"], g["median_proj_full"])
-        glob = _ratio(g["median_proj_res_global"], g["median_proj_full_global"])
-        s = spearman.get((model, fn), {})
-        rho = s.get("spearman")
-        rows += [
-            _claim("A", model, fn, "cos_full_tok_near_1", cos, COS_NEAR_ONE, cos is not None and cos >= COS_NEAR_ONE,
-                   f"median cos_full_tok {_fmt(cos)} over {g['n']} anchors"),
-            _claim("A", model, fn, "angle_res_tok_large", angle, LARGE_ANGLE_DEG,
-                   angle is not None and angle > LARGE_ANGLE_DEG, f"median angle_res_tok {_fmt(angle)}°"),
-            _claim("A", model, fn, "proj_res_below_full", local, 1.0, local is not None and local < 1,
-                   f"median proj_res {_fmt(g['median_proj_res'])} vs proj_full {_fmt(g['median_proj_full'])}"),
-            _claim("A", model, fn, "proj_res_global_below_full", glob, 1.0, glob is not None and glob < 1,
-                   f"median proj_res_global {_fmt(g['median_proj_res_global'])} "
-                   f"vs proj_full_global {_fmt(g['median_proj_full_global'])}"),
-            _claim("A", model, fn, "spearman_rel_err_kl", rho, SPEARMAN_STRONG, rho is not None and rho > SPEARMAN_STRONG,
-                   f"pooled rho {_fmt(rho)} [{_fmt(s.get('ci_low'))}, {_fmt(s.get('ci_high'))}], "
-                   f"n {s.get('n', 0)}, best layer {_fmt(best_layer.get((model, fn)))}"),
-        ]  # fmt: skip
-    _attach_init(rows)
-    return rows
-
-
-def _attach_init(rows: list[dict[str, Any]]) -> None:
-    """For `<run>@final` rows, record whether the same claim held at `<run>@init` (random weights)."""
-    at = {(r["subject"], r["fn"], r["claim"]): r["holds"] for r in rows}
-    for r in rows:
-        if r["subject"].endswith("@final"):
-            r["holds_at_init"] = at.get((r["subject"].removesuffix("@final") + "@init", r["fn"], r["claim"]))
 
 
 def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
@@ -549,12 +566,11 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
     geometry = _geometry_table(con)
     con.register("geometry", geometry)
     pooled = _geometry_pooled_table(con)
-    correlations = _correlations_table(con, cfg)
-    claims = _study_a_claims(pooled, correlations) + _study_b_claims(runs, recipes)
     return {
         "runs": runs, "curves": _curves_table(con), "recipes": recipes, "geometry": geometry,
-        "geometry_pooled": pooled, "angles": _angles_table(con), "correlations": correlations,
-        "claims": pa.Table.from_pylist(claims, schema=CLAIMS_SCHEMA),
+        "geometry_pooled": pooled, "angles": _angles_table(con), "correlations": _correlations_table(con, cfg),
+        "claims": pa.Table.from_pylist(_study_b_claims(runs, recipes), schema=CLAIMS_SCHEMA),
+        "claim_tests": claim_tests(_strata(con), n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed),
     }  # fmt: skip
 
 
@@ -598,20 +614,31 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
         recipes.setdefault(r["arch"], {})[r["recipe"]] = _measured(
             {k: r[k] for k in ("test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon", "p_vs_muon_holm")}
         )
-    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "pooled"}
+    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "stratified"}
     geometry: dict[str, dict[str, Any]] = {}
     for g in tables["geometry_pooled"].to_pylist():
         s = spearman.get((g["model"], g["fn"]), {})
         geometry.setdefault(g["model"], {})[g["fn"]] = _measured({
             "n": g["n"],
             **{f"median_{c}": g[f"median_{c}"] for c in ("rel_err", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res")},
-            "spearman_pooled": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
+            "spearman_stratified": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
         })  # fmt: skip
-    claims: dict[str, dict[str, dict[str, bool]]] = {}
+    claims: dict[str, dict[str, dict[str, Any]]] = {}
     for c in tables["claims"].to_pylist():
         if c["holds"] is not None:
             claims.setdefault(c["subject"], {}).setdefault(c["fn"], {})[c["claim"]] = c["holds"]
+    for (subject, fn, claim), verdicts in _study_a_verdicts(tables["claim_tests"]).items():
+        claims.setdefault(subject, {}).setdefault(fn, {})[claim] = combined_verdict(verdicts)
     return {"train": train, "recipes": recipes, "geometry": geometry, "claims": claims}
+
+
+def _study_a_verdicts(tests: pa.Table) -> dict[tuple[str, str, str], list[str]]:
+    """(subject, class, claim) → the stratified verdict against each of the claim's nulls."""
+    verdicts: dict[tuple[str, str, str], list[str]] = {}
+    for t in tests.to_pylist():
+        if t["scope"] == "stratified":
+            verdicts.setdefault((t["subject"], t["fn"], t["claim"]), []).append(t["verdict"])
+    return verdicts
 
 
 def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:

@@ -23,7 +23,8 @@ from matplotlib.figure import Figure
 
 from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
-from pipeline.results.aggregate import CLAIM_TEXT, POWER, RESOLVE_NATS, SIGNIFICANCE, STUDY_A_CLAIMS
+from pipeline.results.aggregate import CLAIM_TEXT, POWER, RESOLVE_NATS, SIGNIFICANCE
+from pipeline.results.claims import CLAIMS, combined_verdict
 from pipeline.study_b.recipes import RECIPES
 
 Row = dict[str, Any]
@@ -262,6 +263,11 @@ def _medians(runs: list[Row]) -> dict[str, float | None]:
     return {c: _median([r[c] for r in runs]) for c in GEOMETRY_COLUMNS}
 
 
+def _median(values: Sequence[float | None]) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.median(finite)) if finite else None
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -413,50 +419,126 @@ def _final_loss_figure(recipes: list[Row], runs: list[Row], archs: list[str]) ->
 
 
 # ----------------------------------------------------------------------------------------- Study A
+_NULL_TEXT = {
+    "shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random-direction patch",
+    "other": "other anchor's residual", "zero": "zero",
+}  # fmt: skip
+
+
 def _study_a_section(tables: dict[str, list[Row]], figures: _Figures) -> str:
     out = ["## Study A — layer-update geometry\n"]
-    pooled, corr, angles = tables["geometry_pooled"], tables["correlations"], tables["angles"]
-    if not pooled:
+    tests, geometry, corr = tables["claim_tests"], tables["geometry"], tables["correlations"]
+    if not geometry:
         out.append("Study A was not run: there are no fits.\n")
         return "\n".join(out)
     out.append(
         "For each model and layer a tokenwise map T is fitted on each anchor's nearest neighbours; the update "
-        "Δ_full = h_{l+1} − h_l splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Medians over "
-        "anchors pooled over layers; Spearman is between rel_err = ‖r‖/‖Δ_full‖ and the KL of the next-token "
-        "distribution when the anchor's block output is replaced by T(h_l), with a bootstrap CI.\n"
+        "Δ_full = h_{l+1} − h_l splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Every claim of the "
+        "seed is tested against a null (SPEC §4.5): the geometric ones against the same fits on *shuffled pairs* "
+        "(h_{l+1} permuted across the pool) and on a *Gaussian pool* with the same mean and covariance; the "
+        "functional ones against patches of the same norm ‖r‖ in a random direction or along another anchor's "
+        "residual. The effect is statistic − null (positive = the claim's direction), averaged over layers and "
+        "over the seeds of an architecture (each (model, layer) resampled on its own, never pooled), with a 95% "
+        "bootstrap interval. **Supported**: the interval is above 0; **not supported**: it lies below the "
+        "claim's margin (the smallest effect worth the name); **inconclusive**: otherwise.\n"
     )
-    spearman = {(c["model"], c["fn"]): c for c in corr if c["scope"] == "pooled"}
-    out.append("### Per model and function class\n")
-    out.append(_table(
-        ["model", "class", "anchors", "layers", "rel_err", "cos_full_tok", "angle_res_tok (°)", "proj_full", "proj_res",
-         "proj_full_global", "proj_res_global", "Spearman(rel_err, kl) [CI]", "excluded non-finite"],
-        [[f"`{g['model']}`", g["fn"], g["n"], g["n_layers"], g["median_rel_err"], g["median_cos_full_tok"],
-          g["median_angle_res_tok"], g["median_proj_full"], g["median_proj_res"], g["median_proj_full_global"],
-          g["median_proj_res_global"], _rho(spearman.get((g["model"], g["fn"]))),
-          f"{g['n_nonfinite']} pool tokens, {g['n_nonfinite_values']} anchors"] for g in pooled],
-    ))  # fmt: skip
-    out.append("Medians over every anchor of every layer; `–` = undefined for the class (e.g. `identity` has Δ_tok = 0). "
-               "Per-layer values are in `reports/tables/geometry.parquet` (`lmgeo query \"SELECT * FROM geometry\"`).\n")  # fmt: skip
-    models = sorted({g["model"] for g in pooled})
-    if angles:
-        out.append("### Angle between residual and tokenwise update\n")
-        out.append(figures.save(_angle_figure(angles, models), "angles",
-                                "Distribution of angle_res_tok per model (one line per class); the seed reports often > 60°."))  # fmt: skip
+    stratified = [t for t in tests if t["scope"] == "stratified"]
+    if stratified:
+        out.append("### What was found\n")
+        out.append(_findings(stratified))
+        out.append("### Each claim against its nulls\n")
+        out.append("Per architecture at `final` (trained) and `init` (random weights, distinct initialisations "
+                   "only); `n` anchors over layers and seeds.\n")  # fmt: skip
+        for claim in CLAIMS:
+            rows = [t for t in stratified if t["claim"] == claim.name]
+            if rows:
+                out.append(f"**`{claim.name}`** — {claim.text}. Seed: {claim.seed_value}; margin {_num(claim.margin)}.\n")
+                out.append(_claim_table(rows))
+    out.append(_well_posed(geometry))
     if any(c["scope"] == "layer" for c in corr):
+        models = sorted({c["model"] for c in corr})
         out.append("### Spearman per layer\n")
         out.append(figures.save(_spearman_figure(corr, models), "spearman_layers",
                                 "Spearman(rel_err, kl) per layer with bootstrap CI, per model and class."))  # fmt: skip
-    else:
-        out.append("Spearman(rel_err, kl) was not measured: there are no perturbation results.\n")
-    out.append(_init_vs_final(pooled, spearman))
-    out.append(_families(pooled, spearman))
+    if tables["angles"]:
+        models = sorted({a["model"] for a in tables["angles"]})
+        out.append(figures.save(_angle_figure(tables["angles"], models), "angles",
+                                "Distribution of angle_res_tok per model (one line per class), real pairs."))  # fmt: skip
     return "\n".join(out)
 
 
-def _rho(c: Row | None) -> str:
-    if not c or c["spearman"] is None:
+def _subject_parts(subject: str) -> tuple[str, str]:
+    arch, _, checkpoint = subject.partition("@")
+    return arch, checkpoint or "–"
+
+
+def _findings(stratified: list[Row]) -> str:
+    """One plain sentence per claim: where it is supported, not supported, inconclusive (all nulls combined)."""
+    lines = []
+    for claim in CLAIMS:
+        verdicts: dict[tuple[str, str], list[str]] = {}
+        for t in stratified:
+            if t["claim"] == claim.name:
+                verdicts.setdefault((t["subject"], t["fn"]), []).append(t["verdict"])
+        if not verdicts:
+            continue
+        by_verdict: dict[str, list[str]] = {}
+        for (subject, fn), vs in sorted(verdicts.items()):
+            by_verdict.setdefault(combined_verdict(vs), []).append(f"{subject} {fn}")
+        parts = [f"{verdict} for {', '.join(where)}" for verdict, where in sorted(by_verdict.items())]
+        lines.append(f"- **{claim.name}** ({claim.text}): " + "; ".join(parts) + ".")
+    return "\n".join(lines) + "\n\nA claim counts as supported for a model and class only when it is supported against every null.\n"
+
+
+def _claim_table(rows: list[Row]) -> str:
+    nulls = list(dict.fromkeys(r["null"] for r in rows))
+    at = {(r["subject"], r["fn"], r["null"]): r for r in rows}
+    keys = sorted({(_subject_parts(r["subject"])[0], r["fn"]) for r in rows})
+    header = ["arch", "class", "statistic (final)", "n"]
+    for null in nulls:
+        header += [f"vs {_NULL_TEXT.get(null, null)}: effect [95% CI]", "final", "init"]
+    body = []
+    for arch, fn in keys:
+        final = [at.get((f"{arch}@final", fn, null)) or at.get((arch, fn, null)) for null in nulls]
+        init = [at.get((f"{arch}@init", fn, null)) for null in nulls]
+        first = next((r for r in final if r), None)
+        row = [f"`{arch}`", fn, _num(first["statistic"]) if first else "–", first["n"] if first else "–"]
+        for f, i in zip(final, init, strict=True):
+            row += [_effect(f), f["verdict"] if f else "–", i["verdict"] if i else "–"]
+        body.append(row)
+    return _table(header, body)
+
+
+def _effect(r: Row | None) -> str:
+    if not r:
         return "–"
-    return f"{c['spearman']:.3f} [{_num(c['ci_low'])}, {_num(c['ci_high'])}] (n={c['n']})"
+    return f"{_num(r['effect'])} [{_num(r['ci_low'])}, {_num(r['ci_high'])}] (null {_num(r['null_statistic'])})"
+
+
+def _well_posed(geometry: list[Row]) -> str:
+    """Per layer, real pairs: distinct inputs in the pool against 10·k, degenerate neighbourhoods and tied
+    subspaces per class, and cos_full_tok beside the bound √(1 − rel_err²) that rel_err alone implies."""
+    out = ["### Are the fits well posed?\n",
+           "Per model and layer (real pairs): `distinct` = distinct h_l in the pool (SPEC asks ≥ 10·k); per class, "
+           "the share of anchors whose neighbourhood cannot identify the map (`degenerate`: too few independent "
+           "neighbour inputs, or all copies of the anchor's; their values are null and left out) and whose top-p "
+           "subspace splits a tie. `cos_full_tok ≥ √(1 − rel_err²)` always holds, so the alignment claim is "
+           "shown beside that bound (median over anchors): it is no evidence beyond a small residual.\n"]  # fmt: skip
+    real = [g for g in geometry if g["sample"] == "real"]
+    fns = list(dict.fromkeys(g["fn"] for g in real))
+    at = {(g["model"], g["layer"], g["fn"]): g for g in real}
+    rows = []
+    for model, layer in sorted({(g["model"], g["layer"]) for g in real}):
+        first = next(at[(model, layer, fn)] for fn in fns if (model, layer, fn) in at)
+        row = [f"`{model}`", layer, f"{first['n_distinct']} (10·k = {10 * first['k']})"]
+        for fn in fns:
+            g = at.get((model, layer, fn))
+            row.append("–" if g is None else
+                       f"{g['n_degenerate'] / g['n']:.0%} / {g['n_subspace_tied'] / g['n']:.0%} / "
+                       f"{_num(g['median_cos_full_tok'])} ≥ {_num(g['median_cos_bound'])}")  # fmt: skip
+        rows.append(row)
+    out.append(_table(["model", "layer", "distinct inputs"] + [f"{fn}: degenerate / tied / cos ≥ bound" for fn in fns], rows))
+    return "\n".join(out)
 
 
 def _angle_figure(angles: list[Row], models: list[str]) -> Figure:
@@ -503,52 +585,6 @@ def _spearman_figure(corr: list[Row], models: list[str]) -> Figure:
     return fig
 
 
-def _init_vs_final(pooled: list[Row], spearman: dict[tuple[str, str], Row]) -> str:
-    at = {(g["run"], g["checkpoint"], g["fn"]): g for g in pooled if g["run"]}
-    pairs = sorted({(run, fn) for run, _, fn in at})
-    out = ["### Init (random weights) vs final\n"]
-    rows = []
-    for run, fn in pairs:
-        init, final = at.get((run, "init", fn)), at.get((run, "final", fn))
-        if init and final:
-            rows.append([f"`{run}`", fn]
-                        + [v for key in ("median_cos_full_tok", "median_angle_res_tok") for v in (init[key], final[key])]
-                        + [_value(spearman, init), _value(spearman, final)])  # fmt: skip
-    if not rows:
-        out.append("Not measured: no trained run was analysed at both `init` and `final`.\n")
-        return "\n".join(out)
-    out.append(_table(["run", "class", "cos_full_tok init", "final", "angle_res_tok init", "final", "Spearman init", "final"], rows))
-    return "\n".join(out)
-
-
-def _value(spearman: dict[tuple[str, str], Row], g: Row) -> float | None:
-    return spearman.get((g["model"], g["fn"]), {}).get("spearman")
-
-
-def _families(pooled: list[Row], spearman: dict[tuple[str, str], Row]) -> str:
-    """Transformers vs state-space models: medians over the models of each kind (trained checkpoints at `final`
-    and external models; `init` is random weights and is compared above)."""
-    out = ["### Transformers vs state-space models\n"]
-    groups: dict[tuple[str, str], list[Row]] = {}
-    for g in pooled:
-        if g["checkpoint"] != "init":
-            groups.setdefault((g["family"], g["fn"]), []).append(g)
-    rows = []
-    for (family, fn), gs in sorted(groups.items()):
-        rows.append([family, fn, len(gs),
-                     _median([g["median_cos_full_tok"] for g in gs]), _median([g["median_angle_res_tok"] for g in gs]),
-                     _median([g["median_rel_err"] for g in gs]), _median([_value(spearman, g) for g in gs])])  # fmt: skip
-    out.append(_table(["family", "class", "models", "cos_full_tok", "angle_res_tok (°)", "rel_err", "Spearman"], rows))
-    if len({f for f, _ in groups}) < 2:
-        out.append("Only one family was analysed, so there is no comparison yet.\n")
-    return "\n".join(out)
-
-
-def _median(values: Sequence[float | None]) -> float | None:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return float(np.median(finite)) if finite else None
-
-
 # -------------------------------------------------------------------------------------------- claims
 _VERDICT: dict[bool | None, str] = {True: "holds", False: "does not hold", None: "not measured"}
 
@@ -556,16 +592,7 @@ _VERDICT: dict[bool | None, str] = {True: "holds", False: "does not hold", None:
 def _claims_section(tables: dict[str, list[Row]]) -> str:
     claims = tables["claims"]
     out = ["## Claims as measured here\n"]
-    out.append("Study A: the seed's claims (SPEC §4.4), per model and function class. "
-               "“at init” = the same claim on the same run's random-weight checkpoint.\n")  # fmt: skip
-    a_rows = [c for c in claims if c["study"] == "A"]
-    if a_rows:
-        out.append(_table(["model", "class", "claim", "measured", "verdict", "at init", "detail"],
-                          [[f"`{c['subject']}`", c["fn"], c["claim"], _num(c["value"]), _VERDICT[c["holds"]],
-                            _VERDICT[c["holds_at_init"]] if c["subject"].endswith("@final") else "",
-                            c["detail"]] for c in a_rows]))  # fmt: skip
-    else:
-        out.append(_table(["claim", "verdict"], [[c, "not measured (Study A not run)"] for c in STUDY_A_CLAIMS]))
+    out.append("Study A's claims are tested against their nulls in the Study A section above.\n")
     out.append("Study B:\n")
     b_rows = [c for c in claims if c["study"] == "B"]
     if b_rows:

@@ -59,6 +59,17 @@ KNOWN_LEVERS = {
         "against AdamW's ≈ 11·V·d); a miss here points at memory traffic (each centring and "
         "`_unit_rows` materialises a V × d temporary) or at load on the machine."
     ),
+    "kNN vs FAISS": (
+        "Both sides compute the same Gram-form float32 distances; what differs is the selection (FAISS keeps a "
+        "heap per query, `nearest_neighbours` a `topk` over each pool chunk merged with the running best) and the "
+        "exact float64 re-rank of the `k + slack` candidates. A miss at a small pool points at fixed per-call "
+        "costs (the float32 copy and norms of the pool); at a large one, at the `topk` merge."
+    ),
+    "patching: suffix": (
+        "The suffix still recomputes the positions before the anchor inside blocks l+1..L−1 (no key/value cache "
+        "or recurrent state is used), so its gain is the skipped blocks and the head on the suffix only: about "
+        "L/(L − l) on the blocks and T/(T − t) on the head, averaged over layers and anchors."
+    ),
     "fan-out": (
         "Two Ray workers can only halve the time when two cores are free: compare the load average "
         "recorded below with the 2 cores. Per-task overhead (reading the layer pair from Parquet "
@@ -111,6 +122,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     missed = [b for b in report["ratios"] if not b["passed"]]
     lines += ["", f"{len(report['ratios']) - len(missed)} of {len(report['ratios'])} bars met.", ""]
     lines += _extraction_md(report["extraction"]) + _fits_md(report["fits"]) + _knn_md(report["knn_memory"])
+    lines += _faiss_md(report["knn_vs_faiss"]) + _patching_md(report["patching"])
     lines += _recipes_md(report["recipes"]) + _fanout_md(report["fanout"]) + _gpu_md(report["gpu"])
     if missed:
         lines += ["## Missed bars: profiles and levers", ""]
@@ -172,6 +184,30 @@ def _knn_md(section: dict[str, Any]) -> list[str]:
         [str(r["pool"]), _mib(r["pool_bytes"]), _mib(r["rss_with_pool_bytes"]), _mib(r["peak_rss_bytes"]),
          _mib(r["working_bytes"]), _num(r["working_in_blocks"])] for r in section["runs"]])
     return lines + [""]
+
+
+def _faiss_md(section: dict[str, Any]) -> list[str]:
+    lines = ["## kNN against FAISS", "",
+             ("`nearest_neighbours` (float64 pool; float32 candidate pass, exact float64 re-rank, ties to the lower "
+              "index) against FAISS `IndexFlatL2` (exact, float32; the index is built inside the timed call and "
+              "`k + 1` neighbours searched, the anchor dropped), both on one thread, Gaussian data."), ""]
+    lines += _table(["pool", "d", "anchors", "lmgeo s", "FAISS s", "speed-up", "same neighbour sets"], [
+        [str(r["size"]["pool"]), str(r["size"]["d"]), str(r["size"]["anchors"]),
+         _num(r["timings"]["lmgeo"]["median_s"]), _num(r["timings"]["faiss"]["median_s"]), _num(r["speedup"]) + "×",
+         f"{r['same_neighbours']:.1%}"] for r in section["runs"]])
+    return lines + [""]
+
+
+def _patching_md(section: dict[str, Any]) -> list[str]:
+    s = section["size"]
+    lines = ["## Patching: suffix against full forward", "",
+             (f"`patch_kl_anchors` on a random-weight {s['arch']} (d = {s['d_model']}, {s['n_layers']} blocks, "
+              f"V = {s['vocab']}, {s['n_seq']} sequences of {s['seq_len']}), {s['anchors_per_seq']} anchors per "
+              "sequence with 3 patched copies each, at every layer. `suffix` skips the blocks before the patch and "
+              "runs the head only from the earliest anchor of a batch on; `full` is a whole forward with a hook."), ""]
+    lines += _table(["mode", "seconds (median)"], [[m, _num(t["median_s"])] for m, t in section["timings"].items()])
+    lines += ["", f"Largest relative KL difference between the modes: {_num(section['max_relative_kl_difference'])}.", ""]
+    return lines
 
 
 def _recipes_md(section: dict[str, Any]) -> list[str]:
