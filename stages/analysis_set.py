@@ -98,9 +98,15 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
 
     source = model_source(layout, params, model.ref, model.revision)
     try:
-        return AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for bad files
         raise InputError(f"{model.ref}: no usable tokenizer beside the model ({type(err).__name__}: {err})") from None
+    if not tokenizer("The eval text is encoded with the model's own tokenizer.")["input_ids"]:
+        raise InputError(
+            f"{model.ref}: its tokenizer encodes text to no tokens (was the model saved without its tokenizer? "
+            "save it beside the weights with `tokenizer.save_pretrained(...)`)"
+        )
+    return tokenizer
 
 
 def check_external_models(params: Params, layout: Layout) -> None:

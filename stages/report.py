@@ -37,6 +37,11 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.results.report import render_report
 
+    from pipeline.core.errors import InputError
+    from pipeline.core.store import MANIFEST_DIR
+
     layout = Layout.here()
+    if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
+        raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     render_report(layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params))
     print(f"report: wrote {layout.reports / 'report.md'}", flush=True)
