@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.core.contracts import ACTIVATIONS, external_table_id, path_id, trained_model_id
 from pipeline.core.errors import InputError
@@ -105,9 +106,15 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
 
     source = model_source(layout, params, model.ref, model.revision)
     try:
-        return AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for bad files
         raise InputError(f"{model.ref}: no usable tokenizer beside the model ({type(err).__name__}: {err})") from None
+    if not tokenizer("The eval text is encoded with the model's own tokenizer.")["input_ids"]:
+        raise InputError(
+            f"{model.ref}: its tokenizer encodes text to no tokens (was the model saved without its tokenizer? "
+            "save it beside the weights with `tokenizer.save_pretrained(...)`)"
+        )
+    return tokenizer
 
 
 def check_external_models(params: Params, layout: Layout) -> None:
@@ -133,15 +140,29 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
 
 
 def open_model(layout: Layout, params: Params, model: AnalysedModel):
-    """The verified model on the task's device (a GPU when Ray gave the task one), under the security params."""
+    """The verified model on the task's device (a GPU when Ray gave the task one), under the security params.
+
+    The worker keeps the last model it opened: a task runs consecutive shards of one model (its layers and
+    classes), which then load it once."""
     import torch
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    source = verify_weights(layout, params, model)
+    key = (source, model.digest, str(device), params.security)
+    if _opened.get("key") != key:
+        _opened.clear()
+        _opened.update(key=key, net=_load(layout, source, params, model.revision).to(device))
+    return _opened["net"], device
+
+
+_opened: dict[str, Any] = {}  # this worker's last opened model (one, so memory stays bounded)
+
+
+def _load(layout: Layout, source: str, params: Params, revision: str | None):
     from pipeline.models.loading import load_model
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     s = params.security
-    net = load_model(
-        verify_weights(layout, params, model), revision=model.revision, trust_remote_code=s.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
+    return load_model(
+        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
     )
-    return net.to(device), device

@@ -43,9 +43,13 @@ def tuning_record(layout: Layout) -> dict[str, Any] | None:
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
+    from pipeline.core.errors import InputError
+    from pipeline.core.store import MANIFEST_DIR
     from pipeline.results.report import render_report
 
     layout = Layout.here()
+    if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
+        raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     render_report(
         layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params),
         tuning_record(layout),

@@ -286,12 +286,13 @@ def read_result_tables(folder: Path) -> dict[str, pa.Table]:
     return {path.stem: pq.read_table(path) for path in verified_files(folder, rebuild="`lmgeo aggregate`")}
 
 
-def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None) -> ds.Dataset:
-    """A lazy Arrow dataset over the verified `files` of `root` with exactly the dataset's scalar columns
-    and its typed partition columns (for DuckDB). Vectors are never read, missing columns read as null,
-    narrower types (float32) are cast up. No files gives an empty dataset with the same columns, so every
-    query runs unchanged on a study that was not run."""
-    full = pa.schema(list(dataset.scalar_schema) + list(dataset.partition_schema))
+def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None, vectors: bool = False) -> ds.Dataset:
+    """A lazy Arrow dataset over the verified `files` of `root` with the dataset's scalar columns (and its
+    vector columns as `list<float>`, with `vectors`) and its typed partition columns, for DuckDB. Other
+    columns are never read, missing columns read as null, narrower types (float32) are cast up. No files
+    gives an empty dataset with the same columns, so every query runs unchanged on a study not run."""
+    columns = [f for f in dataset.fields if vectors or f.type != VECTOR]
+    full = pa.schema(columns + list(dataset.partition_schema))
     if not files:
         return ds.dataset(full.empty_table())
     partitioning = ds.partitioning(dataset.partition_schema, flavor="hive")
