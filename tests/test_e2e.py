@@ -107,3 +107,34 @@ def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
     last = sh("dvc", "repro", cwd=study)
     assert "Running stage 'report'" in last.stdout, last.stdout
     assert re.findall(r"Running stage '(\w+)'", last.stdout) == ["external", "report"], last.stdout
+
+
+def readme_commands(prefix: str) -> list[str]:
+    """The README's shell lines starting with `prefix`, as written (a trailing `# comment` dropped)."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(prefix)]
+
+
+def test_the_readmes_query_examples_run_as_written(study: Path):
+    """Every `lmgeo query` line of the README on the tiny study's two commits (HEAD~1, HEAD)."""
+    examples = readme_commands("lmgeo query")
+    assert len(examples) >= 4, examples
+    for line in examples:
+        done = sh("sh", "-c", line, cwd=study)
+        assert done.stdout.strip(), line
+
+
+def test_every_preset_is_accepted_by_dvc_as_the_readme_queues_it(study: Path):
+    """`dvc exp run --queue $(lmgeo preset presets/<name>.yaml)` for every preset: DVC applies the overrides
+    when it queues, so a key DVC cannot override fails here (nothing is run)."""
+    presets = sorted((REPO / "presets").glob("*.yaml"))
+    assert any(p.name == "gpu.yaml" for p in presets)
+    try:
+        for preset in presets:
+            sh("sh", "-c", f"dvc exp run --queue $(lmgeo preset presets/{preset.name})", cwd=study)
+        queued = sh("dvc", "queue", "status", cwd=study).stdout
+        assert queued.count("Queued") == len(presets), queued
+    finally:
+        sh("dvc", "queue", "remove", "--all", cwd=study, check=False)
