@@ -80,23 +80,28 @@ def diverged_steps(run: str) -> pa.Table:
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
 
+def write_run(data_dir: Path, run: str, val: float, head_budget_tau: float | None = None) -> None:
+    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7."""
+    steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
+    write_steps(data_dir, run, steps)
+    arch, recipe, seed = run.split("-")
+    record = {
+        "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
+        "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
+        "final_train_loss": None if math.isnan(val) else val - 0.1,
+        "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
+        "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
+        "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
+        "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
+        "params_hash": "abc",
+    }  # fmt: skip
+    with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
+        (folder / "run.json").write_text(json.dumps(record))
+
+
 def write_study_b(data_dir: Path, head_budget_tau: float | None = None) -> None:
     for run, val in FINAL_VAL.items():
-        steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
-        write_steps(data_dir, run, steps)
-        arch, recipe, seed = run.split("-")
-        record = {
-            "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
-            "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
-            "final_train_loss": None if math.isnan(val) else val - 0.1,
-            "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
-            "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
-            "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
-            "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
-            "params_hash": "abc",
-        }  # fmt: skip
-        with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
-            (folder / "run.json").write_text(json.dumps(record))
+        write_run(data_dir, run, val, head_budget_tau)
     # A run that crashed before writing run.json still shows up, as not finished.
     write_steps(data_dir, "gpt2-rownorm-s0", steps_table("gpt2-rownorm-s0"))
 
@@ -162,6 +167,53 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
 def write_tiny_study(data_dir: Path) -> None:
     write_study_b(data_dir)
     write_study_a(data_dir)
+
+
+# ------------------------------------------------------------------ the default study's shape
+# params.yaml's grid: Study B on neox, 7 recipes x 4 seeds; Study A on 3 archs x 2 seeds (init and final),
+# 4 layers, 5 classes, every null sample and null patch. Values are random (seeded): the verdicts mix.
+DEFAULT_RECIPES = ("adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hilbert_equi")
+DEFAULT_SEEDS = (0, 1, 2, 3)
+DEFAULT_ARCHS = ("gpt2", "neox", "mamba")
+DEFAULT_CLASSES = ("diag_psd", "lowrank", "orthogonal", "identity", "global_linear")
+DEFAULT_LAYERS = 4
+DEFAULT_ANCHORS = 16
+
+
+def write_default_shape_study(data_dir: Path) -> None:
+    rng = np.random.default_rng(0)
+    for i, recipe in enumerate(DEFAULT_RECIPES):
+        for seed in DEFAULT_SEEDS:
+            write_run(data_dir, f"neox-{recipe}-s{seed}", 3.0 + 0.01 * i + 0.02 * seed + rng.normal(0, 0.01))
+    n = DEFAULT_ANCHORS
+    seq = np.arange(n, dtype=np.int32)
+    for arch in DEFAULT_ARCHS:
+        for seed in (0, 1):
+            for checkpoint in ("init", "final"):
+                model = f"{arch}-muon-s{seed}.{checkpoint}"
+                for layer in range(DEFAULT_LAYERS):
+                    for fn in DEFAULT_CLASSES:
+                        parts = []
+                        for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
+                            rel = rng.uniform(0.1, 0.9, n)
+                            cols = {c: rng.normal(0.5 + 0.3 * shift * (layer % 2), 0.2, n) for c in FIT_METRICS}
+                            cols |= {"rel_err": rel, "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
+                                     "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
+                            parts.append(pa.table({
+                                "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
+                                "k": np.full(n, 96, np.int32), **cols, "degenerate": rng.random(n) < 0.05,
+                                "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
+                                "n_distinct": np.full(n, 4000, np.int32),
+                            }))  # fmt: skip
+                        partition = {"model": model, "layer": layer, "fn": fn}
+                        with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
+                            writer.write(partition, pa.concat_tables(parts))
+                        kl = np.exp(rng.normal(0, 1, n))
+                        with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
+                            writer.write(partition, pa.table({
+                                "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2,
+                                "kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n),
+                            }))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
