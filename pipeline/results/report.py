@@ -87,9 +87,13 @@ class _Figures:
 
 # ---------------------------------------------------------------------------------------- markdown
 def _num(x: Any, digits: int = 3) -> str:
+    """`digits` significant digits, but whole numbers in full where those would need an exponent (99.9 → 100)."""
     if x is None or (isinstance(x, float) and not math.isfinite(x)):
         return "–"
-    return f"{x:.{digits}g}" if isinstance(x, float) else str(x)
+    if not isinstance(x, float):
+        return str(x)
+    short = f"{x:.{digits}g}"
+    return f"{x:.0f}" if "e+" in short and abs(x) < 1e6 else short
 
 
 def _interval(mean: Any, low: Any, high: Any, digits: int = 3) -> str:
@@ -179,8 +183,8 @@ def _comparison_summary(recipes: list[Row]) -> str:
     if not rows:
         return "**Study B (head optimizers)**: not measured, Study B was not run (no training logs).\n"
     head = (f"**Study B: each head recipe against `{reference}`** on the held-out test split: final test loss over "
-            f"seeds, and the difference to `{reference}` on the same seeds (paired t-interval; p of the paired t-test, "
-            f"Holm-adjusted over the arch's recipes). *Detectable Δ*: the difference these seeds detect with power "
+            f"seeds, and the difference to `{reference}` on the same seeds (paired t-interval, not adjusted; p of the "
+            f"paired t-test, Holm-adjusted over the arch's recipes, decides the reading). *Detectable Δ*: the difference these seeds detect with power "
             f"{POWER:g}.\n")  # fmt: skip
     base = {r["arch"]: r for r in recipes if r["recipe"] == reference}
     body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], _interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
@@ -360,18 +364,21 @@ def _study_a(tables: Tables, claims: list[ClaimSummary], figures: _Figures) -> s
 
 
 def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
-    """One row per distinct model (each distinct initialisation once): fit quality per class, with
-    `cos_full_tok` beside the bound √(1 − rel_err²) that rel_err alone implies, and how well posed the fits are."""
+    """One row per distinct model (each distinct initialisation once): how well posed its fits are, what
+    was excluded as non-finite, and per class rel_err with `cos_full_tok` beside the bound √(1 − rel_err²)
+    that rel_err alone implies."""
     real = [g for g in geometry if g["sample"] == "real"]
     fns = list(dict.fromkeys(p["fn"] for p in pooled))
     at = {(p["model"], p["fn"]): p for p in pooled}
     rows = []
     for model in sorted({p["model"] for p in pooled}):
         layers = [g for g in real if g["model"] == model]
-        first = next(at[(model, fn)] for fn in fns if (model, fn) in at)
+        classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
-        row = [f"`{model}`", first["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               max(g["n_degenerate"] / g["n"] for g in layers)]  # fmt: skip
+        row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
+               f"{max(g['n_degenerate'] / g['n'] for g in layers):.0%}",
+               f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
+               f"{max(c['n_nonfinite_values'] for c in classes)} anchors"]  # fmt: skip
         for fn in fns:
             p = at.get((model, fn))
             bound = _median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
@@ -379,10 +386,12 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         rows.append(row)
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
             "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose neighbourhood "
-            "cannot identify the map (left out). Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); "
-            "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
-            "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
-    header = ["model", "layers", "distinct inputs", "k", "degenerate"] + [f"{fn}: rel_err · cos ≥ bound" for fn in fns]
+            "cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left out of every "
+            "statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); the bound follows "
+            "from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. Per layer: "
+            "`lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
+    header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
+        f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
     return "### Models\n\n" + _table(header, rows) + "\n" + note
 
 
