@@ -138,7 +138,7 @@ def test_the_headline_of_a_claim_is_its_weakest_test():
     """A class passes only against every null; the subject's verdict agrees over classes or says `mixed`;
     the test shown is the one with the weakest verdict, then the lowest interval."""
 
-    def row(fn, null, v, low, scope="stratified"):  # noqa: ANN001, ANN202
+    def row(fn: str, null: str, v: str, low: float, scope: str = "stratified") -> dict:
         return {"subject": "neox@final", "claim": "angle_res_tok_large", "fn": fn, "null": null, "scope": scope,
                 "verdict": v, "ci_low": low, "effect": low + 1}  # fmt: skip
 

@@ -47,7 +47,7 @@ TUNING = {
 }  # fmt: skip
 
 
-def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:  # noqa: ANN001
+def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:
     write_data(tmp_path / "data")
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
     out = tmp_path / "reports" / "report.md"
@@ -67,7 +67,7 @@ def section(text: str, heading: str) -> str:
     """The text under `heading` up to the next heading of the same level."""
     level = heading.split(" ")[0]
     after = text.split(heading + "\n", 1)[1]
-    return re.split(rf"^{level} ", after, flags=re.M)[0]
+    return re.split(rf"^{level} ", after, flags=re.MULTILINE)[0]
 
 
 # ------------------------------------------------------------------------ the default study's shape
@@ -77,7 +77,7 @@ def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, 
 
 
 def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
-    text, out, rendered = default_study
+    text, _, rendered = default_study
     assert headings(text) == ["## Summary", "## Study B: LM-head update geometry", "## Study A: layer-update geometry",
                               "## Appendix: per run", "## Provenance"]  # fmt: skip
     assert rendered.lines == text.count("\n") < MAX_LINES
@@ -87,7 +87,7 @@ def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -
 
 
 def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_muon(default_study) -> None:
-    text, out, _ = default_study
+    text, _, _ = default_study
     summary = section(text, "## Summary")
     header = next(line for line in summary.splitlines() if line.startswith("| claim |"))
     assert header == "| claim | " + " | ".join(sorted(DEFAULT_ARCHS)) + " |"
@@ -102,7 +102,7 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
     assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows)
 
 
-def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study, tmp_path: Path) -> None:
+def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -> None:
     """Checked against the claim_tests table directly: for every trained arch and claim, the weakest verdict
     over (class, null) is the cell's, and its numbers are those of the row with the lowest interval."""
     text, out, _ = default_study
@@ -202,8 +202,8 @@ window.addEventListener("load", () => {
 
 def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--virtual-time-budget=10000",
-                           "--enable-logging=stderr", "--v=0", *args, page.as_uri()],  # fmt: skip
-                          capture_output=True, text=True, timeout=120, check=True)
+                           "--enable-logging=stderr", "--v=0", *args, page.as_uri()],
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
 
 
 def browse(page: Path) -> tuple[list[str], dict]:
@@ -212,7 +212,7 @@ def browse(page: Path) -> tuple[list[str], dict]:
     probed = page.with_name(f"{page.stem}.probe.html")
     probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE, 1))
     dom = chromium(probed, "--dump-dom").stdout
-    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.S)
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.DOTALL)
     assert found, "the page never finished loading"
     return console, json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
 
@@ -241,7 +241,7 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
 
 # ------------------------------------------------------------------------------ a hand-made study
 def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
-    text, out, _ = render(tmp_path, write_tiny_study)
+    text, _, _ = render(tmp_path, write_tiny_study)
     summary = section(text, "## Summary")
     # test loss = val + 0.05: mean of 2.55, 2.65, 2.70 with its t-interval; paired Δ to muon's 3.05, 3.15, 3.35
     assert "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 | lower than muon |" in summary

@@ -31,7 +31,6 @@ from pipeline.study_b.recipes import RECIPES, baseline
 
 Row = dict[str, Any]
 Tables = dict[str, list[Row]]
-CLAIM = {c.name: c for c in CLAIMS}
 NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
              "other": "other anchor's residual", "zero": "0"}  # fmt: skip
 
@@ -193,7 +192,23 @@ def _comparison_summary(recipes: list[Row]) -> str:
              _num(r["p_vs_muon_holm"], 2), _num(r["detectable_diff"], 2), _reading(r)] for r in rows]  # fmt: skip
     header = ["arch", "recipe", "seeds", "test loss [95% CI]", f"{reference}'s", f"Δ vs {reference} [95% CI]",
               "Holm p", "detectable Δ", "reading"]  # fmt: skip
-    return head + "\n" + _table(header, body)
+    return head + "\n" + _table(header, body) + "\n" + _plain_comparison(rows)
+
+
+def _plain_comparison(rows: list[Row]) -> str:
+    """The table in words: which recipes are resolved below or above muon, and which the seeds cannot tell."""
+    readings: dict[str, list[str]] = {}
+    for r in rows:
+        reading = _reading(r)
+        key = reading if reading in ("lower than muon", "higher than muon") else "unresolved"
+        readings.setdefault(key, []).append(f"`{r['recipe']}` ({r['arch']})")
+    detectable = _median([r["detectable_diff"] for r in rows])
+    lines = [f"- Lower test loss than `muon`: {', '.join(readings.get('lower than muon', [])) or 'no recipe'}.",
+             f"- Higher than `muon`: {', '.join(readings.get('higher than muon', [])) or 'no recipe'}."]  # fmt: skip
+    if "unresolved" in readings:
+        limit = f" (differences below about {_num(detectable, 2)} nats are within seed noise)" if detectable else ""
+        lines.append(f"- Not resolved from `muon` with these seeds{limit}: {', '.join(readings['unresolved'])}.")
+    return "\n".join(lines) + "\n"
 
 
 def _reading(r: Row) -> str:
@@ -233,11 +248,11 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
     seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
     lines = [
         "### Protocol\n",
-        "- **Splits.** Train, val and test are split by document. Tuning and the curves use val; recipes are "
-        "compared on test, read once per run after its last step (no tuning run reads it).",
-        f"- **Seeds.** {len(seeds)} seeds ({', '.join(map(str, seeds))}) per recipe; a seed fixes the initialisation and "
-        "the batch order, so differences are paired. Only the head's optimizer differs (`adamw`: every matrix); "
-        "all recipes run the same steps and tokens.",
+        ("- **Splits.** Train, val and test are split by document. Tuning and the curves use val; recipes are "
+         "compared on test, read once per run after its last step (no tuning run reads it)."),
+        (f"- **Seeds.** {len(seeds)} seeds ({', '.join(map(str, seeds))}) per recipe; a seed fixes the initialisation "
+         "and the batch order, so differences are paired. Only the head's optimizer differs (`adamw`: every matrix); "
+         "all recipes run the same steps and tokens."),
         _power_statement(recipes),
         _tuning_statement(tuning, runs),
         _budget_statement(runs),
@@ -377,8 +392,8 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
         row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
                f"{max(g['n_degenerate'] / g['n'] for g in layers):.0%}",
-               f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
-               f"{max(c['n_nonfinite_values'] for c in classes)} anchors"]  # fmt: skip
+               (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
+                f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
         for fn in fns:
             p = at.get((model, fn))
             bound = _median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
