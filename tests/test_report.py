@@ -164,6 +164,16 @@ def test_every_figure_has_the_labels_of_what_it_draws_inside_the_figure(default_
         assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05  # something was drawn
 
 
+def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_model() -> None:
+    tests = [{"scope": "layer", "subject": subject, "layer": layer, "claim": claim, "fn": "lowrank", "null": "shuffled",
+              "verdict": "supported" if layer else "not supported"}
+             for subject in ("neox@final", "neox@init", "org/tiny") for layer in range(3)
+             for claim in ("angle_res_tok_large", "spearman_rel_err_kl")]  # fmt: skip
+    panels = fig.axis_labels(fig.claims_by_layer(tests))
+    assert [(p["title"], p["x"], p["y"]) for p in panels] == [
+        ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
+
+
 def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
     from matplotlib.figure import Figure
 

@@ -71,7 +71,7 @@ def _grid(rows: int, cols: int, width: float = 4.0, height: float = 3.0) -> tupl
     return fig, axes
 
 
-def recipe_color(recipe: str) -> str:
+def _recipe_color(recipe: str) -> str:
     return PALETTE[RECIPES.order(recipe)[0] % len(PALETTE)] if recipe in RECIPES else "black"
 
 
@@ -98,7 +98,7 @@ def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
         for y, r in enumerate(rows):
             mine = _test_loss_by_seed(runs, arch, r["recipe"])
             diffs = [mine[s] - base[s] for s in sorted(mine.keys() & base.keys())]
-            ax.scatter(diffs, np.full(len(diffs), y), s=12, color=recipe_color(r["recipe"]), alpha=0.7, zorder=3)
+            ax.scatter(diffs, np.full(len(diffs), y), s=12, color=_recipe_color(r["recipe"]), alpha=0.7, zorder=3)
             if r["diff_vs_muon"] is not None and r["diff_ci_low"] is not None:
                 ax.errorbar(r["diff_vs_muon"], y, xerr=[[r["diff_vs_muon"] - r["diff_ci_low"]],
                             [r["diff_ci_high"] - r["diff_vs_muon"]]], fmt="o", color="black", capsize=4, zorder=4)  # fmt: skip
@@ -142,7 +142,7 @@ def _curves_by_recipe(curves: Sequence[Row], runs: Sequence[Row], quantities: li
             for recipe in _recipes([run_of[c["run"]] for c in here]):
                 steps, values = _median_curve([c for c in here if run_of[c["run"]]["recipe"] == recipe], quantity)
                 if steps:
-                    ax.plot(steps, values, color=recipe_color(recipe), label=recipe, linewidth=1.3,
+                    ax.plot(steps, values, color=_recipe_color(recipe), label=recipe, linewidth=1.3,
                             marker="." if len(steps) < 30 else None)  # fmt: skip
             level = _median([c[reference[quantity.column]] for c in here]) if reference and quantity.column in reference else None
             if level is not None:
@@ -201,7 +201,8 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
     fig, axes = _grid(len(bases), len(checkpoints), width=0.5 * len(layers) + 3.6, height=0.3 * len(claims) + 1.2)
     for row, base in zip(axes, bases, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
-            subject = f"{base}@{checkpoint}" if checkpoint else base
+            # An external model has no checkpoint: it takes the first column.
+            subject = f"{base}@{checkpoint}" if f"{base}@{checkpoint}" in subjects or checkpoint != checkpoints[0] else base
             grid = _verdict_grid([t for t in per_layer if t["subject"] == subject], claims, layers)
             if np.isnan(grid).all():
                 ax.axis("off")
