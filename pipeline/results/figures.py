@@ -124,7 +124,7 @@ def val_loss(curves: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
 
 def head_step(curves: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
     """How large are the head steps in Hilbert units, how tight is the bound, how evenly are the update's
-    rows spread? Rows: those quantities; columns: archs; lines: recipes (median over seeds). The dotted line
+    rows spread? Columns: those quantities; rows: archs; lines: recipes (median over seeds). The dotted line
     of the equi_ratio panel is random unit rows of the same shape."""
     return _curves_by_recipe(curves, runs, list(HEAD_STEP), reference={"equi_ratio": "equi_ratio_random"})
 
@@ -135,9 +135,9 @@ def _curves_by_recipe(curves: Sequence[Row], runs: Sequence[Row], quantities: li
     archs = _archs(runs)
     if not archs or not any(c[q.column] is not None for c in curves for q in quantities):
         return None
-    fig, axes = _grid(len(quantities), len(archs))
-    for row, quantity in zip(axes, quantities, strict=True):
-        for ax, arch in zip(row, archs, strict=True):
+    fig, axes = _grid(len(archs), len(quantities))
+    for row, arch in zip(axes, archs, strict=True):
+        for ax, quantity in zip(row, quantities, strict=True):
             here = [c for c in curves if c["run"] in run_of and run_of[c["run"]]["arch"] == arch]
             for recipe in _recipes([run_of[c["run"]] for c in here]):
                 steps, values = _median_curve([c for c in here if run_of[c["run"]]["recipe"] == recipe], quantity)

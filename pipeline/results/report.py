@@ -407,7 +407,24 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
             "`lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
     header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
         f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
-    return "### Models\n\n" + _table(header, rows) + "\n" + note
+    return "### Models\n\n" + _table(header, rows) + "\n" + note + _ill_posed(real)
+
+
+def _ill_posed(real: list[Row]) -> str:
+    """In words, where the data cannot support per-layer statements: pools with fewer than 10·k distinct
+    inputs, and layers where some neighbourhoods cannot identify the map."""
+    small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
+                    if g["n_distinct"] is not None and g["n_distinct"] < 10 * g["k"]})  # fmt: skip
+    degenerate = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_degenerate"]})
+    lines = []
+    if small:
+        lines.append(f"**Not well posed**: fewer than 10·k distinct inputs in {len(small)} (model, layer) pools "
+                     f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}); the claims there rest on repeated "
+                     "tokens and should not be read as evidence either way.")  # fmt: skip
+    if degenerate:
+        lines.append(f"Degenerate neighbourhoods (left out) in {len(degenerate)} (model, layer) pairs: the verdicts "
+                     "there rest on the remaining anchors only.")  # fmt: skip
+    return "".join(f"\n{line}\n" for line in lines)
 
 
 def _init_vs_final(claims: list[ClaimSummary]) -> str:
