@@ -257,7 +257,7 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 | lower than muon |" in summary
     assert "| gpt2 | `adamw` | 1 | 3.45 | 3.183 | 0.4 | – | – | not tested: 1 paired seeds, a test needs 3 |" in summary
     assert "| gpt2 | `sign` | 0 | – | 3.183 | – | – | – | every run diverged |" in summary
-    assert "Study A (the seed's claims)**: not measured, Study A was not run" in summary
+    assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
     protocol = section(text, "### Protocol")
     assert "3 seeds (0, 1, 2) per recipe" in protocol and "matched-budget ablation is" in protocol
     assert "No record of the head step-size sweep" in protocol
@@ -270,7 +270,8 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
 def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda d: None)
     assert "Study B was not run" in text and "Study A was not run" in text
-    assert "nothing can be said about the claims" in text and "Study B was not run (no training logs)" in text
+    assert "not measured: Study A was not run (no fits), so the data says nothing" in text
+    assert "Study B was not run (no training logs)" in text
     assert linked_figures(text, out) == [] and rendered.figures == {}
     assert not list((tmp_path / "reports" / "figures").glob("*.png")) and "<img" not in out.with_suffix(".html").read_text()
 

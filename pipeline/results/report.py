@@ -129,17 +129,19 @@ def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
 # ----------------------------------------------------------------------------------------- summary
 def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     out = ["## Summary\n"]
-    out.append(_claims_summary(claims))
+    out.append(_claims_summary(claims, bool(tables["geometry"])))
     out.append(_comparison_summary(tables["recipes"]))
     return "\n".join(out)
 
 
-def _claims_summary(claims: list[ClaimSummary]) -> str:
+def _claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
     """One row per claim, one column per trained architecture (and external model): the verdict, and the
     test that decides it (statistic vs null, effect with its CI)."""
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
-        return "**Study A (the seed's claims)**: not measured, Study A was not run (no fits), so nothing can be said about the claims.\n"
+        why = ("no claim could be tested (no null samples, or fewer than 10 complete anchors per layer)" if fitted
+               else "Study A was not run (no fits)")  # fmt: skip
+        return f"**Study A (the seed's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     subjects = sorted({c.subject for c in trained})
     at = {(c.subject, c.claim): c for c in trained}
     rows = []
@@ -240,7 +242,7 @@ def _study_b(tables: Tables, figures: _Figures, tuning: dict[str, Any] | None) -
     out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
                             "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random unit rows)."))  # fmt: skip
-    return "\n".join(out)
+    return "\n".join(part for part in out if part)
 
 
 def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
@@ -375,7 +377,7 @@ def _study_a(tables: Tables, claims: list[ClaimSummary], figures: _Figures) -> s
                             "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip
     out.append("Every test per class, null and layer: `lmgeo query \"SELECT * FROM claim_tests\"` "
                "(`scope = 'stratified'` for the summary's rows).\n")  # fmt: skip
-    return "\n".join(out)
+    return "\n".join(part for part in out if part)
 
 
 def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
