@@ -213,8 +213,9 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
             ax.set_title(subject, fontsize=9)
             ax.set_xlabel(LAYER)
             ax.set_ylabel("claim" if ax is row[0] else "")
-    bar = fig.colorbar(image, ax=axes.ravel().tolist(), ticks=[-1, 0, 1], shrink=0.6)
-    bar.ax.set_yticklabels(["not supported", "inconclusive", "supported"])
+    # One tick per colour band (the map has five bands of width 0.4 over [-1, 1]).
+    bar = fig.colorbar(image, ax=axes.ravel().tolist(), ticks=[-0.8, -0.4, 0, 0.4, 0.8], shrink=0.6)
+    bar.ax.set_yticklabels(["not supported", "leaning not supported", "inconclusive", "leaning supported", "supported"])
     return fig
 
 
