@@ -100,8 +100,8 @@ def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
             diffs = [mine[s] - base[s] for s in sorted(mine.keys() & base.keys())]
             ax.scatter(diffs, np.full(len(diffs), y), s=12, color=_recipe_color(r["recipe"]), alpha=0.7, zorder=3)
             if r["diff_vs_muon"] is not None and r["diff_ci_low"] is not None:
-                ax.errorbar(r["diff_vs_muon"], y, xerr=[[r["diff_vs_muon"] - r["diff_ci_low"]],
-                            [r["diff_ci_high"] - r["diff_vs_muon"]]], fmt="o", color="black", capsize=4, zorder=4)  # fmt: skip
+                spread = [[r["diff_vs_muon"] - r["diff_ci_low"]], [r["diff_ci_high"] - r["diff_vs_muon"]]]
+                ax.errorbar(r["diff_vs_muon"], y, xerr=spread, fmt="o", color="black", capsize=4, zorder=4)
         ax.axvline(0, color="gray", linewidth=1)
         ax.set_yticks(range(len(rows)), [r["recipe"] for r in rows])
         ax.invert_yaxis()
@@ -113,8 +113,8 @@ def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
 
 
 def _test_loss_by_seed(runs: Sequence[Row], arch: str, recipe: str) -> dict[int, float]:
-    return {r["seed"]: r["final_test_loss"] for r in runs
-            if r["arch"] == arch and r["recipe"] == recipe and not r["diverged"] and r["final_test_loss"] is not None}  # fmt: skip
+    mine = [r for r in runs if r["arch"] == arch and r["recipe"] == recipe and not r["diverged"]]
+    return {r["seed"]: r["final_test_loss"] for r in mine if r["final_test_loss"] is not None}
 
 
 def val_loss(curves: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
@@ -144,7 +144,8 @@ def _curves_by_recipe(curves: Sequence[Row], runs: Sequence[Row], quantities: li
                 if steps:
                     ax.plot(steps, values, color=_recipe_color(recipe), label=recipe, linewidth=1.3,
                             marker="." if len(steps) < 30 else None)  # fmt: skip
-            level = _median([c[reference[quantity.column]] for c in here]) if reference and quantity.column in reference else None
+            level_of = (reference or {}).get(quantity.column)
+            level = _median([c[level_of] for c in here]) if level_of else None
             if level is not None:
                 ax.axhline(level, color="gray", linestyle=":", linewidth=1.2, label="random unit rows")
             _label(ax, arch, STEP, quantity)
@@ -202,7 +203,9 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
     for row, base in zip(axes, bases, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
             # An external model has no checkpoint: it takes the first column.
-            subject = f"{base}@{checkpoint}" if f"{base}@{checkpoint}" in subjects or checkpoint != checkpoints[0] else base
+            subject = f"{base}@{checkpoint}"
+            if subject not in subjects and checkpoint == checkpoints[0]:
+                subject = base
             grid = _verdict_grid([t for t in per_layer if t["subject"] == subject], claims, layers)
             if np.isnan(grid).all():
                 ax.axis("off")
@@ -223,11 +226,12 @@ def _verdict_grid(tests: Sequence[Row], claims: list[str], layers: list[int]) ->
     verdicts: dict[tuple[str, int, str], list[str]] = {}
     for t in tests:
         verdicts.setdefault((t["claim"], t["layer"], t["fn"]), []).append(t["verdict"])
+    scores: dict[tuple[str, int], list[float]] = {}
+    for (claim, layer, _), vs in verdicts.items():
+        scores.setdefault((claim, layer), []).append(VERDICT_SCORE[combined_verdict(vs)])
     grid = np.full((len(claims), len(layers)), np.nan)
-    for i, claim in enumerate(claims):
-        for j, layer in enumerate(layers):
-            scores = [VERDICT_SCORE[combined_verdict(vs)] for (c, lay, _), vs in verdicts.items() if (c, lay) == (claim, layer)]
-            grid[i, j] = np.mean(scores) if scores else np.nan
+    for (claim, layer), values in scores.items():
+        grid[claims.index(claim), layers.index(layer)] = np.mean(values)
     return grid
 
 

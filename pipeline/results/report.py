@@ -147,20 +147,24 @@ def _claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
     rows = []
     for claim in CLAIMS:
         if any((s, claim.name) in at for s in subjects):
-            rows.append([f"`{claim.name}` (seed: {claim.seed_value})"] + [_claim_cell(at.get((s, claim.name))) for s in subjects])
+            cells = [_claim_cell(at.get((s, claim.name))) for s in subjects]
+            rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
     head = ("**Study A: the seed's claims on the trained models**, each against its null over layers and seeds "
             "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
             "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
             "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A below.\n")  # fmt: skip
-    return head + "\n" + _table(["claim"] + [s.removesuffix("@final") for s in subjects], rows) + "\n" + _plain_claims(trained)
+    table = _table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
+    return f"{head}\n{table}\n{_plain_claims(trained)}"
 
 
 def _claim_cell(c: ClaimSummary | None) -> str:
     if c is None:
         return "not measured"
     t = c.weakest
-    return (f"**{c.verdict}** · {_num(t['statistic'], 2)} vs {_num(t['null_statistic'], 2)} → "
-            f"{_interval(t['effect'], t['ci_low'], t['ci_high'], 2)} ({t['fn']}, {NULL_TEXT.get(t['null'], t['null'])})")
+    effect = _interval(t["effect"], t["ci_low"], t["ci_high"], 2)
+    null = NULL_TEXT.get(t["null"], t["null"])
+    versus = f"{_num(t['statistic'], 2)} vs {_num(t['null_statistic'], 2)}"
+    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null})"
 
 
 def _plain_claims(trained: list[ClaimSummary]) -> str:
@@ -172,29 +176,31 @@ def _plain_claims(trained: list[ClaimSummary]) -> str:
         "Supported wherever measured": [n for n, v in by_claim.items() if v == {SUPPORTED}],
         "Not supported anywhere": [n for n, v in by_claim.items() if v == {NOT_SUPPORTED}],
         "The data cannot decide (inconclusive everywhere)": [n for n, v in by_claim.items() if v == {INCONCLUSIVE}],
-        "Differs by architecture or class": [n for n, v in by_claim.items() if len(v) > 1 or not v <= {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}],
+        "Differs by architecture or class": [n for n, v in by_claim.items()
+                                             if len(v) > 1 or not v <= {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}],
     }  # fmt: skip
     lines = [f"- {label}: {', '.join(f'`{n}`' for n in names)}." for label, names in groups.items() if names]
     return "\n".join(lines) + "\n"
 
 
 def _comparison_summary(recipes: list[Row]) -> str:
+    """Per arch and recipe: the final test loss, and the paired comparison with `muon` in numbers and in words."""
     reference = baseline().name
     rows = [r for r in recipes if r["recipe"] != reference]
     if not rows:
         return "**Study B (head optimizers)**: not measured, Study B was not run (no training logs).\n"
     head = (f"**Study B: each head recipe against `{reference}`** on the held-out test split: final test loss over "
             f"seeds, and the difference to `{reference}` on the same seeds (paired t-interval, not adjusted; p of the "
-            f"paired t-test, Holm-adjusted over the arch's recipes, decides the reading). *Detectable Δ*: the difference these seeds detect with power "
-            f"{POWER:g}.\n")  # fmt: skip
-    base = {r["arch"]: r for r in recipes if r["recipe"] == reference}
-    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], _interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
-             _num(base[r["arch"]]["test_loss_mean"], 4) if r["arch"] in base else "–",
-             _interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]) if r["diff_vs_muon"] is not None else "–",
+            f"paired t-test, Holm-adjusted over the arch's recipes, decides the reading). *Detectable Δ*: the "
+            f"difference these seeds detect with power {POWER:g}.\n")  # fmt: skip
+    base = {r["arch"]: r["test_loss_mean"] for r in recipes if r["recipe"] == reference}
+    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
+             _interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4), _num(base.get(r["arch"]), 4),
+             "–" if r["diff_vs_muon"] is None else _interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
              _num(r["p_vs_muon_holm"], 2), _num(r["detectable_diff"], 2), _reading(r)] for r in rows]  # fmt: skip
     header = ["arch", "recipe", "seeds", "test loss [95% CI]", f"{reference}'s", f"Δ vs {reference} [95% CI]",
               "Holm p", "detectable Δ", "reading"]  # fmt: skip
-    return head + "\n" + _table(header, body) + "\n" + _plain_comparison(rows)
+    return f"{head}\n{_table(header, body)}\n{_plain_comparison(rows)}"
 
 
 def _plain_comparison(rows: list[Row]) -> str:
@@ -217,7 +223,8 @@ def _reading(r: Row) -> str:
     """The comparison in words, saying when the seeds cannot resolve it."""
     p, diff = r["p_vs_muon_holm"], r["diff_vs_muon"]
     if diff is None:
-        return "every run diverged" if r["n_diverged"] == r["n_runs"] and r["n_runs"] else "not compared (no paired seeds)"
+        all_diverged = r["n_runs"] and r["n_diverged"] == r["n_runs"]
+        return "every run diverged" if all_diverged else "not compared (no paired seeds)"
     if p is None:
         return f"not tested: {r['n_paired']} paired seeds, a test needs 3"
     if p < SIGNIFICANCE:
@@ -264,19 +271,22 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
 
 
 def _power_statement(recipes: list[Row]) -> str:
+    """Per arch: the measured seed SD and paired SD, what these seeds detect, and what RESOLVE_NATS needs."""
     parts = []
     for arch in sorted({r["arch"] for r in recipes}):
         paired = [r for r in recipes if r["arch"] == arch and r["diff_sd"] is not None]
         if not paired:
             continue
         needed = [r["seeds_to_resolve"] for r in paired if r["seeds_to_resolve"] is not None]
+        seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
+        paired_sd = _pooled([r["diff_sd"] for r in paired])
+        detectable = _median([r["detectable_diff"] for r in paired])
         parts.append(
-            f"{arch}: seed SD of the test loss {_num(_pooled([r['test_loss_sd'] for r in recipes if r['arch'] == arch]), 2)} "
-            f"nats, of the paired difference {_num(_pooled([r['diff_sd'] for r in paired]), 2)}; {min(r['n_paired'] for r in paired)} "
-            f"paired seeds detect {_num(_median([r['detectable_diff'] for r in paired]), 2)} nats (power {POWER:g}, "
+            f"{arch}: seed SD of the test loss {_num(seed_sd, 2)} nats, of the paired difference {_num(paired_sd, 2)}; "
+            f"{min(r['n_paired'] for r in paired)} paired seeds detect {_num(detectable, 2)} nats (power {POWER:g}, "
             f"α = {SIGNIFICANCE:g}, median over recipes); {RESOLVE_NATS:g} nats would need "
             f"{max(needed) if needed else 'more than 10,000'} seeds"
-        )  # fmt: skip
+        )
     return "- **Power.** " + ("; ".join(parts) + "." if parts else "Not measured: fewer than two paired seeds.")
 
 
@@ -399,7 +409,8 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         for fn in fns:
             p = at.get((model, fn))
             bound = _median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
-            row.append("–" if p is None else f"{_num(p['layer_median_rel_err'], 2)} · {_num(p['layer_median_cos_full_tok'], 2)} ≥ {_num(bound, 2)}")
+            fit = f"{_num(p['layer_median_rel_err'], 2)} · {_num(p['layer_median_cos_full_tok'], 2)}" if p else None
+            row.append(f"{fit} ≥ {_num(bound, 2)}" if fit else "–")
         rows.append(row)
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
             "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose neighbourhood "
@@ -435,8 +446,8 @@ def _init_vs_final(claims: list[ClaimSummary]) -> str:
     bases = sorted({c.subject.rsplit("@", 1)[0] for c in claims})
     rows = []
     for claim in CLAIMS:
-        cells = [_trained_vs_init(at.get((f"{b}@final", claim.name)) or at.get((b, claim.name)), at.get((f"{b}@init", claim.name)))
-                 for b in bases]  # fmt: skip
+        trained = [at.get((f"{b}@final", claim.name)) or at.get((b, claim.name)) for b in bases]
+        cells = [_trained_vs_init(t, at.get((f"{b}@init", claim.name))) for b, t in zip(bases, trained, strict=True)]
         if any(cell != "–" for cell in cells):
             rows.append([f"`{claim.name}`", *cells])
     return _table(["claim"] + [f"{b}: trained / init" for b in bases], rows)
