@@ -15,6 +15,7 @@ from scipy import stats as sps
 from pipeline.core.contracts import FIT_METRICS
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
+from pipeline.params import load_params
 from pipeline.results.aggregate import MAX_CURVE_POINTS, aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
@@ -169,50 +170,58 @@ def write_tiny_study(data_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------ the default study's shape
-# params.yaml's grid: Study B on neox, 7 recipes x 4 seeds; Study A on 3 archs x 2 seeds (init and final),
-# 4 layers, 5 classes, every null sample and null patch. Values are random (seeded): the verdicts mix.
-DEFAULT_RECIPES = ("adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hilbert_equi")
-DEFAULT_SEEDS = (0, 1, 2, 3)
-DEFAULT_ARCHS = ("gpt2", "neox", "mamba")
-DEFAULT_CLASSES = ("diag_psd", "lowrank", "orthogonal", "identity", "global_linear")
-DEFAULT_LAYERS = 4
+# The grid of the repository's params.yaml (Study B: train's archs x recipes x seeds; Study A: analysis.runs at
+# every checkpoint, every layer and class, every null sample and null patch), so the bounds on the report and
+# the metrics follow the default study when it changes. Values are random (seeded): the verdicts mix.
+DEFAULT = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+DEFAULT_RECIPES = tuple(DEFAULT.train.recipes)
+DEFAULT_TRAIN_ARCHS = tuple(DEFAULT.train.archs)  # Study B's
+DEFAULT_ARCHS = tuple(DEFAULT.analysis.runs.archs or DEFAULT.train.archs)  # Study A's
 DEFAULT_ANCHORS = 16
 
 
 def write_default_shape_study(data_dir: Path) -> None:
     rng = np.random.default_rng(0)
-    for i, recipe in enumerate(DEFAULT_RECIPES):
-        for seed in DEFAULT_SEEDS:
-            write_run(data_dir, f"neox-{recipe}-s{seed}", 3.0 + 0.01 * i + 0.02 * seed + rng.normal(0, 0.01))
+    train, analysis = DEFAULT.train, DEFAULT.analysis
+    for arch in train.archs:
+        for i, recipe in enumerate(train.recipes):
+            for seed in train.seeds:
+                write_run(data_dir, f"{arch}-{recipe}-s{seed}", 3.0 + 0.01 * i + 0.02 * seed + rng.normal(0, 0.01))
+    runs = [f"{arch}-{recipe}-s{seed}" for arch in DEFAULT_ARCHS for recipe in (analysis.runs.recipes or train.recipes)
+            for seed in (analysis.runs.seeds or train.seeds)]  # fmt: skip
+    for run in runs:
+        for checkpoint in analysis.checkpoints:
+            model = f"{run}.{checkpoint}"
+            for layer in range(train.model.n_layers):
+                for fn in analysis.classes:
+                    write_random_stratum(data_dir, model, layer, fn, rng)
+
+
+def write_random_stratum(data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator) -> None:
+    """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches."""
     n = DEFAULT_ANCHORS
     seq = np.arange(n, dtype=np.int32)
-    for arch in DEFAULT_ARCHS:
-        for seed in (0, 1):
-            for checkpoint in ("init", "final"):
-                model = f"{arch}-muon-s{seed}.{checkpoint}"
-                for layer in range(DEFAULT_LAYERS):
-                    for fn in DEFAULT_CLASSES:
-                        parts = []
-                        for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
-                            rel = rng.uniform(0.1, 0.9, n)
-                            cols = {c: rng.normal(0.5 + 0.3 * shift * (layer % 2), 0.2, n) for c in FIT_METRICS}
-                            cols |= {"rel_err": rel, "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
-                                     "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
-                            parts.append(pa.table({
-                                "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
-                                "k": np.full(n, 96, np.int32), **cols, "degenerate": rng.random(n) < 0.05,
-                                "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
-                                "n_distinct": np.full(n, 4000, np.int32),
-                            }))  # fmt: skip
-                        partition = {"model": model, "layer": layer, "fn": fn}
-                        with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
-                            writer.write(partition, pa.concat_tables(parts))
-                        kl = np.exp(rng.normal(0, 1, n))
-                        with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
-                            writer.write(partition, pa.table({
-                                "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2,
-                                "kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n),
-                            }))  # fmt: skip
+    parts = []
+    for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
+        rel = rng.uniform(0.1, 0.9, n)
+        cols = {c: rng.normal(0.5 + 0.3 * shift * (layer % 2), 0.2, n) for c in FIT_METRICS}
+        cols |= {"rel_err": rel, "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
+                 "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
+        parts.append(pa.table({
+            "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
+            "k": np.full(n, 96, np.int32), **cols, "degenerate": rng.random(n) < 0.05,
+            "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
+            "n_distinct": np.full(n, 4000, np.int32),
+        }))  # fmt: skip
+    partition = {"model": model, "layer": layer, "fn": fn}
+    with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
+        writer.write(partition, pa.concat_tables(parts))
+    kl = np.exp(rng.normal(0, 1, n))
+    with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
+        writer.write(partition, pa.table({
+            "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2,
+            "kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n),
+        }))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

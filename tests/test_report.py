@@ -14,8 +14,10 @@ import pyarrow.parquet as pq
 import pytest
 from test_aggregate import (
     CFG,
+    DEFAULT,
     DEFAULT_ARCHS,
     DEFAULT_RECIPES,
+    DEFAULT_TRAIN_ARCHS,
     KEY,
     sources,
     write_default_shape_study,
@@ -97,9 +99,10 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
         cells = row.strip("|").split(" | ")[1:]
         assert len(cells) == len(DEFAULT_ARCHS)
         assert all(re.match(r"\*\*(supported|not supported|inconclusive|mixed: [^*]+)\*\* · ", c) for c in cells), row
-    recipe_rows = [line for line in summary.splitlines() if line.startswith("| neox | `")]
-    assert [re.match(r"\| neox \| `(\w+)`", r)[1] for r in recipe_rows] == [r for r in DEFAULT_RECIPES if r != "muon"]
-    assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows)
+    for arch in DEFAULT_TRAIN_ARCHS:
+        recipe_rows = [line for line in summary.splitlines() if line.startswith(f"| {arch} | `")]
+        assert [re.match(r"\| \w+ \| `(\w+)`", r)[1] for r in recipe_rows] == [r for r in DEFAULT_RECIPES if r != "muon"]
+        assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows)
 
 
 def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -> None:
@@ -128,20 +131,24 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
 
     assert len(leaves(m)) <= MAX_METRICS
     assert set(m["study_a"]) == set(DEFAULT_ARCHS)
-    assert set(m["study_a"]["neox"]) == set(CLAIM_NAMES) - set(HEADLINE_EXCLUDED)
+    assert all(set(claims) == set(CLAIM_NAMES) - set(HEADLINE_EXCLUDED) for claims in m["study_a"].values())
     assert all(set(v) == {"effect", "verdict"} and -1 <= v["verdict"] <= 1 for a in m["study_a"].values() for v in a.values())
-    assert set(m["study_b"]["neox"]["diff_vs_muon"]) == set(DEFAULT_RECIPES) - {"muon"}
-    recipes = {r["recipe"]: r for r in pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist()}
-    assert m["study_b"]["neox"]["diff_vs_muon"]["hilbert"] == pytest.approx(recipes["hilbert"]["diff_vs_muon"], rel=1e-5)
+    recipes = pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist()
+    assert set(m["study_b"]) == set(DEFAULT_TRAIN_ARCHS)
+    for r in recipes:
+        diffs = m["study_b"][r["arch"]]["diff_vs_muon"]
+        assert r["recipe"] == "muon" or diffs[r["recipe"]] == pytest.approx(r["diff_vs_muon"], rel=1e-5)
 
 
 # Per figure, the y label of each panel as it must read (row by row); the label bug of issue 14 put the last
 # recipe's name (`hilbert_equi`) on four of them.
+CHECKPOINTS = [c for c in ("final", "init") if c in DEFAULT.analysis.checkpoints]
 EXPECTED_Y = {
-    "study_b_vs_muon": ["head recipe"],
-    "study_b_val_loss": [fig.VAL_LOSS.label],
-    "study_b_head_step": [q.label for q in fig.HEAD_STEP],
-    "study_a_claims_by_layer": ["claim", ""] * len(DEFAULT_ARCHS),  # the claim names label each row's first panel
+    "study_b_vs_muon": ["head recipe"] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_val_loss": [fig.VAL_LOSS.label] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_head_step": [q.label for q in fig.HEAD_STEP] * len(DEFAULT_TRAIN_ARCHS),
+    # The claim names label each row's first panel.
+    "study_a_claims_by_layer": ["claim", *[""] * (len(CHECKPOINTS) - 1)] * len(DEFAULT_ARCHS),
     "study_a_spearman_vs_null": [fig.SPEARMAN_EFFECT.label] * len(DEFAULT_ARCHS),
 }
 
@@ -158,7 +165,7 @@ def test_every_figure_has_the_labels_of_what_it_draws_inside_the_figure(default_
             assert panel["x"] in {fig.STEP, fig.LAYER} or "test loss" in panel["x"], (name, panel)
             assert not {panel["x"], panel["y"]} & recipes, (name, panel)
     titles = [p["title"] for p in rendered.figures["study_a_claims_by_layer"]]
-    assert titles == [f"{a}@{c}" for a in sorted(DEFAULT_ARCHS) for c in ("final", "init")]
+    assert titles == [f"{a}@{c}" for a in sorted(DEFAULT_ARCHS) for c in CHECKPOINTS]
     for path in linked_figures(text, out):
         image = mpimg.imread(path)
         assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05  # something was drawn
