@@ -63,11 +63,11 @@ def test_repro_query_and_metrics_diff(study: Path):
     assert load_params(study / "params.yaml") == apply_overrides(
         load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
     )
-    for produced in ("reports/report.md", "reports/metrics.json", "reports/tables/runs.parquet",
-                     "reports/figures/loss_curves.png", "data/train", "data/fits", "data/perturb"):
+    for produced in ("reports/report.md", "reports/report.html", "reports/metrics.json", "reports/tables/runs.parquet",
+                     "reports/figures/study_b_val_loss.png", "data/train", "data/fits", "data/perturb"):
         assert (study / produced).exists(), produced
     report = (study / "reports" / "report.md").read_text()
-    for section in ("Setup & provenance", "Study B", "Study A"):
+    for section in ("## Summary", "## Study B", "## Study A", "## Provenance"):
         assert section in report
     commit(study, "tiny study, run")
 
@@ -89,7 +89,7 @@ def test_repro_query_and_metrics_diff(study: Path):
 
     diff = sh("dvc", "metrics", "diff", "HEAD~1", "HEAD", "--json", cwd=study).stdout
     changed = json.loads(diff)["reports/metrics.json"]
-    assert any(key.startswith("geometry.") and v.get("diff") for key, v in changed.items()), diff[:2000]
+    assert any(key.startswith("study_a.") and v.get("diff") for key, v in changed.items()), diff[:2000]
 
 
 def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
