@@ -31,8 +31,16 @@ def sh(*cmd: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def write_params(workspace: Path, overrides: dict[str, str]) -> None:
-    params = apply_overrides(load_params(workspace / "params.yaml"), overrides)
-    (workspace / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    """Set the given keys and nothing else (as `dvc exp run -S` does), so no other stage's params change."""
+    apply_overrides(load_params(workspace / "params.yaml"), overrides)  # valid, or fail here
+    raw = yaml.safe_load((workspace / "params.yaml").read_text())
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        section = raw
+        for key in parents:
+            section = section.setdefault(key, {})
+        section[leaf] = yaml.safe_load(value)
+    (workspace / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
