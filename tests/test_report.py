@@ -357,3 +357,14 @@ def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
     stale.write_bytes(b"x")
     render_report(tmp_path / "reports" / "tables", tmp_path / "reports" / "report.md", tmp_path / "reports" / "figures", {})
     assert not stale.exists() and (tmp_path / "reports" / "figures" / "study_b_vs_muon.png").is_file()
+
+
+def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size() -> None:
+    from pipeline.results.report import _tuning_statement
+
+    tuning = json.loads((Path(__file__).resolve().parents[1] / "docs" / "tuning.json").read_text())
+    tuned = tuning["protocol"]["n_params"]
+    runs = [{"arch": tuning["protocol"]["arch"], "recipe": "muon", "head_step": None,
+             "steps": tuning["protocol"]["steps"], "n_params": n} for n in (tuned, 2 * tuned)]  # fmt: skip
+    assert "not re-tuned" in _tuning_statement(tuning, runs[1:])
+    assert "not re-tuned" not in _tuning_statement(tuning, runs[:1])

@@ -600,7 +600,9 @@ HEADLINE_EXCLUDED = ("cos_full_tok_near_1",)
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """The DVC metrics dictionary (layout in the module docstring)."""
     study_b: dict[str, dict[str, Any]] = {}
-    for r in tables["recipes"].to_pylist():
+    rows = tables["recipes"].to_pylist()
+    compared = {r["arch"] for r in rows if r["recipe"] != baseline().name}  # not Study A's muon-only archs
+    for r in (r for r in rows if r["arch"] in compared):
         arch = study_b.setdefault(r["arch"], {"diff_vs_muon": {}})
         if r["recipe"] == baseline().name:
             arch |= _measured({"muon_test_loss": r["test_loss_mean"]})

@@ -305,13 +305,18 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
     steps = sorted({r["steps"] for r in runs if r["steps"]})
     horizon = f"{p['steps']} steps, as here" if steps == [p["steps"]] else f"{p['steps']} steps (here: {steps})"
     transfer = f" Transfer to other architectures: {p['transfer']}." if p.get("transfer") else ""
+    tuned_arch = {r["n_params"] for r in runs if r["arch"] == p["arch"] and r["n_params"]}
+    size = (f" **The tuned model had {p['n_params']:,} parameters ({p['model']['n_layers']} blocks); this study's "
+            f"`{p['arch']}` has {', '.join(f'{n:,}' for n in sorted(tuned_arch))}: the step sizes were not re-tuned "
+            "at this size (`lmgeo tune` does it), so a recipe may be off its best step.**"
+            if tuned_arch and tuned_arch != {p["n_params"]} else "")  # fmt: skip
     used_note = ("Every recipe ran at its tuned step." if not differing else "Not at the tuned step here: "
                  + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
     return (
         f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's head step size, baselines included, was "
         f"chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} step sizes per recipe "
         f"({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the "
-        f"mean final **val** loss (a divergence counts as +∞).{transfer} {used_note}"
+        f"mean final **val** loss (a divergence counts as +∞).{transfer} {used_note}{size}"
     )
 
 
