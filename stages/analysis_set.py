@@ -103,10 +103,17 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
 
 
 def check_external_models(params: Params, layout: Layout) -> None:
-    """Fail in the driver, before any task starts, on an external model that cannot be analysed."""
+    """Fail in the driver, before any task starts, on an external model that cannot be analysed: its
+    tokenizer, and a local model itself, loaded on the CPU and verified (a hub model is verified in the
+    task that opens it: the nodes have the network, the driver may not)."""
+    from pipeline.study_a.verify import verify_model
+
     for model in analysed_models(params, layout):
         if not model.trained:
             model_tokenizer(layout, params, model)
+            source = model_source(layout, params, model.ref, model.revision)
+            if Path(source).is_dir():
+                verify_model(_load(layout, params, source, model.revision))
 
 
 def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
@@ -125,15 +132,23 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
 
 
 def open_model(layout: Layout, params: Params, model: AnalysedModel):
-    """The verified model on the task's device (a GPU when Ray gave the task one), under the security params."""
+    """The verified model on the task's device (a GPU when Ray gave the task one), under the security
+    params, its structure verified on that device before any work (`pipeline.study_a.verify`)."""
     import torch
 
-    from pipeline.models.loading import load_model
+    from pipeline.study_a.verify import verify_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    net = _load(layout, params, verify_weights(layout, params, model), model.revision).to(device)
+    verify_model(net)
+    return net, device
+
+
+def _load(layout: Layout, params: Params, source: str, revision: str | None):
+    from pipeline.models.loading import load_model
+
     s = params.security
-    net = load_model(
-        verify_weights(layout, params, model), revision=model.revision, trust_remote_code=s.trust_remote_code,
-        workspace=layout.root, allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
+    return load_model(
+        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
     )
-    return net.to(device), device
