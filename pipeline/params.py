@@ -49,6 +49,33 @@ class Params(Section):
             )
         return self
 
+    @model_validator(mode="after")
+    def _analysed_runs_are_trainable(self) -> Params:
+        from pipeline.models.registry import FAMILIES  # loaded only once params are validated
+
+        untrainable = [arch for arch in self.analysis.runs.archs or [] if not FAMILIES[arch].trainable]
+        if untrainable:
+            raise ValueError(f"analysis.runs.archs: {untrainable} are analysed only, not trained")
+        return self
+
+    def analysed_runs(self) -> list[str]:
+        """The runs Study A analyses: the grid `analysis.runs` names (train's values where it names none)."""
+        from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
+
+        chosen, grid = self.analysis.runs, self.train
+        return [
+            run_id(arch, recipe, seed)
+            for arch in chosen.archs or grid.archs
+            for recipe in chosen.recipes or grid.recipes
+            for seed in chosen.seeds or grid.seeds
+        ]
+
+    def trained_runs(self) -> list[str]:
+        """Study B's grid, then the runs only Study A analyses (trained with the same settings), so that
+        Study A can cover architectures the optimizer comparison leaves out."""
+        grid = self.train.runs()
+        return grid + [run for run in self.analysed_runs() if run not in grid]
+
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections, for shard manifests."""
         return digest({name: getattr(self, name) for name in sections})

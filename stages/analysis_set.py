@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.core.contracts import ACTIVATIONS, external_table_id, path_id, trained_model_id
 from pipeline.core.errors import InputError
@@ -38,26 +39,34 @@ class AnalysedModel:
 
 
 def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
-    """Trained checkpoints, read from the verified checkpoints of the current train plan (a diverged run's
-    `final` is left out: its weights are not finite), then external models."""
+    """The checkpoints of the runs `analysis.runs` selects, read from the verified checkpoints of the
+    current train plan (a diverged run's `final` is left out: its weights are not finite), then external
+    models. Each distinct weight file is analysed once: a checkpoint whose weights another one before it
+    already has (the `init` of runs that differ only in their recipe) is left out."""
     from pipeline.core.store import manifest_path
     from stages.sharded import planned_keys
 
-    checkpoints = verified_files(layout.models, planned_keys("train", params, layout), rebuild=TRAIN)
+    runs = params.analysed_runs()
+    planned = {run: key for run, key in planned_keys("train", params, layout).items() if run in runs}
+    checkpoints = verified_files(layout.models, planned, rebuild=TRAIN)
     weights = {
         entry["path"]: entry["sha256"]
-        for run in params.train.runs()
+        for run in runs
         for entry in json.loads(manifest_path(layout.models, run).read_text())["files"]
     }
     records = {p.parent.parent.name: json.loads(p.read_text()) for p in checkpoints if p.match("*/final/run.json")}
     trained = [
         AnalysedModel(trained_model_id(run, ckpt), str(layout.checkpoint(run, ckpt)), None, run,
                       weights[f"{run}/{ckpt}/model.safetensors"])
-        for run in params.train.runs()
+        for run in runs
         for ckpt in params.analysis.checkpoints
         if not (ckpt == "final" and records[run].get("diverged"))
     ]  # fmt: skip
-    return trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
+    models = trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
+    first = {}
+    for model in models:
+        first.setdefault(model.digest, model)
+    return list(first.values())
 
 
 def external_model(params: Params, layout: Layout, ref: str, revision: str | None) -> AnalysedModel:
@@ -97,9 +106,15 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
 
     source = model_source(layout, params, model.ref, model.revision)
     try:
-        return AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for bad files
         raise InputError(f"{model.ref}: no usable tokenizer beside the model ({type(err).__name__}: {err})") from None
+    if not tokenizer("The eval text is encoded with the model's own tokenizer.")["input_ids"]:
+        raise InputError(
+            f"{model.ref}: its tokenizer encodes text to no tokens (was the model saved without its tokenizer? "
+            "save it beside the weights with `tokenizer.save_pretrained(...)`)"
+        )
+    return tokenizer
 
 
 def check_external_models(params: Params, layout: Layout) -> None:
@@ -133,18 +148,29 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
 
 def open_model(layout: Layout, params: Params, model: AnalysedModel):
     """The verified model on the task's device (a GPU when Ray gave the task one), under the security
-    params, its structure verified on that device before any work (`pipeline.study_a.verify`)."""
+    params, its structure verified on that device before any work (`pipeline.study_a.verify`).
+
+    The worker keeps the last model it opened: a task runs consecutive shards of one model (its layers and
+    classes), which then load it once."""
     import torch
 
     from pipeline.study_a.verify import verify_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    net = _load(layout, params, verify_weights(layout, params, model), model.revision).to(device)
-    verify_model(net)
-    return net, device
+    source = verify_weights(layout, params, model)
+    key = (source, model.digest, str(device), params.security)
+    if _opened.get("key") != key:
+        _opened.clear()
+        net = _load(layout, source, params, model.revision).to(device)
+        verify_model(net)
+        _opened.update(key=key, net=net)
+    return _opened["net"], device
 
 
-def _load(layout: Layout, params: Params, source: str, revision: str | None):
+_opened: dict[str, Any] = {}  # this worker's last opened model (one, so memory stays bounded)
+
+
+def _load(layout: Layout, source: str, params: Params, revision: str | None):
     from pipeline.models.loading import load_model
 
     s = params.security

@@ -32,6 +32,7 @@ from pipeline.tools.bench.measure import bar, run_fresh, run_here
 from pipeline.tools.bench.recipes import recipe_step_times
 from pipeline.tools.bench.render import render_markdown, to_jsonable
 from pipeline.tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize
+from pipeline.tools.bench.study_a import knn_vs_faiss, suffix_vs_full
 from pipeline.tools.bench.synthetic import activation_batch, synthetic_states, token_ids
 from stages.layout import Layout
 
@@ -50,12 +51,15 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
         "machine": machine(),
         "versions": versions(),
     }
-    threads = {stage: params.ray.resources_for(stage).threads for stage in ("extract", "fit", "train")}
+    threads = {stage: params.ray.resources_for(stage).threads for stage in ("extract", "fit", "perturb", "train")}
     runner = run_here if quick else run_fresh  # peak-memory measurements always get fresh processes
     sections = {
         "extraction": lambda: extraction_section(sizes.extraction, params.analysis.batch_size, threads["extract"], runner),
         "fits": lambda: [runner(fits_vs_reference, threads["fit"], scale=s, cfg=params.analysis) for s in sizes.fits],
         "knn_memory": lambda: knn_section(sizes.knn, params.analysis.k, threads["fit"]),
+        # One thread: the bar compares with FAISS on one thread (SPEC §7), as a fit task runs.
+        "knn_vs_faiss": lambda: runner(knn_vs_faiss, 1, sizes=sizes.knn_vs_faiss, k=params.analysis.k),
+        "patching": lambda: runner(suffix_vs_full, threads["perturb"], size=sizes.patching),
         "recipes": lambda: runner(recipe_step_times, threads["train"], size=sizes.recipes, train=params.train),
         "fanout": lambda: fanout(params, sizes.fanout),
         "gpu": lambda: gpu(params, sizes, threads["extract"]),
@@ -73,7 +77,7 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
 def collect_bars(report: dict[str, Any]) -> dict[str, Any]:
     """Move every section's `bars` and `profile` to the top-level `ratios` table and `profiles`."""
     report["ratios"], report["profiles"] = [], {}
-    parts = [section for name in ("extraction", "fits", "knn_memory", "recipes", "fanout")
+    parts = [section for name in ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout")
              for section in (report[name] if isinstance(report[name], list) else [report[name]])]
     for section in parts:
         report["ratios"] += section.pop("bars")
@@ -125,8 +129,9 @@ def fanout(params: Params, size: FanoutSize) -> dict[str, Any]:
 
 def _fanout_params(params: Params, size: FanoutSize) -> Params:
     """The study's analysis params on the benchmark's activations; one CPU (and thread) per fit task."""
+    # k > d, so that every class is identifiable at the benchmark's width (SPEC §4.5).
     analysis = params.analysis.model_copy(
-        update={"anchors": size.anchors, "classes": list(size.classes), "pool_size": None}
+        update={"anchors": size.anchors, "classes": list(size.classes), "pool_size": None, "k": size.d + size.d // 2}
     )
     ray_cfg = params.ray.model_copy(update={"tasks": {**params.ray.tasks, "fit": TaskResources(num_cpus=1)}})
     return params.model_copy(update={"analysis": analysis, "ray": ray_cfg})
@@ -157,10 +162,9 @@ def _timed_fit_stage(layout: Layout, params: Params, size: FanoutSize, n_workers
 
     key = ManifestKey({"activations": "bench"}, "bench", "bench")
     shards = [
-        Shard(name, fit_task, (layout, params, FANOUT_MODEL, layer, fn, key, name, {ACTIVATION_SHARD: ACTIVATION_KEY}))
+        Shard(name, fit_task, (layout, params, FANOUT_MODEL, layer, key, name, {ACTIVATION_SHARD: ACTIVATION_KEY}))
         for layer in range(size.n_layers)
-        for fn in size.classes
-        for name in [f"{FANOUT_MODEL}/layer={layer}/fn={fn}"]
+        for name in [f"{FANOUT_MODEL}/layer={layer}"]
     ]
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no network on the target machines
     ray.init(address="local", num_cpus=n_workers, num_gpus=0, include_dashboard=False, logging_level=logging.WARNING)

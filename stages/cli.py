@@ -24,7 +24,25 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _version(show: bool) -> None:
+    if show:
+        from importlib import metadata
+
+        typer.echo(f"lmgeo {metadata.version('lmgeo')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
+    ] = False,
+) -> None:
+    """Geometry of updates in language models: DVC stages dispatching Ray tasks."""
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]
 RayAddressOpt = Annotated[
@@ -45,6 +63,19 @@ def interrupted() -> None:
     raise typer.Exit(code=130)
 
 
+def quiet_logs() -> None:
+    """Before Ray starts, so that its local workers inherit it (cluster workers get the same through the
+    job's runtime environment, `stages.runtime.WORKER_ENV`): no per-checkpoint "Loading weights" bars from
+    every worker, and no ANSI colour codes when the output is a log file, not a terminal."""
+    from stages.runtime import WORKER_ENV
+
+    for name, value in WORKER_ENV.items():
+        os.environ.setdefault(name, value)
+    if not sys.stdout.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # its "[repeated Nx]" notes are coloured regardless
+
+
 def _load(params_path: Path) -> Params:
     try:
         return load_params(params_path)
@@ -56,9 +87,7 @@ def _load(params_path: Path) -> Params:
 def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options: Any) -> None:
     """Validate params, then hand over to `stages.<stage>.run`; bad input exits with code 2."""
     params = _load(params_path)
-    # Per-checkpoint "Loading weights" bars from every Ray worker drown the stage's own progress lines;
-    # set before Ray starts, so that workers inherit it.
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    quiet_logs()
     module = importlib.import_module(f"stages.{stage}")
     from pipeline.core.execution import ShardFailed
 
@@ -133,15 +162,16 @@ def bench(
 
 @app.command()
 def tune(
-    arch: Annotated[str, typer.Option(help="architecture to tune on")] = "neox",
-    steps: Annotated[Optional[int], typer.Option(help="steps per trial (default: train.steps)")] = None,
-    seed: Annotated[Optional[list[int]], typer.Option(help="seed (repeatable; default: train.seeds)")] = None,
-    recipe: Annotated[Optional[list[str]], typer.Option(help="recipe (repeatable; default: all seven)")] = None,
+    arch: Annotated[Optional[str], typer.Option(help="architecture to tune on (default: the study's first)")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="steps per trial (default: train.steps, the study's horizon)")] = None,
+    seed: Annotated[Optional[list[int]], typer.Option(help="seed (repeatable; default: 1000 1001, not the study's)")] = None,
+    recipe: Annotated[Optional[list[str]], typer.Option(help="recipe (repeatable; default: all registered)")] = None,
     out: Annotated[Path, typer.Option(help="where the protocol and results go")] = Path("docs/tuning.md"),
     params: ParamsOpt = Path("params.yaml"),
     ray_address: RayAddressOpt = None,
 ) -> None:
-    """Sweep each recipe's head step size and write the protocol and results (docs/tuning.md)."""
+    """Sweep each recipe's head step size with equal budgets, select on val, check transfer to the study's
+    other archs, and write the protocol and results (docs/tuning.md)."""
     _run_stage("tune", params, ray_address, arch=arch, steps=steps, seeds=seed, recipes=recipe, out=out)
 
 
@@ -177,16 +207,18 @@ def preset(
     path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
-    """Print a preset as `-S key=value` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
+    """Print a preset as DVC `-S` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
     from pipeline.core.config import flatten_overrides
     from pipeline.params import apply_overrides
 
     try:
         overrides = flatten_overrides(load_yaml(path))
         apply_overrides(_load(params), overrides)  # the merged params must validate
+        present = flatten_overrides(load_yaml(params) or {})
     except ParamsError as err:
         fail(f"{path}: {err}")
-    typer.echo(" ".join(f"-S {key}={value}" for key, value in overrides.items()))
+    # DVC (Hydra) overrides a key params.yaml has with `key=value` and adds one it lacks with `+key=value`.
+    typer.echo(" ".join(f"-S {'' if key in present else '+'}{key}={value}" for key, value in overrides.items()))
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

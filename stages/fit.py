@@ -1,5 +1,6 @@
-"""`lmgeo fit`: tokenwise fits on nearest-neighbour pairs, one Ray task per (model, layer, class),
-written to `data/fits/model=<m>/layer=<l>/fn=<class>/`."""
+"""`lmgeo fit`: tokenwise fits on nearest-neighbour pairs, one Ray task per (model, layer) that searches the
+neighbours once and fits every class on them (and on the null samples), written to
+`data/fits/model=<m>/layer=<l>/fn=<class>/`."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from pipeline.core.errors import InputError
 from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
 from pipeline.params import Params
+from pipeline.study_a.config import AnalysisConfig
 from stages.analysis_set import EXTRACT, activation_shapes, analysed_models
 from stages.layout import Layout
 from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, stage_params
 
 
 def fit_task(
-    layout: Layout, params: Params, model: str, layer: int, fn: str, key: ManifestKey, shard: str,
+    layout: Layout, params: Params, model: str, layer: int, key: ManifestKey, shard: str,
     activations: dict[str, ManifestKey],
 ) -> int:
     import torch
@@ -24,37 +26,52 @@ def fit_task(
     files = verified_files(layout.activations, activations, rebuild=EXTRACT)
     h_in, h_out = (read(layout.activations, ACTIVATIONS, files, {"model": model, "layer": l}) for l in (layer, layer + 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    table = fit_transition(h_in, h_out, fn, params.analysis, device)
-    with ShardWriter(layout.fits, shard, key, metadata={"model": model, "fn": fn}) as writer:
-        writer.write({"model": model, "layer": layer, "fn": fn}, table)
-    return table.num_rows
+    tables = fit_transition(h_in, h_out, params.analysis, device)
+    with ShardWriter(layout.fits, shard, key, metadata={"model": model}) as writer:
+        for fn, table in tables.items():
+            writer.write({"model": model, "layer": layer, "fn": fn}, table)
+    return sum(table.num_rows for table in tables.values())
 
 
 def plan(params: Params, layout: Layout) -> Plan:
-    """One shard per (model, layer, class) of the verified activations of the current extract plan; every
+    """One shard per (model, layer) of the verified activations of the current extract plan; every
     value a task will use is checked here, before anything is pruned."""
     code = stage_code("fit", layout)
     a = params.analysis
-    fit_params = stage_params("fit", params, a.model_dump(exclude={"checkpoints", "external_models"}), params.prepare.seq_len)
+    fit_params = stage_params("fit", params, a.model_dump(exclude={"runs", "checkpoints", "external_models"}), params.prepare.seq_len)
     extracted = planned_keys("extract", params, layout)
     stored = activation_shapes(layout, verified_files(layout.activations, extracted, rebuild=EXTRACT))
     planned = []
     for model in (m.path_id for m in analysed_models(params, layout)):
         n_blocks, width = stored[model]
-        for name, value in (("p", a.p), ("rank", a.rank)):
-            if value > width:
-                raise InputError(f"analysis.{name} ({value}) exceeds the width d = {width} of {model}; lower it")
+        check_identifiable(a, model, width)
         key = ManifestKey(
             inputs={"activations": dataset_digest(layout.activations, prefix=f"{model}/")},
             params_hash=fit_params, code_version=code,
         )
         own = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model}/")}
         for layer in range(n_blocks):
-            for fn in a.classes:
-                name = f"{model}/layer={layer}/fn={fn}"
-                args = (layout, params, model, layer, fn, key, name, own)
-                planned.append((Shard(name, fit_task, args, code=("stages.fit", code)), key))
+            name = f"{model}/layer={layer}"
+            args = (layout, params, model, layer, key, name, own)
+            planned.append((Shard(name, fit_task, args, code=("stages.fit", code)), key))
     return planned
+
+
+def check_identifiable(a: AnalysisConfig, model: str, width: int) -> None:
+    """`p` and `rank` fit the width, and `k` gives every local class the input rank it needs (SPEC §4.5)."""
+    from pipeline.study_a.classes import FIT_CLASSES
+
+    for name, value in (("p", a.p), ("rank", a.rank)):
+        if value > width:
+            raise InputError(f"analysis.{name} ({value}) exceeds the width d = {width} of {model}; lower it")
+    short = [fn for fn in a.classes if FIT_CLASSES[fn].local and a.k < FIT_CLASSES[fn].needs_rank(width)]
+    if short:
+        need = max(FIT_CLASSES[fn].needs_rank(width) for fn in short)
+        raise InputError(
+            f"analysis.k ({a.k}) is below the {need} independent neighbours that {', '.join(short)} need at the "
+            f"width d = {width} of {model}: their local maps would not be determined by the data; raise "
+            "analysis.k (and the pool) or drop these classes"
+        )
 
 
 def run(params: Params, ray_address: str | None = None) -> None:

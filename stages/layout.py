@@ -63,7 +63,8 @@ class Layout:
         return self.models / run_id / checkpoint
 
     def query_sources(self) -> dict[str, str]:
-        """Workspace-relative folders `lmgeo query` reads: the result tables and each sharded dataset."""
-        relative = {"tables": self.tables, "steps": self.train, "activations": self.activations,
-                    "fits": self.fits, "perturb": self.perturb}  # fmt: skip
+        """Workspace-relative paths `lmgeo query` reads: the params, the result tables and each sharded
+        dataset (by its contract's name)."""
+        relative = {"params": self.root / "params.yaml", "tables": self.tables, "steps": self.train,
+                    "activations": self.activations, "fits": self.fits, "perturb": self.perturb}  # fmt: skip
         return {name: path.relative_to(self.root).as_posix() for name, path in relative.items()}

@@ -1,6 +1,7 @@
-"""`lmgeo perturb`: for every fitted anchor, the KL of the next-token distribution when block l's output
-at that token is replaced by T_i(h_l); one Ray task per (model, layer, class), written to
-`data/perturb/model=<m>/layer=<l>/fn=<class>/` (joins the fits on seq_id, pos)."""
+"""`lmgeo perturb`: for every fitted anchor, the KL of the next-token distribution when block l's output at
+that token is replaced by T_i(h_l), and by the two null patches of SPEC §4.5; one Ray task per
+(model, layer) for every class (one clean pass per sequence for all of them), written to
+`data/perturb/model=<m>/layer=<l>/fn=<class>/` (joins the fits' `real` rows on seq_id, pos)."""
 
 from __future__ import annotations
 
@@ -17,45 +18,67 @@ from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, st
 
 
 def perturb_task(
-    layout: Layout, params: Params, model: AnalysedModel, layer: int, fn: str, key: ManifestKey, shard: str,
+    layout: Layout, params: Params, model: AnalysedModel, layer: int, key: ManifestKey, shard: str,
     inputs: dict[str, dict[str, ManifestKey]],
 ) -> int:
+    from pipeline.study_a.nulls import null_patches
     from pipeline.study_a.patching import patch_kl_anchors
 
-    where = {"model": model.path_id, "layer": layer, "fn": fn}
-    fits = read(layout.fits, FITS, verified_files(layout.fits, inputs["fits"], rebuild=FIT), where, ["seq_id", "pos", "patched"])
-    seq_id, pos, patched = fits["seq_id"].to_numpy(), fits["pos"].to_numpy(), arrow_to_vectors(fits["patched"])
-    # The sequences are replayed from the stored activations (layer 0 holds every token id).
-    stored = read(layout.activations, ACTIVATIONS, verified_files(layout.activations, inputs["activations"], rebuild=EXTRACT),
-                  {"model": model.path_id, "layer": 0}, ["seq_id", "pos", "token_id"])  # fmt: skip
-    unique = np.unique(seq_id)
-    wanted = np.isin(stored["seq_id"].to_numpy(), unique)
-    tokens = stored["token_id"].to_numpy()[wanted].astype(np.int64).reshape(len(unique), -1)
+    a = params.analysis
+    fit_files = verified_files(layout.fits, inputs["fits"], rebuild=FIT)
+    stored_files = verified_files(layout.activations, inputs["activations"], rebuild=EXTRACT)
+    # The sequences are replayed from the stored activations (layer 0 holds every token id); h_{l+1} at
+    # the anchors is the clean output the null patches are measured from.
+    tokens_rows = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
+    outputs = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
+    sequences = np.unique(tokens_rows["seq_id"].to_numpy())
+    seq_len = len(tokens_rows) // len(sequences)
+    tokens = tokens_rows["token_id"].to_numpy().astype(np.int64).reshape(len(sequences), seq_len)
+    h_next = arrow_to_vectors(outputs["h"]).reshape(len(sequences), seq_len, -1)
+    copies, per_class = [], {}
+    for index, fn in enumerate(a.classes):
+        where = {"model": model.path_id, "layer": layer, "fn": fn}
+        fits = read(layout.fits, FITS, fit_files, where, ["sample", "seq_id", "pos", "patched"])
+        fits = fits.filter(pa.compute.equal(fits["sample"], "real"))
+        rows = np.searchsorted(sequences, fits["seq_id"].to_numpy())
+        pos = fits["pos"].to_numpy()
+        patches = null_patches(fits["patched"], h_next[rows, pos], np.random.default_rng([a.seed, layer, index]))
+        per_class[fn] = (fits, len(copies), patches.valid)
+        copies += [(rows[patches.valid], pos[patches.valid], v) for v in (patches.real, patches.random, patches.other)]
     net, _device = open_model(layout, params, model)
-    kl, kl_seq = patch_kl_anchors(net, tokens, np.searchsorted(unique, seq_id), pos, layer, patched, params.analysis.batch_size)
-    table = pa.table({"seq_id": seq_id, "pos": pos, "kl": kl, "kl_seq": kl_seq}, schema=PERTURB.file_schema())
-    with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id, "fn": fn}) as writer:
-        writer.write(where, table)
-    return table.num_rows
+    rows, pos, vectors = (np.concatenate(part) for part in zip(*copies, strict=True))
+    kl, kl_seq = patch_kl_anchors(net, tokens, rows, pos, layer, vectors, a.batch_size)
+    bounds = np.cumsum([0] + [len(c[0]) for c in copies])
+    with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id}) as writer:
+        for fn, (fits, first, valid) in per_class.items():
+            part = [slice(bounds[first + i], bounds[first + i + 1]) for i in range(3)]
+            columns = {"kl": kl[part[0]], "kl_seq": kl_seq[part[0]], "kl_random": kl[part[1]], "kl_other": kl[part[2]]}
+            table = {"seq_id": fits["seq_id"], "pos": fits["pos"]}
+            for name, values in columns.items():  # null where the fit is degenerate (no patch)
+                full = np.full(len(valid), np.nan)
+                full[valid] = values
+                table[name] = pa.array(full, mask=~valid)
+            writer.write({"model": model.path_id, "layer": layer, "fn": fn}, pa.table(table, schema=PERTURB.file_schema()))
+    return len(vectors)
 
 
 def plan(params: Params, layout: Layout) -> Plan:
-    """One shard per fit shard of the current fit plan, whose verified fits it reads."""
+    """One shard per fit shard (model, layer) of the current fit plan, whose verified fits it reads."""
     code = stage_code("perturb", layout)
     fitted = planned_keys("fit", params, layout)
     extracted = planned_keys("extract", params, layout)
     verified_files(layout.fits, fitted, rebuild=FIT)  # every planned fit shard present, current and intact
-    patch_params = stage_params("perturb", params, params.analysis.batch_size, params.security)
+    a = params.analysis
+    patch_params = stage_params("perturb", params, a.batch_size, a.seed, a.classes, params.security)
     planned = []
     for model in analysed_models(params, layout):
         activations = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model.path_id}/")}
         for name in (shard for shard in fitted if shard.startswith(f"{model.path_id}/")):
-            _, layer_part, fn_part = name.split("/")
-            layer, fn = int(layer_part.removeprefix("layer=")), fn_part.removeprefix("fn=")
+            layer = int(name.split("/")[1].removeprefix("layer="))
             inputs = {"fits": dataset_digest(layout.fits, prefix=name), "model": model.digest}
             key = ManifestKey(inputs=inputs, params_hash=patch_params, code_version=code)
             reads = {"fits": {name: fitted[name]}, "activations": activations}
-            args = (layout, params, model, layer, fn, key, name, reads)
+            args = (layout, params, model, layer, key, name, reads)
             planned.append((Shard(name, perturb_task, args, code=("stages.perturb", code)), key))
     return planned
 

@@ -1,4 +1,4 @@
-"""`lmgeo prepare`: corpus → train/val token ids and the tokenizer (no Ray: one short process)."""
+"""`lmgeo prepare`: corpus → train/val/test token ids and the tokenizer (no Ray: one short process)."""
 
 from pipeline.params import Params
 from stages.layout import Layout
@@ -16,8 +16,9 @@ def run(params: Params, ray_address: str | None = None) -> None:
         allow_outside_paths=params.security.allow_outside_paths,
     )
     print(
-        f"prepare: {summary.n_train_tokens:,} train and {summary.n_val_tokens:,} val tokens "
-        f"({summary.n_train_documents} + {summary.n_val_documents} documents of {summary.source}), "
+        f"prepare: {summary.n_train_tokens:,} train, {summary.n_val_tokens:,} val and {summary.n_test_tokens:,} test "
+        f"tokens ({summary.n_train_documents} + {summary.n_val_documents} + {summary.n_test_documents} documents "
+        f"of {summary.source}), "
         f"{summary.tokenizer} tokenizer with {summary.vocab_size:,} tokens",
         flush=True,
     )

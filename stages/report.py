@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline.params import Params
@@ -9,6 +10,8 @@ from stages.layout import Layout
 
 # Small files whose content identifies the inputs; dvc.lock also carries the hash of every stage output.
 CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
+# The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
+TUNING_RECORD = "docs/tuning.json"
 
 
 def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
@@ -34,9 +37,21 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
     }
 
 
+def tuning_record(layout: Layout) -> dict[str, Any] | None:
+    path = layout.root / TUNING_RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def run(params: Params, ray_address: str | None = None) -> None:
+    from pipeline.core.errors import InputError
+    from pipeline.core.store import MANIFEST_DIR
     from pipeline.results.report import render_report
 
     layout = Layout.here()
-    render_report(layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params))
+    if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
+        raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
+    render_report(
+        layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params),
+        tuning_record(layout),
+    )
     print(f"report: wrote {layout.reports / 'report.md'}", flush=True)

@@ -14,6 +14,9 @@ import os
 from pipeline.core.config import RayConfig
 from pipeline.core.errors import InputError
 
+# Environment every task's worker gets, also on cluster nodes that did not inherit the driver's.
+WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
 
 def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
     """The cluster to join: ``--ray-address``, then ``RAY_ADDRESS``, then ``ray.address`` in params.
@@ -52,7 +55,7 @@ def start_ray(cfg: RayConfig, address: str | None = None) -> None:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     target = resolve_address(cfg, address)
     if target is not None:
-        ray.init(address=target, logging_level=logging.WARNING)
+        join_cluster(target)
         return
     ray.init(
         # "local" starts a new instance even if a `ray start` cluster runs on this machine: joining
@@ -63,6 +66,27 @@ def start_ray(cfg: RayConfig, address: str | None = None) -> None:
         include_dashboard=False,
         logging_level=logging.WARNING,
     )
+
+
+def join_cluster(target: str) -> None:
+    """Join a running cluster. A `ray start` cluster authenticates with a token (Ray ≥ 2.59 enables it by
+    default): unless `RAY_AUTH_MODE` says otherwise, lmgeo joins in token mode, with the token from
+    `RAY_AUTH_TOKEN`, `RAY_AUTH_TOKEN_PATH` or `~/.ray/auth_token` (a token-mode client also joins a
+    cluster without authentication); a missing token is one error saying what to set."""
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    try:
+        ray.init(address=target, logging_level=logging.WARNING, runtime_env={"env_vars": WORKER_ENV})
+    except AuthenticationError as err:
+        raise InputError(
+            f"cannot join the Ray cluster at {target!r}: {str(err).splitlines()[0]} Give it the cluster's token "
+            "(`ray get-auth-token` on the head node) as RAY_AUTH_TOKEN, or set RAY_AUTH_MODE=disabled for a "
+            "cluster started without authentication"
+        ) from None
+    except ConnectionError as err:
+        raise InputError(f"cannot join the Ray cluster at {target!r}: {err}") from None
 
 
 def detect_gpus() -> int:

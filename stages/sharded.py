@@ -64,4 +64,5 @@ def run_sharded_stage(
         max_in_flight=params.ray.max_in_flight,
         max_retries=params.ray.max_retries,
         label=stage,
+        shards_per_task=params.ray.shards_per_task,
     )

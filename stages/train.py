@@ -45,11 +45,12 @@ def train_task(layout: Layout, run_id: str, params: Params, key: ManifestKey) ->
             vocab_size=load_meta(layout.tokens)["vocab_size"], seq_len=params.prepare.seq_len,
             params_hash=key.params_hash, save_checkpoint=save_checkpoint,
             on_step=lambda step, loss: steps_progress.advance(detail=f"loss {loss:.3f}"),
+            test_tokens=load_tokens(layout.tokens, "test"),
         )
         steps_progress.close()
         with ShardWriter(layout.train, run_id, key) as log:
             log.write({"run": run_id}, steps, name="steps.parquet")
-    return {"run": run_id, "diverged": result.diverged, "final_val_loss": result.final_val_loss}
+    return {"run": run_id, "diverged": result.diverged, "final_test_loss": result.final_test_loss}
 
 
 def plan(params: Params, layout: Layout) -> Plan:
@@ -61,7 +62,7 @@ def plan(params: Params, layout: Layout) -> Plan:
         params_hash=stage_params("train", params, params.prepare, params.train),
         code_version=code,
     )
-    return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.train.runs()]
+    return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.trained_runs()]
 
 
 def run(params: Params, ray_address: str | None = None) -> None:

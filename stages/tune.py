@@ -1,9 +1,9 @@
-"""`lmgeo tune`: the head step-size sweep of `pipeline/tuning.py`, one Ray task per trial.
+"""`lmgeo tune`: the equal-budget head step-size sweep of `pipeline/tools/tuning.py`, one Ray task per trial.
 
-It writes the protocol and every trial to `docs/tuning.md` (and the same data as JSON next to it);
-the chosen values are then copied by hand into each recipe's `default_step` (`pipeline/study_b/recipes/`), so a
-default only changes through a reviewed edit that points at the document. Not a DVC stage: its
-output documents the defaults that `train` uses, it is not an input of `train`.
+It writes the protocol and every trial to `docs/tuning.md` (and the same data as JSON next to it, which the
+report's Study B protocol reads); the chosen values are then copied by hand into each recipe's
+`default_step` (`pipeline/study_b/recipes/`), so a default only changes through a reviewed edit that points
+at the document. Not a DVC stage: its output documents the defaults that `train` uses.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.params import Params
 from pipeline.study_b.config import TrainConfig
@@ -26,8 +26,10 @@ if TYPE_CHECKING:  # at run time these load torch, which `lmgeo --help` must not
 
     from pipeline.tools.tuning import Choice, StepScore, Trial
 
-# Edge rounds: each moves a family whose best value sits on the grid's edge one ×2 step further out.
-MAX_EXTENSION_ROUNDS = 4
+GRID_TEXT = (
+    "×{1/4, 1/2, 1, 2, 4} around the default at sweep time, then 2 more: ×2^(±1/2) around the best, "
+    "or ×2 and ×4 beyond it when it is on an edge"
+)
 
 
 def tuning_config(train: TrainConfig, steps: int) -> TrainConfig:
@@ -38,7 +40,7 @@ def tuning_config(train: TrainConfig, steps: int) -> TrainConfig:
 
 
 def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int) -> dict:
-    """Ray task: train one trial and return its row."""
+    """Ray task: train one trial on train, evaluate on val, and return its row."""
     from pipeline.text.corpus import load_meta, load_tokens
     from pipeline.tools.tuning import run_trial
 
@@ -52,57 +54,54 @@ def run(
     params: Params,
     ray_address: str | None = None,
     *,
-    arch: str = "neox",
+    arch: str | None = None,
     steps: int | None = None,
     seeds: Sequence[int] | None = None,
     recipes: Sequence[str] | None = None,
     out: Path = Path("docs/tuning.md"),
 ) -> dict[str, Choice | None]:
-    """Sweep every recipe's head step on `arch` (defaults: the study's steps and seeds, all recipes),
-    extend edge winners, write `out` and `out.with_suffix('.json')`; returns the chosen steps."""
+    """Sweep every recipe's head step on `arch` (defaults: the study's first arch and steps, the tuning
+    seeds, all recipes), check the choices on the study's other archs, write `out` and its JSON."""
     from pipeline.core.execution import Shard, run_shards
+    from pipeline.study_b.recipes import RECIPES
     from pipeline.text.corpus import load_meta
     from pipeline.tools import tuning
     from stages.runtime import start_ray
 
     layout = Layout.here()
+    arch = arch or params.train.archs[0]
     base = tuning_config(params.train, steps or params.train.steps)
-    seeds = list(seeds or params.train.seeds)
-    from pipeline.study_b.recipes import RECIPES
-
+    seeds = list(seeds or tuning.TUNING_SEEDS)
     recipes = list(recipes or RECIPES.names())
     _check_choices(arch, recipes)
     vocab_size = load_meta(layout.tokens)["vocab_size"]  # fails here, not in every task, before `prepare`
-    resources = params.ray.resources_for("train")
     start_ray(params.ray, ray_address)
 
     def execute(trials: list[Trial]) -> list[dict]:
         shards = [Shard(t.key, tune_task, (layout.tokens, t, base, params.prepare.seq_len)) for t in trials]
-        results = run_shards(
-            shards, resources, max_in_flight=params.ray.max_in_flight,
-            max_retries=params.ray.max_retries, label="tune",
-        )
+        resources = params.ray.resources_for("train")
+        results = run_shards(shards, resources, max_in_flight=params.ray.max_in_flight,
+                             max_retries=params.ray.max_retries, label="tune")  # fmt: skip
         return list(results.values())
 
     started = time.perf_counter()
-    previous = {r: _rounded(tuning.default_step(r, base)) for r in recipes}
-    grids = {r: tuning.default_grid(r, base) for r in recipes}
-    rows = execute([t for r in recipes for t in tuning.trials_for(r, arch, grids[r], seeds)])
-    for _ in range(MAX_EXTENSION_ROUNDS):
-        extra = [
-            t for r in recipes
-            for t in tuning.trials_for(r, arch, tuning.edge_extensions(_of_recipe(rows, r)), seeds)
-        ]
-        if not extra:
-            break
-        rows += execute(extra)
-    rows.sort(key=lambda r: (recipes.index(r["recipe"]), tuning.KNOBS.index(r["knob"]), r["value"], r["seed"]))
-    choices = {r: _choose(_of_recipe(rows, r)) for r in recipes}
-    protocol = _protocol(params, base, arch, seeds, grids, previous, time.perf_counter() - started, vocab_size)
+    defaults = {r: tuning.round_sig(tuning.default_value(r, base)) for r in recipes}
+    rows = execute([t for r in recipes for t in tuning.trials_for(r, arch, tuning.first_round(r, base), seeds)])
+    refine = [t for r in recipes for t in tuning.trials_for(r, arch, tuning.refinement(_of(rows, r, arch)), seeds)]
+    rows += execute(refine)
+    choices = {r: _choose(_of(rows, r, arch)) for r in recipes}
+    others = [a for a in params.train.archs if a != arch]
+    transfer = execute([
+        t for a in others for r, c in choices.items() if c is not None
+        for t in tuning.trials_for(r, a, tuning.transfer_values(c), seeds)
+    ])  # fmt: skip
+    rows = sorted(rows + transfer, key=lambda r: (r["arch"] != arch, r["arch"], recipes.index(r["recipe"]), r["value"], r["seed"]))  # fmt: skip
+    protocol = _protocol(params, base, arch, seeds, defaults, others, time.perf_counter() - started, vocab_size)
+    protocol["transfer"] = _transfer_summary(rows, choices, others)
     _write(out, protocol, rows, choices)
-    print(f"tune: wrote {out} and {out.with_suffix('.json')}", flush=True)
+    print(f"tune: wrote {out} and {out.with_suffix('.json')} in {protocol['wall_time_s']:.0f} s", flush=True)
     for recipe, choice in choices.items():
-        print(f"tune: {recipe}: {'every step diverged' if choice is None else f'{choice.knob}={choice.value:g}'}")
+        print(f"tune: {recipe}: {'every step diverged' if choice is None else choice.describe()}")
     return choices
 
 
@@ -118,17 +117,10 @@ def _check_choices(arch: str, recipes: list[str]) -> None:
         raise InputError(f"tune: recipes must be distinct names from {', '.join(RECIPES.names())}; got {recipes}")
 
 
-def _rounded(step: tuple[str, float]) -> tuple[str, float]:
-    """As the grid writes it, so the ×1 point is found among the trials."""
-    from pipeline.tools.tuning import round_sig
-
-    return step[0], round_sig(step[1])
-
-
-def _of_recipe(rows: list[dict], recipe: str) -> pa.Table:
+def _of(rows: list[dict], recipe: str, arch: str) -> pa.Table:
     from pipeline.tools.tuning import results_table
 
-    return results_table([row for row in rows if row["recipe"] == recipe])
+    return results_table([row for row in rows if row["recipe"] == recipe and row["arch"] == arch])
 
 
 def _choose(table: pa.Table) -> Choice | None:
@@ -140,16 +132,33 @@ def _choose(table: pa.Table) -> Choice | None:
         return None
 
 
+def _transfer_summary(rows: list[dict], choices: dict[str, Choice | None], others: list[str]) -> str | None:
+    """Per other arch, the recipes whose choice is also the best of its ×½, ×1, ×2 there."""
+    from pipeline.tools.tuning import best_step
+
+    if not others:
+        return None
+    parts = []
+    for arch in others:
+        holds = [r for r, c in choices.items() if c is not None and _of(rows, r, arch).num_rows
+                 and best_step(_of(rows, r, arch)).value == c.value]  # fmt: skip
+        tried = [r for r, c in choices.items() if c is not None]
+        parts.append(f"{arch}: the choice is also the best of ×½, ×1, ×2 for {len(holds)} of {len(tried)} recipes"
+                     + (f" (not for {', '.join(r for r in tried if r not in holds)})" if len(holds) < len(tried) else ""))  # fmt: skip
+    return "; ".join(parts)
+
+
 def _protocol(
-    params: Params, base: TrainConfig, arch: str, seeds: list[int], grids: dict, previous: dict, wall_s: float,
-    vocab: int,
-) -> dict:
+    params: Params, base: TrainConfig, arch: str, seeds: list[int], defaults: dict[str, float], others: list[str],
+    wall_s: float, vocab: int,
+) -> dict[str, Any]:
     from pipeline.models.registry import build_model
-    from pipeline.tools.tuning import EDGE_FACTOR, GRID_FACTORS
+    from pipeline.tools.tuning import GRID_FACTORS, REFINEMENTS, knob_of
 
     model = build_model(arch, base.model, vocab, params.prepare.seq_len, seed=0)
     return {
         "arch": arch,
+        "transfer_archs": others,
         "model": base.model.model_dump(),
         "n_params": sum(p.numel() for p in model.parameters()),
         "vocab_size": vocab,
@@ -164,11 +173,9 @@ def _protocol(
         "grad_clip": base.grad_clip,
         "schedule": base.schedule.model_dump(),
         "eval_batches": base.eval_batches,
-        "grid_factors": list(GRID_FACTORS),
-        "edge_factor": EDGE_FACTOR,
-        "max_extension_rounds": MAX_EXTENSION_ROUNDS,
-        "grids": grids,
-        "defaults_at_sweep": {r: {"knob": knob, "value": value} for r, (knob, value) in previous.items()},
+        "grid": GRID_TEXT,
+        "values_per_recipe": len(GRID_FACTORS) + REFINEMENTS,
+        "defaults_at_sweep": {r: {"knob": knob_of(r), "value": v} for r, v in defaults.items()},
         "wall_time_s": round(wall_s, 1),
         "threads_per_run": params.ray.resources_for("train").threads,
         "machine": f"{platform.machine()}, {platform.system()}, device={base.device}",
@@ -186,100 +193,102 @@ def _write(out: Path, protocol: dict, rows: list[dict], choices: dict[str, Choic
 
 
 def render(protocol: dict, rows: list[dict], choices: dict[str, Choice | None]) -> str:
-    from pipeline.tools.tuning import edge_extensions
-
     p = protocol
     m = p["model"]
-    seeds = p["seeds"]
     lines = [
         "# Head step-size tuning",
         "",
-        "Generated by `lmgeo tune` (`stages/tune.py`, library `pipeline/tuning.py`); the chosen values are",
-        "the `default_step` of each recipe (`pipeline/study_b/recipes/`). SPEC §3.2 asks for per-recipe defaults",
-        "chosen by a documented protocol; this is it.",
+        "Generated by `lmgeo tune` (`stages/tune.py`, library `pipeline/tools/tuning.py`); the chosen values are",
+        "the `default_step` of each recipe (`pipeline/study_b/recipes/`), and the report's Study B protocol",
+        "states this sweep. SPEC §3.2 asks for equal tuning budgets at the evaluation horizon; this is it.",
         "",
         "## Protocol",
         "",
         f"- **Runs**: arch `{p['arch']}`, d_model {m['d_model']}, {m['n_layers']} layers, {m['n_heads']} heads,"
         f" vocab {p['vocab_size']} ({p['n_params']:,} parameters, untied head); {p['steps']} steps of batch"
-        f" {p['batch_size']} × seq_len {p['seq_len']} ({p['tokens_per_run']:,} tokens); seeds {seeds};"
-        f" {p['threads_per_run']} thread(s) per run ({p['machine']}). Total wall time {p['wall_time_s']:.0f} s.",
+        f" {p['batch_size']} × seq_len {p['seq_len']} ({p['tokens_per_run']:,} tokens), the study's horizon;"
+        f" seeds {p['seeds']}, not the study's; {p['threads_per_run']} thread(s) per run ({p['machine']})."
+        f" Total wall time {p['wall_time_s']:.0f} s.",
         f"- **Fixed for every run**: hidden (Muon) lr {p['hidden_lr']:g}, AdamW lr {p['adamw_lr']:g} (embeddings,"
         f" norms, biases; every parameter for `adamw` except its head), weight decay {p['weight_decay']:g},"
         f" grad clip {p['grad_clip']}, schedule {_schedule(p['schedule'])} on every group, head included."
         " So only the head's step size differs between runs of a recipe, and only the head's optimizer"
         " between recipes.",
-        "- **Grid**: per recipe, the step × {" + ", ".join(f"{f:g}" for f in p["grid_factors"]) + "} around the"
-        " default at sweep time (×1). `head_lr` is η (for `adamw` and `muon`: the lr of the head's own AdamW"
-        " group; the AdamW lr of the run where the default follows it). `hilbert` and `hilbert_equi` also"
-        " get a `tau` family (nats per step, η_t = tau / max‖h‖ over the batch), centred on η·√d_model,"
-        " the tau the default η takes on a typical token after the final norm (‖h‖ ≈ √d).",
-        "- **Baselines are tuned too**: the AdamW head of `adamw` and `muon` gets the same"
-        f" {len(p['grid_factors'])}-point budget as the new heads; tuning only the new heads would bias the"
-        " comparison against the baselines.",
-        "- **Edges**: when a family's best value is the largest (smallest) tried, one more value"
-        f" ×{p['edge_factor']:g} (÷) beyond it is run, at most {p['max_extension_rounds']} times, so a"
-        " winner is bracketed by worse values rather than clipped by the grid (marked *edge* below).",
-        "- **Selection**: the (family, value) with the lowest final validation loss (mean over seeds,"
-        f" {p['eval_batches']} fixed val batches); a run that diverges (non-finite loss) counts as +inf, so"
-        " a step that diverges on any seed never wins. Ties go to `head_lr` over `tau`, then to the smaller"
-        " step.",
-        "- **Schedules**: warm-up and decay are the run's schedule for every recipe (above); they are not"
-        " tuned per recipe here. A recipe can still be given its own head schedule with"
-        " `train.recipe_overrides.<recipe>.schedule`.",
+        "- **Equal budget**: one knob per recipe — `tau` (nats per step, η_t = tau / max‖h‖ over the batch) for"
+        " the recipes with a Hilbert trust region, `head_lr` (η; for `adamw` and `muon` the lr of the head's own"
+        f" AdamW group) for the others — and {p['values_per_recipe']} values each: {p['grid']}. The baselines'"
+        " heads get the same budget: tuning only the new heads would bias the comparison against them.",
+        f"- **Selection**: the value with the lowest final **validation** loss (mean over the seeds,"
+        f" {p['eval_batches']} fixed val batches); a run that diverges counts as +inf, so a value that diverges on"
+        " any seed never wins; ties go to the smaller step. The test split is never evaluated by tuning.",
+        "- **Transfer**: "
+        + (f"the choice and its ×½ and ×2 neighbours, same seeds, on {', '.join(p['transfer_archs'])}: {p['transfer']}."
+           if p.get("transfer") else "the study trains one architecture, the one tuned here; nothing to transfer."),
         "",
         "## Chosen defaults",
         "",
-        "*Bracketed*: a worse value was tried on both sides of the chosen one (otherwise the optimum may lie"
-        " beyond the grid even after the edge rounds).",
+        "*Bracketed*: a smaller and a larger value were tried (and lost).",
         "",
-        "| recipe | family | value | mean val loss | bracketed | default before the sweep (×1): mean val loss |",
+        "| recipe | knob | value | mean val loss | bracketed | default at sweep time: mean val loss |",
         "|---|---|---|---|---|---|",
-    ]
-    scores = _scores(rows, list(choices))
-    for recipe, choice in choices.items():
-        before = p["defaults_at_sweep"][recipe]
-        before_score = scores[(recipe, before["knob"], before["value"])]
-        before_cell = f"`{before['knob']}` {before['value']:g}: {_mean_cell(before_score)}"
-        if choice is None:
-            lines.append(f"| `{recipe}` | — | every step diverged | — | — | {before_cell} |")
-        else:
-            bracketed = "no" if choice.knob in edge_extensions(_of_recipe(rows, recipe)) else "yes"
-            chosen = f"`{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | {bracketed}"
-            lines.append(f"| `{recipe}` | {chosen} | {before_cell} |")
-    seed_cols = " | ".join(f"val loss s{s}" for s in seeds)
-    lines += [
-        "",
-        "## All trials",
-        "",
-        "Final validation loss per seed (*diverged* where the loss became non-finite); ✔ marks the chosen value.",
-        "",
-        f"| recipe | family | value | grid | {seed_cols} | mean | chosen |",
-        "|---|---|---|---|" + "---|" * len(seeds) + "---|---|",
-    ]
-    for (recipe, knob, value), by_seed in _by_step(rows).items():
-        choice = choices[recipe]
-        in_grid = value in p["grids"][recipe].get(knob, [])
-        cells = " | ".join(_loss_cell(by_seed.get(s)) for s in seeds)
-        mean = _mean_cell(scores[(recipe, knob, value)])
-        mark = "✔" if choice is not None and (choice.knob, choice.value) == (knob, value) else ""
-        origin = "grid" if in_grid else "edge"
-        lines.append(f"| `{recipe}` | `{knob}` | {value:g} | {origin} | {cells} | {mean} | {mark} |")
+    ]  # fmt: skip
+    lines += _choice_rows(p, rows, choices)
+    lines += _trial_rows(p, rows, choices)
     return "\n".join(lines) + "\n"
 
 
-def _by_step(rows: list[dict]) -> dict[tuple[str, str, float], dict[int, float | None]]:
+def _choice_rows(p: dict, rows: list[dict], choices: dict[str, Choice | None]) -> list[str]:
+    from pipeline.tools.tuning import bracketed
+
+    scores = _scores(rows, list(choices), p["arch"])
+    lines = []
+    for recipe, choice in choices.items():
+        before = p["defaults_at_sweep"][recipe]
+        before_score = scores.get((recipe, before["value"]))
+        before_cell = f"`{before['knob']}` {before['value']:g}: {_mean_cell(before_score) if before_score else '–'}"
+        if choice is None:
+            lines.append(f"| `{recipe}` | — | every step diverged | — | — | {before_cell} |")
+        else:
+            edge = "yes" if bracketed(_of(rows, recipe, p["arch"]), choice) else "no"
+            lines.append(f"| `{recipe}` | `{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | {edge} | {before_cell} |")
+    return lines
+
+
+def _trial_rows(p: dict, rows: list[dict], choices: dict[str, Choice | None]) -> list[str]:
+    seeds = p["seeds"]
+    lines = [
+        "",
+        "## All trials",
+        "",
+        "Final validation loss per seed (*diverged* where the loss became non-finite); ✔ marks the chosen value;"
+        " rows of another arch are the transfer check.",
+        "",
+        f"| arch | recipe | knob | value | {' | '.join(f'val loss s{s}' for s in seeds)} | mean | chosen |",
+        "|---|---|---|---|" + "---|" * len(seeds) + "---|---|",
+    ]
+    for arch in dict.fromkeys(r["arch"] for r in rows):
+        scores = _scores(rows, list(choices), arch)
+        for (recipe, knob, value), by_seed in _by_step(rows, arch).items():
+            choice = choices[recipe]
+            mark = "✔" if choice is not None and (choice.knob, choice.value) == (knob, value) else ""
+            cells = " | ".join(_loss_cell(by_seed.get(s)) for s in seeds)
+            lines.append(f"| {arch} | `{recipe}` | `{knob}` | {value:g} | {cells} | {_mean_cell(scores[(recipe, value)])} | {mark} |")
+    return lines
+
+
+def _by_step(rows: list[dict], arch: str) -> dict[tuple[str, str, float], dict[int, float | None]]:
     grouped: dict[tuple[str, str, float], dict[int, float | None]] = {}
     for row in rows:
-        loss = None if row["diverged"] else row["final_val_loss"]
-        grouped.setdefault((row["recipe"], row["knob"], row["value"]), {})[row["seed"]] = loss
+        if row["arch"] == arch:
+            loss = None if row["diverged"] else row["final_val_loss"]
+            grouped.setdefault((row["recipe"], row["knob"], row["value"]), {})[row["seed"]] = loss
     return grouped
 
 
-def _scores(rows: list[dict], recipes: list[str]) -> dict[tuple[str, str, float], StepScore]:
+def _scores(rows: list[dict], recipes: list[str], arch: str) -> dict[tuple[str, float], StepScore]:
     from pipeline.tools.tuning import step_scores
 
-    return {(r, s.knob, s.value): s for r in recipes for s in step_scores(_of_recipe(rows, r))}
+    return {(r, s.value): s for r in recipes if _of(rows, r, arch).num_rows for s in step_scores(_of(rows, r, arch))}
 
 
 def _mean_cell(score: StepScore) -> str:

@@ -26,7 +26,7 @@ from pipeline.tools.bench.measure import Timings, bar, interleaved, peak_rss_byt
 from pipeline.tools.bench.synthetic import synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
-SECTIONS = ("extraction", "fits", "knn_memory", "recipes", "fanout", "gpu")
+SECTIONS = ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout", "gpu")
 
 
 def _reject_constant(name: str) -> float:
@@ -68,7 +68,8 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
     assert {"python", "torch", "transformers", "ray", "lmgeo"} <= report["versions"].keys()
     names = [r["name"] for r in report["ratios"]]
     for prefix in ("extraction: extract path", "extraction: peak RSS", "fits diag_psd", "fits lowrank",
-                   "fits orthogonal", "kNN: working memory", "recipes: hilbert /", "recipes: hilbert_equi",
+                   "fits orthogonal", "kNN: working memory", "kNN vs FAISS", "patching: suffix vs full",
+                   "recipes: hilbert /", "recipes: hilbert_equi",
                    "fan-out"):
         assert any(name.startswith(prefix) for name in names), prefix
     for row in report["ratios"]:
@@ -81,6 +82,8 @@ def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     agreement = [r for r in report["ratios"] if "max |fit_layer − reference|" in r["name"]]
     assert len(agreement) == 3 and all(r["passed"] for r in agreement)  # same numbers to 1e-4
     assert report["fanout"]["same_outputs"] is True
+    assert all(run["same_neighbours"] == 1.0 for run in report["knn_vs_faiss"]["runs"])
+    assert report["patching"]["max_relative_kl_difference"] <= 1e-3
     assert set(report["recipes"]["vs_baseline"]) == set(RECIPES.names())
     assert report["recipes"]["vs_baseline"][baseline().name] == pytest.approx(1.0)
     assert report["gpu"]["available"] == torch.cuda.is_available()

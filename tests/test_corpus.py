@@ -167,41 +167,57 @@ def test_a_symlinked_table_file_inside_a_named_folder_is_checked_like_the_folder
 
 
 # ----------------------------------------------------------------------------------------- split
-def test_split_puts_the_requested_fraction_of_equal_documents_in_val():
+HELD_OUT = {"val": 0.1, "test": 0.1}
+
+
+def test_split_puts_the_requested_fraction_of_equal_documents_in_each_held_out_split():
     docs = [C.Document(str(i), "x" * 10) for i in range(100)]
-    train, val = C.split_documents(docs, 0.1, seed=3)
-    assert len(val) == 10 and len(train) == 90
-    assert sorted(d.name for d in train + val) == sorted(d.name for d in docs)
-    assert [d.name for d in val] == sorted((d.name for d in val), key=int)  # corpus order kept
-    assert C.split_documents(docs, 0.1, seed=3) == (train, val)
-    assert C.split_documents(docs, 0.1, seed=4)[1] != val
+    splits = C.split_documents(docs, HELD_OUT, seed=3)
+    assert [len(splits[s]) for s in ("train", "val", "test")] == [80, 10, 10]
+    assert sorted(d.name for part in splits.values() for d in part) == sorted(d.name for d in docs)
+    for part in splits.values():
+        assert [d.name for d in part] == sorted((d.name for d in part), key=int)  # corpus order kept
+    assert C.split_documents(docs, HELD_OUT, seed=3) == splits
+    assert C.split_documents(docs, HELD_OUT, seed=4)["test"] != splits["test"]
+
+
+def test_adding_a_test_split_keeps_val():
+    rng = np.random.default_rng(1)
+    docs = [C.Document(str(i), "z" * int(n)) for i, n in enumerate(rng.integers(1, 200, size=40))]
+    assert C.split_documents(docs, HELD_OUT, seed=0)["val"] == C.split_documents(docs, {"val": 0.1}, seed=0)["val"]
 
 
 def test_split_is_close_to_the_target_for_uneven_documents():
     rng = np.random.default_rng(0)
     sizes = rng.integers(1, 200, size=60)
     docs = [C.Document(str(i), "y" * int(n)) for i, n in enumerate(sizes)]
-    _, val = C.split_documents(docs, 0.2, seed=0)
-    val_chars, target = sum(len(d.text) for d in val), 0.2 * sizes.sum()
-    # Greedy rule: a document left out of val would not have brought val closer to the target.
-    assert abs(val_chars - target) <= sizes.max() / 2
+    splits = C.split_documents(docs, {"val": 0.2, "test": 0.15}, seed=0)
+    for split, fraction in (("val", 0.2), ("test", 0.15)):
+        chars, target = sum(len(d.text) for d in splits[split]), fraction * sizes.sum()
+        # Greedy rule: a document left out would not have brought the split closer to its target.
+        assert abs(chars - target) <= sizes.max() / 2
 
 
-def test_split_keeps_both_sides_non_empty_and_needs_two_documents():
-    big = [C.Document("a", "a" * 100), C.Document("b", "b" * 90)]
-    train, val = C.split_documents(big, 0.1, seed=0)
-    assert [d.name for d in val] == ["b"] and [d.name for d in train] == ["a"]
-    with pytest.raises(C.CorpusError, match="at least 2 documents"):
-        C.split_documents(big[:1], 0.1, seed=0)
+def test_split_keeps_every_split_non_empty_and_needs_a_document_each():
+    big = [C.Document("a", "a" * 100), C.Document("b", "b" * 90), C.Document("c", "c" * 95)]
+    splits = C.split_documents(big, HELD_OUT, seed=0)
+    assert sorted(len(part) for part in splits.values()) == [1, 1, 1]
+    assert [d.name for d in splits["val"]] == ["b"]  # the smallest document, as no choice gets closer
+    with pytest.raises(C.CorpusError, match="at least 3 documents"):
+        C.split_documents(big[:2], HELD_OUT, seed=0)
 
 
-def test_cap_splits_keeps_leading_text_in_the_val_ratio():
-    train = [C.Document("t1", "a" * 50), C.Document("t2", "b" * 50)]
-    val = [C.Document("v1", "c" * 30)]
-    capped_train, capped_val = C.cap_splits(train, val, max_chars=80, val_fraction=0.25)
-    assert [d.text for d in capped_train] == ["a" * 50, "b" * 10]
-    assert [d.text for d in capped_val] == ["c" * 20]
-    assert C.cap_splits(train, val, None, 0.25) == (train, val)
+def test_cap_splits_keeps_leading_text_in_the_held_out_ratios():
+    splits = {
+        "train": [C.Document("t1", "a" * 50), C.Document("t2", "b" * 50)],
+        "val": [C.Document("v1", "c" * 30)],
+        "test": [C.Document("e1", "d" * 30)],
+    }
+    capped = C.cap_splits(splits, max_chars=80, held_out={"val": 0.25, "test": 0.125})
+    assert [d.text for d in capped["train"]] == ["a" * 50]
+    assert [d.text for d in capped["val"]] == ["c" * 20]
+    assert [d.text for d in capped["test"]] == ["d" * 10]
+    assert C.cap_splits(splits, None, HELD_OUT) == splits
 
 
 # -------------------------------------------------------------------------------------- prepare
@@ -222,8 +238,8 @@ def test_outputs_decode_to_the_split_documents_joined_by_eos(tmp_path):
     tokens, tokenizer_dir = tmp_path / "out" / "tokens", tmp_path / "out" / "tokenizer"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     assert tokenizer.eos_token == tokenizer.bos_token == C.EOS_TOKEN
-    train_docs, val_docs = C.split_documents([C.Document(str(i), t) for i, t in enumerate(texts)], 0.25, 0)
-    for split, docs in (("train", train_docs), ("val", val_docs)):
+    splits = C.split_documents([C.Document(str(i), t) for i, t in enumerate(texts)], cfg.held_out(), 0)
+    for split, docs in splits.items():
         ids = C.load_tokens(tokens, split)
         assert ids.dtype == np.int32
         assert tokenizer.decode(ids.tolist()) == C.EOS_TOKEN.join(d.text for d in docs)
@@ -232,8 +248,9 @@ def test_outputs_decode_to_the_split_documents_joined_by_eos(tmp_path):
     meta = C.load_meta(tokens)
     assert meta["n_val_tokens"] == C.load_tokens(tokens, "val").size
     assert meta["vocab_size"] == len(tokenizer) <= 300
-    assert (meta["n_documents"], meta["n_val_documents"], meta["source"]) == (6, len(val_docs), "files")
-    assert meta["corpus_chars"] == sum(map(len, texts)) == meta["train_chars"] + meta["val_chars"]
+    assert (meta["n_documents"], meta["n_val_documents"], meta["source"]) == (6, len(splits["val"]), "files")
+    assert meta["n_test_documents"] == len(splits["test"]) >= 1
+    assert meta["corpus_chars"] == sum(map(len, texts)) == sum(meta[f"{s}_chars"] for s in C.SPLITS)
 
 
 def test_only_document_boundaries_become_eos(tmp_path):
@@ -248,7 +265,7 @@ def test_bpe_round_trips_held_out_shakespeare(tmp_path):
     cfg = PrepareConfig(corpus=CorpusConfig(max_chars=300_000), tokenizer=TokenizerConfig(vocab_size=512))
     run_prepare(cfg, tmp_path)
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "out" / "tokenizer", local_files_only=True)
-    _, val = C.split_documents(C.read_documents(CorpusConfig(), tmp_path), cfg.val_fraction, cfg.seed)
+    val = C.split_documents(C.read_documents(CorpusConfig(), tmp_path), cfg.held_out(), cfg.seed)["val"]
     held_out = val[0].text[:20_000]  # the tokenizer never saw val text
     ids = tokenizer(held_out, add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == held_out
@@ -260,7 +277,7 @@ def test_two_runs_write_byte_identical_outputs(tmp_path):
     for out in ("one", "two"):
         run_prepare(cfg, tmp_path, out=out)
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
-    assert {"tokens/train.parquet", "tokens/val.parquet", "tokens/meta.json"} <= {str(f) for f in files}
+    assert {"tokens/train.parquet", "tokens/val.parquet", "tokens/test.parquet", "tokens/meta.json"} <= {str(f) for f in files}
     for name in files:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 
@@ -327,7 +344,7 @@ def test_gpt2_tokenizer_is_the_real_gpt2_bpe(tmp_path):
 
 def test_load_tokens_rejects_unknown_splits_and_missing_outputs(tmp_path):
     with pytest.raises(ValueError, match="split must be one of"):
-        C.load_tokens(tmp_path, "test")
+        C.load_tokens(tmp_path, "dev")
     with pytest.raises(C.CorpusError, match="run the prepare stage"):
         C.load_tokens(tmp_path, "train")
     with pytest.raises(C.CorpusError, match="meta.json"):

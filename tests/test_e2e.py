@@ -37,7 +37,7 @@ def write_params(workspace: Path, overrides: dict[str, str]) -> None:
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory) -> Path:
-    """A git + DVC workspace holding this repo's tracked files and the tiny preset as params.yaml."""
+    """A git + DVC workspace holding this repo's tracked files (the default study's params.yaml)."""
     workspace = tmp_path_factory.mktemp("study")
     files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
     for name in filter(None, files.stdout.split("\0")):
@@ -47,9 +47,8 @@ def study(tmp_path_factory) -> Path:
     # The default study's lock and committed report belong to other params: start without them.
     (workspace / "dvc.lock").unlink(missing_ok=True)
     shutil.rmtree(workspace / "reports", ignore_errors=True)
-    write_params(workspace, flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml")))
     sh("git", "init", "-q", cwd=workspace)
-    commit(workspace, "tiny study")
+    commit(workspace, "the default study's params")
     return workspace
 
 
@@ -59,7 +58,11 @@ def commit(workspace: Path, message: str) -> None:
 
 
 def test_repro_query_and_metrics_diff(study: Path):
-    sh("dvc", "repro", cwd=study)
+    # The README's command for a preset, as written: the tiny study as an experiment, applied to the workspace.
+    sh("sh", "-c", "dvc exp run $(lmgeo preset presets/tiny.yaml)", cwd=study)
+    assert load_params(study / "params.yaml") == apply_overrides(
+        load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
+    )
     for produced in ("reports/report.md", "reports/metrics.json", "reports/tables/runs.parquet",
                      "reports/figures/loss_curves.png", "data/train", "data/fits", "data/perturb"):
         assert (study / produced).exists(), produced

@@ -412,3 +412,22 @@ def scenario_joined_by_address() -> None:
     finally:
         ray.shutdown()
     print("scenario_joined_by_address: ok")
+
+
+def test_small_shards_share_tasks_and_a_failure_still_names_its_shard(ray_local) -> None:
+    shards = [Shard(f"sq{i}", square, (i,)) for i in range(7)]
+    assert run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="sq", shards_per_task=3) == {
+        f"sq{i}": i * i for i in range(7)
+    }
+    failing = [Shard(f"part-{i}", fail_if, (i, 4)) for i in range(7)]
+    with pytest.raises(ShardFailed) as failure:
+        run_shards(failing, ONE_CPU, max_in_flight=1, max_retries=0, label="fit", shards_per_task=3)
+    assert failure.value.key == "part-4" and str(failure.value).startswith("shard 'part-4' failed: ValueError")
+
+
+def test_batches_are_consecutive_shards_of_one_function() -> None:
+    from pipeline.core.execution import _batches
+
+    shards = [Shard(f"a{i}", square) for i in range(5)] + [Shard("b0", fail_if), Shard("a5", square)]
+    assert [[s.key for s in b] for b in _batches(shards, 2)] == [["a0", "a1"], ["a2", "a3"], ["a4"], ["b0"], ["a5"]]
+    assert all(len(b) == 1 for b in _batches(shards, 1))

@@ -207,3 +207,79 @@ def test_diam_of_two_antipodal_clusters_and_of_identical_rows() -> None:
     assert found.value == pytest.approx(brute_diam(w), rel=1e-12)
     assert (found.i < 300) != (found.j < 300)
     assert hilbert.diam(torch.zeros(500, 4)).value == 0.0
+
+
+# ----------------------------------------------------------------- cheap diameter bound, spread references
+@pytest.mark.parametrize("offset", [0.0, 1000.0])
+def test_diam_upper_bounds_the_exact_diameter_tightly(offset: float) -> None:
+    gen = torch.Generator().manual_seed(12)
+    for n_rows, width in ((2, 3), (300, 17), (2048, 64)):
+        w = offset + 1e-2 * torch.randn(n_rows, width, generator=gen)  # float32, as a training step is
+        exact = brute_diam(w)
+        upper = hilbert.diam_upper(w, chunk_rows=97)
+        assert exact <= upper <= exact * (1 + 1e-4)
+
+
+def test_random_unit_rows_reference_is_their_brute_force_ratio() -> None:
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(300, 8, generator=gen, dtype=DOUBLE)
+    distances = pdist((rows / rows.norm(dim=1, keepdim=True)).numpy())
+    assert hilbert.equi_ratio_random(300, 8, seed=0) == pytest.approx(distances.min() / distances.max(), rel=1e-9)
+    # One draw stands for the distribution: other seeds give nearly the same ratio.
+    draws = [hilbert.equi_ratio_random(1024, 64, seed=s) for s in range(4)]
+    assert max(draws) - min(draws) < 0.05
+
+
+def _best_spread(n_points: int, width: int, restarts: int) -> float:
+    """The largest min/max distance ratio found by maximising a smooth surrogate (log-sum-exp soft min
+    over soft max of the distances) from random starts: a strong configuration to test the bound on."""
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(n_points * 10 + width)
+
+    def negative_soft_ratio(flat: np.ndarray, sharpness: float = 60.0) -> float:
+        d = pdist(flat.reshape(n_points, width))
+        soft_min = -np.log(np.exp(-sharpness * d / d.max()).sum()) / sharpness
+        soft_max = np.log(np.exp(sharpness * d / d.max()).sum()) / sharpness
+        return -soft_min / soft_max
+
+    best = 0.0
+    for _ in range(restarts):
+        found = minimize(negative_soft_ratio, rng.standard_normal(n_points * width), method="Nelder-Mead",
+                         options={"maxiter": 20000, "xatol": 1e-9, "fatol": 1e-12})  # fmt: skip
+        d = pdist(found.x.reshape(n_points, width))
+        best = max(best, d.min() / d.max())
+    return best
+
+
+def test_equi_ratio_bound_is_one_up_to_a_simplex_and_never_exceeded() -> None:
+    """`equi_ratio_bound` (SPEC §3.1): 1 exactly when n ≤ d + 1 (a regular simplex reaches it); below 1
+    beyond, and no configuration exceeds it: the regular pentagon (0.618 in the plane), random unit rows,
+    and configurations optimised for a high ratio."""
+    assert hilbert.equi_ratio_bound(6, 5) == 1.0 == hilbert.equi_ratio(torch.eye(6, dtype=DOUBLE))
+    assert hilbert.equi_ratio_bound(7, 5) < 1.0
+    angles = 2 * np.pi * np.arange(5) / 5
+    pentagon = pdist(np.stack([np.cos(angles), np.sin(angles)], 1))
+    assert pentagon.min() / pentagon.max() == pytest.approx((np.sqrt(5) - 1) / 2)
+    assert pentagon.min() / pentagon.max() <= hilbert.equi_ratio_bound(5, 2)
+    for n_points, width in ((5, 2), (8, 2), (7, 3), (10, 4)):
+        assert _best_spread(n_points, width, restarts=3) <= hilbert.equi_ratio_bound(n_points, width)
+    for n_rows, width in ((1024, 64), (500, 8)):
+        assert hilbert.equi_ratio_random(n_rows, width) < hilbert.equi_ratio_bound(n_rows, width) < 1
+
+
+def test_equi_ratio_bound_follows_from_welchs_inequality_on_the_centred_gram() -> None:
+    """The bound's proof, step by step, on random configurations: B = −½ C D² C is the centred Gram (PSD,
+    rank ≤ d), so (tr B)² ≤ d·‖B‖²_F; with D² = a(J − I) + P this forces (b − a)/a ≥ √((n − d − 1)/(d n))."""
+    rng = np.random.default_rng(13)
+    for n_points, width in ((12, 3), (40, 5), (200, 16)):
+        x = rng.standard_normal((n_points, width))
+        sq = squareform(pdist(x)) ** 2
+        centring = np.eye(n_points) - 1.0 / n_points
+        gram = -0.5 * centring @ sq @ centring
+        np.testing.assert_allclose(gram, (x - x.mean(0)) @ (x - x.mean(0)).T, atol=1e-9)
+        assert np.trace(gram) ** 2 <= width * (gram**2).sum() * (1 + 1e-12)
+        off = sq[~np.eye(n_points, dtype=bool)]
+        a, b = off.min(), off.max()
+        assert (b - a) / a >= np.sqrt((n_points - width - 1) / (width * n_points))
+        assert np.sqrt(a / b) <= hilbert.equi_ratio_bound(n_points, width)

@@ -29,6 +29,9 @@ def test_default_params_are_valid():
         ({"train": {"steps": "3"}}, "train.steps: Input should be a valid integer"),
         ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
         ({"prepare": {"val_fraction": 1.5}}, "prepare.val_fraction"),
+        ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}}, "val_fraction + test_fraction must leave a train split"),
+        ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
+        ({"train": {"head_budget_tau": 0}}, "train.head_budget_tau"),
         ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1"),
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
@@ -119,3 +122,26 @@ def test_every_param_dvc_tracks_is_written_in_params_yaml():
             for part in dotted.split("."):
                 assert isinstance(node, dict) and part in node, f"stage {name}: {dotted} not in params.yaml"
                 node = node[part]
+
+
+@pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "presets").glob("*.yaml")))
+def test_every_preset_applies_to_the_default_params(preset):
+    from pipeline.core.config import flatten_overrides, load_yaml
+    from pipeline.params import apply_overrides
+
+    params = apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / preset)))
+    assert params.train.runs()
+
+
+def test_the_ablation_presets_set_what_they_say():
+    from pipeline.core.config import flatten_overrides, load_yaml
+    from pipeline.params import apply_overrides
+    from pipeline.study_b.recipes import RECIPES
+
+    def preset(name):
+        return apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / name)))
+
+    # the matched budget is `hilbert`'s tuned tau; the centred rows take rownorm's tuned row norm η
+    assert preset("matched_budget.yaml").train.head_budget_tau == RECIPES["hilbert"].default_step.tau
+    centring = preset("centring.yaml").train
+    assert centring.recipe_overrides["hilbert"].head_lr == pytest.approx(2 * RECIPES["rownorm"].default_step.head_lr)

@@ -9,7 +9,6 @@ import subprocess
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 from test_aggregate import CFG, KEY, sources, write_tiny_study
 
@@ -191,3 +190,16 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
     with pytest.raises(QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"):
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
+
+
+def test_params_and_stored_vectors_are_queryable(workspace: Path) -> None:
+    (workspace / "params.yaml").write_text("analysis:\n  k: 8\n  classes: [lowrank, identity]\n")
+    rows = query_table("SELECT key, json_extract(value, '$') AS v FROM params ORDER BY key", None, workspace)
+    assert rows.to_pylist() == [{"key": "analysis.classes", "v": '["lowrank","identity"]'},
+                                {"key": "analysis.k", "v": "8"}]  # fmt: skip
+    vectors = query_table(
+        "SELECT model, len(patched) AS d, list_cosine_similarity(patched, patched) AS cos FROM fit_vectors "
+        "WHERE fn = 'lowrank' LIMIT 1", None, workspace,
+    )
+    assert vectors.to_pylist() == [{"model": "gpt2-muon-s0@final", "d": 3, "cos": pytest.approx(1.0)}]
+    assert "patched" not in query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()

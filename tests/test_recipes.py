@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from functools import partial
 
 import numpy as np
 import pytest
@@ -19,12 +18,13 @@ from transformers import (
     MambaForCausalLM,
 )
 
+from pipeline.models.config import ModelSize
 from pipeline.models.family import GroupRule
 from pipeline.models.registry import FAMILIES, family_of
 from pipeline.study_b import hilbert, lmo, optim
 from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
 from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import HeadStepDefault
+from pipeline.study_b.recipes.base import HeadStepDefault, LMOKnobs
 
 VOCAB, WIDTH, SEQ, BATCH = 256, 32, 16, 8
 FLAT = Schedule(warmup_steps=0, decay="constant")
@@ -130,12 +130,15 @@ def gradients(seed: int) -> list[torch.Tensor]:
     return [dense, low_rank, shifted]
 
 
-def lmo_step(recipe: str, grad: torch.Tensor, eta: float, equi_iters: int = 3) -> tuple[torch.Tensor, optim.HeadLMO]:
+KNOBS = LMOKnobs(equi_iters=3, equi_alignment=0.5)
+
+
+def lmo_step(recipe: str, grad: torch.Tensor, eta: float, knobs: LMOKnobs = KNOBS, seed: int = 0) -> tuple[torch.Tensor, optim.HeadLMO]:
     """ΔW of one HeadLMO step (from zero momentum) on a parameter whose gradient is `grad`."""
     w = torch.nn.Parameter(torch.randn_like(grad))
     before = w.detach().clone()
     w.grad = grad.clone()
-    optimizer = optim.HeadLMO([w], partial(RECIPES[recipe].direction, equi_iters=equi_iters), lr=eta)
+    optimizer = optim.HeadLMO([w], RECIPES[recipe].direction, lr=eta, knobs=knobs, seed=seed)
     optimizer.step()
     return w.detach() - before, optimizer
 
@@ -160,14 +163,171 @@ def test_hilbert_step_is_the_centred_gradient_rows_on_the_sphere() -> None:
     assert float(alignment) < 0  # a descent direction
 
 
-def test_equidistant_spreading_separates_rows_that_hilbert_collapses() -> None:
-    """On a rank-2 gradient the centred unit rows lie on a circle, with near-coincident pairs; the
-    seed's spreading pushes them apart."""
-    grad = gradients(3)[1]
+def nearly_parallel(n_rows: int = 600, width: int = 24, seed: int = 7) -> torch.Tensor:
+    """A planted head gradient whose centred rows are nearly parallel: one direction with random signed
+    sizes, plus 1% noise (as rare tokens' rows are: all ≈ their probability times the mean hidden state)."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randn(n_rows, 1, generator=gen)
+    return sizes * torch.randn(1, width, generator=gen) + 0.01 * torch.randn(n_rows, width, generator=gen)
+
+
+def min_distance(x: torch.Tensor) -> float:
+    return float(torch.pdist(x.double()).min())
+
+
+def test_equidistance_lmo_spreads_nearly_parallel_rows_as_far_as_random_unit_rows() -> None:
+    """Centred unit rows of a nearly parallel gradient sit on two antipodal clusters (hilbert's
+    equi_ratio ≈ 0); the equidistance LMO spreads them at least as well as random unit rows of the same
+    shape, the baseline of SPEC §3.2, and below the Welch-type bound."""
+    grad = nearly_parallel()
     plain, _ = lmo_step("hilbert", grad, eta=1.0)
     spread, _ = lmo_step("hilbert_equi", grad, eta=1.0)
+    baseline = hilbert.equi_ratio_random(*grad.shape)
     assert hilbert.equi_ratio(plain) < 0.05
-    assert hilbert.equi_ratio(spread) > 0.3
+    assert baseline <= hilbert.equi_ratio(spread) <= hilbert.equi_ratio_bound(*grad.shape)
+
+
+def test_spreading_iterations_raise_the_minimum_row_distance() -> None:
+    """The iterations are ascent on the smallest distance: from the same random start (same seed), more
+    iterations leave the closest pair further apart."""
+    grad = nearly_parallel()
+    gaps = [
+        min_distance(lmo_step("hilbert_equi", grad, eta=1.0, knobs=LMOKnobs(iters, 0.5), seed=3)[0])
+        for iters in (0, 2, 8)
+    ]
+    assert gaps[0] < gaps[1] < gaps[2], gaps
+
+
+def test_into_cones_moves_only_rows_outside_to_the_nearest_point_of_their_cone() -> None:
+    gen = torch.Generator().manual_seed(10)
+    axes = lmo.unit_rows(torch.randn(200, 6, generator=gen))
+    u = lmo.unit_rows(torch.randn(200, 6, generator=gen))
+    moved = lmo.into_cones_(u.clone(), axes, 0.6)
+    cosine_before, cosine_after = (u * axes).sum(1), (moved * axes).sum(1)
+    inside = cosine_before >= 0.6
+    assert 0 < int(inside.sum()) < 200
+    torch.testing.assert_close(moved[inside], u[inside], rtol=0, atol=0)
+    torch.testing.assert_close(cosine_after[~inside], torch.full_like(cosine_after[~inside], 0.6), rtol=0, atol=1e-6)
+    torch.testing.assert_close(moved.norm(dim=1), torch.ones(200), rtol=0, atol=1e-6)
+    # The nearest point of the cap: no other point of the cone boundary in the plane (u, a) is closer.
+    for angle in torch.linspace(-0.3, 0.3, 7):
+        rotated = math.cos(angle) * moved + math.sin(angle) * lmo.tangent_rows(moved, axes)
+        rotated = torch.where(((rotated * axes).sum(1, keepdim=True) >= 0.6 - 1e-6), rotated, moved)
+        assert bool(((rotated - u).norm(dim=1) >= (moved - u).norm(dim=1) - 1e-6).all())
+
+
+@pytest.mark.parametrize("alignment", [0.3, 0.5, 0.9])
+def test_the_equidistance_step_keeps_its_share_of_hilberts_alignment(alignment: float) -> None:
+    """Every row keeps ⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c (`into_cones_` after every move), so ⟨M, ΔW⟩ ≥ c·⟨M, ΔW_hilbert⟩
+    at the same η (the centring shift is invisible to a centred M); and the diameter stays within η."""
+    grad = gradients(8)[0]
+    spread, _ = lmo_step("hilbert_equi", grad, eta=1.0, knobs=LMOKnobs(equi_iters=5, equi_alignment=alignment))
+    plain, _ = lmo_step("hilbert", grad, eta=1.0)
+    ratio = float((grad * spread).sum() / (grad * plain).sum())
+    assert alignment - 1e-5 <= ratio < 1
+    assert hilbert.diam(spread).value <= 1 + 1e-5
+
+
+def test_the_spreading_draws_from_the_runs_seed() -> None:
+    grad = gradients(9)[0]
+    first, again, other = (lmo_step("hilbert_equi", grad, eta=1.0, seed=seed)[1] for seed in (4, 4, 5))
+    assert first.generator(grad.device).initial_seed() == 4
+    step = [RECIPES["hilbert_equi"].direction(grad, KNOBS, opt.generator(grad.device)) for opt in (first, again, other)]
+    torch.testing.assert_close(step[0], step[1], rtol=0, atol=0)
+    assert not torch.equal(step[0], step[2])
+
+
+# ------------------------------------------------------------- the exact diameter-constrained optimum
+JUNG = lambda d: math.sqrt((d + 1) / (2 * d))  # noqa: E731
+
+
+def diameter_lmo_optimum(grad: np.ndarray, eta: float = 1.0, restarts: int = 4) -> float:
+    """min ⟨G, X⟩ subject to ‖x_i − x_j‖ ≤ η for all pairs (and Σ x_i = 0, which fixes the translation
+    that changes neither side): a convex program, so SLSQP's KKT point is the global optimum; the best of
+    a few starts guards against an early stop."""
+    from scipy.optimize import minimize
+
+    n_rows, width = grad.shape
+    pairs = [(i, j) for i in range(n_rows) for j in range(i + 1, n_rows)]
+
+    def gaps(flat: np.ndarray) -> np.ndarray:
+        x = flat.reshape(n_rows, width)
+        return np.array([eta**2 - ((x[i] - x[j]) ** 2).sum() for i, j in pairs])
+
+    def gaps_jacobian(flat: np.ndarray) -> np.ndarray:
+        x = flat.reshape(n_rows, width)
+        jac = np.zeros((len(pairs), n_rows, width))
+        for k, (i, j) in enumerate(pairs):
+            jac[k, i], jac[k, j] = -2 * (x[i] - x[j]), 2 * (x[i] - x[j])
+        return jac.reshape(len(pairs), -1)
+
+    translation = np.kron(np.ones((1, n_rows)), np.eye(width))
+    constraints = [{"type": "ineq", "fun": gaps, "jac": gaps_jacobian},
+                   {"type": "eq", "fun": lambda f: translation @ f, "jac": lambda f: translation}]  # fmt: skip
+    rng = np.random.default_rng(0)
+    best = math.inf
+    for _ in range(restarts):
+        found = minimize(lambda f: float(grad.ravel() @ f), 0.01 * rng.standard_normal(grad.size), jac=lambda f: grad.ravel(),
+                         constraints=constraints, method="SLSQP", options={"maxiter": 2000, "ftol": 1e-12})  # fmt: skip
+        if found.success and gaps(found.x).min() >= -1e-7:
+            best = min(best, found.fun)
+    return best
+
+
+def regular_simplex(width: int) -> np.ndarray:
+    """d + 1 unit rows in R^d with pairwise inner products −1/d."""
+    corners = np.eye(width + 1) - 1.0 / (width + 1)
+    basis = np.linalg.svd(corners)[2][:width]
+    rows = corners @ basis.T
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def lmo_value(recipe: str, grad: np.ndarray) -> float:
+    """⟨G, ΔW⟩ of a step with η = 1 from zero momentum: ΔW is the LMO's answer X."""
+    delta, _ = lmo_step(recipe, torch.from_numpy(grad), eta=1.0)
+    return float((torch.from_numpy(grad) * delta).sum())
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+def test_the_exact_solver_finds_the_known_optimum_of_a_simplex_gradient(width: int) -> None:
+    """For G = a regular simplex the optimum is −η·(d+1)·√(d/(2(d+1))) (Jung's ball is attained), and
+    `hilbert` reaches exactly the Jung factor of it (SPEC §3.1)."""
+    grad = regular_simplex(width)
+    optimum = diameter_lmo_optimum(grad)
+    assert optimum == pytest.approx(-(width + 1) * math.sqrt(width / (2 * (width + 1))), rel=1e-6)
+    assert lmo_value("hilbert", grad) / optimum == pytest.approx(JUNG(width), rel=1e-5)
+
+
+@pytest.mark.parametrize(("n_rows", "width", "seed"), [(6, 2, 0), (7, 3, 1), (8, 3, 2), (8, 4, 3)])
+def test_hilbert_and_equidistance_steps_against_the_exact_optimum(n_rows: int, width: int, seed: int) -> None:
+    """On small random gradients: `hilbert` reaches at least the Jung factor of the optimal ⟨G, X⟩, and the
+    equidistance LMO at least c times `hilbert`'s (its alignment floor), never more than the optimum."""
+    grad = np.random.default_rng(seed).standard_normal((n_rows, width))
+    grad -= grad.mean(0)  # a cross-entropy head gradient's rows sum to zero
+    optimum = diameter_lmo_optimum(grad)
+    plain, spread = lmo_value("hilbert", grad), lmo_value("hilbert_equi", grad)
+    assert JUNG(width) - 1e-6 <= plain / optimum <= 1 + 1e-6
+    assert KNOBS.equi_alignment * plain / optimum - 1e-6 <= spread / optimum <= 1 + 1e-6
+
+
+def test_head_alignment_is_one_for_the_hilbert_step_and_bounded_by_jung() -> None:
+    """`head_alignment_hilbert` (descent per unit diameter, relative to `hilbert`'s) is η/diam(ΔW) for the
+    `hilbert` step of G itself and at most 1/Jung for any step, reached by the optimum on a simplex."""
+    from pipeline.study_b.train import head_alignment
+
+    grad = torch.from_numpy(nearly_parallel().numpy().astype(np.float64))
+    delta, _ = lmo_step("hilbert", grad, eta=0.5)
+    measured = head_alignment(grad, delta, hilbert.diam(delta).value)
+    assert measured["head_alignment_hilbert"] == pytest.approx(0.5 / hilbert.diam(delta).value, rel=1e-6)
+    cosine = float(-(grad * delta).sum() / (grad.norm() * delta.norm()))
+    assert measured["head_alignment"] == pytest.approx(cosine, rel=1e-9)
+    simplex = torch.from_numpy(regular_simplex(3))
+    optimum = -math.sqrt(3 / 8) * simplex  # the optimal step for η = 1 (diameter 1)
+    best = head_alignment(simplex, optimum, hilbert.diam(optimum).value)["head_alignment_hilbert"]
+    assert best == pytest.approx(1 / JUNG(3), rel=1e-9)
+    for seed in range(5):
+        step = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        assert abs(head_alignment(simplex, step, hilbert.diam(step).value)["head_alignment_hilbert"]) <= 1 / JUNG(3) + 1e-9
 
 
 def test_sign_step_entries_are_plus_minus_eta_over_width() -> None:
@@ -190,7 +350,7 @@ def test_head_momentum_is_muons() -> None:
     gen = torch.Generator().manual_seed(6)
     start = torch.randn(64, 16, generator=gen)
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    head = optim.HeadLMO([ours], lmo.orthogonalise, lr=0.01 * math.sqrt(64 / 16), weight_decay=0.0)
+    head = optim.HeadLMO([ours], lambda m, _k, _g: lmo.orthogonalise(m), lr=0.01 * math.sqrt(64 / 16), knobs=KNOBS)
     muon = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.0)
     for _ in range(4):
         grad = torch.randn(64, 16, generator=gen)
@@ -221,13 +381,24 @@ def test_muon_head_steps_the_head_with_torch_muon() -> None:
         torch.testing.assert_close(head.detach(), reference.detach(), rtol=0, atol=0)
 
 
+def max_logprob_change(h: torch.Tensor, before: torch.Tensor, after: torch.Tensor) -> float:
+    """The largest change of any token's log-probability between two heads, on the rows of `h` (float64)."""
+    h = h.double()
+    moved = torch.log_softmax(h @ after.double().T, -1) - torch.log_softmax(h @ before.double().T, -1)
+    return float(moved.abs().max())
+
+
 @pytest.mark.parametrize("recipe", ["hilbert", "hilbert_equi"])
-@pytest.mark.parametrize("quantile", [1.0, 0.5])
-def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float) -> None:
+@pytest.mark.parametrize(("quantile", "weight_decay"), [(1.0, 0.0), (0.5, 0.0), (1.0, 0.1)])
+def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float, weight_decay: float) -> None:
+    """No covered token's log-probability moves by more than tau, weight decay included: the head is
+    first spread far apart (a trained head's rows are), where the decay alone would exceed tau."""
     tau = 0.4
-    cfg = train_cfg(recipe_overrides={recipe: RecipeConfig(tau=tau, radius_quantile=quantile)})
+    cfg = train_cfg(weight_decay=weight_decay, recipe_overrides={recipe: RecipeConfig(tau=tau, radius_quantile=quantile)})
     model = neox()
     head = head_of(model)
+    with torch.no_grad():
+        head.mul_(30.0)
     optimizer = optim.build_optimizers(model, head, recipe, cfg)
     batch = fixed_batch()
     for _ in range(3):  # later steps carry momentum
@@ -238,14 +409,47 @@ def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float) -
         before = head.detach().clone()
         optimizer.step(radius=radius)
         optimizer.zero_grad()
-        covered = h[norms <= radius].double()
-        moved = torch.log_softmax(covered @ head.detach().double().T, -1) - torch.log_softmax(
-            covered @ before.double().T, -1
-        )
-        assert float(moved.abs().max()) <= tau * (1 + 1e-5)
-        assert float(moved.abs().max()) > 0.01 * tau
-        assert optimizer.lrs()["head"] == pytest.approx(tau / radius)
+        moved = max_logprob_change(h[norms <= radius], before, head.detach())
+        assert 0.01 * tau < moved <= tau * (1 + 1e-5)
+        if weight_decay:
+            decay_alone = max_logprob_change(h, before, before * (1 - optimizer.head_lr() * weight_decay))
+            assert decay_alone > 0.01 * tau  # the decay is a real part of the step, inside the region
+        else:
+            assert optimizer.lrs()["head"] == pytest.approx(tau / radius)
         assert optimizer.lrs()["head_tau"] == tau
+
+
+@pytest.mark.parametrize("recipe", RECIPES.names())
+def test_a_head_budget_caps_every_recipes_step_in_hilbert_units(recipe: str) -> None:
+    """`head_budget_tau`: diam(ΔW)·max‖h‖ ≤ the budget at every step, for every recipe; a step larger than
+    the budget is scaled to it (factor < 1), and the budget follows the head's schedule."""
+    budget = 0.05
+    schedule = Schedule(warmup_steps=2, decay="linear", final_frac=0.5)
+    cfg = TrainConfig(steps=4, schedule=schedule, head_budget_tau=budget)
+    model = neox()
+    head = head_of(model)
+    optimizer = optim.build_optimizers(model, head, recipe, cfg)
+    assert optimizer.needs_radius and optimizer.radius_quantile == 1.0
+    scales = []
+    for step in range(4):
+        loss, h = loss_and_hidden(model, fixed_batch())
+        loss.backward()
+        radius = float(h.norm(dim=1).max())
+        before = head.detach().clone()
+        optimizer.step(radius=radius)
+        optimizer.zero_grad()
+        allowed = budget * optim.schedule_factor(step, 4, schedule)
+        assert hilbert.diam(head.detach() - before).value * radius <= allowed * (1 + 1e-6)
+        scales.append(optimizer.last_head_scale)
+    assert all(0 < s <= 1 for s in scales) and min(scales) < 1  # the budget is small: it binds
+
+
+def test_no_budget_leaves_the_step_alone() -> None:
+    model = neox()
+    optimizer = optim.build_optimizers(model, head_of(model), "adamw", train_cfg())
+    loss_and_hidden(model, fixed_batch())[0].backward()
+    optimizer.step()
+    assert optimizer.last_head_scale is None and not optimizer.needs_radius
 
 
 def test_a_tau_recipe_refuses_to_step_without_a_radius() -> None:
@@ -290,6 +494,40 @@ def test_only_the_head_differs_between_recipes() -> None:
         assert not torch.equal(params["lm_head.weight"], reference["lm_head.weight"])
 
 
+def test_gpt2_conv1d_matrices_step_like_the_same_matrices_stored_out_in() -> None:
+    """torch.optim.Muon's shape scale √max(1, A/B) reads (out, in); GPT-2's Conv1D stores (in, out). Our
+    step on each GPT-2 hidden matrix must equal stock Muon's step on the transposed matrix, transposed back,
+    i.e. the step NeoX's equivalent matrix would take. Newton–Schulz commutes with transposition: exactly
+    for a non-square matrix (torch transposes it to the same orientation), to its bfloat16 rounding (a few
+    percent) for a square one (XXᵀ and XᵀX are rounded differently)."""
+    from pipeline.models.registry import build_model
+
+    assert FAMILIES["gpt2"].hidden_stored_transposed and not FAMILIES["neox"].hidden_stored_transposed
+    model = build_model("gpt2", ModelSize(d_model=32, n_layers=1, n_heads=4), VOCAB, SEQ, seed=0)
+    cfg = train_cfg()
+    optimizer = optim.build_optimizers(model, head_of(model), "muon", cfg)
+    hidden = {n: p for n, p in model.named_parameters() if re.search(r"\.(c_attn|c_fc|c_proj)\.weight$", n)}
+    assert {tuple(p.shape) for p in hidden.values()} == {(32, 96), (32, 128), (128, 32), (32, 32)}
+    loss_and_hidden(model, fixed_batch())[0].backward()
+    before = {name: p.detach().clone() for name, p in hidden.items()}
+    expected = {}
+    for name, p in hidden.items():
+        stored_out_in = torch.nn.Parameter(p.detach().T.clone())
+        stored_out_in.grad = p.grad.T.clone()
+        torch.optim.Muon([stored_out_in], lr=cfg.hidden_lr, momentum=0.95, nesterov=True, weight_decay=0.0).step()
+        expected[name] = stored_out_in.detach().T - before[name]
+    optimizer.step()
+    for name, p in hidden.items():
+        step = p.detach() - before[name]
+        if p.shape[0] == p.shape[1]:  # a wrong shape scale would be off by √3, 2 or ½, not by a few percent
+            assert float((step - expected[name]).norm() / expected[name].norm()) < 0.05, name
+        else:
+            torch.testing.assert_close(step, expected[name], rtol=0, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+    assert optimizer.lrs()["hidden"] == pytest.approx(cfg.hidden_lr)
+    assert optim.muon_transposed_scale((32, 96)) == pytest.approx(math.sqrt(3))  # c_attn: 1 → √3
+    assert optim.muon_transposed_scale((128, 32)) == pytest.approx(0.5)  # mlp c_proj: 2 → 1
+
+
 # ----------------------------------------------------------------------------- step sizes
 def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> None:
     cfg = TrainConfig(
@@ -297,7 +535,7 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
         recipe_overrides={
             "hilbert": RecipeConfig(tau=0.7, radius_quantile=0.9),
             "sign": RecipeConfig(head_lr=0.11, schedule=FLAT),
-            "hilbert_equi": RecipeConfig(equi_iters=5),
+            "hilbert_equi": RecipeConfig(equi_iters=2, equi_alignment=0.7),
         },
     )
     hil = optim.resolve_head_step("hilbert", cfg)
@@ -305,7 +543,7 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
     sign = optim.resolve_head_step("sign", cfg)
     assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
     equi = optim.resolve_head_step("hilbert_equi", cfg)
-    assert (equi.lr, equi.equi_iters, equi.schedule) == (RECIPES["hilbert_equi"].default_step.tau, 5, cfg.schedule)
+    assert (equi.lr, equi.knobs, equi.schedule) == (RECIPES["hilbert_equi"].default_step.tau, LMOKnobs(2, 0.7), cfg.schedule)
     assert optim.resolve_head_step("muon", cfg).lr == RECIPES["muon"].default_step.head_lr
     no_default = dataclasses.replace(RECIPES["muon"], default_step=HeadStepDefault())
     monkeypatch.setitem(RECIPES._members, "muon", no_default)

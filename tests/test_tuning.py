@@ -1,4 +1,4 @@
-"""The head step-size sweep: selection rule, grids, edge extensions, and a tiny real sweep."""
+"""The head step-size sweep: equal budgets, selection rule, refinement, transfer, and a tiny real sweep."""
 
 from __future__ import annotations
 
@@ -58,56 +58,63 @@ def test_a_step_that_diverges_on_any_seed_never_wins() -> None:
     assert math.isinf(scores[0.4].mean_val_loss) and scores[0.4].diverged == 1
 
 
-def test_ties_go_to_head_lr_then_to_the_smaller_step() -> None:
-    t = table("hilbert", [("tau", 0.2, 0, 3.5), ("head_lr", 0.08, 0, 3.5), ("head_lr", 0.04, 0, 3.5)])
-    assert tuning.best_step(t) == tuning.Choice("head_lr", 0.04, 3.5)
+def test_ties_go_to_the_smaller_step() -> None:
     t = table("hilbert", [("tau", 0.4, 0, 3.5), ("tau", 0.2, 0, 3.5)])
     assert tuning.best_step(t) == tuning.Choice("tau", 0.2, 3.5)
 
 
-def test_best_step_refuses_mixed_recipes_and_all_diverged() -> None:
+def test_best_step_refuses_mixed_recipes_or_archs_and_all_diverged() -> None:
     mixed = tuning.results_table(rows("sign", [("head_lr", 0.1, 0, 3.0)]) + rows("muon", [("head_lr", 0.1, 0, 3.0)]))
     with pytest.raises(ValueError, match="one recipe"):
         tuning.best_step(mixed)
+    other_arch = [dict(r, arch="gpt2") for r in rows("sign", [("head_lr", 0.1, 0, 3.0)])]
+    with pytest.raises(ValueError, match="one arch"):
+        tuning.best_step(tuning.results_table(rows("sign", [("head_lr", 0.1, 0, 3.0)]) + other_arch))
     with pytest.raises(ValueError, match="every head step diverged"):
         tuning.best_step(table("sign", [("head_lr", 0.1, 0, None), ("head_lr", 0.2, 0, None)]))
 
 
-# ------------------------------------------------------------------------------ grids and edges
-def test_edges_extend_the_winning_side_only() -> None:
-    def losses(best_at: float) -> list:
-        return [("head_lr", v, 0, 3.0 + abs(math.log(v / best_at))) for v in (0.01, 0.02, 0.04)]
-
-    assert tuning.edge_extensions(table("sign", losses(0.04))) == {"head_lr": [0.08]}
-    assert tuning.edge_extensions(table("sign", losses(0.01))) == {"head_lr": [0.005]}
-    assert tuning.edge_extensions(table("sign", losses(0.02))) == {}
-    all_diverged = table("sign", [("head_lr", v, 0, None) for v in (0.01, 0.02)])
-    assert tuning.edge_extensions(all_diverged) == {"head_lr": [0.005]}
-    both = table("hilbert", losses(0.04) + [("tau", v, 0, 3.0 + v) for v in (0.2, 0.4, 0.8)])
-    assert tuning.edge_extensions(both) == {"head_lr": [0.08], "tau": [0.1]}
-
-
-def test_default_grids_are_log_spaced_around_the_default() -> None:
+# ------------------------------------------------------------------------------ grids and budget
+def test_every_recipe_gets_the_same_budget_in_one_knob() -> None:
+    """Equal budgets (SPEC §3.2): the same number of values, built the same way, for every recipe, the
+    baselines included; trust-region recipes are tuned in nats, the others in η."""
     cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
-    factors = np.array(tuning.GRID_FACTORS)
     for recipe in RECIPES.names():
-        grid = tuning.default_grid(recipe, cfg)
-        knob, value = tuning.default_step(recipe, cfg)
-        eta = value / 8.0 if knob == "tau" else value  # √64 = 8
-        np.testing.assert_allclose(grid["head_lr"], eta * factors, rtol=1e-3)
-        if RECIPES[recipe].trust_region:
-            np.testing.assert_allclose(grid["tau"], eta * 8.0 * factors, rtol=1e-3)
-        else:
-            assert set(grid) == {"head_lr"}
+        values = tuning.first_round(recipe, cfg)
+        centre = tuning.default_value(recipe, cfg)
+        np.testing.assert_allclose(values, centre * np.array(tuning.GRID_FACTORS), rtol=5e-3)  # 3 significant digits
+        assert tuning.knob_of(recipe) == ("tau" if RECIPES[recipe].trust_region else "head_lr")
+        trials = tuning.trials_for(recipe, "neox", values + [1.0, 2.0], tuning.TUNING_SEEDS)
+        assert len(trials) == (len(tuning.GRID_FACTORS) + tuning.REFINEMENTS) * len(tuning.TUNING_SEEDS)
+        assert {t.knob for t in trials} == {tuning.knob_of(recipe)}
 
 
-def test_a_default_that_follows_the_adamw_lr_is_centred_on_it(monkeypatch) -> None:
+def test_a_default_that_follows_the_adamw_lr_or_is_an_eta_is_centred_on_it(monkeypatch) -> None:
     for recipe, step in (("muon", HeadStepDefault()), ("hilbert", HeadStepDefault(head_lr=0.05))):
         monkeypatch.setitem(RECIPES._members, recipe, dataclasses.replace(RECIPES[recipe], default_step=step))
     cfg = TrainConfig(model=ModelSize(d_model=16), adamw_lr=2e-3)
-    assert tuning.default_step("muon", cfg) == ("head_lr", 2e-3)
-    assert tuning.default_grid("muon", cfg, factors=(0.5, 1.0)) == {"head_lr": [1e-3, 2e-3]}
-    assert tuning.default_grid("hilbert", cfg, factors=(1.0,)) == {"head_lr": [0.05], "tau": [0.2]}  # 0.05·√16
+    assert tuning.default_value("muon", cfg) == 2e-3
+    assert tuning.default_value("hilbert", cfg) == pytest.approx(0.2)  # η·‖h‖ with ‖h‖ ≈ √16
+
+
+def test_refinement_halves_the_spacing_inside_and_extends_past_an_edge() -> None:
+    def losses(best_at: float) -> list:
+        return [("head_lr", v, 0, 3.0 + abs(math.log(v / best_at))) for v in (0.01, 0.02, 0.04, 0.08, 0.16)]
+
+    inside = tuning.refinement(table("sign", losses(0.04)))
+    assert inside == [pytest.approx(0.04 / math.sqrt(2), rel=1e-3), pytest.approx(0.04 * math.sqrt(2), rel=1e-3)]
+    assert tuning.refinement(table("sign", losses(0.16))) == [0.32, 0.64]
+    assert tuning.refinement(table("sign", losses(0.01))) == [0.005, 0.0025]
+    all_diverged = table("sign", [("head_lr", v, 0, None) for v in (0.01, 0.02)])
+    assert tuning.refinement(all_diverged) == [0.005, 0.0025]
+
+
+def test_bracketing_and_transfer_values() -> None:
+    t = table("sign", [("head_lr", v, 0, loss) for v, loss in ((0.1, 3.2), (0.2, 3.0), (0.4, 3.1))])
+    assert tuning.bracketed(t, tuning.best_step(t))
+    edge = table("sign", [("head_lr", v, 0, loss) for v, loss in ((0.1, 3.2), (0.2, 3.0))])
+    assert not tuning.bracketed(edge, tuning.best_step(edge))
+    assert tuning.transfer_values(tuning.Choice("tau", 0.8, 3.0)) == [0.4, 0.8, 1.6]
 
 
 def test_a_trial_changes_only_its_recipe_head_step() -> None:
@@ -148,16 +155,18 @@ def tiny_cfg(**overrides) -> TrainConfig:
 def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
     train, val = tokens
     base = tiny_cfg()
-    trials = tuning.trials_for("hilbert", "neox", {"head_lr": [0.01, 0.3]}, [0, 1])
+    trials = tuning.trials_for("hilbert", "neox", [0.05, 1.5], [0, 1])
     t = tuning.results_table([tuning.run_trial(trial, base, train, val, VOCAB, SEQ) for trial in trials])
     assert t.schema == tuning.TRIAL_SCHEMA and t.num_rows == 4
     got = t.to_pylist()
-    assert [(r["value"], r["seed"]) for r in got] == [(0.01, 0), (0.01, 1), (0.3, 0), (0.3, 1)]
+    assert [(r["knob"], r["value"], r["seed"]) for r in got] == [
+        ("tau", 0.05, 0), ("tau", 0.05, 1), ("tau", 1.5, 0), ("tau", 1.5, 1)
+    ]
     assert all(r["recipe"] == "hilbert" and r["arch"] == "neox" and not r["diverged"] for r in got)
     assert all(r["steps_done"] == 4 for r in got)
     assert got[0]["final_val_loss"] != got[2]["final_val_loss"]  # the head step took effect
     direct, _ = train_run(
-        RunSpec("neox", "hilbert", 1), tiny_cfg(recipe_overrides={"hilbert": RecipeConfig(head_lr=0.3)}),
+        RunSpec("neox", "hilbert", 1), tiny_cfg(recipe_overrides={"hilbert": RecipeConfig(tau=1.5)}),
         train, val, VOCAB, SEQ, "x", lambda *_: None,
     )
     assert got[3]["final_val_loss"] == direct.final_val_loss
@@ -174,25 +183,51 @@ def test_final_only_measurements_do_not_change_the_trajectory(tokens) -> None:
     assert results[0].final_val_loss == results[1].final_val_loss
 
 
+def test_a_trial_never_reads_the_test_split(tokens, monkeypatch) -> None:
+    seen = {}
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return train_run(*args, **kwargs)
+
+    monkeypatch.setattr(tuning, "train_run", spy)
+    train, val = tokens
+    tuning.run_trial(tuning.Trial("muon", "neox", "head_lr", 0.01, 0), tiny_cfg(), train, val, VOCAB, SEQ)
+    assert seen.get("test_tokens") is None
+
+
 # --------------------------------------------------------------------------------------- report
-def test_the_document_marks_the_choice_and_diverged_runs() -> None:
-    trial_rows = rows("sign", [("head_lr", 0.1, 0, 3.5), ("head_lr", 0.2, 0, 3.2), ("head_lr", 0.4, 0, None)])
+PROTOCOL = {
+    "arch": "neox", "transfer_archs": [], "transfer": None, "model": TINY.model_dump(), "n_params": 1234,
+    "vocab_size": VOCAB, "seq_len": SEQ, "steps": 4, "batch_size": 4, "tokens_per_run": 256, "seeds": [1000],
+    "hidden_lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.0, "grad_clip": 1.0,
+    "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1, "grid": "a grid", "values_per_recipe": 3,
+    "defaults_at_sweep": {"sign": {"knob": "head_lr", "value": 0.2}}, "wall_time_s": 1.0, "threads_per_run": 1,
+    "machine": "test",
+}  # fmt: skip
+
+
+def test_the_document_marks_the_choice_diverged_runs_and_bracketing() -> None:
+    trial_rows = rows("sign", [("head_lr", 0.1, 1000, 3.5), ("head_lr", 0.2, 1000, 3.2), ("head_lr", 0.4, 1000, None)])
     choice = tuning.best_step(tuning.results_table(trial_rows))
-    protocol = {
-        "arch": "neox", "model": TINY.model_dump(), "n_params": 1234, "vocab_size": VOCAB, "seq_len": SEQ,
-        "steps": 4, "batch_size": 4, "tokens_per_run": 256, "seeds": [0], "hidden_lr": 0.02, "adamw_lr": 3e-3,
-        "weight_decay": 0.0, "grad_clip": 1.0, "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1,
-        "grid_factors": [0.5, 1, 2], "edge_factor": 2.0, "max_extension_rounds": 2,
-        "grids": {"sign": {"head_lr": [0.1, 0.2]}}, "defaults_at_sweep": {"sign": {"knob": "head_lr", "value": 0.2}},
-        "wall_time_s": 1.0, "threads_per_run": 1, "machine": "test",
-    }
-    text = render(protocol, trial_rows, {"sign": choice})
-    assert "| `sign` | `head_lr` | 0.2 | grid | 3.2000 | 3.2000 | ✔ |" in text
-    assert "| `sign` | `head_lr` | 0.4 | edge | *diverged* | inf (diverged) |  |" in text
+    text = render(PROTOCOL, trial_rows, {"sign": choice})
+    assert "| neox | `sign` | `head_lr` | 0.2 | 3.2000 | 3.2000 | ✔ |" in text
+    assert "| neox | `sign` | `head_lr` | 0.4 | *diverged* | inf (diverged) |  |" in text
     assert "| `sign` | `head_lr` | 0.2 | 3.2000 | yes | `head_lr` 0.2: 3.2000 |" in text
-    at_edge = rows("sign", [("head_lr", 0.1, 0, 3.5), ("head_lr", 0.2, 0, 3.2)])
-    text = render(protocol, at_edge, {"sign": tuning.best_step(tuning.results_table(at_edge))})
+    assert "nothing to transfer" in text and "never evaluated by tuning" in text
+    at_edge = rows("sign", [("head_lr", 0.1, 1000, 3.5), ("head_lr", 0.2, 1000, 3.2)])
+    text = render(PROTOCOL, at_edge, {"sign": tuning.best_step(tuning.results_table(at_edge))})
     assert "| `sign` | `head_lr` | 0.2 | 3.2000 | no | `head_lr` 0.2: 3.2000 |" in text
+
+
+def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
+    from stages.tune import _transfer_summary
+
+    choice = tuning.Choice("head_lr", 0.2, 3.0)
+    other = [dict(r, arch="gpt2") for r in rows("sign", [("head_lr", 0.1, 0, 3.3), ("head_lr", 0.2, 0, 3.4), ("head_lr", 0.4, 0, 3.6)])]
+    summary = _transfer_summary(other, {"sign": choice}, ["gpt2"])
+    assert summary == "gpt2: the choice is also the best of ×½, ×1, ×2 for 0 of 1 recipes (not for sign)"
+    assert _transfer_summary([], {"sign": choice}, []) is None
 
 
 # ---------------------------------------------------------------------------------------- stage

@@ -104,6 +104,9 @@ class RayConfig(Section):
     num_gpus: NonNegInt | None = None  # embedded Ray only; null = autodetect
     max_in_flight: PositiveInt = 8
     max_retries: NonNegInt = 2
+    # Consecutive shards run one after another in one task (CPU tasks only), so small shards share a
+    # task's fixed cost: scheduling, reading inputs, loading a model.
+    shards_per_task: PositiveInt = 8
     connect_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # joining a cluster gives up after this
     tasks: dict[StageName, TaskResources] = {}
 

@@ -174,7 +174,8 @@ STEPS = Dataset(
     + _fields("lr", "train_loss", "val_loss", "step_time_s", "head_diam", kind=pa.float64())
     + (pa.field("head_diam_sampled", pa.bool_()),)
     + _fields("head_update_rms", "head_update_spectral", "hilbert_realized", "hilbert_bound", "equi_ratio",
-              kind=pa.float64()),  # fmt: skip
+              "equi_ratio_random", "equi_ratio_bound", "head_alignment", "head_alignment_hilbert",
+              "hilbert_realized_train", "head_step_scale", kind=pa.float64()),  # fmt: skip
     partitions=(pa.field("run", pa.string()),),
     written_by="train",
     order=("step",),
@@ -184,15 +185,26 @@ FIT_METRICS = (
     "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res", "angle_res_tok", "proj_full", "proj_res",
     "proj_full_global", "proj_res_global", "norm_full", "norm_res",
 )  # fmt: skip
+# Which pool a fit row comes from (SPEC §4.5): the model's own pairs, or a null pool built from them.
+SAMPLES = ("real", "shuffled", "gaussian")
+# Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
+# a layer-wide class), whether the neighbourhood cannot identify the class's map (then every metric and
+# `patched` are null), whether an iterative fit met its convergence criterion (null for a closed form),
+# and whether the p-th singular value of the local operator is tied with the next (top-p is then a choice).
+FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("degenerate", pa.bool_()), pa.field("converged", pa.bool_()),
+             pa.field("subspace_tied", pa.bool_()))  # fmt: skip
 FITS = Dataset(
     "fits",
-    fields=IDS + (pa.field("k", pa.int32()),) + _fields(*FIT_METRICS, kind=pa.float64())
-    + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32())),
+    fields=(pa.field("sample", pa.string()),) + IDS + (pa.field("k", pa.int32()),)
+    + _fields(*FIT_METRICS, kind=pa.float64()) + FIT_FLAGS
+    + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32()), pa.field("n_distinct", pa.int32())),
     partitions=MODEL_LAYER + (pa.field("fn", pa.string()),),
     written_by="fit",
-    order=("seq_id", "pos"),
+    order=("sample", "seq_id", "pos"),
 )
-PERTURB_METRICS = ("kl", "kl_seq")
+# `kl`, `kl_seq`: the real patch T(h_l); `kl_random`, `kl_other`: the null patches h_{l+1} − r̃ with r̃ a
+# random direction, or another anchor's residual, rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
+PERTURB_METRICS = ("kl", "kl_seq", "kl_random", "kl_other")
 PERTURB = Dataset(
     "perturb",
     fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64()),
@@ -201,10 +213,11 @@ PERTURB = Dataset(
     order=("seq_id", "pos"),
 )
 TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parquet`, one row per token
-SPLITS = ("train", "val")
+SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims")
+RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims",
+                 "claim_tests")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 
@@ -222,6 +235,9 @@ class RunRecord:
     tokens: int
     final_train_loss: float | None
     final_val_loss: float | None
+    final_test_loss: float | None  # None for runs that never see the test split (tuning)
+    head_step: str  # the head step size it ran with, `tau=<nats>` or `head_lr=<η>`
+    head_budget_tau: float | None  # the matched-budget cap of the run's head steps (nats), None: none
     diverged: bool
     diverged_at_step: int | None
     wall_time_s: float
@@ -270,12 +286,13 @@ def read_result_tables(folder: Path) -> dict[str, pa.Table]:
     return {path.stem: pq.read_table(path) for path in verified_files(folder, rebuild="`lmgeo aggregate`")}
 
 
-def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None) -> ds.Dataset:
-    """A lazy Arrow dataset over the verified `files` of `root` with exactly the dataset's scalar columns
-    and its typed partition columns (for DuckDB). Vectors are never read, missing columns read as null,
-    narrower types (float32) are cast up. No files gives an empty dataset with the same columns, so every
-    query runs unchanged on a study that was not run."""
-    full = pa.schema(list(dataset.scalar_schema) + list(dataset.partition_schema))
+def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None, vectors: bool = False) -> ds.Dataset:
+    """A lazy Arrow dataset over the verified `files` of `root` with the dataset's scalar columns (and its
+    vector columns as `list<float>`, with `vectors`) and its typed partition columns, for DuckDB. Other
+    columns are never read, missing columns read as null, narrower types (float32) are cast up. No files
+    gives an empty dataset with the same columns, so every query runs unchanged on a study not run."""
+    columns = [f for f in dataset.fields if vectors or f.type != VECTOR]
+    full = pa.schema(columns + list(dataset.partition_schema))
     if not files:
         return ds.dataset(full.empty_table())
     partitioning = ds.partitioning(dataset.partition_schema, flavor="hive")

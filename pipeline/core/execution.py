@@ -1,14 +1,16 @@
 """Fan a stage's shards out as Ray tasks and collect them with a bounded ``ray.wait`` loop (SPEC §1).
 
 The driver keeps at most ``max_in_flight`` tasks submitted, so a stage with thousands of shards
-never holds thousands of refs or results at once. Every task runs through ``run_task``: it sets the
-task's thread count from its resources (parallelism comes from Ray, not from BLAS oversubscription), and
-checks that the worker runs the code the driver planned with before it writes anything. This module
+never holds thousands of refs or results at once. Every task runs through ``run_batch``: it sets the
+task's thread count from its resources (parallelism comes from Ray, not from BLAS oversubscription),
+checks that the worker runs the code the driver planned with before it writes anything, and runs a
+batch of consecutive small shards, so the fixed cost of a task is paid once per batch. This module
 never calls ``ray.init``: the CLI (``stages.runtime.start_ray``) does.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -46,28 +48,50 @@ class CodeMismatch(InputError):
     """A Ray worker imports other code than the driver planned with."""
 
 
-def run_task(
-    fn: Callable[..., Any], threads: int, code: tuple[str, str] | None, args: tuple, kwargs: dict
-) -> Any:
-    """The body of every task, in the worker: one thread count, one code check, then ``fn``."""
+class ShardError(Exception):
+    """Raised in a worker: shard ``key`` of a batch failed with ``cause`` (arguments kept for pickling)."""
+
+    def __init__(self, key: str, cause: BaseException) -> None:
+        super().__init__(key, cause)
+        self.key, self.cause = key, cause
+
+
+@functools.cache
+def _running_code(module: str) -> str:
+    """The code version this worker process runs (its imports do not change while it lives: a Ray
+    worker serves one job)."""
+    from pipeline.core.fingerprint import code_version
+
+    return code_version(module)
+
+
+def run_batch(
+    threads: int, code: tuple[str, str] | None, calls: list[tuple[str, Callable[..., Any], tuple, dict]]
+) -> list[Any]:
+    """The body of every task, in the worker: one thread count, one code check, then each shard's
+    ``fn(*args, **kwargs)`` in turn (several small shards share one task's fixed cost)."""
     import torch
 
     torch.set_num_threads(threads)
     if code is not None:
-        from pipeline.core.fingerprint import code_version
-
         module, planned = code
-        running = code_version(module)
+        running = _running_code(module)
         if running != planned:
             import importlib
 
             where = importlib.import_module(module.split(".")[0]).__file__
-            raise CodeMismatch(
+            raise ShardError(calls[0][0], CodeMismatch(
                 f"this Ray worker runs {module} at code version {running} (imported from {where}), but the "
                 f"driver planned version {planned}: run lmgeo from the workspace whose code you mean to run, "
                 "with the same installation on every node"
-            )
-    return fn(*args, **kwargs)
+            ))  # fmt: skip
+    results = []
+    for key, fn, args, kwargs in calls:
+        try:
+            results.append(fn(*args, **kwargs))
+        except Exception as err:
+            raise ShardError(key, err) from err
+    return results
 
 
 class ShardFailed(RuntimeError):
@@ -75,6 +99,8 @@ class ShardFailed(RuntimeError):
 
     def __init__(self, key: str, cause: BaseException) -> None:
         original = getattr(cause, "cause", None) or cause  # RayTaskError wraps the task's exception
+        if isinstance(original, ShardError):  # which shard of the batch
+            key, original = original.key, original.cause
         message = f"shard {key!r} failed: {type(original).__name__}: {original}"
         if original is not cause:  # add the remote traceback
             message += f"\n{cause}"
@@ -90,9 +116,12 @@ def run_shards(
     max_in_flight: int,
     max_retries: int,
     label: str,
+    shards_per_task: int = 1,
 ) -> dict[str, Any]:
-    """Run every shard as a Ray task and return ``{shard.key: result}``. On the first failure the
-    remaining tasks are cancelled and ``ShardFailed`` names the shard."""
+    """Run every shard in Ray tasks of up to ``shards_per_task`` consecutive shards (one for a GPU task,
+    whose worker is replaced after each task to free the device's memory) and return
+    ``{shard.key: result}``. On the first failure the remaining tasks are cancelled and ``ShardFailed``
+    names the shard."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     _check_unique_keys(shards)
@@ -104,8 +133,8 @@ def run_shards(
         raise RuntimeError("Ray is not initialised: the CLI must call stages.runtime.start_ray first")
     _check_feasible(resources, label)
     remote_fn = _as_remote(resources, max_retries)  # one RemoteFunction: Ray exports the code once
-    pending: Iterator[Shard] = iter(shards)
-    in_flight: dict[ObjectRef, Shard] = {}
+    pending: Iterator[list[Shard]] = _batches(shards, 1 if resources.num_gpus > 0 else shards_per_task)
+    in_flight: dict[ObjectRef, list[Shard]] = {}
     results: dict[str, Any] = {}
     with Progress(len(shards), label) as progress:
         try:
@@ -115,29 +144,43 @@ def run_shards(
                     return results
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_TIMEOUT_S)
                 for ref in ready:
-                    shard = in_flight.pop(ref)
-                    results[shard.key] = _collect(shard, ref)
-                    progress.advance(detail=shard.key)
+                    batch = in_flight.pop(ref)
+                    results.update(zip((s.key for s in batch), _collect(batch, ref), strict=True))
+                    progress.advance(len(batch), detail=batch[-1].key)
                 progress.refresh()
         except BaseException:
             _cancel(in_flight)
             raise
 
 
+def _batches(shards: Sequence[Shard], size: int) -> Iterator[list[Shard]]:
+    """Consecutive shards (a stage plans them model by model, layer by layer) sharing a function and a
+    code version, at most ``size`` per batch."""
+    batch: list[Shard] = []
+    for shard in shards:
+        if batch and (len(batch) == size or (shard.fn, shard.code) != (batch[0].fn, batch[0].code)):
+            yield batch
+            batch = []
+        batch.append(shard)
+    if batch:
+        yield batch
+
+
 def _fill(
-    in_flight: dict[ObjectRef, Shard],
-    pending: Iterator[Shard],
+    in_flight: dict[ObjectRef, list[Shard]],
+    pending: Iterator[list[Shard]],
     max_in_flight: int,
     remote_fn: RemoteFunction,
     threads: int,
 ) -> None:
     while len(in_flight) < max_in_flight:
-        shard = next(pending, None)
-        if shard is None:
+        batch = next(pending, None)
+        if batch is None:
             return
-        # Named after the stage's task (`ray::fit_task` in process lists and the dashboard), not `run_task`.
-        task = remote_fn.options(name=shard.fn.__name__)
-        in_flight[task.remote(shard.fn, threads, shard.code, shard.args, shard.kwargs)] = shard
+        # Named after the stage's task (`ray::fit_task` in process lists and the dashboard), not `run_batch`.
+        task = remote_fn.options(name=batch[0].fn.__name__)
+        calls = [(s.key, s.fn, s.args, s.kwargs) for s in batch]
+        in_flight[task.remote(threads, batch[0].code, calls)] = batch
 
 
 def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
@@ -153,19 +196,19 @@ def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
     if resources.num_gpus > 0:
         # A fresh worker per GPU task: CUDA memory (allocator caches, contexts) is freed between shards.
         options["max_calls"] = 1
-    return ray.remote(**options)(run_task)
+    return ray.remote(**options)(run_batch)
 
 
-def _collect(shard: Shard, ref: ObjectRef) -> Any:
+def _collect(batch: list[Shard], ref: ObjectRef) -> list[Any]:
     import ray
 
     try:
         return ray.get(ref)
     except ray.exceptions.RayError as err:
-        raise ShardFailed(shard.key, err) from err
+        raise ShardFailed(batch[0].key, err) from err
 
 
-def _cancel(in_flight: dict[ObjectRef, Shard]) -> None:
+def _cancel(in_flight: dict[ObjectRef, list[Shard]]) -> None:
     import ray
 
     for ref in in_flight:

@@ -5,24 +5,28 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
 
 - ``out_dir/tables/<name>.parquet`` for every name in ``RESULT_TABLES`` (always all of them; a study that was not
   run gives empty tables with the documented columns):
-  ``runs``, ``curves``, ``recipes``, ``geometry``, ``geometry_pooled``, ``angles``, ``correlations``,
-  ``claims``. Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
+  ``runs``, ``curves``, ``recipes``, ``geometry`` (per model, layer, class and sample: real or null),
+  ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
+  layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
+  ``pipeline.results.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
 - ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
   left out rather than written as null::
 
-      {"train":    {<run>:   {"final_val_loss", "final_train_loss", "diverged",
+      {"train":    {<run>:   {"final_test_loss", "final_val_loss", "final_train_loss", "diverged",
                               "median_hilbert_bound", "median_tightness", "median_equi_ratio"}},
-       "recipes":  {<arch>:  {<recipe>: {"val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon"}}},
+       "recipes":  {<arch>:  {<recipe>: {"test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon",
+                                         "p_vs_muon_holm"}}},
        "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
-                                     "median_proj_full", "median_proj_res", "spearman_pooled",
+                                     "median_proj_full", "median_proj_res", "spearman_stratified",
                                      "spearman_ci_low", "spearman_ci_high"}}},
-       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false}}}}
+       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false (Study B)
+                                                          | "supported"|"not supported"|"inconclusive" (Study A)}}}}
 
   Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
 - ``out_dir/plots/*.csv`` for ``dvc plots``, long format with one line per ``run`` (or ``series``) value:
   ``train_loss.csv`` and ``val_loss.csv`` (step, run, train_loss | val_loss; val_loss at evaluations only),
   ``hilbert.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
-  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high).
+  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high; per layer).
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``).
 """
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +46,6 @@ import duckdb
 import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
-from scipy import stats as sps
 
 from pipeline.core.contracts import (
     FIT_METRICS,
@@ -51,22 +55,30 @@ from pipeline.core.contracts import (
     RUN_ID_PATTERN,
     STEPS,
     RunRecord,
+    parse_run_id,
     scan,
     table_id_sql,
 )
 from pipeline.core.store import ManifestKey, ShardWriter, atomic_path, atomic_write, verified_files
 from pipeline.models.registry import FAMILIES
+from pipeline.results.claims import Stratum, claim_tests, combined_verdict
 from pipeline.results.config import ReportConfig
-from pipeline.results.stats import spearman_by_layer
-from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.results.stats import (
+    detectable_difference,
+    holm,
+    mean_interval,
+    paired_difference,
+    seeds_needed,
+    spearman_by_layer,
+)
 from pipeline.study_b.recipes import RECIPES, baseline
 
-# ------------------------------------------------------------------------------ claims (SPEC §4.4)
-COS_NEAR_ONE = 0.9
-LARGE_ANGLE_DEG = 60.0
-SPEARMAN_STRONG = 0.7
+# ------------------------------------------------------------------------------ claims (SPEC §3.3)
 SIGNIFICANCE = 0.05
 MIN_SEEDS_FOR_TEST = 3
+# Study B resolves differences of this size (issue 12): seeds are planned for it at this power.
+RESOLVE_NATS = 0.02
+POWER = 0.8
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 ANGLE_BIN_DEG = 10
 MAX_CURVE_POINTS = 1000
@@ -120,14 +132,6 @@ def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
     con.execute(f"CREATE TEMP VIEW steps AS SELECT * REPLACE ({finite}) FROM steps_raw")
 
 
-# -------------------------------------------------------------------------------------- statistics
-def welch_p(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sided Welch t-test p-value; NaN unless both samples have MIN_SEEDS_FOR_TEST values."""
-    if len(a) < MIN_SEEDS_FOR_TEST or len(b) < MIN_SEEDS_FOR_TEST:
-        return math.nan
-    return float(sps.ttest_ind(a, b, equal_var=False).pvalue)
-
-
 # ------------------------------------------------------------------------------------ Study B tables
 _TIGHTNESS = "hilbert_realized / hilbert_bound"
 # The bound is tested on exact diameters only: a sampled diameter is a lower bound (SPEC §3.3).
@@ -148,7 +152,16 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                    count(*) FILTER (WHERE {_EXACT} AND hilbert_realized IS NOT NULL) AS n_exact_geometry_steps,
                    coalesce(bool_or(head_diam_sampled), false) AS head_diam_sampled,
                    median(head_diam) AS median_head_diam,
-                   median(equi_ratio) AS median_equi_ratio
+                   median(equi_ratio) AS median_equi_ratio,
+                   median(equi_ratio_random) AS median_equi_ratio_random,
+                   median(equi_ratio_bound) AS median_equi_ratio_bound,
+                   median(head_alignment) AS median_head_alignment,
+                   median(head_alignment_hilbert) AS median_head_alignment_hilbert,
+                   median(hilbert_realized_train) AS median_hilbert_realized_train,
+                   max(hilbert_realized_train) AS max_hilbert_realized_train,
+                   median(head_step_scale) AS median_head_step_scale,
+                   avg(CASE WHEN head_step_scale < 1 THEN 1.0 ELSE 0.0 END)
+                       FILTER (WHERE head_step_scale IS NOT NULL) AS frac_steps_capped
             FROM steps GROUP BY run
         )
         SELECT coalesce(j.run, l.run) AS run,
@@ -157,7 +170,8 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
-               j.final_train_loss, j.final_val_loss, j.wall_time_s, j.n_params, j.params_hash,
+               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step, j.head_budget_tau,
+               j.wall_time_s, j.n_params, j.params_hash,
                l.* EXCLUDE (run)
         FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
         ORDER BY arch, recipe, seed, run
@@ -179,7 +193,8 @@ def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
         SELECT run, step, tokens, lr, train_loss, val_loss, step_time_s, head_diam, head_diam_sampled,
                hilbert_bound, hilbert_realized,
                CASE WHEN {_EXACT} THEN {_TIGHTNESS} END AS tightness,
-               equi_ratio, head_update_rms, head_update_spectral
+               equi_ratio, equi_ratio_random, head_update_rms, head_update_spectral, head_alignment,
+               head_alignment_hilbert, hilbert_realized_train, head_step_scale
         FROM numbered
         WHERE i % greatest(1, ceil(n / {MAX_CURVE_POINTS}))::BIGINT = 0
            OR val_loss IS NOT NULL
@@ -191,38 +206,89 @@ def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 RECIPES_SCHEMA = pa.schema(
     [("arch", pa.string()), ("recipe", pa.string()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
-     ("n_diverged", pa.int64()), ("val_loss_mean", pa.float64()), ("val_loss_std", pa.float64()),
-     ("val_loss_min", pa.float64()), ("val_loss_max", pa.float64()), ("steps", pa.int64()),
-     ("tokens", pa.int64()), ("diff_vs_muon", pa.float64()), ("p_vs_muon", pa.float64())]
+     ("n_diverged", pa.int64()), ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
+     ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
+     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
+     ("n_paired", pa.int64()),
+     ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
+     ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
+     ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64())]
 )  # fmt: skip
 
 
-def _recipes_table(runs: pa.Table) -> pa.Table:
-    """Per arch × recipe: final val loss over seeds (diverged runs counted, not averaged), Welch vs muon."""
+def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
+    """Per arch × recipe: final test loss over seeds with its t-interval (diverged runs counted, not
+    averaged), and the paired comparison with `muon` on the same seeds (same init, same data order): the
+    mean difference with its t-interval, the paired t-test p-value and its Holm adjustment over the arch's
+    recipes, the difference these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed
+    difference would need."""
     by_group: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
             by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
-    losses = {key: _finite([r["final_val_loss"] for r in rows if not r["diverged"]]) for key, rows in by_group.items()}
-    out = []
+    test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
+    out = []
     for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
-        vals = losses[(arch, recipe)]
-        base = losses.get((arch, reference), np.array([]))
-        compare = recipe != reference and vals.size and base.size
+        loss = mean_interval(list(test[(arch, recipe)].values()), cfg.ci)
+        compared = recipe != reference and (arch, reference) in test
+        paired = paired_difference(test[(arch, recipe)], test[(arch, reference)], cfg.ci) if compared else None
+        diff = paired.diff if paired else None
         out.append({
-            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": int(vals.size),
+            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": loss.n,
             "n_diverged": sum(bool(r["diverged"]) for r in rows),
-            "val_loss_mean": float(vals.mean()) if vals.size else None,
-            "val_loss_std": float(vals.std(ddof=1)) if vals.size > 1 else None,
-            "val_loss_min": float(vals.min()) if vals.size else None,
-            "val_loss_max": float(vals.max()) if vals.size else None,
-            "steps": _single([r["steps_done"] for r in rows]),
-            "tokens": _single([r["tokens"] for r in rows]),
-            "diff_vs_muon": float(vals.mean() - base.mean()) if compare else None,
-            "p_vs_muon": _none_if_nan(welch_p(vals, base)) if compare else None,
+            "test_loss_mean": _none_if_nan(loss.mean), "test_loss_sd": _none_if_nan(loss.sd),
+            "test_loss_ci_low": _none_if_nan(loss.low), "test_loss_ci_high": _none_if_nan(loss.high),
+            "val_loss_mean": _none_if_nan(mean_interval(list(_by_seed(rows, "final_val_loss").values())).mean),
+            "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
+            "head_step": _single([r["head_step"] for r in rows]),
+            "head_budget_tau": _single([r["head_budget_tau"] for r in rows]),
+            "n_paired": diff.n if diff else None,
+            "diff_vs_muon": _none_if_nan(diff.mean) if diff else None,
+            "diff_sd": _none_if_nan(diff.sd) if diff else None,
+            "diff_ci_low": _none_if_nan(diff.low) if diff else None,
+            "diff_ci_high": _none_if_nan(diff.high) if diff else None,
+            "p_vs_muon": _testable(paired),
+            **_planning(diff),
         })  # fmt: skip
+    _holm_per_arch(out)
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
+
+
+def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
+    """seed → value of the finished, non-diverged runs with a finite value."""
+    return {
+        r["seed"]: r[column] for r in runs
+        if not r["diverged"] and r[column] is not None and math.isfinite(r[column]) and r["seed"] is not None
+    }  # fmt: skip
+
+
+def _planning(diff: Any) -> dict[str, Any]:
+    """What the paired SD says about seeds: the difference these seeds detect with POWER, and the seeds
+    RESOLVE_NATS and the observed difference would need."""
+    if diff is None:
+        return {"detectable_diff": None, "seeds_to_resolve": None, "seeds_for_observed": None}
+    return {
+        "detectable_diff": _none_if_nan(detectable_difference(diff.sd, diff.n, SIGNIFICANCE, POWER)),
+        "seeds_to_resolve": seeds_needed(RESOLVE_NATS, diff.sd, SIGNIFICANCE, POWER),
+        "seeds_for_observed": seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if math.isfinite(diff.mean) else None,
+    }
+
+
+def _testable(paired: Any) -> float | None:
+    """The paired p-value where there are MIN_SEEDS_FOR_TEST pairs, else None (not tested)."""
+    if paired is None or paired.diff.n < MIN_SEEDS_FOR_TEST:
+        return None
+    return _none_if_nan(paired.p)
+
+
+def _holm_per_arch(rows: list[dict[str, Any]]) -> None:
+    """`p_vs_muon_holm`: the arch's family of comparisons with `muon`, adjusted together."""
+    for arch in {r["arch"] for r in rows}:
+        family = [r for r in rows if r["arch"] == arch]
+        adjusted = holm([math.nan if r["p_vs_muon"] is None else r["p_vs_muon"] for r in family])
+        for r, p in zip(family, adjusted, strict=True):
+            r["p_vs_muon_holm"] = _none_if_nan(p)
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:
@@ -230,7 +296,7 @@ def _finite(values: Sequence[float | None]) -> np.ndarray:
     return arr[np.isfinite(arr)]
 
 
-def _single(values: Sequence[int | None]) -> int | None:
+def _single(values: Sequence[Any]) -> Any:
     """The common value (runs compared at equal steps/tokens), or None when they differ or are unknown."""
     distinct = {v for v in values if v is not None}
     return distinct.pop() if len(distinct) == 1 else None
@@ -242,16 +308,18 @@ def _none_if_nan(x: float) -> float | None:
 
 # ------------------------------------------------------------------------------------ Study A tables
 def _create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
+    """Every fit row (all samples) with its perturbation values (real sample only)."""
     finite = ", ".join(f"CASE WHEN isfinite(f.{c}) THEN f.{c} END AS {c}" for c in FIT_METRICS)
     any_nonfinite = " OR ".join(f"NOT isfinite(f.{c})" for c in FIT_METRICS)
+    kl = ", ".join(f"CASE WHEN isfinite(p.{c}) THEN p.{c} END AS {c}" for c in PERTURB_METRICS)
     con.execute(f"""
         CREATE TEMP VIEW anchors AS
-        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.seq_id, f.pos, f.k, {finite},
-               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite,
-               CASE WHEN isfinite(p.kl) THEN p.kl END AS kl,
-               CASE WHEN isfinite(p.kl_seq) THEN p.kl_seq END AS kl_seq
+        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
+               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
+               f.degenerate, f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
-          ON f.model = p.model AND f.layer = p.layer AND f.fn = p.fn AND f.seq_id = p.seq_id AND f.pos = p.pos
+          ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
+             AND f.seq_id = p.seq_id AND f.pos = p.pos
     """)  # fmt: skip
 
 
@@ -276,23 +344,32 @@ def _summaries() -> str:
 
 
 def _geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Per (model, layer, class, sample): summaries, and what SPEC §4.5 asks to count per layer."""
     return con.sql(f"""
-        SELECT model, layer, fn, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
-               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
-        FROM anchors GROUP BY model, layer, fn ORDER BY model, layer, fn
+        SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
+               max(n_distinct) AS n_distinct, max(k) AS k,
+               count(*) FILTER (WHERE degenerate) AS n_degenerate,
+               count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
+               count(*) FILTER (WHERE NOT converged) AS n_not_converged,
+               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
+               median(CASE WHEN rel_err < 1 THEN sqrt(1 - rel_err * rel_err) END) AS median_cos_bound
+        FROM anchors GROUP BY model, layer, fn, sample ORDER BY model, layer, fn, sample
     """).to_arrow_table()  # fmt: skip
 
 
 def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Descriptive medians of the real sample over every anchor of every layer (the claims never use them:
+    they are tested per layer, `claim_tests`)."""
     over_layers = ", ".join(f"median(median_{c}) AS layer_median_{c}" for c in _ALL_METRICS)
     return con.sql(f"""
         WITH pooled AS (
             SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
+                   count(*) FILTER (WHERE degenerate) AS n_degenerate,
                    count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
-            FROM anchors GROUP BY model, fn
+            FROM anchors WHERE sample = 'real' GROUP BY model, fn
         ), per_layer AS (
             SELECT model, fn, sum(n_nonfinite) AS n_nonfinite, {over_layers}
-            FROM geometry GROUP BY model, fn
+            FROM geometry WHERE sample = 'real' GROUP BY model, fn
         )
         SELECT model, fn, {_model_facts()}, p.n, p.n_layers, l.n_nonfinite,
                p.* EXCLUDE (model, fn, n, n_layers), l.* EXCLUDE (model, fn, n_nonfinite)
@@ -304,11 +381,12 @@ def _geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 def _angles_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     bins = 180 // ANGLE_BIN_DEG
     return con.sql(f"""
-        WITH groups AS (SELECT DISTINCT model, fn FROM anchors WHERE angle_res_tok IS NOT NULL),
+        WITH real AS (SELECT * FROM anchors WHERE sample = 'real'),
+        groups AS (SELECT DISTINCT model, fn FROM real WHERE angle_res_tok IS NOT NULL),
         grid AS (SELECT model, fn, b FROM groups, range({bins}) t(b)),
         counts AS (
             SELECT model, fn, least(floor(angle_res_tok / {ANGLE_BIN_DEG}), {bins - 1})::BIGINT AS b, count(*) AS c
-            FROM anchors WHERE angle_res_tok IS NOT NULL GROUP BY ALL
+            FROM real WHERE angle_res_tok IS NOT NULL GROUP BY ALL
         )
         SELECT g.model, g.fn, (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
                coalesce(c.c, 0) AS count,
@@ -325,24 +403,80 @@ CORRELATIONS_SCHEMA = pa.schema(
 
 
 def _correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
-    """Spearman(rel_err, kl) per (model, fn, layer) and pooled over layers (scope 'pooled', layer null);
-    the pooled bootstrap resamples anchors (seq_id, pos) with their rows in every layer together."""
+    """Spearman(rel_err, kl) per (model, fn, layer), and `stratified` over layers (the mean of the layers'
+    rhos, never rows of different layers ranked together; layer null)."""
     pairs = con.sql("""
-        SELECT model, fn, layer, seq_id::BIGINT * 4294967296 + pos AS anchor, rel_err, kl FROM anchors
-        WHERE rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
+        SELECT model, fn, layer, rel_err, kl FROM anchors
+        WHERE sample = 'real' AND rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
     """).fetchnumpy()  # fmt: skip
     rows = []
     for model, fn in dict.fromkeys(zip(pairs["model"].tolist(), pairs["fn"].tolist(), strict=True)):
         g = (pairs["model"] == model) & (pairs["fn"] == fn)
-        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g], pairs["anchor"][g],
+        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g],
                                      n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)  # fmt: skip
-        pooled = by_layer.pop("pooled")
-        for layer, c in [(None, pooled)] + sorted(by_layer.items()):
+        stratified = by_layer.pop("stratified", None)
+        for layer, c in ([(None, stratified)] if stratified else []) + sorted(by_layer.items()):
             rows.append({
-                "model": model, "fn": fn, "scope": "pooled" if layer is None else "layer", "layer": layer, "n": c.n,
+                "model": model, "fn": fn, "scope": "stratified" if layer is None else "layer", "layer": layer, "n": c.n,
                 "spearman": _none_if_nan(c.rho), "ci_low": _none_if_nan(c.low), "ci_high": _none_if_nan(c.high),
             })  # fmt: skip
     return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
+
+
+def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
+    """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
+    (`<sample>.<column>`), the null patches' KLs, and `global_linear`'s left-out rel_err (`global.rel_err`)."""
+    columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
+               "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
+    table = con.sql(f"""
+        SELECT model, layer, fn, sample, seq_id, pos, {", ".join(columns)} FROM anchors
+        ORDER BY model, layer, fn, sample, seq_id, pos
+    """).fetchnumpy()  # fmt: skip
+    groups: dict[tuple[str, int, str, str], dict[str, np.ndarray]] = {}
+    keys = list(zip(table["model"].tolist(), table["layer"].tolist(), table["fn"].tolist(), table["sample"].tolist(), strict=True))
+    anchor = table["seq_id"].astype(np.int64) * 2**32 + table["pos"]
+    for key, (start, stop) in _runs(keys).items():
+        groups[key] = {"anchor": anchor[start:stop], **{c: _floats(table[c][start:stop]) for c in columns}}
+    strata = []
+    for (model, layer, fn, sample), real in groups.items():
+        if sample != "real":
+            continue
+        cols = {c: real[c] for c in columns}
+        for other, values in ((s, groups.get((model, layer, fn, s))) for s in ("shuffled", "gaussian")):
+            if values is not None:
+                cols |= {f"{other}.{c}": _aligned(real["anchor"], values["anchor"], values[c]) for c in columns}
+        glob = groups.get((model, layer, "global_linear", "real"))
+        if glob is not None:
+            cols["global.rel_err"] = _aligned(real["anchor"], glob["anchor"], glob["rel_err"])
+        strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
+    return strata
+
+
+def _runs(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """Start and stop of each run of equal keys in a sorted list."""
+    bounds: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for i, key in enumerate(keys):
+        start = bounds.get(key, (i, i))[0]
+        bounds[key] = (start, i + 1)
+    return bounds
+
+
+def _floats(values: Any) -> np.ndarray:
+    return np.ma.filled(np.ma.asarray(values, dtype=float), np.nan)
+
+
+def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`values` (keyed by the sorted `other` anchors) at `anchors`; NaN where an anchor is missing."""
+    where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
+    found = len(other) > 0 and other[where] == anchors
+    return np.where(found, values[where] if len(other) else np.nan, np.nan)
+
+
+def _subject(model: str) -> str:
+    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
+    combined), the model id for an external model."""
+    match = re.match(r"^(.*)@(init|final)$", model)
+    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
 
 
 # ------------------------------------------------------------------------------------------- claims
@@ -352,20 +486,14 @@ CLAIMS_SCHEMA = pa.schema(
      ("holds_at_init", pa.bool_()), ("detail", pa.string())]
 )  # fmt: skip
 
+# Study B's claims (Study A's are tests against nulls: `pipeline.results.claims`, the `claim_tests` table).
 CLAIM_TEXT = {
-    "cos_full_tok_near_1": f"full update aligned with its tokenwise part: median cos_full_tok ≥ {COS_NEAR_ONE}",
-    "angle_res_tok_large": f"residual at a large angle to the tokenwise part: median angle_res_tok > {LARGE_ANGLE_DEG:g}°",
-    "proj_res_below_full": "residual projects less than the full update on the dominant tokenwise subspace "
-    "(median proj_res / median proj_full < 1)",
-    "proj_res_global_below_full": "the same on the layer's global tokenwise subspace "
-    "(median proj_res_global / median proj_full_global < 1)",
-    "spearman_rel_err_kl": f"residual size predicts the output change: pooled Spearman(rel_err, kl) > {SPEARMAN_STRONG}",
     "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
-    "beats_muon": f"mean final val loss below muon's, Welch p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} seeds each)",
-    "equi_spreads_rows": "hilbert_equi spreads head-update rows more evenly than hilbert (median equi_ratio ratio > 1)",
+    "beats_muon": f"final test loss below muon's on the same seeds: paired t-test, Holm-adjusted over the arch's "
+    f"recipes, p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} paired seeds)",
+    "equi_spreads_rows": "hilbert_equi spreads head-update rows at least as evenly as random unit rows on the same "
+    "row sample (median equi_ratio / median equi_ratio_random ≥ 1)",
 }  # fmt: skip
-STUDY_A_CLAIMS = ("cos_full_tok_near_1", "angle_res_tok_large", "proj_res_below_full",
-                  "proj_res_global_below_full", "spearman_rel_err_kl")  # fmt: skip
 
 
 def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, threshold: float,
@@ -382,51 +510,6 @@ def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
 
-def _study_a_claims(pooled: pa.Table, correlations: pa.Table) -> list[dict[str, Any]]:
-    spearman = {
-        (r["model"], r["fn"]): r for r in correlations.to_pylist() if r["scope"] == "pooled"
-    }
-    best_layer: dict[tuple[str, str], float] = {}
-    for r in correlations.to_pylist():
-        if r["scope"] == "layer" and r["spearman"] is not None:
-            key = (r["model"], r["fn"])
-            best_layer[key] = max(best_layer.get(key, -1.0), r["spearman"])
-    rows = []
-    for g in pooled.to_pylist():
-        model, fn = g["model"], g["fn"]
-        if fn in FIT_CLASSES and not FIT_CLASSES[fn].tokenwise:
-            continue
-        cos, angle = g["median_cos_full_tok"], g["median_angle_res_tok"]
-        local = _ratio(g["median_proj_res"], g["median_proj_full"])
-        glob = _ratio(g["median_proj_res_global"], g["median_proj_full_global"])
-        s = spearman.get((model, fn), {})
-        rho = s.get("spearman")
-        rows += [
-            _claim("A", model, fn, "cos_full_tok_near_1", cos, COS_NEAR_ONE, cos is not None and cos >= COS_NEAR_ONE,
-                   f"median cos_full_tok {_fmt(cos)} over {g['n']} anchors"),
-            _claim("A", model, fn, "angle_res_tok_large", angle, LARGE_ANGLE_DEG,
-                   angle is not None and angle > LARGE_ANGLE_DEG, f"median angle_res_tok {_fmt(angle)}°"),
-            _claim("A", model, fn, "proj_res_below_full", local, 1.0, local is not None and local < 1,
-                   f"median proj_res {_fmt(g['median_proj_res'])} vs proj_full {_fmt(g['median_proj_full'])}"),
-            _claim("A", model, fn, "proj_res_global_below_full", glob, 1.0, glob is not None and glob < 1,
-                   f"median proj_res_global {_fmt(g['median_proj_res_global'])} "
-                   f"vs proj_full_global {_fmt(g['median_proj_full_global'])}"),
-            _claim("A", model, fn, "spearman_rel_err_kl", rho, SPEARMAN_STRONG, rho is not None and rho > SPEARMAN_STRONG,
-                   f"pooled rho {_fmt(rho)} [{_fmt(s.get('ci_low'))}, {_fmt(s.get('ci_high'))}], "
-                   f"n {s.get('n', 0)}, best layer {_fmt(best_layer.get((model, fn)))}"),
-        ]  # fmt: skip
-    _attach_init(rows)
-    return rows
-
-
-def _attach_init(rows: list[dict[str, Any]]) -> None:
-    """For `<run>@final` rows, record whether the same claim held at `<run>@init` (random weights)."""
-    at = {(r["subject"], r["fn"], r["claim"]): r["holds"] for r in rows}
-    for r in rows:
-        if r["subject"].endswith("@final"):
-            r["holds_at_init"] = at.get((r["subject"].removesuffix("@final") + "@init", r["fn"], r["claim"]))
-
-
 def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
     rows = []
     by_arch: dict[str, list[dict[str, Any]]] = {}
@@ -439,28 +522,31 @@ def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
         rows.append(_claim("B", arch, "all", "bound_holds", worst, 1.0,
                            worst is not None and worst <= 1 + BOUND_TOLERANCE,
                            f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact diameters"))  # fmt: skip
-        equi, plain = _median_of(arch_runs, "hilbert_equi"), _median_of(arch_runs, "hilbert")
-        if equi is not None and plain is not None:
-            spread = _ratio(equi, plain)
+        equi = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio")
+        random_rows = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio_random")
+        if equi is not None and random_rows is not None:
+            spread = _ratio(equi, random_rows)
+            plain = _median_of(arch_runs, "hilbert", "median_equi_ratio")
             rows.append(_claim("B", arch, "hilbert_equi", "equi_spreads_rows", spread, 1.0,
-                               spread is not None and spread > 1,
-                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs hilbert {_fmt(plain)}"))  # fmt: skip
+                               spread is not None and spread >= 1,
+                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs random unit rows {_fmt(random_rows)}"
+                               f" (hilbert {_fmt(plain)})"))  # fmt: skip
     for r in recipes.to_pylist():
         if r["recipe"] == baseline().name or r["diff_vs_muon"] is None:
             continue
-        p = r["p_vs_muon"]
+        p = r["p_vs_muon_holm"]
+        detail = (f"paired Δ {_fmt(r['diff_vs_muon'])} nats [{_fmt(r['diff_ci_low'])}, {_fmt(r['diff_ci_high'])}], "
+                  + (f"p {_fmt(r['p_vs_muon'])}, Holm {_fmt(p)}" if p is not None else f"n={r['n_paired']}: too few seeds to test"))  # fmt: skip
         row = _claim("B", r["arch"], r["recipe"], "beats_muon", r["diff_vs_muon"], 0.0,
-                     p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE,
-                     f"mean difference {_fmt(r['diff_vs_muon'])} nats, "
-                     + (f"Welch p {_fmt(p)}" if p is not None else f"n={r['n_seeds']}: too few seeds to test"))  # fmt: skip
+                     p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE, detail)  # fmt: skip
         if p is None:
             row["holds"] = None
         rows.append(row)
     return rows
 
 
-def _median_of(runs: list[dict[str, Any]], recipe: str) -> float | None:
-    vals = _finite([r["median_equi_ratio"] for r in runs if r["recipe"] == recipe])
+def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | None:
+    vals = _finite([r[column] for r in runs if r["recipe"] == recipe])
     return float(np.median(vals)) if vals.size else None
 
 
@@ -475,17 +561,16 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
     con = duckdb.connect(":memory:", config={"threads": 1})
     _register_sources(con, sources)
     runs = _runs_table(con)
-    recipes = _recipes_table(runs)
+    recipes = _recipes_table(runs, cfg)
     _create_anchor_view(con)
     geometry = _geometry_table(con)
     con.register("geometry", geometry)
     pooled = _geometry_pooled_table(con)
-    correlations = _correlations_table(con, cfg)
-    claims = _study_a_claims(pooled, correlations) + _study_b_claims(runs, recipes)
     return {
         "runs": runs, "curves": _curves_table(con), "recipes": recipes, "geometry": geometry,
-        "geometry_pooled": pooled, "angles": _angles_table(con), "correlations": correlations,
-        "claims": pa.Table.from_pylist(claims, schema=CLAIMS_SCHEMA),
+        "geometry_pooled": pooled, "angles": _angles_table(con), "correlations": _correlations_table(con, cfg),
+        "claims": pa.Table.from_pylist(_study_b_claims(runs, recipes), schema=CLAIMS_SCHEMA),
+        "claim_tests": claim_tests(_strata(con), n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed),
     }  # fmt: skip
 
 
@@ -520,29 +605,40 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     train = {
         # No wall-clock figure here: two runs of one study must give the same metrics.json byte for byte
         # (step times stay in the `runs` table and the report).
-        r["run"]: _measured({k: r[k] for k in ("final_val_loss", "final_train_loss", "diverged",
+        r["run"]: _measured({k: r[k] for k in ("final_test_loss", "final_val_loss", "final_train_loss", "diverged",
                                                "median_hilbert_bound", "median_tightness", "median_equi_ratio")})
         for r in tables["runs"].to_pylist()
     }  # fmt: skip
     recipes: dict[str, dict[str, Any]] = {}
     for r in tables["recipes"].to_pylist():
         recipes.setdefault(r["arch"], {})[r["recipe"]] = _measured(
-            {k: r[k] for k in ("val_loss_mean", "val_loss_std", "n_seeds", "p_vs_muon")}
+            {k: r[k] for k in ("test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon", "p_vs_muon_holm")}
         )
-    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "pooled"}
+    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "stratified"}
     geometry: dict[str, dict[str, Any]] = {}
     for g in tables["geometry_pooled"].to_pylist():
         s = spearman.get((g["model"], g["fn"]), {})
         geometry.setdefault(g["model"], {})[g["fn"]] = _measured({
             "n": g["n"],
             **{f"median_{c}": g[f"median_{c}"] for c in ("rel_err", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res")},
-            "spearman_pooled": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
+            "spearman_stratified": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
         })  # fmt: skip
-    claims: dict[str, dict[str, dict[str, bool]]] = {}
+    claims: dict[str, dict[str, dict[str, Any]]] = {}
     for c in tables["claims"].to_pylist():
         if c["holds"] is not None:
             claims.setdefault(c["subject"], {}).setdefault(c["fn"], {})[c["claim"]] = c["holds"]
+    for (subject, fn, claim), verdicts in _study_a_verdicts(tables["claim_tests"]).items():
+        claims.setdefault(subject, {}).setdefault(fn, {})[claim] = combined_verdict(verdicts)
     return {"train": train, "recipes": recipes, "geometry": geometry, "claims": claims}
+
+
+def _study_a_verdicts(tests: pa.Table) -> dict[tuple[str, str, str], list[str]]:
+    """(subject, class, claim) → the stratified verdict against each of the claim's nulls."""
+    verdicts: dict[tuple[str, str, str], list[str]] = {}
+    for t in tests.to_pylist():
+        if t["scope"] == "stratified":
+            verdicts.setdefault((t["subject"], t["fn"], t["claim"]), []).append(t["verdict"])
+    return verdicts
 
 
 def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:

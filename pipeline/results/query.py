@@ -53,8 +53,14 @@ from pipeline.core.errors import InputError
 from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
 
 Format = Literal["table", "csv", "json"]
-# Views over the per-token datasets, by name; `sources[name]` is each one's workspace-relative folder.
-DATASETS: dict[str, Dataset] = {d.name: d for d in (STEPS, FITS, PERTURB, ACTIVATIONS)}
+# Views over the per-token datasets: name -> (dataset, with its vector columns). `sources[dataset.name]` is
+# the dataset's workspace-relative folder. Vectors come as `FLOAT[]` in their own views, so that a plain
+# `SELECT *` over `fits` or `activations` never reads them.
+DATASETS: dict[str, tuple[Dataset, bool]] = {
+    **{d.name: (d, False) for d in (STEPS, FITS, PERTURB, ACTIVATIONS)},
+    "activation_vectors": (ACTIVATIONS, True),
+    "fit_vectors": (FITS, True),
+}
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
@@ -92,7 +98,7 @@ def query_table(
         if revs:
             snapshots = []
             for i, rev in enumerate(revs):
-                wanted = ["tables"] + [name for name in DATASETS if _mentions(sql, name)]
+                wanted = ["tables", "params"] + sorted({DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)})
                 copy = _checkout(workspace, rev, Path(tmp) / str(i), [sources[w] for w in wanted])
                 snapshots.append(_snapshot(copy, rev, {w: sources[w] for w in wanted}))
         else:
@@ -189,16 +195,19 @@ class _Snapshot:
 
 
 def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
-    """Copy the folders ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
+    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
     from dvc_data.index.index import DataIndexError
 
     try:
         fs = DVCFileSystem(str(workspace), rev=rev)
-        for folder in wanted:
-            if fs.isdir(folder):
-                fs.get(folder, str(dest / folder), recursive=True)
+        for path in wanted:
+            if fs.isdir(path):
+                fs.get(path, str(dest / path), recursive=True)
+            elif fs.isfile(path):
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+                fs.get(path, str(dest / path))
     except DvcException as err:
         if "unknown Git revision" in str(err) or "revision" in type(err).__name__.lower():
             raise QueryError(f"revision {rev!r}: {err}") from None
@@ -229,17 +238,30 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
     except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
         raise QueryError(f"{where}: cannot read {sources['tables']}: {err}") from None
     tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
+    if (root / sources["params"]).is_file():
+        tables["params"] = _params_table(root / sources["params"], where)
     datasets = {}
-    for name, dataset in DATASETS.items():
-        if name not in sources:
+    for name, (dataset, vectors) in DATASETS.items():
+        if dataset.name not in sources:
             continue
-        folder = root / sources[name]
+        folder = root / sources[dataset.name]
         try:
             files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`") if folder.is_dir() else []
-            datasets[name] = scan(folder, dataset, files)
+            datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
-            raise QueryError(f"{where}: cannot read {sources[name]}: {err}") from None
+            raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {err}") from None
     return _Snapshot(rev, tables, datasets)
+
+
+def _params_table(path: Path, where: str) -> pa.Table:
+    """`params.yaml` as rows (key, value): dotted keys, values as JSON text (`json_extract` reads them)."""
+    from pipeline.core.config import ParamsError, flatten_overrides, load_yaml
+
+    try:
+        flat = flatten_overrides(load_yaml(path) or {})
+    except ParamsError as err:
+        raise QueryError(f"{where}: cannot read {path.name}: {err}") from None
+    return pa.table({"key": list(flat), "value": list(flat.values())})
 
 
 def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -> duckdb.DuckDBPyConnection:

@@ -6,7 +6,16 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.core.config import FitClassName, PositiveInt, Section, Seed, _fit_classes, unique_non_empty
+from pipeline.core.config import (
+    FamilyName,
+    FitClassName,
+    PositiveInt,
+    RecipeName,
+    Section,
+    Seed,
+    _fit_classes,
+    unique_non_empty,
+)
 
 
 class ExternalModel(Section):
@@ -21,7 +30,24 @@ class ExternalModel(Section):
         return self
 
 
+class RunSelection(Section):
+    """Which runs Study A analyses: the grid of these archs, recipes and seeds (null: `train`'s values).
+    Runs outside `train`'s grid are trained too, with `train`'s settings (`Params.trained_runs`)."""
+
+    archs: list[FamilyName] | None = None
+    recipes: list[RecipeName] | None = None
+    seeds: list[Seed] | None = None
+
+    @model_validator(mode="after")
+    def _non_empty(self) -> RunSelection:
+        for name in ("archs", "recipes", "seeds"):
+            if getattr(self, name) is not None:
+                unique_non_empty(f"runs.{name}", getattr(self, name))
+        return self
+
+
 class AnalysisConfig(Section):
+    runs: RunSelection = RunSelection()
     checkpoints: list[Literal["init", "final"]] = ["init", "final"]
     external_models: list[ExternalModel] = []
     eval_sequences: PositiveInt = 32  # sequences of prepare.seq_len tokens from the val split
@@ -35,9 +61,12 @@ class AnalysisConfig(Section):
     exclude_same_sequence: bool = False
     classes: list[FitClassName] = Field(default_factory=lambda: list(_fit_classes().names()))
     rank: PositiveInt = 4  # lowrank
-    ridge: Annotated[float, Field(ge=0)] = 1e-3
-    mlp_hidden: PositiveInt = 16
-    mlp_steps: PositiveInt = 200
+    ridge: Annotated[float, Field(ge=0)] = 1e-6
+    mlp_hidden: PositiveInt = 8
+    mlp_steps: PositiveInt = 300  # at most; training stops earlier once every anchor meets mlp_tol
+    mlp_tol: Annotated[float, Field(gt=0, lt=1)] = 1e-3  # relative decrease of the objective over 20 steps
+    # Null samples fitted beside the real pairs (SPEC §4.5); the claims are tested against them.
+    nulls: list[Literal["shuffled", "gaussian"]] = ["shuffled", "gaussian"]
     orthogonal_scale: bool = False
     p: PositiveInt = 4  # dominant tokenwise subspace dimension
     knn_chunk: PositiveInt = 4096
@@ -47,6 +76,8 @@ class AnalysisConfig(Section):
     def _classes(self) -> AnalysisConfig:
         unique_non_empty("classes", self.classes)
         unique_non_empty("checkpoints", self.checkpoints)
+        if len(set(self.nulls)) != len(self.nulls):
+            raise ValueError("nulls: each null sample at most once")
         registry = _fit_classes()
         for name in self.classes:
             problem = registry[name].check_config(self)

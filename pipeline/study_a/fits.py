@@ -1,17 +1,30 @@
-"""Tokenwise fits of one layer transition `h_l → h_{l+1}` and their geometry (SPEC §4.2).
+"""Tokenwise fits of one layer transition `h_l → h_{l+1}` and their geometry (SPEC §4.2, §4.5).
 
-For every anchor `i`, a map `T_i` of one function class (`pipeline.study_a.classes`) is fitted on the
+For every anchor `i`, a map `T_i` of each function class (`pipeline.study_a.classes`) is fitted on the
 anchor's `k` nearest neighbour pairs `(x_j, y_j) = (h_l, h_{l+1})`, or once for the layer, and evaluated at
-the anchor. All anchors of a layer are fitted at once with batched tensor code, in float64.
+the anchor. The neighbours are searched once per pool and shared by every class. All anchors of a layer are
+fitted at once with batched tensor code, in float64.
 
 Geometry at anchor `i` (`x, y` its `h_l, h_{l+1}`): `Δ_full = y − x`, `Δ_tok = T_i(x) − x`,
 `r = Δ_full − Δ_tok` (`pipeline.study_a.geometry`). `k` is `cfg.k` on every row, also for the layer-wide
 classes, which ignore it.
+
+Degenerate anchors (SPEC §4.5): a local fit whose neighbours' inputs have a numerical rank below what the
+class needs (`FitClass.needs_rank`), whose neighbours are all exact copies of the anchor's input, or whose
+own solve is not unique (`Update.unidentified`), is not determined by the data. Its metrics and `patched`
+are null (never a rounding artefact), it is flagged `degenerate`, and it takes no part in the layer's
+global subspace.
+
+Null samples (SPEC §4.5): besides the model's own pairs (`real`), the same fits run on `shuffled` pairs
+(`h_{l+1}` permuted across the pool: no relation between a token's input and output) and on a `gaussian`
+pool (as many pairs drawn from the Gaussian with the pool's joint mean and covariance of `(h_l, h_{l+1})`:
+its second moments, nothing more). Their rows carry the ids of the pool row they replace and the same anchors.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -22,17 +35,16 @@ from pipeline.core.contracts import FIT_METRICS, FITS
 from pipeline.core.store import arrow_to_vectors
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import Update, as_float64, global_basis, update_metrics
-from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_a.geometry import Update, as_float64, global_basis, numerical_rank, update_metrics
+from pipeline.study_a.knn import Neighbours, nearest_neighbours
 
 
 @dataclass(frozen=True)
 class FitInfo:
-    fn: str
     d: int
     n_pool: int  # finite pool rows the fits used
     n_nonfinite: int  # pool rows excluded for a NaN/Inf in h_l or h_{l+1}
-    n_anchors: int  # anchors fitted (rows of the table)
+    n_anchors: int  # anchors fitted (rows of each table)
     n_anchors_dropped: int  # requested anchors excluded because their own row is non-finite
 
 
@@ -61,14 +73,16 @@ def fit_layer(
     pos: np.ndarray,
     token_id: np.ndarray,
     anchor_idx: np.ndarray,
-    fn: str,
+    classes: list[str],
     cfg: AnalysisConfig,
     device: str | torch.device = "cpu",
-) -> tuple[pa.Table, FitInfo]:
-    """Fit class `fn` at every anchor (pool row indices) of one (model, layer) and measure it.
+    samples: tuple[str, ...] = ("real",),
+) -> tuple[dict[str, pa.Table], FitInfo]:
+    """Fit every class of `classes` at every anchor (pool row indices) of one (model, layer) and measure it,
+    on the real pairs and on each null sample of `samples`: `{fn: table}`, the samples' rows stacked.
 
     `X = h_l`, `Y = h_{l+1}`, `(pool, d)`. Pool rows with a non-finite value are dropped from the pool
-    and from the anchors, and counted. Returns one row per kept anchor, in `anchor_idx` order.
+    and from the anchors, and counted. Each sample has one row per kept anchor, in `anchor_idx` order.
     """
     x, y = as_float64(X, device), as_float64(Y, device)
     if x.ndim != 2 or x.shape != y.shape:
@@ -86,21 +100,38 @@ def fit_layer(
     x, y = x[rows], y[rows]
     anchors = torch.as_tensor(compact[kept_anchors], device=x.device)
     seq_of_row = torch.as_tensor(np.asarray(seq_id)[finite], device=x.device)
+    ids = {name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))}
 
-    update = fit_update(x, y, anchors, seq_of_row, fn, cfg)
-    x_a, y_a = x[anchors], y[anchors]
-    global_ = global_basis(update.delta_tok, cfg.p)
-    ids = {"seq_id": seq_id, "pos": pos, "token_id": token_id}
-    table = _fit_table(
-        ids={name: np.asarray(col)[kept_anchors] for name, col in ids.items()},
-        k=cfg.k,
-        metrics=update_metrics(x_a, y_a, update.delta_tok, update.basis, global_),
-        patched=(x_a + update.delta_tok).float().cpu().numpy(),
-        n_nonfinite=n_nonfinite,
-    )
-    n_kept = len(kept_anchors)
-    info = FitInfo(fn, x.shape[1], x.shape[0], n_nonfinite, n_kept, len(anchor_idx) - n_kept)
-    return table, info
+    parts: dict[str, list[pa.Table]] = {fn: [] for fn in classes}
+    neighbours = None
+    for sample in samples:
+        xs, ys = null_sample(x, y, sample, cfg.seed)
+        if sample != "shuffled" or neighbours is None:  # shuffling moves outputs only: same neighbours
+            neighbours = _neighbours(xs, anchors, seq_of_row, classes, cfg)
+        pool = _pool(xs, ys, anchors, neighbours, n_nonfinite)
+        for fn in classes:
+            parts[fn].append(_fit_table(sample, ids, cfg, pool, fn))
+    info = FitInfo(x.shape[1], x.shape[0], n_nonfinite, len(kept_anchors), len(anchor_idx) - len(kept_anchors))
+    return {fn: pa.concat_tables(tables) for fn, tables in parts.items()}, info
+
+
+def null_sample(x: Tensor, y: Tensor, sample: str, seed: int) -> tuple[Tensor, Tensor]:
+    """The pairs of `sample`: `real` as given, `shuffled` with the outputs permuted across the pool,
+    `gaussian` drawn from the Gaussian with the pool's joint mean and covariance (seeded; SPEC §4.5)."""
+    generator = torch.Generator().manual_seed(seed)
+    if sample == "real":
+        return x, y
+    if sample == "shuffled":
+        return x, y[torch.randperm(len(y), generator=generator).to(y.device)]
+    if sample == "gaussian":
+        joint = torch.cat([x, y], dim=1)
+        mean = joint.mean(dim=0)
+        values, vectors = torch.linalg.eigh(torch.cov(joint.T))
+        root = vectors * values.clamp_min(0).sqrt()  # cov = root rootᵀ, also when it is singular
+        normal = torch.randn(joint.shape, generator=generator, dtype=joint.dtype).to(joint.device)
+        drawn = mean + normal @ root.T
+        return drawn[:, : x.shape[1]].contiguous(), drawn[:, x.shape[1] :].contiguous()
+    raise ValueError(f"unknown sample {sample!r}")
 
 
 def select_pool(n: int, pool_size: int | None, seed: int) -> np.ndarray:
@@ -110,9 +141,10 @@ def select_pool(n: int, pool_size: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=pool_size, replace=False))
 
 
-def fit_transition(h_in: pa.Table, h_out: pa.Table, fn: str, cfg: AnalysisConfig, device: str | torch.device) -> pa.Table:
-    """The fit table of class `fn` on one layer transition, from the activation rows of `h_l` and
-    `h_{l+1}` (`pipeline.core.contracts.ACTIVATIONS`, in row order): pool, anchors, fits, geometry."""
+def fit_transition(h_in: pa.Table, h_out: pa.Table, cfg: AnalysisConfig, device: str | torch.device) -> dict[str, pa.Table]:
+    """The fit table of every configured class on one layer transition, for the real pairs and every null
+    sample of `cfg.nulls`, from the activation rows of `h_l` and `h_{l+1}`
+    (`pipeline.core.contracts.ACTIVATIONS`, in row order): pool, anchors, neighbours, fits, geometry."""
     ids, x = _ids_and_vectors(h_in)
     ids_next, y = _ids_and_vectors(h_out)
     if not np.array_equal(ids, ids_next):
@@ -120,8 +152,9 @@ def fit_transition(h_in: pa.Table, h_out: pa.Table, fn: str, cfg: AnalysisConfig
     pool = select_pool(len(x), cfg.pool_size, cfg.seed)
     x, y, ids = x[pool], y[pool], ids[pool]
     anchors = choose_anchors(len(x), cfg.anchors, cfg.seed, finite_rows(x, y))
-    table, _info = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, fn, cfg, device=device)
-    return table
+    samples = ("real", *cfg.nulls)
+    tables, _info = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, cfg.classes, cfg, device, samples)
+    return tables
 
 
 def _ids_and_vectors(rows: pa.Table) -> tuple[np.ndarray, np.ndarray]:
@@ -130,35 +163,76 @@ def _ids_and_vectors(rows: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return ids, arrow_to_vectors(rows["h"])
 
 
-def fit_update(
-    x: Tensor, y: Tensor, anchors: Tensor, seq_of_row: Tensor, fn: str, cfg: AnalysisConfig
-) -> Update:
-    """`Δ_tok` and the local update subspace at every anchor, for a finite float64 pool."""
+class _Pool(NamedTuple):
+    """One sample's finite pool, its anchors (rows) and their shared neighbours (None: no local class)."""
+
+    x: Tensor
+    y: Tensor
+    anchors: Tensor
+    neighbours: Neighbours | None
+    n_nonfinite: int
+    n_distinct: int  # distinct input vectors in the pool
+    input_rank: Tensor | None  # (A,) numerical rank of each anchor's neighbour inputs
+    copies: Tensor | None  # (A,) every neighbour's input is an exact copy of the anchor's
+
+
+def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Neighbours | None, n_nonfinite: int) -> _Pool:
+    n_distinct = int(torch.unique(x, dim=0).shape[0])
+    if neighbours is None:
+        return _Pool(x, y, anchors, None, n_nonfinite, n_distinct, None, None)
+    xn = x[neighbours.index]
+    copies = (xn == x[anchors][:, None]).all(dim=2).all(dim=1)
+    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, numerical_rank(xn), copies)
+
+
+def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Neighbours | None:
+    if not any(FIT_CLASSES[fn].local for fn in classes):
+        return None
+    seq = seq_of_row if cfg.exclude_same_sequence else None
+    return nearest_neighbours(x, anchors, cfg.k, distance=cfg.distance, seq_id=seq, chunk=cfg.knn_chunk)
+
+
+def fit_update(pool: _Pool, fn: str, cfg: AnalysisConfig) -> tuple[Update, Tensor, Tensor | None]:
+    """`Δ_tok` and the local update subspace at every anchor; whether each anchor is degenerate; the
+    numerical rank of its neighbours' inputs (None for a layer-wide class)."""
     fit_class = FIT_CLASSES[fn]
-    x_a = x[anchors]
     if not fit_class.local:
-        return fit_class.fit(x, y, x_a, cfg)
-    nb = nearest_neighbours(
-        x,
-        anchors,
-        cfg.k,
-        distance=cfg.distance,
-        seq_id=seq_of_row if cfg.exclude_same_sequence else None,
-        chunk=cfg.knn_chunk,
-    )
-    return fit_class.fit(x[nb.index], y[nb.index], x_a, cfg)  # neighbours: (A, k, d)
+        update = fit_class.fit(pool.x, pool.y, pool.anchors, cfg)
+        return update, torch.zeros(len(pool.anchors), dtype=torch.bool, device=pool.x.device), None
+    assert pool.neighbours is not None
+    xn, yn = pool.x[pool.neighbours.index], pool.y[pool.neighbours.index]  # (A, k, d)
+    x_a = pool.x[pool.anchors]
+    update = fit_class.fit(xn, yn, x_a, cfg)
+    assert pool.input_rank is not None and pool.copies is not None
+    degenerate = (pool.input_rank < fit_class.needs_rank(pool.x.shape[1])) | pool.copies
+    if update.unidentified is not None:
+        degenerate |= update.unidentified
+    return update, degenerate, pool.input_rank
 
 
-def _fit_table(
-    ids: dict[str, np.ndarray], k: int, metrics: dict[str, Tensor], patched: np.ndarray, n_nonfinite: int
-) -> pa.Table:
-    n, d = patched.shape
+def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, pool: _Pool, fn: str) -> pa.Table:
+    update, degenerate, rank = fit_update(pool, fn, cfg)
+    x_a, y_a = pool.x[pool.anchors], pool.y[pool.anchors]
+    global_ = global_basis(update.delta_tok[~degenerate], cfg.p)
+    metrics = update_metrics(x_a, y_a, update.delta_tok, update.basis, global_)
+    n, d = x_a.shape
     schema = FITS.file_schema(d)
-    columns = {name: pa.array(values.astype(np.int32), pa.int32()) for name, values in ids.items()}
-    columns["k"] = pa.array(np.full(n, k, dtype=np.int32))
+    bad = degenerate.cpu().numpy()
+    columns = {"sample": pa.array([sample] * n, pa.string())}
+    columns |= {name: pa.array(values.astype(np.int32), pa.int32()) for name, values in ids.items()}
+    columns["k"] = pa.array(np.full(n, cfg.k, dtype=np.int32))
     for name in FIT_METRICS:
         values = metrics[name].cpu().numpy()
-        columns[name] = pa.array(values, pa.float64(), mask=np.isnan(values))
-    columns["patched"] = pa.FixedSizeListArray.from_arrays(pa.array(patched.reshape(-1), pa.float32()), d)
-    columns["n_nonfinite"] = pa.array(np.full(n, n_nonfinite, dtype=np.int32))
+        columns[name] = pa.array(values, pa.float64(), mask=np.isnan(values) | bad)
+    columns["input_rank"] = pa.nulls(n, pa.int32()) if rank is None else pa.array(rank.cpu().numpy().astype(np.int32))
+    columns["degenerate"] = pa.array(bad)
+    converged = update.converged
+    columns["converged"] = pa.nulls(n, pa.bool_()) if converged is None else pa.array(converged.cpu().numpy())
+    tied = update.basis.tied.expand(n) if update.basis.tied.numel() == 1 else update.basis.tied
+    columns["subspace_tied"] = pa.array(tied.cpu().numpy(), mask=bad)
+    patched = (x_a + update.delta_tok).float().cpu().numpy()
+    flat = pa.FixedSizeListArray.from_arrays(pa.array(patched.reshape(-1), pa.float32()), d)
+    columns["patched"] = pa.FixedSizeListArray.from_arrays(flat.values, d, mask=pa.array(bad)) if bad.any() else flat
+    columns["n_nonfinite"] = pa.array(np.full(n, pool.n_nonfinite, dtype=np.int32))
+    columns["n_distinct"] = pa.array(np.full(n, pool.n_distinct, dtype=np.int32))
     return pa.Table.from_pydict(columns, schema=schema)

@@ -1,14 +1,14 @@
 """The geometry of a tokenwise fit at its anchors (SPEC §4.2): the update `Δ_tok` and the dominant
 subspace of the local update operator `J_i − I`, and every metric column built from them.
 
-Dominant subspace: the left singular vectors of the `p` largest singular values of `J_i − I`, widened to
-every singular value tied with the `p`-th (within 1e-8 relative; a subspace that splits a tie is not
-defined, and ties are common: `sQ − I` pairs its singular values per rotation plane, and every clamped
-`d_c = 0` of `diag_psd` has `|d_c − 1| = 1`), and never including a zero singular value (below 1e-12 of
-the largest): when the operator has rank below `p`, the subspace is its range. The global subspace is the
-same construction on the stacked `Δ_tok` of a layer's anchors (right singular vectors). A column is null
-where it is undefined: a zero vector in a ratio or an angle, or no non-zero singular value (e.g.
-`identity`, where `Δ_tok = 0`).
+Dominant subspace: the left singular vectors of exactly the `p` largest singular values of `J_i − I` (strict
+top-`p`, in the order the decomposition returns them), never including a zero singular value (below 1e-12
+of the largest): when the operator has rank below `p`, the subspace is its range. When the `p`-th singular
+value is tied with the next (within 1e-8 relative) the top-`p` subspace is not unique: the anchor is then
+reported as `subspace_tied` (ties happen: `sQ − I` pairs its singular values per rotation plane, and every
+clamped `d_c = 0` of `diag_psd` has `|d_c − 1| = 1`). The global subspace is the same construction on the
+stacked `Δ_tok` of a layer's anchors (right singular vectors). A column is null where it is undefined: a
+zero vector in a ratio or an angle, or no non-zero singular value (e.g. `identity`, where `Δ_tok = 0`).
 """
 
 from __future__ import annotations
@@ -24,12 +24,17 @@ F64 = torch.float64
 _RCOND = 1e-12
 # Singular values within this relative distance of each other are tied.
 _TIE = 1e-8
+# The numerical rank of neighbour inputs (and of a Procrustes cross-covariance): singular values below this
+# fraction of the largest count as zero. The inputs are float32 values, so a dependence is exact or clear.
+RANK_TOL = 1e-6
 
 
 class Columns(NamedTuple):
-    """A subspace per anchor as columns `(A or 1, d, q)` that are orthonormal or zero (all zero: none)."""
+    """A subspace per anchor as columns `(A or 1, d, q)` that are orthonormal or zero (all zero: none);
+    `tied` (A or 1,): the top-`p` cut splits a tie, so another choice was as good."""
 
     columns: Tensor
+    tied: Tensor
 
     def energy(self, v: Tensor) -> Tensor:
         """`‖P v‖²` per row of `v` (A, d), `P` the projector on the subspace."""
@@ -44,6 +49,7 @@ class CoordinateAxes(NamedTuple):
     of the selected unit vectors, in O(A·d) instead of a dense `(A, d, d)` basis."""
 
     mask: Tensor
+    tied: Tensor
 
     def energy(self, v: Tensor) -> Tensor:
         return v.square().where(self.mask, 0.0).sum(dim=1)
@@ -56,10 +62,14 @@ Subspace = Columns | CoordinateAxes
 
 
 class Update(NamedTuple):
-    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`: the dominant subspace of `J_i − I`."""
+    """`delta_tok = T_i(x_i) − x_i` per anchor, and `basis`: the dominant subspace of `J_i − I`;
+    `unidentified` (A,): anchors where the class's own solve is not unique (None: everywhere unique);
+    `converged` (A,): whether an iterative fit met its convergence criterion (None: a closed form)."""
 
     delta_tok: Tensor
     basis: Subspace
+    unidentified: Tensor | None = None
+    converged: Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------ public API
@@ -116,22 +126,36 @@ def top_left_singular(left: Tensor, core: Tensor, p: int) -> Columns:
     """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns, as the
     columns of `left @ U` kept by `dominant` (the others zeroed)."""
     svd = torch.linalg.svd(core, full_matrices=False)
-    return Columns(left @ (svd.U * dominant(svd.S, p)[..., None, :]))
+    return Columns(left @ (svd.U * dominant(svd.S, p)[..., None, :]), tied(svd.S, p))
 
 
 def coordinate_basis(diag: Tensor, p: int) -> CoordinateAxes:
-    """`top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|`."""
+    """`top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|` (ties in
+    index order)."""
     values, index = diag.abs().sort(dim=1, descending=True, stable=True)
-    return CoordinateAxes(torch.zeros_like(index, dtype=torch.bool).scatter_(1, index, dominant(values, p)))
+    mask = torch.zeros_like(index, dtype=torch.bool).scatter_(1, index, dominant(values, p))
+    return CoordinateAxes(mask, tied(values, p))
 
 
 def dominant(singular: Tensor, p: int) -> Tensor:
-    """Which of the descending singular values span the dominant subspace: the first `p`, widened to
-    every value tied with the `p`-th (a subspace that splits a tie is not defined, and ties are the
-    rule for some classes: `Q − I` pairs its singular values per rotation plane, and every clamped
-    `d_c = 0` of `diag_psd` has `|d_c − 1| = 1`), and never a zero singular value."""
-    p_th = singular[..., min(p, singular.shape[-1]) - 1 : min(p, singular.shape[-1])]
-    return (singular >= p_th * (1 - _TIE)) & (singular > _RCOND * singular[..., :1])
+    """Which of the descending singular values span the dominant subspace: the first `p`, never a zero one."""
+    first = torch.arange(singular.shape[-1], device=singular.device) < p
+    return first & (singular > _RCOND * singular[..., :1])
+
+
+def tied(singular: Tensor, p: int) -> Tensor:
+    """Whether the `p`-th (non-zero) descending singular value equals the next within `_TIE`: the strict
+    top-`p` subspace is then one choice among several."""
+    if singular.shape[-1] <= p:
+        return torch.zeros(singular.shape[:-1], dtype=torch.bool, device=singular.device)
+    p_th, after = singular[..., p - 1], singular[..., p]
+    return (p_th > _RCOND * singular[..., 0]) & (after >= p_th * (1 - _TIE))
+
+
+def numerical_rank(m: Tensor) -> Tensor:
+    """The rank of each matrix of a batch (A, k, d), singular values below `RANK_TOL` of the largest as zero."""
+    singular = torch.linalg.svdvals(m)
+    return (singular > RANK_TOL * singular[..., :1]).sum(dim=-1)
 
 
 def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -1,12 +1,17 @@
 """Exact k-nearest neighbours of anchor rows within a pool, in bounded memory (SPEC §4.2).
 
-Both sides are chunked: `chunk` anchors at a time are compared with `chunk` pool rows at a time, and
-each block is merged into a running top-k. Extra memory is therefore O(chunk × (chunk + k)) whatever
-the pool size (plus O(pool) for the row norms); the pool itself is only read.
+Two passes. A float32 pass over the pool (the Gram form, `chunk` anchors × `chunk` pool rows at a time, the
+speed of FAISS's `IndexFlatL2`) keeps each anchor's `k + slack` best candidates. Float32 rounding can
+misorder rows whose distances differ by less than a bound `ε` on its error, so every row within `2ε` of
+the k-th candidate must be among those kept; an anchor for which that is not so (many rows tied at its
+k-th distance, e.g. copies of one token) is searched again exactly over the whole pool. The candidates are
+then ranked by their exact float64 distances, computed from the differences themselves (never through a
+matmul, whose rounding depends on where a row sits in a block): bit-identical rows get bit-identical
+distances, and ties are broken by the lower pool index. The result is a function of the data alone.
 
-Ties are broken by the lower pool index, so the result is a function of the data alone. An anchor is
-excluded from its own neighbourhood by pool index, not by distance: an exact duplicate of the anchor
-elsewhere in the pool is a legitimate neighbour at distance 0.
+Memory: O(chunk × (chunk + k)) floats for a block, plus O(pool) for the row norms and the float32 copy.
+An anchor is excluded from its own neighbourhood by pool index, not by distance: an exact duplicate of the
+anchor elsewhere in the pool is a legitimate neighbour at distance 0.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ Distance = Literal["euclidean", "cosine"]
 # Norms below this count as zero for the cosine distance: such a row has cosine 0 (distance 1) to
 # every other row instead of a division by zero.
 _TINY_NORM = 1e-300
+_U32 = 2.0**-24  # float32 unit roundoff
 
 
 class Neighbours(NamedTuple):
@@ -43,8 +49,8 @@ def nearest_neighbours(
     """The `k` nearest pool rows of each anchor `pool[anchor_idx[a]]`, never the anchor itself.
 
     `seq_id` (one per pool row), when given, also excludes every row of the anchor's own sequence.
-    Runs on the device of `pool` and in its dtype (use float64 when neighbour order must be exact).
-    Raises `ValueError` when an anchor has fewer than `k` eligible neighbours.
+    Distances are exact in the dtype of `pool` (float64 for the fits). Raises `ValueError` when an anchor
+    has fewer than `k` eligible neighbours.
     """
     n_pool = pool.shape[0]
     anchor_idx = anchor_idx.to(device=pool.device, dtype=torch.long)
@@ -53,16 +59,14 @@ def nearest_neighbours(
         raise ValueError(f"pool must be (n, d) and anchor_idx 1-D, got {shapes}")
     if k < 1 or chunk < 1:
         raise ValueError(f"k ({k}) and chunk ({chunk}) must be positive")
+    if distance not in ("euclidean", "cosine"):
+        raise ValueError(f"unknown distance {distance!r}; expected 'euclidean' or 'cosine'")
     if anchor_idx.numel() and (int(anchor_idx.min()) < 0 or int(anchor_idx.max()) >= n_pool):
         raise ValueError(f"anchor indices must lie in [0, {n_pool})")
     if seq_id is not None:
         seq_id = seq_id.to(pool.device)
-    row_norm = _row_norms(pool, distance)
-
-    blocks = [
-        _anchor_block(pool, row_norm, anchor_idx[a0 : a0 + chunk], k, distance, seq_id, chunk)
-        for a0 in range(0, anchor_idx.numel(), chunk)
-    ]
+    search = _Search(pool, distance, seq_id, k, chunk)
+    blocks = [search.block(anchor_idx[a0 : a0 + chunk]) for a0 in range(0, anchor_idx.numel(), chunk)]
     if not blocks:
         empty = torch.empty((0, k), device=pool.device)
         return Neighbours(empty.long(), empty.to(pool.dtype))
@@ -74,82 +78,84 @@ def nearest_neighbours(
             f"anchor at pool row {int(anchor_idx[short])} has fewer than k={k} eligible neighbours "
             f"(pool of {n_pool}, excluding itself{' and its own sequence' if seq_id is not None else ''})"
         )
-    if distance == "euclidean":
-        dist = dist.sqrt()  # the merge ran on squared distances, which order the same way
     return Neighbours(index, dist)
 
 
-def _row_norms(pool: Tensor, distance: Distance) -> Tensor:
-    """Per-row quantity the block distance needs: ‖p‖² for Euclidean, ‖p‖ for cosine."""
-    if distance == "euclidean":
-        return (pool * pool).sum(dim=1)
-    if distance == "cosine":
-        return pool.norm(dim=1).clamp_min(_TINY_NORM)
-    raise ValueError(f"unknown distance {distance!r}; expected 'euclidean' or 'cosine'")
+class _Search:
+    """The pool prepared once (float32 copy, norms, the rounding bound) for every anchor block."""
 
+    def __init__(self, pool: Tensor, distance: Distance, seq_id: Tensor | None, k: int, chunk: int) -> None:
+        self.pool, self.distance, self.seq_id, self.k, self.chunk = pool, distance, seq_id, k, chunk
+        self.keep = min(pool.shape[0], k + max(8, k // 4))  # candidates kept per anchor
+        norms = pool.norm(dim=1)
+        if distance == "cosine":
+            self.approx = (pool / norms.clamp_min(_TINY_NORM)[:, None]).float()
+            self.approx_sq = torch.ones(pool.shape[0], dtype=torch.float32, device=pool.device)
+            scale = torch.full_like(norms, 4.0)  # unit vectors: (‖a‖ + ‖p‖)² = 4
+        else:
+            self.approx = pool.float()
+            self.approx_sq = (self.approx * self.approx).sum(dim=1)
+            scale = (norms + norms.max()).square()
+        # |float32 Gram distance − exact| ≤ (d + 8)·u·(‖a‖ + ‖p‖)², rounding of the inputs included; doubled.
+        self.error = 2 * (pool.shape[1] + 8) * _U32 * scale
 
-def _anchor_block(
-    pool: Tensor,
-    row_norm: Tensor,
-    anchors: Tensor,
-    k: int,
-    distance: Distance,
-    seq_id: Tensor | None,
-    chunk: int,
-) -> Neighbours:
-    """Running top-k of one block of anchors over the pool, one pool chunk at a time.
+    def block(self, anchors: Tensor) -> Neighbours:
+        cand_d, cand_i = self._candidates(anchors)
+        kth = cand_d[:, self.k - 1 : self.k]
+        covered = (cand_d[:, -1:] > kth + 2 * self.error[anchors, None]) | torch.isinf(kth)
+        if self.keep == self.pool.shape[0]:
+            covered[:] = True
+        index = torch.empty((anchors.numel(), self.k), dtype=torch.long, device=self.pool.device)
+        dist = torch.empty((anchors.numel(), self.k), dtype=self.pool.dtype, device=self.pool.device)
+        ok = covered[:, 0]
+        index[ok], dist[ok] = self._exact_top_k(anchors[ok], cand_i[ok])
+        for a in (~ok).nonzero()[:, 0].tolist():  # rows tied beyond the slack: rank the whole pool exactly
+            everything = torch.arange(self.pool.shape[0], device=self.pool.device)[None]
+            index[a], dist[a] = (t[0] for t in self._exact_top_k(anchors[a : a + 1], everything))
+        return Neighbours(index, dist)
 
-    The merge keeps the invariant "best is sorted by (distance, index)": every kept candidate comes
-    from an earlier chunk, so has a lower index than the new chunk's rows, and a *stable* sort of
-    [best, chunk survivors] by distance therefore orders equal distances by index.
-    """
-    n_anchors = anchors.numel()
-    a_vec = pool[anchors]
-    a_norm = row_norm[anchors]
-    a_seq = seq_id[anchors] if seq_id is not None else None
-    best_d = torch.full((n_anchors, k), torch.inf, dtype=pool.dtype, device=pool.device)
-    best_i = torch.full((n_anchors, k), -1, dtype=torch.long, device=pool.device)
-    for p0 in range(0, pool.shape[0], chunk):
-        rows = torch.arange(p0, min(p0 + chunk, pool.shape[0]), device=pool.device)
-        block = _block_distance(a_vec, a_norm, pool[rows], row_norm[rows], distance)
+    def _candidates(self, anchors: Tensor) -> tuple[Tensor, Tensor]:
+        """Each anchor's `keep` smallest float32 distances (sorted) and their pool rows."""
+        n = anchors.numel()
+        a_vec = self.approx[anchors]
+        best_d = torch.full((n, 0), torch.inf, dtype=torch.float32, device=self.pool.device)
+        best_i = torch.full((n, 0), -1, dtype=torch.long, device=self.pool.device)
+        for p0 in range(0, self.pool.shape[0], self.chunk):
+            rows = torch.arange(p0, min(p0 + self.chunk, self.pool.shape[0]), device=self.pool.device)
+            # ‖p‖² − 2 a·p: the distance less ‖a‖², a constant per anchor (ranks and gaps are unchanged)
+            block = torch.addmm(self.approx_sq[rows][None, :], a_vec, self.approx[rows].T, alpha=-2)
+            block = block.masked_fill(self._excluded(anchors, rows), torch.inf)
+            cand_d = torch.cat([best_d, block], dim=1)
+            cand_i = torch.cat([best_i, rows.expand(n, -1)], dim=1)
+            top = cand_d.topk(min(self.keep, cand_d.shape[1]), dim=1, largest=False, sorted=True)
+            best_d, best_i = top.values, cand_i.gather(1, top.indices)
+        return best_d, best_i
+
+    def _excluded(self, anchors: Tensor, rows: Tensor) -> Tensor:
         excluded = anchors[:, None] == rows[None, :]
-        if a_seq is not None:
-            excluded |= a_seq[:, None] == seq_id[rows][None, :]
-        block = block.masked_fill(excluded, torch.inf)
-        block_d, block_i = _chunk_top_k(block, rows, k)
-        cand_d = torch.cat([best_d, block_d], dim=1)
-        cand_i = torch.cat([best_i, block_i], dim=1)
-        order = torch.sort(cand_d, dim=1, stable=True).indices[:, :k]
-        best_d = cand_d.gather(1, order)
-        best_i = cand_i.gather(1, order)
-    return Neighbours(best_i, best_d)
+        if self.seq_id is not None:
+            excluded |= self.seq_id[anchors][:, None] == self.seq_id[rows][None, :]
+        return excluded
 
+    def _exact_top_k(self, anchors: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
+        """The `k` candidates nearest by exact distance, ties to the lower pool index."""
+        candidates = candidates.sort(dim=1).values  # index order, so the stable sort breaks ties by index
+        exact = self._exact(anchors, candidates).masked_fill(candidates < 0, torch.inf)
+        exact = torch.where(self._excluded_rows(anchors, candidates), torch.inf, exact)
+        order = torch.sort(exact, dim=1, stable=True).indices[:, : self.k]
+        return candidates.gather(1, order), exact.gather(1, order)
 
-def _chunk_top_k(block: Tensor, rows: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """The `k` smallest entries of each row of `block` by (distance, index), in index order.
+    def _excluded_rows(self, anchors: Tensor, candidates: Tensor) -> Tensor:
+        excluded = candidates == anchors[:, None]
+        if self.seq_id is not None:
+            excluded |= self.seq_id[candidates.clamp_min(0)] == self.seq_id[anchors][:, None]
+        return excluded
 
-    Only these can survive the merge, so the stable sort then runs on `2k` candidates instead of
-    `k + chunk`. `topk` finds the k-th smallest distance `t` but breaks ties arbitrarily, so the
-    survivors are chosen here: every entry `< t`, then the lowest-index entries `== t` up to `k`.
-    """
-    n_anchors, n_rows = block.shape
-    if n_rows <= k:
-        return block, rows.expand(n_anchors, -1)
-    kth = block.topk(k, dim=1, largest=False, sorted=False).values.amax(dim=1, keepdim=True)
-    below = block < kth
-    tied = block == kth
-    room = k - below.sum(dim=1, keepdim=True)  # how many entries at the k-th distance still fit
-    keep = below | (tied & (tied.cumsum(dim=1) <= room))
-    if not bool((keep.sum(dim=1) == k).all()):  # unordered values (NaN): no k-th distance to cut at
-        order = torch.sort(block, dim=1, stable=True).indices[:, :k].sort(dim=1).values
-        return block.gather(1, order), rows[order]
-    cols = keep.nonzero()[:, 1].view(n_anchors, k)  # row-major: each row's survivors in index order
-    return block.gather(1, cols), rows[cols]
-
-
-def _block_distance(a: Tensor, a_norm: Tensor, p: Tensor, p_norm: Tensor, distance: Distance) -> Tensor:
-    """Squared Euclidean distances (Gram form, clamped at 0) or cosine distances, anchors × rows."""
-    dots = a @ p.T
-    if distance == "euclidean":
-        return (a_norm[:, None] + p_norm[None, :] - 2 * dots).clamp_min(0)
-    return 1 - dots / (a_norm[:, None] * p_norm[None, :])
+    def _exact(self, anchors: Tensor, candidates: Tensor) -> Tensor:
+        """Exact distances from the differences (Euclidean) or the dot products (cosine), row by row."""
+        a = self.pool[anchors][:, None, :]
+        p = self.pool[candidates.clamp_min(0)]
+        if self.distance == "euclidean":  # pair by pair from the differences (no matmul), in C++
+            return torch.cdist(a, p, compute_mode="donot_use_mm_for_euclid_dist")[:, 0]
+        norms = a.norm(dim=2).clamp_min(_TINY_NORM) * p.norm(dim=2).clamp_min(_TINY_NORM)
+        return 1 - (p * a).sum(dim=2) / norms

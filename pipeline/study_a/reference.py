@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.study_a.classes.base import RefContext
+from pipeline.core.contracts import FIT_METRICS
 from pipeline.study_a.config import AnalysisConfig
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the classes import this module's solvers: no import of them at import time
     from pipeline.study_a.classes.base import FitClass
 
 Row = dict[str, Any]  # metric name -> float or None (undefined), and "patched" -> T_i(x_a)
@@ -59,11 +59,17 @@ def ridge_lstsq(
 
 
 def top_subspace(u: np.ndarray, s: np.ndarray, p: int) -> np.ndarray | None:
-    """Columns of `u` for the top-`p` singular values, ties with the `p`-th included, zeros never."""
+    """Columns of `u` for the `p` largest singular values, zeros never."""
     if s[0] <= 0:
         return None
-    p_th = s[min(p, len(s)) - 1]
-    return u[:, : len(s)][:, (s >= p_th * (1 - 1e-8)) & (s > 1e-12 * s[0])]
+    return u[:, : len(s)][:, :p][:, s[:p] > 1e-12 * s[0]]
+
+
+def is_degenerate(inputs: np.ndarray, x_a: np.ndarray, needs: int) -> bool:
+    """Too few independent neighbour inputs for the class (rank by NumPy's SVD, relative tolerance 1e-6),
+    or every neighbour's input an exact copy of the anchor's."""
+    s = np.linalg.svd(inputs, compute_uv=False)
+    return int((s > 1e-6 * s[0]).sum()) < needs or bool((inputs == x_a).all())
 
 
 def energy(v: np.ndarray, basis: np.ndarray | None) -> float | None:
@@ -79,42 +85,51 @@ def ratio(num: float, den: float) -> float | None:
 def reference_rows(
     x: np.ndarray, y: np.ndarray, seq: np.ndarray, anchors: np.ndarray, fit_class: FitClass, cfg: AnalysisConfig
 ) -> list[Row]:
-    """One anchor at a time: T_i(x_a) and J_i − I from the class's reference, then every metric column
-    (None where undefined)."""
-    patched, ops = [], []
+    """One anchor at a time: T_i(x_a) and J_i − I from the class's reference (None where the class's own
+    solve is not unique), then every metric column (None where undefined or degenerate)."""
+    from pipeline.study_a.classes.base import RefContext
+
+    patched, ops, degenerate = [], [], []
     for i, a in enumerate(anchors):
+        context = RefContext(i, len(anchors))
         if fit_class.local:
             nb = ref_neighbours(x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)
-            inputs, outputs = x[nb], y[nb]
+            result = fit_class.reference(x[nb], y[nb], x[a], cfg, context)
+            bad = is_degenerate(x[nb], x[a], fit_class.needs_rank(x.shape[1]))
         else:
-            inputs, outputs = x, y
-        t_val, op = fit_class.reference(inputs, outputs, x[a], cfg, RefContext(i, len(anchors)))
-        patched.append(t_val)
-        ops.append(op)
-    tok_all = np.array(patched) - x[anchors]
-    _, s, vt = np.linalg.svd(tok_all)
-    global_basis = top_subspace(vt.T, s, cfg.p)
-    rows = []
-    for a, t_val, op in zip(anchors, patched, ops):
-        full, tok, res = y[a] - x[a], t_val - x[a], y[a] - t_val
-        nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
-        u, s, _ = np.linalg.svd(op)
-        local = top_subspace(u, s, cfg.p)
-        cos_rt = ratio(res @ tok, nr * nt)
-        rows.append(
-            {
-                "rel_err": ratio(nr, nf),
-                "rel_err_state": ratio(nr, np.linalg.norm(y[a])),
-                "cos_full_tok": ratio(abs(full @ tok), nf * nt),
-                "cos_full_res": ratio(abs(full @ res), nf * nr),
-                "angle_res_tok": None if cos_rt is None else math.degrees(math.acos(np.clip(cos_rt, -1, 1))),
-                "proj_full": energy(full, local),
-                "proj_res": energy(res, local),
-                "proj_full_global": energy(full, global_basis),
-                "proj_res_global": energy(res, global_basis),
-                "norm_full": nf,
-                "norm_res": nr,
-                "patched": t_val,
-            }
-        )
-    return rows
+            result, bad = fit_class.reference(x, y, a, cfg, context), False
+        degenerate.append(bad or result is None)
+        patched.append(None if result is None else result[0])
+        ops.append(None if result is None else result[1])
+    kept = [t - x[a] for t, a, bad in zip(patched, anchors, degenerate) if not bad]
+    _, s, vt = np.linalg.svd(np.array(kept).reshape(len(kept), x.shape[1]))
+    global_basis = top_subspace(vt.T, s, cfg.p) if kept else None
+    return [
+        {"degenerate": True, "subspace_tied": None, "patched": None, **dict.fromkeys(FIT_METRICS)} if bad else
+        _row(x[a], y[a], t_val, op, global_basis, cfg.p)
+        for a, t_val, op, bad in zip(anchors, patched, ops, degenerate)
+    ]  # fmt: skip
+
+
+def _row(x_a: np.ndarray, y_a: np.ndarray, t_val: np.ndarray, op: np.ndarray, global_basis: np.ndarray | None, p: int) -> Row:
+    full, tok, res = y_a - x_a, t_val - x_a, y_a - t_val
+    nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
+    u, s, _ = np.linalg.svd(op)
+    local = top_subspace(u, s, p)
+    cos_rt = ratio(res @ tok, nr * nt)
+    return {
+        "rel_err": ratio(nr, nf),
+        "rel_err_state": ratio(nr, np.linalg.norm(y_a)),
+        "cos_full_tok": ratio(abs(full @ tok), nf * nt),
+        "cos_full_res": ratio(abs(full @ res), nf * nr),
+        "angle_res_tok": None if cos_rt is None else math.degrees(math.acos(np.clip(cos_rt, -1, 1))),
+        "proj_full": energy(full, local),
+        "proj_res": energy(res, local),
+        "proj_full_global": energy(full, global_basis),
+        "proj_res_global": energy(res, global_basis),
+        "norm_full": nf,
+        "norm_res": nr,
+        "degenerate": False,
+        "subspace_tied": bool(len(s) > p and s[p - 1] > 1e-12 * s[0] and s[p] >= s[p - 1] * (1 - 1e-8)),
+        "patched": t_val,
+    }

@@ -35,12 +35,15 @@ class RecipeConfig(Section):
 
     `tau` (recipes with a Hilbert trust region only) replaces `head_lr` by a trust region in nats per
     step: η_t = tau_t / r_t, with r_t the `radius_quantile` of ‖h‖ over the batch's final hidden states.
+    `equi_alignment` and `equi_iters` are the equidistance spreading's knobs (`hilbert_equi`): the share of
+    `hilbert`'s alignment every row keeps, and the spreading iterations.
     """
 
     head_lr: PositiveFloat | None = None
     tau: PositiveFloat | None = None
     radius_quantile: Annotated[float, Field(gt=0, le=1)] = 1.0
-    equi_iters: PositiveInt = 3
+    equi_iters: NonNegInt = 3
+    equi_alignment: Annotated[float, Field(gt=0, le=1)] = 0.5
     schedule: Schedule | None = None
 
     @model_validator(mode="after")
@@ -63,8 +66,12 @@ class TrainConfig(Section):
     grad_clip: PositiveFloat | None = 1.0
     schedule: Schedule = Schedule()
     recipe_overrides: dict[RecipeName, RecipeConfig] = {}
+    # Matched-budget ablation (SPEC §3.2): every recipe's head step (decay included) is scaled down where
+    # needed so that diam(ΔW) ≤ head_budget_tau_t / r_t, r_t = max ‖h‖ over the batch; null = off.
+    head_budget_tau: PositiveFloat | None = None
     eval_interval: PositiveInt = 50
-    eval_batches: PositiveInt = 4
+    eval_batches: PositiveInt = 4  # val: curves, tuning and early decisions
+    test_batches: PositiveInt = 16  # test: the final comparison (SPEC §3.2), once at the end of a run
     geometry_interval: PositiveInt = 10
     probe_sequences: PositiveInt = 8
     diam_exact_max_rows: PositiveInt = 16384  # above this V, head_diam is a row-sample estimate

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -101,6 +103,23 @@ def diam(w: Tensor, chunk_rows: int = 1024) -> Diameter:
     return _exact_max_pair(w, rows, cols)
 
 
+@torch.no_grad()
+def diam_upper(w: Tensor, chunk_rows: int = 1024) -> float:
+    """An upper bound of `diam(w)`, tight to the rounding of one float32 Gram form (relative ~(d+4)·eps,
+    1e-5 at d = 64): the largest squared distance of the rows, centred in float64, in the Gram form plus
+    that form's rounding bound. Cheap enough to cap a step every training step, where `diam`'s float64
+    search would cost more than the step."""
+    x = _centred_exact(w).float()
+    sq = (x * x).sum(dim=1)
+    best = 0.0
+    for start in range(0, x.shape[0], chunk_rows):
+        d2 = _gram_sq_distances(x[start : start + chunk_rows], sq[start : start + chunk_rows], x, sq)
+        best = max(best, float(d2.max()))
+    # Centring and the Gram form each err by at most a few (width+4)·eps·max‖x‖² (see `diam`).
+    tolerance = 16.0 * (x.shape[1] + 4) * torch.finfo(x.dtype).eps * float(sq.max())
+    return math.sqrt(best + tolerance)
+
+
 # Beyond this many near-maximal pairs (e.g. two antipodal clusters of rows), keeping only the largest
 # estimates costs at most the Gram rounding bound, ~1e-12 relative, and keeps memory bounded.
 _MAX_CANDIDATES = 16384
@@ -170,3 +189,18 @@ def equi_ratio(w: Tensor, sample_rows: int = 1024, seed: int = 0) -> float:
     off_diagonal = ~torch.eye(x.shape[0], dtype=torch.bool, device=x.device)
     largest = float(dist[off_diagonal].max())
     return float(dist[off_diagonal].min()) / largest if largest > 0 else float("nan")
+
+
+def equi_ratio_random(n_rows: int, width: int, seed: int = 0) -> float:
+    """`equi_ratio` of `n_rows` random unit rows in R^width (seeded): the baseline a spreading step is
+    measured against, on a sample of the same shape."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randn(n_rows, width, generator=gen, dtype=_EXACT)
+    return equi_ratio(rows / rows.norm(dim=1, keepdim=True), sample_rows=n_rows)
+
+
+def equi_ratio_bound(n_rows: int, width: int) -> float:
+    """The largest `equi_ratio` any `n_rows` points of R^width can have (a Welch-type bound, SPEC §3.1):
+    `(1 + √((n − d − 1)/(d·n)))^(−1/2)`, 1 when n ≤ d + 1 (a regular simplex is equidistant)."""
+    excess = n_rows - width - 1
+    return 1.0 if excess <= 0 else (1.0 + math.sqrt(excess / (width * n_rows))) ** -0.5

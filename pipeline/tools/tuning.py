@@ -1,15 +1,21 @@
-"""The head step-size tuning sweep behind each recipe's `default_step` (SPEC §3.2: "defaults chosen by a
-documented tuning protocol").
+"""The head step-size tuning sweep behind each recipe's `default_step` (SPEC §3.2: equal tuning budgets at the
+evaluation horizon, selected on val, never on test).
 
-Protocol: for one recipe on one arch, train one run per (head step size, seed) with everything else of
-the base `TrainConfig` fixed — hidden (Muon) and AdamW learning rates, schedule, model, batch — so only
-the head's step differs, and pick the step with the lowest mean final validation loss. A diverged run
-(or a non-finite final loss) counts as +inf, so a step that diverges on any seed never wins.
+Protocol, the same for every recipe, the baselines' AdamW heads included (tuning only the new heads would
+bias the comparison against the baselines):
 
-Every recipe gets the same budget: a log-spaced grid around its current default. That includes the
-AdamW head of `adamw` and `muon` (tuned through `recipe_overrides.<recipe>.head_lr`, which sets the
-head's own AdamW group and nothing else): tuning only the new heads would bias the comparison against
-the baselines. The Hilbert recipes get a second family in nats (`tau`).
+- one knob per recipe: `tau` (nats per step) for recipes with a Hilbert trust region, `head_lr` (η) for
+  the others; everything else of the study's `TrainConfig` stays fixed (hidden and AdamW learning rates,
+  schedule, model, batch, steps), so only the head's step differs;
+- round 1: the knob × `GRID_FACTORS` around the recipe's default at sweep time;
+- round 2: `REFINEMENTS` more values: ×2^(±1/2) around the round-1 best when it is inside the grid, or
+  ×2 and ×4 beyond it when it sits on an edge (so the optimum is bracketed rather than clipped);
+- every value is trained with the same tuning seeds, which are not the study's (the study's seeds are its
+  evaluation); the value with the lowest mean final **val** loss wins, a divergence counting as +inf;
+- transfer: on every other architecture of the study, the chosen value and its ×½ and ×2 neighbours are
+  trained with the same seeds, and the sweep reports whether the choice is also the best there.
+
+So every recipe gets exactly `len(GRID_FACTORS) + REFINEMENTS` values × seeds runs.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from pipeline.study_b.config import RecipeConfig, TrainConfig
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.train import train_run
 
-KNOBS = ("head_lr", "tau")  # also the tie-break order between families
+KNOBS = ("head_lr", "tau")
 GRID_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
-EDGE_FACTOR = 2.0  # one more grid step beyond an edge that won
+REFINEMENTS = 2
+TRANSFER_FACTORS = (0.5, 1.0, 2.0)
+TUNING_SEEDS = (1000, 1001)  # not the study's seeds: those evaluate
 
 TRIAL_SCHEMA = pa.schema(
     [
@@ -69,11 +77,14 @@ class Trial:
 
 @dataclass(frozen=True)
 class Choice:
-    """The winning head step of one recipe."""
+    """The winning head step of one recipe on one arch."""
 
     knob: str
     value: float
     mean_val_loss: float
+
+    def describe(self) -> str:
+        return f"{self.knob}={self.value:g}"
 
 
 def round_sig(x: float, digits: int = 3) -> float:
@@ -81,35 +92,45 @@ def round_sig(x: float, digits: int = 3) -> float:
     return float(f"{x:.{digits}g}")
 
 
-def default_step(recipe: str, cfg: TrainConfig) -> tuple[str, float]:
-    """The recipe's head step when no override is given, as (knob, value): its `default_step`, or the
-    run's `adamw_lr` where the default follows it."""
+def knob_of(recipe: str) -> str:
+    """The one knob a recipe is tuned in: nats per step where it has a trust region, η otherwise."""
+    return "tau" if RECIPES[recipe].trust_region else "head_lr"
+
+
+def default_value(recipe: str, cfg: TrainConfig) -> float:
+    """The recipe's default step in its knob: its `default_step`, the run's `adamw_lr` where the default
+    follows it, and for a trust-region recipe whose default is an η, that η in nats with ‖h‖ ≈ √d (the norm
+    of a hidden state after the final norm: a step of diameter η moves a token by at most ‖h‖·η nats)."""
     default = RECIPES[recipe].default_step
-    if default.tau is not None:
-        return "tau", default.tau
-    return "head_lr", default.head_lr if default.head_lr is not None else cfg.adamw_lr
+    eta = default.head_lr if default.head_lr is not None else cfg.adamw_lr
+    if knob_of(recipe) == "head_lr":
+        return eta
+    return default.tau if default.tau is not None else eta * math.sqrt(cfg.model.d_model)
 
 
-def default_grid(recipe: str, cfg: TrainConfig, factors: Sequence[float] = GRID_FACTORS) -> dict[str, list[float]]:
-    """Log-spaced grids around the recipe's default step (`default_step`), one per family.
-
-    For the Hilbert recipes η and tau are converted with ‖h‖ ≈ √d, the norm of a hidden state after the
-    final norm: a step of diameter η moves a token by at most ‖h‖·η nats, so the `tau` family is centred
-    on η·√d (and the `head_lr` family on tau/√d when the default is a tau).
-    """
-    knob, value = default_step(recipe, cfg)
-    sqrt_d = math.sqrt(cfg.model.d_model)
-    eta = value / sqrt_d if knob == "tau" else value
-    centres = {"head_lr": eta}
-    if RECIPES[recipe].trust_region:
-        centres["tau"] = value if knob == "tau" else eta * sqrt_d
-    return {knob: [round_sig(c * f) for f in factors] for knob, c in centres.items()}
+def first_round(recipe: str, cfg: TrainConfig) -> list[float]:
+    centre = default_value(recipe, cfg)
+    return [round_sig(centre * f) for f in GRID_FACTORS]
 
 
-def trials_for(recipe: str, arch: str, grid: dict[str, Sequence[float]], seeds: Sequence[int]) -> list[Trial]:
-    return [
-        Trial(recipe, arch, knob, value, seed) for knob, values in grid.items() for value in values for seed in seeds
-    ]
+def refinement(table: pa.Table) -> list[float]:
+    """The `REFINEMENTS` round-2 values of a one-recipe table of round-1 trials (module docstring)."""
+    scores = step_scores(table)
+    values = sorted(s.value for s in scores)
+    best = scores[0].value
+    if math.isinf(scores[0].mean_val_loss) or best == min(values):  # all diverged: go smaller
+        return [round_sig(min(values) / 2), round_sig(min(values) / 4)]
+    if best == max(values):
+        return [round_sig(best * 2), round_sig(best * 4)]
+    return [round_sig(best / math.sqrt(2)), round_sig(best * math.sqrt(2))]
+
+
+def transfer_values(choice: Choice) -> list[float]:
+    return [round_sig(choice.value * f) for f in TRANSFER_FACTORS]
+
+
+def trials_for(recipe: str, arch: str, values: Sequence[float], seeds: Sequence[int]) -> list[Trial]:
+    return [Trial(recipe, arch, knob_of(recipe), value, seed) for value in values for seed in seeds]
 
 
 def trial_config(base: TrainConfig, trial: Trial) -> TrainConfig:
@@ -128,7 +149,7 @@ def run_trial(
     vocab_size: int,
     seq_len: int,
 ) -> dict:
-    """Train one trial (no checkpoints) and return its row of `TRIAL_SCHEMA`."""
+    """Train one trial (no checkpoints, never the test split) and return its row of `TRIAL_SCHEMA`."""
     result, _ = train_run(
         RunSpec(trial.arch, trial.recipe, trial.seed), trial_config(base, trial), train_tokens, val_tokens,
         vocab_size, seq_len, params_hash="tuning", save_checkpoint=_no_checkpoint,
@@ -162,11 +183,12 @@ class StepScore:
 
 
 def step_scores(table: pa.Table) -> list[StepScore]:
-    """One score per (knob, value) of a one-recipe table, best first; ties go to the `KNOBS` order,
-    then to the smaller step (the more conservative choice)."""
-    recipes = set(table.column("recipe").to_pylist())
-    if len(recipes) != 1:
-        raise ValueError(f"expected the trials of one recipe, got {sorted(recipes) or 'none'}")
+    """One score per (knob, value) of a one-recipe, one-arch table, best first; ties go to the smaller step
+    (the more conservative choice)."""
+    for column in ("recipe", "arch"):
+        found = set(table.column(column).to_pylist())
+        if len(found) != 1:
+            raise ValueError(f"expected the trials of one {column}, got {sorted(found) or 'none'}")
     losses: dict[tuple[str, float], list[float]] = {}
     for row in table.select(["knob", "value", "final_val_loss", "diverged"]).to_pylist():
         loss = row["final_val_loss"]
@@ -176,7 +198,7 @@ def step_scores(table: pa.Table) -> list[StepScore]:
         StepScore(knob, value, fmean(ls), len(ls), sum(math.isinf(x) for x in ls))
         for (knob, value), ls in losses.items()
     ]
-    return sorted(scores, key=lambda s: (s.mean_val_loss, KNOBS.index(s.knob), s.value))
+    return sorted(scores, key=lambda s: (s.mean_val_loss, s.value))
 
 
 def best_step(table: pa.Table) -> Choice:
@@ -188,16 +210,7 @@ def best_step(table: pa.Table) -> Choice:
     return Choice(best.knob, best.value, best.mean_val_loss)
 
 
-def edge_extensions(table: pa.Table, factor: float = EDGE_FACTOR) -> dict[str, list[float]]:
-    """For each family whose best value is the largest (smallest) tried, the next value beyond it, so the
-    optimum is bracketed rather than clipped by the grid. Empty when every family is bracketed."""
-    scores = step_scores(table)
-    extensions: dict[str, list[float]] = {}
-    for knob in dict.fromkeys(s.knob for s in scores):
-        family = [s for s in scores if s.knob == knob]  # best first
-        values = [s.value for s in family]
-        if family[0].value == max(values) and not math.isinf(family[0].mean_val_loss):
-            extensions[knob] = [round_sig(max(values) * factor)]
-        elif family[0].value == min(values):  # also when all diverged: go smaller
-            extensions[knob] = [round_sig(min(values) / factor)]
-    return extensions
+def bracketed(table: pa.Table, choice: Choice) -> bool:
+    """Whether a value below and a value above the choice were tried (and were worse, as it won)."""
+    values = {s.value for s in step_scores(table)}
+    return min(values) < choice.value < max(values)

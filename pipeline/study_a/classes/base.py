@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch import Tensor
@@ -27,16 +27,23 @@ class RefContext(NamedTuple):
     n_anchors: int
 
 
-# (inputs, outputs, x_a, cfg) -> Update: inputs/outputs are (A, k, d) neighbours for a local class,
-# the (n, d) pool for a layer-wide one.
+# (inputs, outputs, at, cfg) -> Update. A local class gets its (A, k, d) neighbours and `at` = the anchors'
+# inputs x_a (A, d), never an anchor's own output; a layer-wide class gets the (n, d) pool and `at` = the
+# anchors' pool rows (A,), so that it can leave each anchor's own pair out.
 BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig], Update]
-# (inputs, outputs, x_a, cfg, context) -> (T(x_a), J − I) for one anchor, in NumPy.
-ReferenceFit = Callable[[np.ndarray, np.ndarray, np.ndarray, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray]]
+# (inputs, outputs, at, cfg, context) -> (T(x_a), J − I) for one anchor, in NumPy; `at` as for the batched fit
+# (x_a for a local class, the anchor's pool row for a layer-wide one); None where the class's solve is not unique.
+ReferenceFit = Callable[[np.ndarray, np.ndarray, Any, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray] | None]
 
 
 def _no_constraint(cfg: AnalysisConfig) -> str | None:
     del cfg
     return None
+
+
+def _any_rank(d: int) -> int:
+    del d
+    return 1
 
 
 @dataclass(frozen=True)
@@ -50,3 +57,6 @@ class FitClass:
     iterative: bool = False  # fitted by an optimiser (not in closed form): agreement is to its tolerance
     # A reason the analysis params cannot be used with this class, or None.
     check_config: Callable[[AnalysisConfig], str | None] = _no_constraint
+    # The rank the neighbours' inputs need, in width d, for the local map's value at the anchor to be
+    # determined by the data alone (not by the ridge or a starting point); below it the anchor is degenerate.
+    needs_rank: Callable[[int], int] = _any_rank

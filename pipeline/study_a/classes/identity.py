@@ -11,14 +11,15 @@ from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Columns, Update
 
 
-def fit(x: Tensor, y: Tensor, x_a: Tensor, cfg: AnalysisConfig) -> Update:
+def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig) -> Update:
     del y
-    return Update(torch.zeros_like(x_a), Columns(x_a.new_zeros((1, x.shape[1], cfg.p))))
+    none = torch.zeros(1, dtype=torch.bool, device=x.device)
+    return Update(torch.zeros_like(x[anchors]), Columns(x.new_zeros((1, x.shape[1], cfg.p)), none))
 
 
-def reference(x: np.ndarray, y: np.ndarray, xa: np.ndarray, cfg: AnalysisConfig, _: RefContext) -> tuple[np.ndarray, np.ndarray]:
-    del x, y, cfg
-    return xa.copy(), np.zeros((len(xa), len(xa)))
+def reference(x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefContext) -> tuple[np.ndarray, np.ndarray]:
+    del y, cfg
+    return x[a].copy(), np.zeros((x.shape[1], x.shape[1]))
 
 
 CLASS = FitClass("identity", local=False, fit=fit, reference=reference, summary="T(x) = x", tokenwise=False)

@@ -76,4 +76,10 @@ def reference(
     return xa + b @ xa, b
 
 
-CLASS = FitClass("lowrank", local=True, fit=fit, reference=reference, summary="T(x) = x + U Vᵀ x, rank r")
+def needs_rank(d: int) -> int:
+    return d  # below it B̂ is the minimum-norm choice on the neighbours' span, not a fact of the data
+
+
+CLASS = FitClass(
+    "lowrank", local=True, fit=fit, reference=reference, summary="T(x) = x + U Vᵀ x, rank r", needs_rank=needs_rank
+)

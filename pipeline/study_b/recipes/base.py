@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+import torch
 from torch import Tensor
 
 
@@ -23,8 +24,19 @@ class HeadStepDefault:
     tau: float | None = None
 
 
-# momentum (V, d) and the recipe's `equi_iters` -> the unit step; the optimizer applies −η times it.
-Direction = Callable[[Tensor, int], Tensor]
+@dataclass(frozen=True)
+class LMOKnobs:
+    """The knobs of the equidistance spreading (`train.recipe_overrides.<recipe>.equi_*`); directions
+    that do not spread rows ignore them."""
+
+    equi_iters: int
+    equi_alignment: float
+
+
+# (momentum (V, d), knobs, the run's generator on the momentum's device) -> the unit step, diam ≤ 1 for
+# the Hilbert recipes; the optimizer applies −η times it. Directions that draw no random numbers ignore
+# the generator.
+Direction = Callable[[Tensor, LMOKnobs, torch.Generator], Tensor]
 
 
 def newton_schulz_flops(vocab: int, width: int, steps: int = 5) -> float:
@@ -45,7 +57,8 @@ class HeadRecipe:
     head_flops: Callable[[int, int, int], float]
     direction: Direction | None = None
     trust_region: bool = False  # the step may be given in nats per step (`tau`)
-    records_spread: bool = False  # records `equi_ratio` of its direction at every logged step
     baseline: bool = False  # the recipe the others are compared with
-    # The bench's bar: this recipe's training step takes at most `ratio` × that of `recipe`.
+    # The bench's bars: this recipe's training step takes at most `ratio` × that of `recipe` (at the bench's
+    # model size), and its head step alone at GPT-2 scale (V = 50,304, d = 768) at most `ratio` × `recipe`'s.
     step_time_bar: tuple[str, float] | None = None
+    head_step_bar: tuple[str, float] | None = None

@@ -1,39 +1,82 @@
-"""`hilbert_equi`: as `hilbert`, plus the seed's "equidistant" spreading: `equi_iters` × (centre,
-Newton–Schulz, rownorm), then centre and scale so `diam(ΔW) ≤ η`."""
+"""`hilbert_equi`: the seed's equidistance LMO. Maximise the smallest distance between two rows of the step
+while its diameter stays within η, trading against alignment with the momentum M (SPEC §3.2).
 
+The trade-off is one knob, `equi_alignment` = c: every row keeps at least c of its alignment with its
+centred momentum row, `⟨u_i, m̃_i/‖m̃_i‖⟩ ≥ c`, so `⟨M, ΔW⟩` is at least c times `hilbert`'s at the same
+η (exactly c before the spreading moves anything). Within those cones the rows are spread apart:
+
+1. start on each cone's boundary in a fresh random tangent direction (a seeded stream: rows whose
+   momenta are parallel then start apart, which right-multiplying by any d × d matrix cannot do);
+2. `equi_iters` times: find each row's nearest row among `CANDIDATES` found once (exactly for V ≤ 2048 and
+   d ≤ 64; above, on a width-64 sketch of the rows and within buckets of ~2048 rows, so nothing costs
+   V²) and push it away by half its gap to the median nearest-row distance, then project back into its
+   cone. Rows already as far from their neighbours as the median do not move, so only the closest pairs
+   are pushed: this is ascent on the minimum distance, not on an average.
+
+Unit rows are then centred and halved, so diam(ΔW) ≤ η exactly (a common shift changes no distance).
+The step in Hilbert units is therefore the same as `hilbert`'s; only its direction differs.
+"""
+
+import torch
 from torch import Tensor
 
 from pipeline.study_b.hilbert import center_rows
-from pipeline.study_b.lmo import orthogonalise, unit_rows
-from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, newton_schulz_flops
+from pipeline.study_b.lmo import (
+    into_cones_,
+    nearest_among,
+    nearest_candidates,
+    on_cone,
+    sketch,
+    sketch_projection,
+    tangent_rows,
+    unit_rows,
+)
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
+
+CANDIDATES = 8  # nearest rows kept per row for the spreading iterations
 
 
-def direction(m: Tensor, equi_iters: int) -> Tensor:
-    """Alternate orthogonalisation of the centred matrix (rows become a tight frame) with
-    row-normalisation (equal norms); equal-norm tight frames are the configurations that approach the
-    Welch bound on the min/max distance ratio. Ends on unit rows, then as `hilbert`: centre and halve,
-    so diam ≤ 1."""
-    x = m
-    for _ in range(equi_iters):
-        x = unit_rows(orthogonalise(center_rows(x)))
-    return 0.5 * center_rows(x)
+def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
+    axes = unit_rows(center_rows(m))
+    c = knobs.equi_alignment
+    u = on_cone(axes, tangent_rows(torch.randn(m.shape, generator=gen, device=m.device, dtype=m.dtype), axes), c)
+    if knobs.equi_iters:
+        projection = sketch_projection(m.shape[1], m)
+        compared = sketch(u, projection)
+        candidates = nearest_candidates(compared, CANDIDATES)
+        for _ in range(knobs.equi_iters):
+            nearest, gap = nearest_among(compared, candidates)
+            push = 0.5 * (gap.median() - gap)
+            moving = torch.nonzero(push > 0).flatten()  # only rows closer to a neighbour than the median move
+            away = unit_rows(u[moving] - u[nearest[moving]])
+            u[moving] = into_cones_(unit_rows(u[moving] + push[moving, None] * away), axes[moving], c)
+            compared[moving] = sketch(u[moving], projection)
+    return 0.5 * center_rows(u)
 
 
 def head_flops(vocab: int, width: int, equi_iters: int) -> float:
-    n = vocab * width
-    per_iter = 2 * n + (2 * n + newton_schulz_flops(vocab, width)) + 3 * n  # centre, NS, rownorm
-    return 4 * n + equi_iters * per_iter + (2 + 1 + 1 + 2) * n  # momentum; centre, scale, decay, update
+    """Per V·d: momentum 4, centring and unit axes 5, random start and tangent 8, centre, scale, decay,
+    update 6; per iteration push, renormalise, project 16. With s = min(d, 64) the sketch width and
+    B = min(V, 2048) the bucket size: the search 2·V·(V/B + B)·s, and per iteration the sketch 2·V·d·s
+    (when d > 64) and the candidate distances 3·k·V·s."""
+    n, s, bucket = vocab * width, min(width, 64), min(vocab, 2048)
+    search = 2.0 * vocab * (vocab / bucket + bucket) * s
+    per_iter = 16 * n + (2 * n * s if width > 64 else 0) + 3 * CANDIDATES * vocab * s
+    return (4 + 5 + 8 + 6) * n + (search + equi_iters * per_iter if equi_iters else 0)
 
 
 RECIPE = HeadRecipe(
     name="hilbert_equi",
-    summary="equi_iters × (centre, Newton–Schulz, rownorm), centre, η/2",
+    summary="rows spread apart (max-min distance) within alignment cones ≥ c, centred, η/2",
     hidden="muon",
     head="lmo",
     direction=direction,
     trust_region=True,
-    records_spread=True,
     default_step=HeadStepDefault(tau=0.8),
     head_flops=head_flops,
-    step_time_bar=("muon_head", 1.2),
+    # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is
+    # as large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2
+    # scale, where the model dwarfs it, ~1.3× `muon_head`'s (`lmgeo bench`).
+    step_time_bar=("muon_head", 2.5),
+    head_step_bar=("muon_head", 1.5),
 )

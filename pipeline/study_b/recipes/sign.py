@@ -3,12 +3,12 @@
 import torch
 from torch import Tensor
 
-from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
+from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 
-def direction(m: Tensor, equi_iters: int) -> Tensor:
+def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
     """Entries ±1/d, d the head's input width."""
-    del equi_iters
+    del knobs, gen
     return torch.sign(m) / m.shape[1]
 
 
@@ -18,7 +18,7 @@ RECIPE = HeadRecipe(
     hidden="muon",
     head="lmo",
     direction=direction,
-    default_step=HeadStepDefault(head_lr=0.4),
+    default_step=HeadStepDefault(head_lr=0.283),
     # momentum 4, sign and scaling 2, decay 1, update 2
     head_flops=lambda vocab, width, equi_iters: 9.0 * vocab * width,
 )

@@ -1,4 +1,5 @@
-"""Each head recipe's training-step time against `muon` on the same model and batch."""
+"""Each head recipe's training-step time against `muon` on the same model and batch, and the head step
+alone at GPT-2 scale for recipes whose cost grows faster than V·d (their `head_step_bar`)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         optimizer = build_optimizers(model, head_of(model).weight, recipe, train)
         cases[recipe] = lambda r=recipe, m=model, o=optimizer: training_step(r, m, o)
     timings = interleaved(cases, size.repeats, warmup=2)
-    equi_iters = {r.name: resolve_head_step(r.name, train).equi_iters for r in RECIPES}
+    equi_iters = {r.name: resolve_head_step(r.name, train).knobs.equi_iters for r in RECIPES}
     flops = {r.name: r.head_flops(size.flops_vocab, size.flops_width, equi_iters[r.name]) for r in RECIPES}
     # Each bar from its own pair, interleaved A B B A: adjacent steps share the machine's load.
     bars, profile = [], {}
@@ -53,9 +54,12 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         bars.append(bar(f"recipes: {spec.name} / {base} (training-step time)", pair.ratio(spec.name, base), "<=", threshold))
         if not bars[-1].passed:
             profile[bars[-1].name] = profile_top(cases[spec.name])
+    head_steps = head_step_times(size, train)
+    bars += head_steps.pop("bars")
     reference = baseline().name
     return {
         "model": asdict(size),
+        "head_steps": head_steps,
         "baseline": reference,
         "vs_baseline": {r: timings.ratio(r, reference) for r in names},
         "optimizer_step_median_s": {r: statistics.median(optimizer_s[r]) for r in names},
@@ -65,3 +69,36 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         "bars": bars,
         "profile": profile,
     }
+
+
+def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
+    """For each recipe with a `head_step_bar`: its head optimizer's step against the bar's recipe's on the
+    same (head_vocab, head_width) weight and gradient, interleaved A B B A after one untimed step each."""
+    import torch
+
+    from pipeline.study_b.optim import head_only_optimizer
+
+    gen = torch.Generator().manual_seed(7)
+    shape = (size.head_vocab, size.head_width)
+    weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
+
+    def stepper(recipe: str) -> Any:
+        head = torch.nn.Parameter(weight.clone())
+        optimizer = head_only_optimizer(recipe, head, train)
+
+        def step() -> None:
+            head.grad = grad
+            optimizer.step()
+
+        return step
+
+    pairs, bars = {}, []
+    for spec in RECIPES:
+        if spec.head_step_bar is None:
+            continue
+        base, threshold = spec.head_step_bar
+        timings = interleaved({spec.name: stepper(spec.name), base: stepper(base)}, size.head_repeats, warmup=1)
+        pairs[f"{spec.name} / {base}"] = {"ratio": timings.ratio(spec.name, base), "timings": timings.summary()}
+        bars.append(bar(f"recipes: {spec.name} / {base} (head step alone, V = {shape[0]}, d = {shape[1]})",
+                        pairs[f"{spec.name} / {base}"]["ratio"], "<=", threshold))  # fmt: skip
+    return {"shape": list(shape), "pairs": pairs, "bars": bars}

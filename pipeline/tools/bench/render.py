@@ -48,17 +48,27 @@ KNOWN_LEVERS = {
         "factor, which a timing comparison here did not show to be faster at these condition numbers."
     ),
     "recipes: hilbert_equi": (
-        "`hilbert_equi` runs `equi_iters` Newton–Schulz orthogonalisations per step (3 by default) where "
-        "`muon_head` runs one, each 5·(4·V·d² + 2·d³) FLOPs (see the FLOP table); its `equi_ratio` is "
-        "now computed only when asked (geometry steps), not every step. The rest is structural: "
-        "≈ (fwd+bwd + equi_iters·NS)/(fwd+bwd + NS); `equi_iters = 1` costs as much as `muon_head`, "
-        "and fewer NS steps per inner iteration (the iterate is nearly orthogonal after the first) "
-        "would be the next lever."
+        "`hilbert_equi`'s cost beyond `hilbert`'s is the candidate search for each row's nearest rows, "
+        "2·V²·min(d, 64) FLOPs plus a top-k over V² similarities (a sketch of width 64 above d = 64), and "
+        "`equi_iters` passes over V × 8 candidates; `muon_head` pays one Newton–Schulz, 5·(4·V·d² + 2·d³) in "
+        "bfloat16. At small d the V² search dominates; levers: fewer candidates, a narrower sketch, or "
+        "`equi_iters = 0` (random tangents only, no search)."
     ),
     "recipes: hilbert /": (
         "`hilbert_direction` is element-wise (two centrings and a row normalisation, ≈ 15·V·d FLOPs "
         "against AdamW's ≈ 11·V·d); a miss here points at memory traffic (each centring and "
         "`_unit_rows` materialises a V × d temporary) or at load on the machine."
+    ),
+    "kNN vs FAISS": (
+        "Both sides compute the same Gram-form float32 distances; what differs is the selection (FAISS keeps a "
+        "heap per query, `nearest_neighbours` a `topk` over each pool chunk merged with the running best) and the "
+        "exact float64 re-rank of the `k + slack` candidates. A miss at a small pool points at fixed per-call "
+        "costs (the float32 copy and norms of the pool); at a large one, at the `topk` merge."
+    ),
+    "patching: suffix": (
+        "The suffix still recomputes the positions before the anchor inside blocks l+1..L−1 (no key/value cache "
+        "or recurrent state is used), so its gain is the skipped blocks and the head on the suffix only: about "
+        "L/(L − l) on the blocks and T/(T − t) on the head, averaged over layers and anchors."
     ),
     "fan-out": (
         "Two Ray workers can only halve the time when two cores are free: compare the load average "
@@ -112,6 +122,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     missed = [b for b in report["ratios"] if not b["passed"]]
     lines += ["", f"{len(report['ratios']) - len(missed)} of {len(report['ratios'])} bars met.", ""]
     lines += _extraction_md(report["extraction"]) + _fits_md(report["fits"]) + _knn_md(report["knn_memory"])
+    lines += _faiss_md(report["knn_vs_faiss"]) + _patching_md(report["patching"])
     lines += _recipes_md(report["recipes"]) + _fanout_md(report["fanout"]) + _gpu_md(report["gpu"])
     if missed:
         lines += ["## Missed bars: profiles and levers", ""]
@@ -175,6 +186,30 @@ def _knn_md(section: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _faiss_md(section: dict[str, Any]) -> list[str]:
+    lines = ["## kNN against FAISS", "",
+             ("`nearest_neighbours` (float64 pool; float32 candidate pass, exact float64 re-rank, ties to the lower "
+              "index) against FAISS `IndexFlatL2` (exact, float32; the index is built inside the timed call and "
+              "`k + 1` neighbours searched, the anchor dropped), both on one thread, Gaussian data."), ""]
+    lines += _table(["pool", "d", "anchors", "lmgeo s", "FAISS s", "speed-up", "same neighbour sets"], [
+        [str(r["size"]["pool"]), str(r["size"]["d"]), str(r["size"]["anchors"]),
+         _num(r["timings"]["lmgeo"]["median_s"]), _num(r["timings"]["faiss"]["median_s"]), _num(r["speedup"]) + "×",
+         f"{r['same_neighbours']:.1%}"] for r in section["runs"]])
+    return lines + [""]
+
+
+def _patching_md(section: dict[str, Any]) -> list[str]:
+    s = section["size"]
+    lines = ["## Patching: suffix against full forward", "",
+             (f"`patch_kl_anchors` on a random-weight {s['arch']} (d = {s['d_model']}, {s['n_layers']} blocks, "
+              f"V = {s['vocab']}, {s['n_seq']} sequences of {s['seq_len']}), {s['anchors_per_seq']} anchors per "
+              "sequence with 3 patched copies each, at every layer. `suffix` skips the blocks before the patch and "
+              "runs the head only from the earliest anchor of a batch on; `full` is a whole forward with a hook."), ""]
+    lines += _table(["mode", "seconds (median)"], [[m, _num(t["median_s"])] for m, t in section["timings"].items()])
+    lines += ["", f"Largest relative KL difference between the modes: {_num(section['max_relative_kl_difference'])}.", ""]
+    return lines
+
+
 def _recipes_md(section: dict[str, Any]) -> list[str]:
     m, f, base = section["model"], section["head_step_flops"], section["baseline"]
     lines = ["## Head recipes", "",
@@ -191,6 +226,12 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
     lines += _table(["recipe", "step s (median)", f"vs {base}", "optimizer step s", "head-step GFLOP"], [
         [r, _num(section["timings"][r]["median_s"]), _num(section["vs_baseline"][r]) + "×",
          _num(section["optimizer_step_median_s"][r]), _num(f["per_recipe"][r] / 1e9)] for r in section["vs_baseline"]])
+    head = section["head_steps"]
+    lines += ["", (f"Head step alone (the head's optimizer on a V = {head['shape'][0]}, d = {head['shape'][1]} weight "
+                   "with a fixed gradient), for recipes whose cost grows faster than V·d:"), ""]  # fmt: skip
+    lines += _table(["pair", "ratio", "median s (each side)"], [
+        [pair, _num(v["ratio"]) + "×", " / ".join(_num(t["median_s"]) for t in v["timings"].values())]
+        for pair, v in head["pairs"].items()])
     return lines + [""]
 
 

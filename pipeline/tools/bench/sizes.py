@@ -49,6 +49,27 @@ class KnnSize:
 
 
 @dataclass(frozen=True)
+class KnnVsFaissSize:
+    pool: int
+    d: int
+    anchors: int
+    repeats: int
+
+
+@dataclass(frozen=True)
+class PatchingSize:
+    arch: str
+    d_model: int
+    n_layers: int
+    vocab: int
+    seq_len: int
+    n_seq: int
+    anchors_per_seq: int  # each with 3 patched copies (a real patch and two nulls)
+    batch: int
+    repeats: int
+
+
+@dataclass(frozen=True)
 class RecipeSize:
     arch: str
     d_model: int
@@ -60,6 +81,9 @@ class RecipeSize:
     repeats: int
     flops_vocab: int = 50304  # the analytic FLOP estimate is at GPT-2 scale whatever was timed
     flops_width: int = 768
+    head_vocab: int = 50304  # head steps alone are timed at this scale (GPT-2's head)
+    head_width: int = 768
+    head_repeats: int = 3
 
 
 @dataclass(frozen=True)
@@ -80,6 +104,8 @@ class BenchSizes:
     knn: KnnSize
     recipes: RecipeSize
     fanout: FanoutSize
+    knn_vs_faiss: tuple[KnnVsFaissSize, ...]
+    patching: PatchingSize
     gpu_knn: KnnSize  # CUDA only: a hub-model width and a pool of 2^16–2^18 tokens
 
 
@@ -96,6 +122,10 @@ FULL = BenchSizes(
     knn=KnnSize(d=64, chunk=1024, anchors=1024, pools=(8192, 32768)),
     recipes=RecipeSize("neox", 128, 2, 4, 8192, 64, 8, 10),
     fanout=FanoutSize(d=128, n_layers=6, n_seq=32, seq_len=64, anchors=128, classes=fit_bench_classes(), repeats=3),
+    # The two sizes the any-family issue measured FAISS at: the default study's pool, and a hub-model one.
+    knn_vs_faiss=(KnnVsFaissSize(2048, 64, 128, 9), KnnVsFaissSize(65536, 256, 1024, 3)),
+    # The default study's models: 4 blocks of width 64, V = 2048, 64-token sequences.
+    patching=PatchingSize("neox", 64, 4, 2048, 64, 8, 4, 32, 3),
     gpu_knn=KnnSize(d=768, chunk=4096, anchors=4096, pools=(65536, 262144)),
 )
 
@@ -104,7 +134,10 @@ QUICK = BenchSizes(
     extraction=ExtractionSize("gpt2", 32, 2, 2, 256, 16, 4, (4, 16), 2),
     fits=(FitScale("d=16 (smoke)", 16, 8, 16, 4, 1),),
     knn=KnnSize(d=8, chunk=64, anchors=64, pools=(256, 1024)),
-    recipes=RecipeSize("neox", 32, 1, 2, 512, 16, 2, 2, flops_vocab=50304, flops_width=768),
+    recipes=RecipeSize("neox", 32, 1, 2, 512, 16, 2, 2, flops_vocab=50304, flops_width=768, head_vocab=1024,
+                       head_width=64, head_repeats=1),
     fanout=FanoutSize(d=16, n_layers=2, n_seq=8, seq_len=16, anchors=8, classes=fit_bench_classes()[:1], repeats=1),
+    knn_vs_faiss=(KnnVsFaissSize(512, 16, 32, 1),),
+    patching=PatchingSize("neox", 16, 2, 64, 16, 2, 2, 8, 1),
     gpu_knn=KnnSize(d=64, chunk=256, anchors=256, pools=(1024, 4096)),
 )

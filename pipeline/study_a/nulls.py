@@ -1,0 +1,52 @@
+"""The null patches of the functional claim (SPEC §4.5).
+
+The real patch replaces block l's output `y = h_{l+1}` at an anchor by `T_i(h_l) = y − r`. Its nulls are
+patches of the same size that carry no information from the fit: `y − r̃` with `r̃` a random direction of
+norm `‖r‖` (seeded), and with `r̃` another anchor's residual (a seeded derangement of the layer's anchors
+of the same class) rescaled to `‖r‖`. If the real residual predicts the output change only through its
+size, `Spearman(rel_err, kl)` is matched by the nulls' and `kl / kl_null` is near 1.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from pipeline.core.store import arrow_to_vectors
+
+
+class NullPatches(NamedTuple):
+    """`valid` (n,): anchors with a patch (not degenerate); the replacement vectors (float32) of those
+    anchors: `real` = T_i(h_l), `random` and `other` = y − r̃."""
+
+    valid: np.ndarray
+    real: np.ndarray
+    random: np.ndarray
+    other: np.ndarray
+
+
+def null_patches(patched: pa.ChunkedArray | pa.Array, clean: np.ndarray, rng: np.random.Generator) -> NullPatches:
+    """The real and null replacement vectors from the fits' `patched` column (null where degenerate) and
+    the clean outputs `y` at the same anchors (n, d)."""
+    valid = pc.is_valid(patched).to_numpy(zero_copy_only=False)
+    real = arrow_to_vectors(patched.filter(pc.is_valid(patched))).astype(np.float64)
+    y = np.asarray(clean, dtype=np.float64)[valid]
+    residual = y - real
+    size = np.linalg.norm(residual, axis=1, keepdims=True)
+    direction = rng.normal(size=residual.shape)
+    random = y - size * direction / np.linalg.norm(direction, axis=1, keepdims=True)
+    other = residual[derangement(len(residual), rng)]
+    other_size = np.linalg.norm(other, axis=1, keepdims=True)
+    scale = np.divide(size, other_size, out=np.zeros_like(size), where=other_size > 0)
+    return NullPatches(valid, *(v.astype(np.float32) for v in (real, random, y - scale * other)))
+
+
+def derangement(n: int, rng: np.random.Generator) -> np.ndarray:
+    """`partner[i] ≠ i` for every i when n ≥ 2 (a random cycle through all n), seeded."""
+    cycle = rng.permutation(n)
+    partner = np.empty(n, dtype=np.int64)
+    partner[cycle] = np.roll(cycle, -1)
+    return partner

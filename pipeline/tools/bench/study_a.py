@@ -1,0 +1,85 @@
+"""Study A's two speed bars of SPEC §7: the exact kNN against FAISS's exact `IndexFlatL2` on one thread
+(same data, same neighbours), and patching the suffix against a full forward (same KLs)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from pipeline.tools.bench.measure import bar, interleaved
+from pipeline.tools.bench.sizes import KnnVsFaissSize, PatchingSize
+
+
+def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dict[str, Any]:
+    """`nearest_neighbours` (float64 pool, exact ties) against FAISS `IndexFlatL2` (float32, index built
+    in the timed call, `k + 1` searched and the anchor itself dropped), interleaved, per size."""
+    import faiss
+    import torch
+
+    from pipeline.study_a.fits import choose_anchors
+    from pipeline.study_a.knn import nearest_neighbours
+
+    torch.set_num_threads(threads)
+    faiss.omp_set_num_threads(threads)
+    out: dict[str, Any] = {"runs": [], "bars": []}
+    for size in sizes:
+        rng = np.random.default_rng(7)
+        pool = rng.normal(size=(size.pool, size.d))
+        anchors = choose_anchors(size.pool, size.anchors, seed=0)
+        pool64, anchors_t = torch.from_numpy(pool), torch.from_numpy(anchors)
+        pool32 = np.ascontiguousarray(pool, dtype=np.float32)
+
+        def ours() -> np.ndarray:
+            return nearest_neighbours(pool64, anchors_t, k).index.numpy()
+
+        def theirs() -> np.ndarray:
+            index = faiss.IndexFlatL2(size.d)
+            index.add(pool32)
+            _, found = index.search(pool32[anchors], k + 1)
+            return np.array([[j for j in row if j != a][:k] for row, a in zip(found, anchors, strict=True)])
+
+        timings = interleaved({"lmgeo": ours, "faiss": theirs}, size.repeats)
+        same = float(np.mean([set(a) == set(b) for a, b in zip(ours(), theirs(), strict=True)]))
+        speedup = timings.ratio("faiss", "lmgeo")
+        out["runs"].append({"size": asdict(size), "speedup": speedup, "same_neighbours": same, "timings": timings.summary()})
+        out["bars"].append(bar(f"kNN vs FAISS IndexFlatL2, pool {size.pool} × d {size.d}, {size.anchors} anchors (speed-up)",
+                               speedup, ">=", 1.0, note=f"same neighbour sets for {same:.1%} of anchors",
+                               extra_ok=same == 1.0))  # fmt: skip
+    return out
+
+
+def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
+    """`patch_kl_anchors` in `suffix` against `full` mode on a random-weight model, every layer, 3
+    patched copies per anchor (a real patch and two nulls share an anchor, as in the perturb stage)."""
+    import torch
+
+    from pipeline.models.config import ModelSize
+    from pipeline.models.registry import build_model
+    from pipeline.study_a.patching import patch_kl_anchors
+
+    torch.set_num_threads(threads)
+    model = build_model(size.arch, ModelSize(d_model=size.d_model, n_layers=size.n_layers, n_heads=4), size.vocab,
+                        size.seq_len, seed=0).eval()  # fmt: skip
+    rng = np.random.default_rng(3)
+    tokens = rng.integers(0, size.vocab, size=(size.n_seq, size.seq_len))
+    rows = np.repeat(np.repeat(np.arange(size.n_seq), size.anchors_per_seq), 3)
+    positions = np.repeat(rng.integers(0, size.seq_len, size=size.n_seq * size.anchors_per_seq), 3)
+    vectors = rng.normal(size=(len(rows), size.d_model)).astype(np.float32)
+    cases, worst = {}, 0.0
+    for mode in ("suffix", "full"):
+        cases[mode] = lambda mode=mode: [
+            patch_kl_anchors(model, tokens, rows, positions, layer, vectors, size.batch, mode=mode)
+            for layer in range(size.n_layers)
+        ]
+    timings = interleaved(cases, size.repeats)
+    for (kl_s, seq_s), (kl_f, seq_f) in zip(timings.results["suffix"][-1], timings.results["full"][-1], strict=True):
+        worst = max(worst, float(np.max(np.abs(kl_s - kl_f) / np.maximum(kl_f, 1e-6))),
+                    float(np.max(np.abs(seq_s - seq_f) / np.maximum(seq_f, 1e-6))))  # fmt: skip
+    speedup = timings.ratio("full", "suffix")
+    return {
+        "size": asdict(size), "speedup": speedup, "max_relative_kl_difference": worst, "timings": timings.summary(),
+        "bars": [bar(f"patching: suffix vs full forward, {size.arch} {size.n_layers} blocks (speed-up)", speedup, ">=", 1.5,
+                     note=f"KLs agree to {worst:.1e} (relative)", extra_ok=worst <= 1e-3)],
+    }  # fmt: skip

@@ -1,0 +1,84 @@
+"""What a training run records (SPEC §3.3): the head step's geometry on the probe and training batches,
+its alignment with the gradient, the spread references, and the final test loss."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.core.contracts import STEPS, RunSpec
+from pipeline.models.config import ModelSize
+from pipeline.study_b import hilbert
+from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.optim import schedule_factor
+from pipeline.study_b.train import train_run
+
+TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
+VOCAB, SEQ = 64, 16
+
+
+@pytest.fixture(scope="module")
+def tokens() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {split: rng.integers(0, VOCAB, n).astype(np.int32) for split, n in (("train", 4000), ("val", 800), ("test", 800))}
+
+
+def run(tokens, recipe: str, with_test: bool = True, **overrides):
+    cfg = TrainConfig(model=TINY, steps=6, batch_size=4, eval_batches=1, test_batches=2, probe_sequences=2,
+                      geometry_interval=2, equi_sample_rows=32, device="cpu", **overrides)  # fmt: skip
+    record, steps = train_run(
+        RunSpec("neox", recipe, 0), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x", lambda *_: None,
+        test_tokens=tokens["test"] if with_test else None,
+    )
+    return cfg, record, steps.to_pylist()
+
+
+def geometry_rows(steps: list[dict]) -> list[dict]:
+    return [r for r in steps if r["hilbert_bound"] is not None]
+
+
+def test_a_tau_step_moves_no_training_token_by_more_than_tau(tokens) -> None:
+    """With radius_quantile 1 the trust region covers every token of the batch the step came from, so the
+    realised d_H on that batch (`hilbert_realized_train`) stays within tau_t, and is a real fraction of it."""
+    schedule = Schedule(warmup_steps=2, decay="cosine", final_frac=0.1)
+    cfg, _, steps = run(tokens, "hilbert", schedule=schedule, recipe_overrides={"hilbert": RecipeConfig(tau=0.5)})
+    rows = geometry_rows(steps)
+    assert len(rows) == 4  # steps 1, 2, 4, 6
+    for r in rows:
+        tau_t = 0.5 * schedule_factor(r["step"] - 1, cfg.steps, schedule)
+        assert 0.2 * tau_t < r["hilbert_realized_train"] <= tau_t * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["adamw", "hilbert_equi"])
+def test_geometry_rows_carry_alignment_and_the_spread_references(tokens, recipe: str) -> None:
+    _, record, steps = run(tokens, recipe)
+    rows = geometry_rows(steps)
+    assert set(rows[0]) == {f.name for f in STEPS.fields}
+    for r in rows:
+        assert -1 <= r["head_alignment"] <= 1
+        assert abs(r["head_alignment_hilbert"]) <= math.sqrt(2 * TINY.d_model / (TINY.d_model + 1)) + 1e-9
+        assert r["hilbert_realized_train"] <= r["head_diam"] * 1e3  # finite, measured
+        assert r["equi_ratio_random"] == hilbert.equi_ratio_random(32, TINY.d_model)
+        assert r["equi_ratio_bound"] == hilbert.equi_ratio_bound(32, TINY.d_model)
+        assert r["head_step_scale"] is None  # no head budget in this run
+    assert all(r["head_alignment"] is None for r in steps if r["hilbert_bound"] is None)
+    assert rows[0]["head_alignment"] > 0  # the first step descends along its own gradient
+    assert record.final_test_loss is not None and math.isfinite(record.final_test_loss)
+    assert record.final_test_loss != record.final_val_loss  # another split
+
+
+def test_runs_without_test_tokens_never_measure_test(tokens) -> None:
+    _, with_test, _ = run(tokens, "muon")
+    _, without, _ = run(tokens, "muon", with_test=False)
+    assert without.final_test_loss is None
+    assert without.final_val_loss == with_test.final_val_loss  # reading test changes nothing else
+
+
+def test_a_head_budget_is_recorded_every_step(tokens) -> None:
+    _, _, steps = run(tokens, "adamw", head_budget_tau=0.01)
+    assert all(0 < r["head_step_scale"] <= 1 for r in steps)
+    assert min(r["head_step_scale"] for r in steps) < 1
+    for r in geometry_rows(steps):
+        assert r["hilbert_realized_train"] <= 0.01 * (1 + 1e-5)
