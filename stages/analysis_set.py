@@ -128,7 +128,7 @@ def check_external_models(params: Params, layout: Layout) -> None:
             model_tokenizer(layout, params, model)
             source = model_source(layout, params, model.ref, model.revision)
             if Path(source).is_dir():
-                verify_model(_load(layout, params, source, model.revision))
+                verify_model(_load(layout, source, params, model.revision))
 
 
 def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
