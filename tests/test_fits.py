@@ -98,6 +98,31 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
     assert info.n_nonfinite == 0 and info.n_anchors == len(anchors) and info.n_pool == len(x)
 
 
+@pytest.mark.parametrize("fn", CLASSES)
+def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
+    """Memory is bounded by the anchor chunk (`fits.CHUNK_VALUES`); the rows do not depend on it (the
+    MLP's start is drawn per anchor, whatever its chunk)."""
+    from pipeline.study_a import fits
+
+    rng = np.random.default_rng(4)
+    x, y, seq, pos, tok = random_layer(rng, d=6)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), cfg.anchors, seed=3)
+    whole = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
+    monkeypatch.setattr(fits, "CHUNK_VALUES", 2 * cfg.k * 6)  # two anchors a chunk: 5 chunks, the last short
+    assert len(fits.anchor_chunks(len(anchors), cfg.k, 6)) == 5
+    chunked = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
+    for name in chunked.column_names:
+        got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
+        if name in ("sample", "degenerate", "converged", "subspace_tied", "seq_id", "pos", "token_id", "k", "input_rank"):
+            assert got == want, name
+        else:
+            assert [g is None for g in got] == [w is None for w in want], name
+            present = [(g, w) for g, w in zip(got, want, strict=True) if g is not None]
+            for g, w in present:
+                np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 def test_schema_is_the_contract():
     assert FITS.file_schema(3).names == [
         "sample", "seq_id", "pos", "token_id", "k", "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res",

@@ -263,7 +263,8 @@ def extract_and_check(model, n_blocks: int, width: int) -> list[np.ndarray]:
 
 def patch_and_check(model, states: list[np.ndarray]) -> None:
     """Patch every layer at a few tokens: the true block output leaves the distribution unchanged (KL at
-    rounding level); another vector gives a finite KL."""
+    rounding level); another vector gives a finite KL, the same whether the patched copy recomputes only
+    the suffix of blocks (what the perturb stage runs) or the full forward."""
     from pipeline.study_a.patching import patch_kl_anchors
 
     tokens = probe_tokens(model)
@@ -278,6 +279,10 @@ def patch_and_check(model, states: list[np.ndarray]) -> None:
         kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, moved, batch_size=2)
         if not (np.isfinite(kl).all() and np.isfinite(kl_seq).all()):
             raise AssertionError(f"layer {layer}: a patch gave a non-finite KL")
+        full = patch_kl_anchors(model, tokens, rows, positions, layer, moved, batch_size=2, mode="full")
+        for got, want in zip((kl, kl_seq), full, strict=True):
+            if not np.allclose(got, want, rtol=1e-3, atol=1e-6):
+                raise AssertionError(f"layer {layer}: suffix patching gave KLs {got}, the full forward {want}")
 
 
 def coverage(model_types: list[str]) -> list[Coverage]:
