@@ -273,3 +273,19 @@ def test_choose_anchors_is_seeded_sorted_and_valid():
     np.testing.assert_array_equal(picked, choose_anchors(100, 20, seed=5, valid_mask=valid))
     assert not np.array_equal(picked, choose_anchors(100, 20, seed=6, valid_mask=valid))
     assert len(choose_anchors(100, 500, seed=5, valid_mask=valid)) == valid.sum()
+
+
+def test_numerical_rank_matches_numpys_svd():
+    """The Gram eigensolve counts the ranks NumPy's SVD counts, for both shapes, with exact dependences and
+    singular values spread over three orders of magnitude."""
+    from pipeline.study_a.geometry import numerical_rank
+
+    rng = np.random.default_rng(8)
+    for k, d in ((12, 7), (5, 9)):
+        batch = []
+        for rank in range(1, min(k, d) + 1):
+            left, right = rng.normal(size=(k, rank)), rng.normal(size=(rank, d))
+            batch.append((left * np.logspace(0, -3, rank)) @ right)
+        m = np.stack(batch).astype(np.float32).astype(np.float64)
+        expected = [int((s > 1e-6 * s[0]).sum()) for s in np.linalg.svd(m, compute_uv=False)]
+        assert numerical_rank(torch.from_numpy(m)).tolist() == expected == list(range(1, min(k, d) + 1))
