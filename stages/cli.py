@@ -203,6 +203,20 @@ def families(
 
 
 @app.command()
+def rehearse(
+    write: Annotated[Optional[Path], typer.Option("--write", help="write the report here, e.g. docs/scale.md (and .json beside it)")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="this seed model only: pythia-1.4b, mamba-370m, gpt2 (repeatable)")] = None,
+    device: Annotated[str, typer.Option(help="cpu, or cuda on a GPU node")] = "cpu",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
+) -> None:
+    """Run the seed's model configurations (random weights) through extract, fit and perturb on a slice;
+    print the per-unit costs, peak memory and the extrapolated cost of the seed's study."""
+    from stages.rehearse import rehearse as run_rehearsal
+
+    typer.echo(run_rehearsal(write, only, device, threads))
+
+
+@app.command()
 def preset(
     path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
     params: ParamsOpt = Path("params.yaml"),

@@ -175,3 +175,38 @@ def test_check_model_reports_a_verified_model_and_names_the_failed_check(tmp_pat
     assert good.exit_code == 0 and "verified" in good.output and "blocks model.layers" in good.output, good.output
     bad = runner.invoke(app, ["check-model", "./models/bad"])
     assert bad.exit_code == 2 and "lmgeo: error: verification failed: readout" in bad.output, bad.output
+
+
+# ------------------------------------------------------------------------------------------ the seed's models
+def test_the_seed_preset_analyses_the_rehearsed_models():
+    """presets/seed.yaml's hub ids are those `lmgeo rehearse` extrapolates (docs/scale.md)."""
+    from pathlib import Path
+
+    import yaml
+
+    from pipeline.tools.rehearsal import SEED_STUDY
+
+    preset = yaml.safe_load((Path(__file__).parents[1] / "presets" / "seed.yaml").read_text())
+    assert [m["id"] for m in preset["analysis"]["external_models"]] == list(SEED_STUDY)
+
+
+@pytest.mark.parametrize("hub_id", ["EleutherAI/pythia-1.4b", "state-spaces/mamba-370m-hf", "distilbert/distilgpt2"])
+def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path):
+    """The seed's configurations (their published settings, shrunk to a tiny size), saved with
+    save_pretrained inside the workspace, go through the stages' loading path (`external_model`:
+    the safety checks and digest; `open_model`: load and verify), then extraction and patching."""
+    from pipeline.params import Params
+    from pipeline.tools.families import extract_and_check, patch_and_check
+    from pipeline.tools.rehearsal import SEED_STUDY
+    from stages.analysis_set import external_model, open_model
+    from stages.layout import Layout
+
+    published = SEED_STUDY[hub_id][0]()
+    config = tiny_config(published.model_type, base=published)
+    assert config.tie_word_embeddings == published.tie_word_embeddings
+    save_tiny_model(config, tmp_path / "models" / hub_id.split("/")[1], seed=0)
+    layout, params = Layout(tmp_path), Params()
+    model = external_model(params, layout, f"./models/{hub_id.split('/')[1]}", None)
+    net, _device = open_model(layout, params, model)
+    states = extract_and_check(net, config.num_hidden_layers, config.hidden_size)
+    patch_and_check(net, states)

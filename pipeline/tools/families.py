@@ -127,13 +127,15 @@ def causal_lm_types() -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ shrinking
-def tiny_config(model_type: str):
-    """A tiny config of `model_type`: the family's defaults with every size key it has shrunk (in its
-    nested configs too), then the family's fixes."""
+def tiny_config(model_type: str, base=None):
+    """A tiny config of `model_type`: the family's defaults (or the settings of `base`, a config of that
+    family, e.g. a published model's) with every size key it has shrunk (in its nested configs too), then
+    the family's fixes."""
     from transformers import AutoConfig
 
-    default = AutoConfig.for_model(model_type)
-    settings = _shrunk(default)
+    default = base if base is not None else AutoConfig.for_model(model_type)
+    kept = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")} if base is not None else {}
+    settings = kept | _shrunk(default)
     for name in _sub_config_names(default):
         nested = getattr(default, name)
         settings[name] = nested.to_dict() | _shrunk(nested)

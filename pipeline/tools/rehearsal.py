@@ -64,11 +64,17 @@ SEED_CONFIGS: dict[str, Callable[[], Any]] = {
 class Slice:
     """What of the analysis the rehearsal runs per model."""
 
-    n_seq: int = 4
+    n_seq: int = 2
     seq_len: int = 64
     batch_size: int = 2
-    anchors: int = 4  # fitted per class at the middle layer
-    perturb_anchors: int = 2  # of those, patched per class (each three copies: the fit and two nulls)
+    # Anchors fitted per class at the middle layer: the fits cost O(d³) per anchor at k = d, so fewer at a
+    # larger width (4 at d = 768, 3 at 1024, 1 at 2048), to keep the rehearsal to minutes.
+    anchor_budget: float = 4e9
+    max_anchors: int = 4
+    perturb_anchors: int = 1  # of those, patched per class (each three copies: the fit and two nulls)
+
+    def anchors(self, d: int) -> int:
+        return max(1, min(self.max_anchors, int(self.anchor_budget / d**3)))
 
 
 @dataclass
@@ -172,8 +178,8 @@ def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: 
     x, y = _pool(x, y, max(len(x), 2 * d), seed)
     n = len(x)
     seq, pos = np.arange(n) // shape[1], np.arange(n) % shape[1]
-    cfg = AnalysisConfig(anchors=size.anchors, k=d, rank=16, p=16)
-    anchors = choose_anchors(min(n, math.prod(shape)), size.anchors, seed)  # extracted tokens only
+    cfg = AnalysisConfig(anchors=size.anchors(d), k=d, rank=16, p=16)
+    anchors = choose_anchors(min(n, math.prod(shape)), cfg.anchors, seed)  # extracted tokens only
     pool64 = torch.as_tensor(x, dtype=torch.float64, device=device)
     _, knn_s, _ = _timed(lambda: nearest_neighbours(pool64, torch.as_tensor(anchors, device=device), cfg.k))
     measured.pool, measured.k, measured.knn_s_per_anchor = n, cfg.k, knn_s / len(anchors)
@@ -212,3 +218,200 @@ def rehearse_all(names: list[str], size: Slice, device: str = "cpu") -> list[Mea
 
 def as_json(results: list[Measured], size: Slice) -> dict[str, Any]:
     return {"slice": asdict(size), "models": [asdict(r) for r in results]}
+
+
+# ------------------------------------------------------------------------------------------ extrapolation
+def _neox(d: int, layers: int, heads: int):
+    from transformers import GPTNeoXConfig
+
+    return GPTNeoXConfig(
+        vocab_size=50304, hidden_size=d, num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=4 * d,
+        rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
+def _mamba(d: int, layers: int):
+    from transformers import MambaConfig
+
+    return MambaConfig(vocab_size=50280, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2, tie_word_embeddings=True)
+
+
+def _distilgpt2():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_layer=6)
+
+
+# The seed's own study (`presets/seed.yaml`): each model's published hyper-parameters, and the rehearsed
+# configuration whose measured costs it is scaled from.
+SEED_STUDY: dict[str, tuple[Callable[[], Any], str]] = {
+    "EleutherAI/pythia-70m": (lambda: _neox(512, 6, 8), "pythia-1.4b"),
+    "EleutherAI/pythia-160m": (lambda: _neox(768, 12, 12), "pythia-1.4b"),
+    "EleutherAI/pythia-410m": (lambda: _neox(1024, 24, 16), "pythia-1.4b"),
+    "EleutherAI/pythia-1.4b": (_pythia_1_4b, "pythia-1.4b"),
+    "state-spaces/mamba-130m-hf": (lambda: _mamba(768, 24), "mamba-370m"),
+    "state-spaces/mamba-370m-hf": (_mamba_370m, "mamba-370m"),
+    "distilbert/distilgpt2": (_distilgpt2, "gpt2"),
+}
+
+
+@dataclass(frozen=True)
+class Study:
+    """The analysis sizes of the seed's study (those of `presets/seed.yaml`)."""
+
+    eval_sequences: int = 128
+    seq_len: int = 512
+    anchors: int = 256
+    k: int = 2048  # the largest width: every local class identifiable on every model
+    samples: int = 3  # the real pairs and the two null samples
+    classes: int = 6
+    copies: int = 3  # patched copies per anchor and class: the fit and two null patches
+
+
+@dataclass(frozen=True)
+class Node:
+    """What one GPU node is assumed to do, relative to what was measured here."""
+
+    forward_flops: float = 20e12  # sustained float32 FLOP/s of a model's forward (H100: 67 peak; no TF32)
+    fit_speedup: float = 50.0  # the fits' batched float64 factorisations, against one core here (a guess)
+
+
+def _shape(config) -> dict[str, float]:
+    """Parameters, width, blocks, vocabulary and forward FLOPs per token of a config (on the meta device)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    n_params = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    d, vocab = model.get_input_embeddings().embedding_dim, model.get_input_embeddings().num_embeddings
+    # Every weight is used once per token, except the input embedding (a lookup), which a tied head reuses.
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    flops = 2 * (n_params if tied else n_params - vocab * d)
+    return {"n_params": n_params, "d": d, "layers": config.num_hidden_layers, "vocab": vocab, "flops": flops}
+
+
+def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict[str, Any]]:
+    """Each seed model's cost, in core-seconds of this machine and in hours of one GPU node, scaled from
+    the rehearsed configuration of its kind: extraction and patching by forward FLOPs (and tokens per copy),
+    a fit per anchor by `(k d² + d³)` (products with the neighbourhood and d × d factorisations), a
+    neighbour search per anchor by pool × d."""
+    by_name = {m.model: m for m in measured}
+    rows = []
+    for hub_id, (make, rehearsed) in SEED_STUDY.items():
+        if rehearsed not in by_name:
+            continue
+        ref, shape = by_name[rehearsed], _shape(make())
+        ref_flops = _shape(SEED_CONFIGS[rehearsed]())["flops"]
+        fwd = shape["flops"] / ref_flops
+        d, layers, pool = shape["d"], shape["layers"], study.eval_sequences * study.seq_len
+        fit_scale = (study.k * d**2 + d**3) / (ref.k * ref.width**2 + ref.width**3)
+        tokens = study.eval_sequences * study.seq_len
+        extract = tokens * ref.extract_s_per_token * fwd
+        per_anchor = study.samples * sum(ref.fit_s_per_anchor.values()) * fit_scale
+        knn = 2 * ref.knn_s_per_anchor * (pool / ref.pool) * (d / ref.width)  # real and gaussian pools
+        fit = layers * study.anchors * (per_anchor + knn)
+        copies = layers * study.anchors * study.classes * study.copies
+        perturb = copies * ref.perturb_s_per_copy * fwd * study.seq_len / Slice().seq_len
+        cpu_rate = ref_flops / ref.extract_s_per_token  # FLOP/s of a forward on one core here
+        gpu_hours = ((extract + perturb) * cpu_rate / node.forward_flops + fit / node.fit_speedup) / 3600
+        rows.append({
+            "model": hub_id, "rehearsed as": rehearsed, "params": shape["n_params"], "d": d, "layers": layers,
+            "extract core-h": extract / 3600, "fit core-h": fit / 3600, "perturb core-h": perturb / 3600,
+            "GPU-node h": gpu_hours,
+        })  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ the report
+def _g(value: float) -> str:
+    return f"{value:.3g}"
+
+
+def render_markdown(
+    results: list[Measured], size: Slice, study: Study, node: Node, command: str, machine: dict[str, Any], threads: int
+) -> str:
+    classes = list(results[0].fit_s_per_anchor) if results else []
+    rows = extrapolate(results, study, node)
+    lines = [
+        "# Seed-scale rehearsal: what Study A costs at the seed's sizes",
+        "",
+        f"Generated by `{command}` (`pipeline/tools/rehearsal.py`); do not edit by hand. Measured on "
+        f"{machine.get('cpu')} ({machine.get('logical_cores')} logical cores, {machine.get('memory_gib')} GiB; "
+        f"load average {machine.get('load_average')} at the end), with {threads} torch thread(s). **This machine is "
+        "shared with other jobs and noisy**: repeated runs differ by up to 2–3×, so read the numbers as orders "
+        "of magnitude. Re-run the command on the node that will do the work for its own numbers (`--device cuda`).",
+        "",
+        "## What ran",
+        "",
+        "The seed's configurations with random weights, built from their published hyper-parameters (nothing "
+        "is downloaded): Pythia-1.4B (GPT-NeoX, 24 blocks, d 2048, vocabulary 50,304), Mamba-370M (48 blocks, "
+        "d 1024) and GPT-2 small (12 blocks, d 768). Each is verified (`pipeline/study_a/verify.py`), then the "
+        "library code of the three stages runs on a slice:",
+        "",
+        f"- **extract**: {size.n_seq} sequences × {size.seq_len} tokens, batch {size.batch_size}, every layer "
+        "(`extract_batches`); cost per token;",
+        "- **fit**: the middle layer's transition, every class, `k = d` (the smallest `k` that identifies every "
+        "local class: `needs_rank`), `rank = p = 16`, the real pairs only (each null sample costs the same "
+        f"again); {size.max_anchors} anchors at d = 768, fewer at larger widths (the cost is O(d³) per anchor). "
+        "The pool is the extracted tokens, topped up to 2d rows with extracted rows plus 1% Gaussian noise (the "
+        "cost depends on the pool's size, k and d, not its values); cost per anchor and class, the neighbour "
+        "search included, which is also timed alone;",
+        f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's three patched copies (the "
+        "fit, a random and an other-token null patch) in one `patch_kl_anchors` call, suffix patching "
+        "(blocks l+1.. only), the clean pass included; cost per patched copy of "
+        f"{size.seq_len} tokens at the middle layer.",
+        "",
+        "Peak memory is the process's resident set (VmHWM, reset before each step), so it includes the model's "
+        "weights (float32).",
+        "",
+        "## Measured per-unit costs",
+        "",
+        "| model | params | d | blocks | weights GiB | verify s | extract s/token | extract peak GiB | kNN s/anchor (pool, k) | fit s/anchor, all classes | fit peak GiB | perturb s/copy | perturb peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.model} | {r.n_params / 1e6:.0f}M | {r.width} | {r.n_blocks} | {_g(r.weights_gib)} | {_g(r.verify_s)} | "
+            f"{_g(r.extract_s_per_token)} | {_g(r.extract_peak_gib)} | {_g(r.knn_s_per_anchor)} ({r.pool}, {r.k}) | "
+            f"{_g(sum(r.fit_s_per_anchor.values()))} | {_g(r.fit_peak_gib)} | {_g(r.perturb_s_per_copy)} ({r.perturb_copies} copies) | "
+            f"{_g(r.perturb_peak_gib)} |"
+        )
+    lines += [
+        "",
+        "Fit seconds per anchor, by class (each with its own neighbour search and rank check):",
+        "",
+        "| model | " + " | ".join(classes) + " |",
+        "|---|" + "---|" * len(classes),
+        *(f"| {r.model} | " + " | ".join(_g(r.fit_s_per_anchor[c]) for c in classes) + " |" for r in results),
+        "",
+        "## The seed's full analysis, extrapolated",
+        "",
+        f"Sizes (`presets/seed.yaml`): {study.eval_sequences} sequences × {study.seq_len} tokens per model (the "
+        f"pool: {study.eval_sequences * study.seq_len:,} tokens per layer), {study.anchors} anchors per layer, "
+        f"k = {study.k} (the widest model's d), {study.classes} classes, {study.samples} samples (real + 2 nulls), "
+        f"{study.copies} patched copies per anchor and class, every layer of every model.",
+        "",
+        "Scaling from the rehearsed configuration of the same kind: extraction and patching by forward FLOPs "
+        "(2 × parameters used per token) and tokens per copy; a fit per anchor by `k·d² + d³` (the products with "
+        "the neighbourhood and the d × d factorisations); a neighbour search by pool × d.",
+        "",
+        "Assumptions for one GPU node (one GPU): forwards run at "
+        f"{node.forward_flops / 1e12:g} TFLOP/s sustained in float32 (an H100 peaks at 67 without TF32, which "
+        f"torch leaves off by default); the fits' batched float64 factorisations run {node.fit_speedup:g}× faster "
+        "than one core here (the weakest assumption: measure it with `--device cuda`); Mamba's forwards need "
+        "the `mamba-ssm` kernels on the node (transformers' fallback is a sequential scan, about 10× slower); "
+        "stages run one after another, and Ray's overhead and reading Parquet are not counted.",
+        "",
+        "| model | rehearsed as | params | d | layers | extract core-h | fit core-h | perturb core-h | one GPU node, h |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['model']} | {r['rehearsed as']} | {r['params'] / 1e6:.0f}M | {r['d']} | {r['layers']} | "
+            f"{_g(r['extract core-h'])} | {_g(r['fit core-h'])} | {_g(r['perturb core-h'])} | {_g(r['GPU-node h'])} |"
+            for r in rows
+        ),
+        f"| **total** | | | | | {_g(sum(r['extract core-h'] for r in rows))} | {_g(sum(r['fit core-h'] for r in rows))} | "
+        f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_g(sum(r['GPU-node h'] for r in rows))}** |",
+        "",
+    ]
+    return "\n".join(lines)
