@@ -294,6 +294,9 @@ def coverage(model_types: list[str]) -> list[Coverage]:
 
 # ------------------------------------------------------------------------------------------ the table
 def render_markdown(rows: list[Coverage], command: str, versions: dict[str, str]) -> str:
+    from pipeline.models.registry import FAMILIES
+
+    trainable = ", ".join(f"`{f.model_type}`" for f in FAMILIES if f.trainable)
     verified = [r for r in rows if r.verified]
     refused = [r for r in rows if not r.verified]
     causes: dict[str, list[str]] = {}
@@ -318,6 +321,8 @@ def render_markdown(rows: list[Coverage], command: str, versions: dict[str, str]
         "",
         "A *tiny config* or *build* failure is the shrinker's limit, not a verdict on the family: check a real "
         "checkpoint with `lmgeo check-model PATH_OR_ID`.",
+        "",
+        f"Training (Study B) is limited to the registered families, whose head is a plain linear map: {trainable}.",
         "",
         "| model type | result | structure (verified) or reason (refused) | tiny-config fixes |",
         "|---|---|---|---|",
