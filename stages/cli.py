@@ -208,12 +208,18 @@ def rehearse(
     only: Annotated[Optional[list[str]], typer.Option("--only", help="this seed model only: pythia-1.4b, mamba-370m, gpt2 (repeatable)")] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda on a GPU node")] = "cpu",
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
+    preset: Annotated[Path, typer.Option(help="the study whose cost is extrapolated")] = Path("presets/seed.yaml"),
+    params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Run the seed's model configurations (random weights) through extract, fit and perturb on a slice;
-    print the per-unit costs, peak memory and the extrapolated cost of the seed's study."""
+    print the per-unit costs, peak memory and the extrapolated cost of the preset's study."""
     from stages.rehearse import rehearse as run_rehearsal
 
-    typer.echo(run_rehearsal(write, only, device, threads))
+    loaded = _load(params)
+    try:
+        typer.echo(run_rehearsal(loaded, preset, write, only, device, threads))
+    except ParamsError as err:
+        fail(f"{preset}: {err}")
 
 
 @app.command()

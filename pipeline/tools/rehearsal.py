@@ -92,7 +92,12 @@ class Measured:
     extract_s_per_token: float
     extract_peak_gib: float
     knn_s_per_anchor: float
-    fit_s_per_anchor: dict[str, float] = field(default_factory=dict)  # per class, neighbours included
+    # Per local class: seconds per anchor, each with its own neighbour search and rank check; per layer-wide
+    # class: seconds per layer; all local classes in one call, as the fit stage makes it: seconds per anchor.
+    fit_s_per_anchor: dict[str, float] = field(default_factory=dict)
+    fit_s_per_layer: dict[str, float] = field(default_factory=dict)
+    fit_local_s_per_anchor: float = 0.0
+    fit_anchors: int = 0
     fit_peak_gib: float = 0.0
     pool: int = 0
     k: int = 0
@@ -112,12 +117,15 @@ def _timed(run: Callable[[], Any]) -> tuple[Any, float, float]:
     return result, time.perf_counter() - start, peak_rss_bytes() / GIB
 
 
-def rehearse(name: str, size: Slice, device: str = "cpu", seed: int = 0) -> Measured:
-    """Build `name`'s configuration with random weights and run the slice through extract, fit, perturb."""
+def rehearse(name: str, size: Slice, device: str = "cpu", seed: int = 0, threads: int = 1) -> Measured:
+    """Build `name`'s configuration with random weights and run the slice through extract, fit, perturb
+    (run it in a fresh process: peak memory is this process's)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from pipeline.study_a.verify import verify_model
+
+    torch.set_num_threads(threads)
 
     def build():
         with torch.random.fork_rng(devices=[]):
@@ -165,8 +173,9 @@ def _pool(x: np.ndarray, y: np.ndarray, rows: int, seed: int) -> tuple[np.ndarra
 
 
 def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: str, seed: int) -> dict[str, Any]:
-    """Every class fitted at the same anchors, timed one class at a time (each with its own neighbour
-    search, which is also timed alone); the real pairs only (each null sample costs the same again)."""
+    """Every class at the same anchors, one class at a time (for the per-class costs), then the local classes
+    in one call as the fit stage makes it (neighbours and rank check shared); the neighbour search alone at
+    more anchors. The real pairs only: each null sample costs the same again."""
     import torch
 
     from pipeline.study_a.classes import FIT_CLASSES
@@ -181,15 +190,25 @@ def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: 
     cfg = AnalysisConfig(anchors=size.anchors(d), k=d, rank=16, p=16)
     anchors = choose_anchors(min(n, math.prod(shape)), cfg.anchors, seed)  # extracted tokens only
     pool64 = torch.as_tensor(x, dtype=torch.float64, device=device)
-    _, knn_s, _ = _timed(lambda: nearest_neighbours(pool64, torch.as_tensor(anchors, device=device), cfg.k))
-    measured.pool, measured.k, measured.knn_s_per_anchor = n, cfg.k, knn_s / len(anchors)
-    tables, peak = {}, 0.0
+    searched = torch.as_tensor(choose_anchors(n, 64, seed), device=device)
+    _, knn_s, _ = _timed(lambda: nearest_neighbours(pool64, searched, cfg.k))
+    measured.pool, measured.k, measured.knn_s_per_anchor, measured.fit_anchors = n, cfg.k, knn_s / len(searched), len(anchors)
+
+    def fit(classes: list[str]) -> tuple[dict[str, Any], float]:
+        result, seconds, peak = _timed(lambda: fit_layer(x, y, seq, pos, np.zeros(n), anchors, classes, cfg, device))
+        measured.fit_peak_gib = max(measured.fit_peak_gib, peak)
+        return result[0], seconds
+
+    tables = {}
     for fn in FIT_CLASSES.names():
-        result, seconds, class_peak = _timed(lambda fn=fn: fit_layer(x, y, seq, pos, np.zeros(n), anchors, [fn], cfg, device))
-        tables[fn] = result[0][fn]
-        measured.fit_s_per_anchor[fn] = seconds / len(anchors)
-        peak = max(peak, class_peak)
-    measured.fit_peak_gib = peak
+        table, seconds = fit([fn])
+        tables |= table
+        if FIT_CLASSES[fn].local:
+            measured.fit_s_per_anchor[fn] = seconds / len(anchors)
+        else:
+            measured.fit_s_per_layer[fn] = seconds
+    _, seconds = fit([fn for fn in FIT_CLASSES.names() if FIT_CLASSES[fn].local])
+    measured.fit_local_s_per_anchor = seconds / len(anchors)
     return tables
 
 
@@ -212,8 +231,11 @@ def _perturb(measured: Measured, model, tokens: np.ndarray, layer: int, y: np.nd
     measured.perturb_s_per_copy, measured.perturb_copies, measured.perturb_peak_gib = seconds / len(rows), len(rows), peak
 
 
-def rehearse_all(names: list[str], size: Slice, device: str = "cpu") -> list[Measured]:
-    return [rehearse(name, size, device) for name in names]
+def rehearse_all(names: list[str], size: Slice, device: str = "cpu", threads: int = 1) -> list[Measured]:
+    """Each model in a fresh process, so that its peak memory is its own."""
+    from pipeline.tools.bench.measure import run_fresh
+
+    return [run_fresh(rehearse, threads, name=name, size=size, device=device) for name in names]
 
 
 def as_json(results: list[Measured], size: Slice) -> dict[str, Any]:
@@ -257,15 +279,24 @@ SEED_STUDY: dict[str, tuple[Callable[[], Any], str]] = {
 
 @dataclass(frozen=True)
 class Study:
-    """The analysis sizes of the seed's study (those of `presets/seed.yaml`)."""
+    """The analysis sizes of a study (`presets/seed.yaml`'s, applied to params.yaml)."""
 
-    eval_sequences: int = 128
-    seq_len: int = 512
-    anchors: int = 256
-    k: int = 2048  # the largest width: every local class identifiable on every model
-    samples: int = 3  # the real pairs and the two null samples
-    classes: int = 6
+    models: tuple[str, ...]  # external models' ids
+    eval_sequences: int
+    seq_len: int
+    anchors: int
+    k: int
+    samples: int  # the real pairs and the null samples
+    classes: int
     copies: int = 3  # patched copies per anchor and class: the fit and two null patches
+
+    @classmethod
+    def of(cls, params: Any) -> Study:
+        a = params.analysis
+        return cls(
+            tuple(m.id for m in a.external_models), a.eval_sequences, params.prepare.seq_len, a.anchors, a.k,
+            1 + len(a.nulls), len(a.classes),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -294,23 +325,26 @@ def _shape(config) -> dict[str, float]:
 def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict[str, Any]]:
     """Each seed model's cost, in core-seconds of this machine and in hours of one GPU node, scaled from
     the rehearsed configuration of its kind: extraction and patching by forward FLOPs (and tokens per copy),
-    a fit per anchor by `(k d² + d³)` (products with the neighbourhood and d × d factorisations), a
-    neighbour search per anchor by pool × d."""
+    the local classes' fits per anchor by `k·d² + d³` (products with the neighbourhood and d × d
+    factorisations), the layer-wide ones per layer by `pool·d² + d³`, a neighbour search per anchor by pool × d."""
     by_name = {m.model: m for m in measured}
     rows = []
-    for hub_id, (make, rehearsed) in SEED_STUDY.items():
-        if rehearsed not in by_name:
-            continue
+    for hub_id in study.models:
+        make, rehearsed = SEED_STUDY.get(hub_id, (None, ""))
+        if make is None or rehearsed not in by_name:
+            continue  # not a configuration this rehearsal knows, or its kind was not rehearsed
         ref, shape = by_name[rehearsed], _shape(make())
         ref_flops = _shape(SEED_CONFIGS[rehearsed]())["flops"]
         fwd = shape["flops"] / ref_flops
         d, layers, pool = shape["d"], shape["layers"], study.eval_sequences * study.seq_len
-        fit_scale = (study.k * d**2 + d**3) / (ref.k * ref.width**2 + ref.width**3)
+        per_anchor = (study.k * d**2 + d**3) / (ref.k * ref.width**2 + ref.width**3)
+        per_layer = (pool * d**2 + d**3) / (ref.pool * ref.width**2 + ref.width**3)
         tokens = study.eval_sequences * study.seq_len
         extract = tokens * ref.extract_s_per_token * fwd
-        per_anchor = study.samples * sum(ref.fit_s_per_anchor.values()) * fit_scale
-        knn = 2 * ref.knn_s_per_anchor * (pool / ref.pool) * (d / ref.width)  # real and gaussian pools
-        fit = layers * study.anchors * (per_anchor + knn)
+        local = study.anchors * ref.fit_local_s_per_anchor * per_anchor
+        layer_wide = sum(ref.fit_s_per_layer.values()) * per_layer
+        knn = 2 * study.anchors * ref.knn_s_per_anchor * (pool / ref.pool) * (d / ref.width)  # real and gaussian pools
+        fit = layers * (study.samples * (local + layer_wide) + knn)
         copies = layers * study.anchors * study.classes * study.copies
         perturb = copies * ref.perturb_s_per_copy * fwd * study.seq_len / Slice().seq_len
         cpu_rate = ref_flops / ref.extract_s_per_token  # FLOP/s of a forward on one core here
@@ -328,10 +362,34 @@ def _g(value: float) -> str:
     return f"{value:.3g}"
 
 
+_FINDINGS = (
+    "## What did not scale, and what was done",
+    "",
+    "- **The neighbours' rank check** (which flags degenerate anchors) was a batched SVD of every (k × d) "
+    "neighbourhood: at k = d = 768 it took most of every local class's time on CPU. It is now the eigensolve "
+    "of the smaller Gram matrix (`geometry.numerical_rank`, the same ranks as NumPy's SVD, tested).",
+    "- **The fits held every anchor's neighbourhood at once**: (anchors, k, d) float64 inputs and outputs, and "
+    "the classes' (anchors, d, d) operators — 8.6 GiB per tensor at 256 anchors and k = d = 2048. Anchors are "
+    "now fitted in chunks of at most `fits.CHUNK_VALUES` (2²⁵) values per tensor (8 anchors at d = 2048), "
+    "with the same rows whatever the chunking (the MLP's start is drawn per anchor; tested).",
+    "- **A full forward per patched copy** and **neighbours per class** were fixed before this rehearsal "
+    "(issue 11): a patched copy recomputes only blocks l+1.. and the head from the anchor on, and the "
+    "neighbours are searched once per (model, layer) for every class.",
+    "- **Still growing with the pool**: a fit task holds its layer's pool (h_l and h_{l+1} in float64, and the "
+    "two null samples': about 4 × pool × d × 8 B, 4.3 GB at 65,536 tokens × d 2048), and a perturb task "
+    "reads layer l+1 whole (pool × d float32). Both fit a GPU node at the seed's sizes; `analysis.pool_size` "
+    "caps the pool when they would not. At k = d the fits cost O(k·d² + d³) per anchor and class, which makes "
+    "them most of the seed's cost; the MLP (300 Adam steps on the neighbourhood) and the two d × d "
+    "factorisations (orthogonal, lowrank) dominate.",
+    "",
+)
+
+
 def render_markdown(
     results: list[Measured], size: Slice, study: Study, node: Node, command: str, machine: dict[str, Any], threads: int
 ) -> str:
-    classes = list(results[0].fit_s_per_anchor) if results else []
+    local = list(results[0].fit_s_per_anchor) if results else []
+    layer_wide = list(results[0].fit_s_per_layer) if results else []
     rows = extrapolate(results, study, node)
     lines = [
         "# Seed-scale rehearsal: what Study A costs at the seed's sizes",
@@ -355,46 +413,56 @@ def render_markdown(
         "local class: `needs_rank`), `rank = p = 16`, the real pairs only (each null sample costs the same "
         f"again); {size.max_anchors} anchors at d = 768, fewer at larger widths (the cost is O(d³) per anchor). "
         "The pool is the extracted tokens, topped up to 2d rows with extracted rows plus 1% Gaussian noise (the "
-        "cost depends on the pool's size, k and d, not its values); cost per anchor and class, the neighbour "
-        "search included, which is also timed alone;",
+        "cost depends on the pool's size, k and d, not its values). Each class alone (a local class per anchor, "
+        "its own neighbour search and rank check included; a layer-wide class per layer), then the local "
+        "classes in one call as the fit stage makes it (per anchor); the neighbour search alone at 64 anchors;",
         f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's three patched copies (the "
         "fit, a random and an other-token null patch) in one `patch_kl_anchors` call, suffix patching "
-        "(blocks l+1.. only), the clean pass included; cost per patched copy of "
-        f"{size.seq_len} tokens at the middle layer.",
+        "(blocks l+1.. only); cost per patched copy of "
+        f"{size.seq_len} tokens at the middle layer. The clean pass (one per sequence) is included: here 2 "
+        "sequences for the copies, in the study 128 for thousands of copies per layer, so the figure is high "
+        "by up to ~20%.",
         "",
         "Peak memory is the process's resident set (VmHWM, reset before each step), so it includes the model's "
         "weights (float32).",
         "",
         "## Measured per-unit costs",
         "",
-        "| model | params | d | blocks | weights GiB | verify s | extract s/token | extract peak GiB | kNN s/anchor (pool, k) | fit s/anchor, all classes | fit peak GiB | perturb s/copy | perturb peak GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| model | params | d | blocks | weights GiB | verify s | extract s/token | extract peak GiB | kNN s/anchor (pool, k) | fit s/anchor, local classes (anchors) | fit s/layer, layer-wide classes | fit peak GiB | perturb s/copy | perturb peak GiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r.model} | {r.n_params / 1e6:.0f}M | {r.width} | {r.n_blocks} | {_g(r.weights_gib)} | {_g(r.verify_s)} | "
             f"{_g(r.extract_s_per_token)} | {_g(r.extract_peak_gib)} | {_g(r.knn_s_per_anchor)} ({r.pool}, {r.k}) | "
-            f"{_g(sum(r.fit_s_per_anchor.values()))} | {_g(r.fit_peak_gib)} | {_g(r.perturb_s_per_copy)} ({r.perturb_copies} copies) | "
+            f"{_g(r.fit_local_s_per_anchor)} ({r.fit_anchors}) | {_g(sum(r.fit_s_per_layer.values()))} | {_g(r.fit_peak_gib)} | {_g(r.perturb_s_per_copy)} ({r.perturb_copies} copies) | "
             f"{_g(r.perturb_peak_gib)} |"
         )
     lines += [
         "",
-        "Fit seconds per anchor, by class (each with its own neighbour search and rank check):",
+        "Fit seconds by class, each alone: per anchor for the local classes (each with its own neighbour search "
+        "and rank check, which the stage shares), per layer for the layer-wide ones:",
         "",
-        "| model | " + " | ".join(classes) + " |",
-        "|---|" + "---|" * len(classes),
-        *(f"| {r.model} | " + " | ".join(_g(r.fit_s_per_anchor[c]) for c in classes) + " |" for r in results),
+        "| model | " + " | ".join(f"{c} s/anchor" for c in local) + " | " + " | ".join(f"{c} s/layer" for c in layer_wide) + " |",
+        "|---|" + "---|" * (len(local) + len(layer_wide)),
+        *(
+            f"| {r.model} | " + " | ".join(_g(r.fit_s_per_anchor[c]) for c in local) + " | "
+            + " | ".join(_g(r.fit_s_per_layer[c]) for c in layer_wide) + " |"
+            for r in results
+        ),
         "",
         "## The seed's full analysis, extrapolated",
         "",
-        f"Sizes (`presets/seed.yaml`): {study.eval_sequences} sequences × {study.seq_len} tokens per model (the "
+        f"Sizes (the preset's): {study.eval_sequences} sequences × {study.seq_len} tokens per model (the "
         f"pool: {study.eval_sequences * study.seq_len:,} tokens per layer), {study.anchors} anchors per layer, "
-        f"k = {study.k} (the widest model's d), {study.classes} classes, {study.samples} samples (real + 2 nulls), "
+        f"k = {study.k}, {study.classes} classes, {study.samples} samples (the real pairs and the nulls), "
         f"{study.copies} patched copies per anchor and class, every layer of every model.",
         "",
         "Scaling from the rehearsed configuration of the same kind: extraction and patching by forward FLOPs "
-        "(2 × parameters used per token) and tokens per copy; a fit per anchor by `k·d² + d³` (the products with "
-        "the neighbourhood and the d × d factorisations); a neighbour search by pool × d.",
+        "(2 × parameters used per token) and tokens per copy; the local classes' fits per anchor by `k·d² + d³` "
+        "(the products with the neighbourhood and the d × d factorisations); the layer-wide classes per layer by "
+        "`pool·d² + d³`; a neighbour search per anchor by pool × d (searched for the real and the Gaussian pool; "
+        "the shuffled pairs share the real neighbours).",
         "",
         "Assumptions for one GPU node (one GPU): forwards run at "
         f"{node.forward_flops / 1e12:g} TFLOP/s sustained in float32 (an H100 peaks at 67 without TF32, which "
@@ -413,5 +481,6 @@ def render_markdown(
         f"| **total** | | | | | {_g(sum(r['extract core-h'] for r in rows))} | {_g(sum(r['fit core-h'] for r in rows))} | "
         f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_g(sum(r['GPU-node h'] for r in rows))}** |",
         "",
+        *_FINDINGS,
     ]
     return "\n".join(lines)
