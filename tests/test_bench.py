@@ -172,7 +172,7 @@ def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
     seq = np.repeat(np.arange(6), 10)
     cfg = AnalysisConfig(k=8, anchors=5, rank=2, p=2)
     anchors = choose_anchors(60, 5, seed=0)
-    table, _ = fit_layer(states[0], states[1], seq, seq, seq, anchors, "lowrank", cfg)
+    table = fit_layer(states[0], states[1], seq, seq, seq, anchors, ["lowrank"], cfg)[0]["lowrank"]
     rows = reference_rows(states[0].astype(np.float64), states[1].astype(np.float64), seq, anchors, FIT_CLASSES["lowrank"], cfg)
     same = compare_with_reference(table, rows)
     assert same["max_abs_diff"] < 1e-4 and same["null_mismatches"] == 0

@@ -310,24 +310,35 @@ def test_a_two_node_cluster_routes_tasks_by_resources() -> None:
 
 @pytest.mark.slow
 def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
+    """The README's cluster path as a user follows it: `ray start --head` with nothing set (Ray then
+    authenticates with a token it writes to ~/.ray/auth_token), the driver on another account (its own
+    HOME) given `RAY_ADDRESS` and that token as `RAY_AUTH_TOKEN`; without the token, one clear error."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = _cluster_env()
+    head_home, driver_home = tmp_path / "head", tmp_path / "driver"
+    head_home.mkdir(), driver_home.mkdir()
+    plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    head_env = {**plain, "HOME": str(head_home), "RAY_USAGE_STATS_ENABLED": "0"}
+    ray_cli = str(Path(sys.executable).parent / "ray")
     log = tmp_path / "ray-head.log"
     with open(log, "w") as out:
         head = subprocess.Popen(
-            [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={port}", "--num-cpus=1",
-             "--num-gpus=0", '--resources={"joined_head": 1}', "--include-dashboard=false",
-             "--disable-usage-stats", "--block"],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+             '--resources={"joined_head": 1}', "--include-dashboard=false", "--disable-usage-stats", "--block"],
+            env=head_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )
     try:
         deadline = time.monotonic() + 120
         while "Ray runtime started." not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, f"ray start failed:\n{log.read_text()}"
             time.sleep(0.2)
-        _run_driver("scenario_joined_by_address", {**env, "RAY_ADDRESS": f"127.0.0.1:{port}"})
+        token = subprocess.run([ray_cli, "get-auth-token"], env=head_env, capture_output=True, text=True,
+                               check=True).stdout.strip()
+        driver_env = {**plain, "HOME": str(driver_home), "RAY_ADDRESS": f"127.0.0.1:{port}",
+                      "RAY_USAGE_STATS_ENABLED": "0"}
+        _run_driver("scenario_refused_without_the_token", driver_env)
+        _run_driver("scenario_joined_by_address", {**driver_env, "RAY_AUTH_TOKEN": token})
     finally:
         _stop_process_group(head)
 
@@ -393,6 +404,16 @@ def scenario_two_node_cluster() -> None:
         ray.shutdown()
         cluster.shutdown()
     print("scenario_two_node_cluster: ok")
+
+
+def scenario_refused_without_the_token() -> None:
+    try:
+        start_ray(RayConfig(num_cpus=1))
+    except InputError as err:
+        assert "RAY_AUTH_TOKEN" in str(err) and "\n" not in str(err), err
+    else:
+        raise AssertionError("joined a token-authenticated cluster without its token")
+    print("scenario_refused_without_the_token: ok")
 
 
 def scenario_joined_by_address() -> None:

@@ -63,7 +63,8 @@ def test_a_stage_covers_its_own_module_and_every_module_it_imports_and_nothing_e
         # science a stage runs, in the library and in the glue
         ("pipeline/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", {"fit"}),
         ("stages/fit.py", 'device = "cuda" if', 'device = "cuda"  if', set()),  # formatting only
-        ("stages/fit.py", "return table.num_rows", "return int(table.num_rows)", {"fit"}),
+        ("stages/fit.py", "return sum(table.num_rows for table in tables.values())",
+         "return int(sum(table.num_rows for table in tables.values()))", {"fit"}),
         ("pipeline/study_a/patching.py", "clamp_min(0.0)", "clamp_min(0.0) * 1.0", {"perturb"}),
         ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.50 * center_rows", set()),
         ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.25 * center_rows",

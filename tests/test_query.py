@@ -59,13 +59,13 @@ def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
 
 
 def test_output_formats(workspace: Path) -> None:
-    sql = "SELECT recipe, n_seeds, val_loss_std FROM recipes WHERE recipe IN ('hilbert', 'adamw') ORDER BY recipe"
+    sql = "SELECT recipe, n_seeds, test_loss_sd FROM recipes WHERE recipe IN ('hilbert', 'adamw') ORDER BY recipe"
     rows = list(csv.DictReader(io.StringIO(run_query(sql, None, workspace, "csv"))))
-    assert [r["recipe"] for r in rows] == ["adamw", "hilbert"] and rows[0]["val_loss_std"] == ""
+    assert [r["recipe"] for r in rows] == ["adamw", "hilbert"] and rows[0]["test_loss_sd"] == ""
     records = json.loads(run_query(sql, None, workspace, "json"))
-    assert records[0] == {"recipe": "adamw", "n_seeds": 1, "val_loss_std": None}
+    assert records[0] == {"recipe": "adamw", "n_seeds": 1, "test_loss_sd": None}
     text = run_query(sql, None, workspace, "table").splitlines()
-    assert text[0].split() == ["recipe", "n_seeds", "val_loss_std"]
+    assert text[0].split() == ["recipe", "n_seeds", "test_loss_sd"]
     assert "NULL" in text[2] and text[-1] == "(2 rows)"
 
 

@@ -56,7 +56,7 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
     out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {}}
     for fn in fit_bench_classes():
         cases = {
-            "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, fn, cfg)[0],
+            "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, [fn], cfg)[0][fn],
             "reference": lambda fn=fn: reference_rows(x64, y64, seq, anchors, FIT_CLASSES[fn], cfg),
         }
         cases["fit_layer"]()  # warm-up: the first call pays lazy initialisation of torch's linalg

@@ -98,7 +98,7 @@ def _gpu_fits(scale: FitScale, cfg: AnalysisConfig, device: Any) -> dict[str, An
     seconds = {}
     for fn in fit_bench_classes():
         def fit(fn: str = fn) -> None:
-            fit_layer(states[0], states[1], seq, seq, seq, anchors, fn, cfg, device=device)
+            fit_layer(states[0], states[1], seq, seq, seq, anchors, [fn], cfg, device=device)
             torch.cuda.synchronize(device)
 
         seconds[fn] = interleaved({fn: fit}, 3).median(fn)

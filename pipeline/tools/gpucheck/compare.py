@@ -142,9 +142,9 @@ def compare_fit(fn: str, arch: str, shape: StudyAShape, device: torch.device) ->
     ids, x, y, layer = _transition(arch, shape)
     cfg = AnalysisConfig(anchors=shape.anchors, knn_chunk=shape.knn_chunk)
     anchors = choose_anchors(len(x), cfg.anchors, cfg.seed, finite_rows(x, y))
-    args = (x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, fn, cfg)
-    cpu, _ = fit_layer(*args, device=CPU)
-    dev, _ = fit_layer(*args, device=device)
+    args = (x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, [fn], cfg)
+    cpu = fit_layer(*args, device=CPU)[0][fn]
+    dev = fit_layer(*args, device=device)[0][fn]
     parts = {name: agree(_floats(dev[name]), _floats(cpu[name]), TOLERANCES["fits"]) for name in FIT_METRICS}
     parts["patched"] = agree(arrow_to_vectors(dev["patched"]), arrow_to_vectors(cpu["patched"]), TOLERANCES["fits"])
     overall = combine(parts)
@@ -167,7 +167,8 @@ def compare_patching(arch: str, shape: StudyAShape, device: torch.device) -> Out
     ids, x, y, layer = _transition(arch, shape)
     cfg = AnalysisConfig(anchors=shape.patch_anchors, knn_chunk=shape.knn_chunk)
     anchors = choose_anchors(len(x), cfg.anchors, cfg.seed, finite_rows(x, y))
-    fit, _ = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, FIT_CLASSES.names()[0], cfg, device=CPU)
+    fn = FIT_CLASSES.names()[0]
+    fit = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, [fn], cfg, device=CPU)[0][fn]
     rows, positions = fit["seq_id"].to_numpy(), fit["pos"].to_numpy()
     vectors = arrow_to_vectors(fit["patched"])
     model = _model(arch, shape)

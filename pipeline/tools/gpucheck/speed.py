@@ -184,7 +184,7 @@ def fits_speed(run: FitRun, device: torch.device) -> Outcome:
     rows = []
     for fn in FIT_CLASSES.names():
         def fit(where: torch.device, fn: str = fn) -> Any:
-            return fit_layer(states[0], states[1], seq, seq, seq, anchors, fn, cfg, device=where)
+            return fit_layer(states[0], states[1], seq, seq, seq, anchors, [fn], cfg, device=where)
 
         timings = interleaved(_synced({"device": lambda: fit(device), "cpu": lambda: fit(CPU)}, device), run.repeats)
         rows.append([fn, timings.median("device"), timings.median("cpu"), timings.ratio("cpu", "device")])
@@ -274,7 +274,7 @@ def training_steps(run: ModelRun, device: torch.device, compile: bool = False) -
 
         times = _step_seconds(step, device, run.repeats)
         ops = [] if compile else heaviest_ops(step, device)
-        equi_iters = resolve_head_step(recipe, cfg).equi_iters
+        equi_iters = resolve_head_step(recipe, cfg).knobs.equi_iters
         head_gflop = RECIPES[recipe].head_flops(run.vocab, run.size.d_model, equi_iters) / 1e9
         details[recipe] = {**times, "heaviest_ops": ops, "head_step_gflop": head_gflop}
         row = [recipe, times["median_s"] * 1e3, times["first_s"], step_flops / times["median_s"] / 1e12, head_gflop]
