@@ -198,7 +198,8 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     from pipeline.params import Params
     from pipeline.tools.families import extract_and_check, patch_and_check
     from pipeline.tools.rehearsal import SEED_STUDY
-    from stages.analysis_set import external_model, open_model
+    from stages.analysis_set import external_model
+    from stages.opening import open_model
     from stages.layout import Layout
 
     published = SEED_STUDY[hub_id][0]()
