@@ -7,9 +7,10 @@ The slice runs the library code the stages run (`extract_batches`, `fit_layer`, 
 `patch_kl_anchors`) on one model at a time: a few sequences, the middle layer's transition, a few anchors,
 every class. `k` is the width `d`, the smallest that identifies every local class (`needs_rank`), so the
 fits cost what the seed's own fits will. When the extracted tokens are fewer than the `k + 1` a neighbourhood
-needs, the pool is topped up with extracted rows plus a little Gaussian noise (1% of each coordinate's
-spread): the fits' cost depends on the pool's size, `k` and `d`, not on its values (the MLP's number of
-steps aside, which is capped by `mlp_steps`).
+needs, the pool is topped up with extracted rows plus Gaussian noise of each coordinate's spread (less
+noise leaves the Procrustes cross-covariance of a neighbourhood of near-copies rank-deficient, so the
+orthogonal fits would be degenerate and not patched): the fits' cost depends on the pool's size, `k` and
+`d`, not on its values (the MLP's number of steps aside, which is capped by `mlp_steps`).
 """
 
 from __future__ import annotations
@@ -163,12 +164,13 @@ def _extract(model, tokens: np.ndarray, layer: int, batch_size: int) -> tuple[np
 
 
 def _pool(x: np.ndarray, y: np.ndarray, rows: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`rows` pairs: the extracted ones, then extracted ones plus 1% Gaussian noise (module docstring)."""
+    """`rows` pairs: the extracted ones, then extracted ones plus Gaussian noise of each coordinate's spread
+    (module docstring)."""
     if rows <= len(x):
         return x, y
     rng = np.random.default_rng(seed)
     pick = rng.integers(0, len(x), rows - len(x))
-    noisy = [v[pick] + 0.01 * v.std(axis=0) * rng.normal(size=(len(pick), v.shape[1])) for v in (x, y)]
+    noisy = [v[pick] + v.std(axis=0) * rng.normal(size=(len(pick), v.shape[1])) for v in (x, y)]
     return np.concatenate([x, noisy[0]]).astype(np.float32), np.concatenate([y, noisy[1]]).astype(np.float32)
 
 
@@ -412,7 +414,8 @@ def render_markdown(
         "- **fit**: the middle layer's transition, every class, `k = d` (the smallest `k` that identifies every "
         "local class: `needs_rank`), `rank = p = 16`, the real pairs only (each null sample costs the same "
         f"again); {size.max_anchors} anchors at d = 768, fewer at larger widths (the cost is O(d³) per anchor). "
-        "The pool is the extracted tokens, topped up to 2d rows with extracted rows plus 1% Gaussian noise (the "
+        "The pool is the extracted tokens, topped up to 2d rows with extracted rows plus Gaussian noise of each "
+        "coordinate's spread (the "
         "cost depends on the pool's size, k and d, not its values). Each class alone (a local class per anchor, "
         "its own neighbour search and rank check included; a layer-wide class per layer), then the local "
         "classes in one call as the fit stage makes it (per anchor); the neighbour search alone at 64 anchors;",
