@@ -1,4 +1,4 @@
-"""`lmgeo aggregate`: DuckDB over data/ into reports/tables, reports/metrics.json and reports/plots."""
+"""`lmgeo aggregate`: DuckDB over data/ into reports/tables and reports/metrics.json."""
 
 from __future__ import annotations
 
@@ -21,4 +21,4 @@ def run(params: Params, ray_address: str | None = None) -> None:
     key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
                       stage_code("aggregate", layout))  # fmt: skip
     aggregate(sources, layout.reports, params.report, key)
-    print(f"aggregate: wrote {layout.tables}, metrics.json and plots/", flush=True)
+    print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)

@@ -120,8 +120,8 @@ _stage_command("external", "Record what the external models are now (digests of 
 _stage_command("extract", "Capture block inputs/outputs of every analysed model into data/activations.")
 _stage_command("fit", "Fit tokenwise maps on nearest-neighbour pairs, per (model, layer, class).")
 _stage_command("perturb", "Patch each fitted anchor and measure the KL of the next-token distribution.")
-_stage_command("aggregate", "Summarise data/ with DuckDB into reports/tables, metrics and plots.")
-_stage_command("report", "Render reports/report.md and its figures from reports/tables.")
+_stage_command("aggregate", "Summarise data/ with DuckDB into reports/tables and metrics.")
+_stage_command("report", "Render reports/report.md, report.html and the figures from reports/tables.")
 
 
 @app.command()

@@ -1,4 +1,4 @@
-"""`lmgeo report`: reports/report.md and reports/figures/*.png from reports/tables."""
+"""`lmgeo report`: reports/report.md, reports/report.html and reports/figures/*.png from reports/tables."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
-    render_report(
+    rendered = render_report(
         layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params),
         tuning_record(layout),
     )
-    print(f"report: wrote {layout.reports / 'report.md'}", flush=True)
+    print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html and "
+          f"{len(rendered.figures)} figures", flush=True)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 from pathlib import Path
@@ -16,6 +15,7 @@ from scipy import stats as sps
 from pipeline.core.contracts import FIT_METRICS
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
+from pipeline.params import load_params
 from pipeline.results.aggregate import MAX_CURVE_POINTS, aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
@@ -80,23 +80,28 @@ def diverged_steps(run: str) -> pa.Table:
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
 
+def write_run(data_dir: Path, run: str, val: float, head_budget_tau: float | None = None) -> None:
+    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7."""
+    steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
+    write_steps(data_dir, run, steps)
+    arch, recipe, seed = run.split("-")
+    record = {
+        "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
+        "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
+        "final_train_loss": None if math.isnan(val) else val - 0.1,
+        "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
+        "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
+        "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
+        "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
+        "params_hash": "abc",
+    }  # fmt: skip
+    with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
+        (folder / "run.json").write_text(json.dumps(record))
+
+
 def write_study_b(data_dir: Path, head_budget_tau: float | None = None) -> None:
     for run, val in FINAL_VAL.items():
-        steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
-        write_steps(data_dir, run, steps)
-        arch, recipe, seed = run.split("-")
-        record = {
-            "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
-            "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
-            "final_train_loss": None if math.isnan(val) else val - 0.1,
-            "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
-            "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
-            "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
-            "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
-            "params_hash": "abc",
-        }  # fmt: skip
-        with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
-            (folder / "run.json").write_text(json.dumps(record))
+        write_run(data_dir, run, val, head_budget_tau)
     # A run that crashed before writing run.json still shows up, as not finished.
     write_steps(data_dir, "gpt2-rownorm-s0", steps_table("gpt2-rownorm-s0"))
 
@@ -162,6 +167,61 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
 def write_tiny_study(data_dir: Path) -> None:
     write_study_b(data_dir)
     write_study_a(data_dir)
+
+
+# ------------------------------------------------------------------ the default study's shape
+# The grid of the repository's params.yaml (Study B: train's archs x recipes x seeds; Study A: analysis.runs at
+# every checkpoint, every layer and class, every null sample and null patch), so the bounds on the report and
+# the metrics follow the default study when it changes. Values are random (seeded): the verdicts mix.
+DEFAULT = load_params(Path(__file__).resolve().parents[1] / "params.yaml")
+DEFAULT_RECIPES = tuple(DEFAULT.train.recipes)
+DEFAULT_TRAIN_ARCHS = tuple(DEFAULT.train.archs)  # Study B's
+DEFAULT_ARCHS = tuple(DEFAULT.analysis.runs.archs or DEFAULT.train.archs)  # Study A's
+DEFAULT_ANCHORS = 16
+
+
+def write_default_shape_study(data_dir: Path) -> None:
+    rng = np.random.default_rng(0)
+    train, analysis = DEFAULT.train, DEFAULT.analysis
+    for arch in train.archs:
+        for i, recipe in enumerate(train.recipes):
+            for seed in train.seeds:
+                write_run(data_dir, f"{arch}-{recipe}-s{seed}", 3.0 + 0.01 * i + 0.02 * seed + rng.normal(0, 0.01))
+    runs = [f"{arch}-{recipe}-s{seed}" for arch in DEFAULT_ARCHS for recipe in (analysis.runs.recipes or train.recipes)
+            for seed in (analysis.runs.seeds or train.seeds)]  # fmt: skip
+    for run in runs:
+        for checkpoint in analysis.checkpoints:
+            model = f"{run}.{checkpoint}"
+            for layer in range(train.model.n_layers):
+                for fn in analysis.classes:
+                    write_random_stratum(data_dir, model, layer, fn, rng)
+
+
+def write_random_stratum(data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator) -> None:
+    """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches."""
+    n = DEFAULT_ANCHORS
+    seq = np.arange(n, dtype=np.int32)
+    parts = []
+    for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
+        rel = rng.uniform(0.1, 0.9, n)
+        cols = {c: rng.normal(0.5 + 0.3 * shift * (layer % 2), 0.2, n) for c in FIT_METRICS}
+        cols |= {"rel_err": rel, "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
+                 "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
+        parts.append(pa.table({
+            "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
+            "k": np.full(n, 96, np.int32), **cols, "degenerate": rng.random(n) < 0.05,
+            "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
+            "n_distinct": np.full(n, 4000, np.int32),
+        }))  # fmt: skip
+    partition = {"model": model, "layer": layer, "fn": fn}
+    with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
+        writer.write(partition, pa.concat_tables(parts))
+    kl = np.exp(rng.normal(0, 1, n))
+    with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
+        writer.write(partition, pa.table({
+            "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2,
+            "kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n),
+        }))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -380,31 +440,20 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     a, b = ((o / "metrics.json").read_bytes() for o in outs)
     assert a == b
     m = json.loads(a)
-    assert m["train"]["gpt2-muon-s0"]["final_val_loss"] == 3.0
-    assert m["train"]["gpt2-muon-s0"]["final_test_loss"] == 3.0 + TEST_OFFSET
-    assert m["recipes"]["gpt2"]["hilbert"]["n_seeds"] == 3
-    assert m["geometry"]["gpt2-muon-s0@final"]["lowrank"]["spearman_stratified"] == 1.0
-    assert m["claims"]["gpt2"]["hilbert"]["beats_muon"] is True
-    assert "final_val_loss" not in m["train"]["gpt2-sign-s0"]  # not measured: left out, never null
+    # The headline only: Study B's paired differences to muon (hilbert: 2.55, 2.65, 2.70 against 3.05, 3.15, 3.35).
+    assert m["study_b"] == {"gpt2": {"muon_test_loss": 3.18333, "diff_vs_muon": {"adamw": 0.4, "hilbert": -0.55,
+                                                                                "hilbert_equi": -0.45}}}  # fmt: skip
+    assert m["study_a"] == {}  # the tiny study has no null samples: no claim is tested
     for name in TABLES:
         assert pq.read_table(outs[0] / "tables" / f"{name}.parquet").equals(pq.read_table(outs[1] / "tables" / f"{name}.parquet"))
-    plots = outs[0] / "plots"
-    val = [r for r in csv.DictReader((plots / "val_loss.csv").open()) if r["run"] == "gpt2-muon-s0"]
-    assert [int(r["step"]) for r in val] == [STEPS // 2, STEPS - 1]
-    hilbert = list(csv.DictReader((plots / "hilbert.csv").open()))
-    assert {r["run"] for r in hilbert} == set(FINAL_VAL) | {"gpt2-rownorm-s0"}
-    spearman = [r for r in csv.DictReader((plots / "spearman.csv").open()) if r["series"] == "gpt2-muon-s0@final lowrank"]
-    assert [(int(r["layer"]), float(r["spearman"])) for r in spearman] == [(0, 1.0), (1, 1.0)]
-    assert (plots / "train_loss.csv").read_bytes() == (outs[1] / "plots" / "train_loss.csv").read_bytes()
+    assert sorted(p.name for p in outs[0].iterdir()) == ["metrics.json", "tables"]
 
 
 def test_missing_studies_give_empty_tables_not_a_crash(tmp_path: Path) -> None:
     aggregate(sources(tmp_path / "nothing"), tmp_path / "out", CFG, KEY)
     for name in TABLES:
         assert pq.read_table(tmp_path / "out" / "tables" / f"{name}.parquet").num_rows == 0
-    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {
-        "claims": {}, "geometry": {}, "recipes": {}, "train": {}
-    }
+    assert json.loads((tmp_path / "out" / "metrics.json").read_text()) == {"study_a": {}, "study_b": {}}
 
 
 def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> None:
@@ -412,4 +461,4 @@ def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> N
     tables = build_tables(sources(tmp_path), CFG)
     assert tables["correlations"].num_rows == 0
     assert not rows(tables["claim_tests"], claim="spearman_rel_err_kl")
-    assert metrics(tables)["geometry"]["org/tiny-mamba"]["lowrank"]["n"] == 11
+    assert tables["geometry_pooled"].num_rows and metrics(tables)["study_a"] == {}

@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import build_tables, load_sources
-from pipeline.results.claims import NOT_SUPPORTED, SUPPORTED, verdict
+from pipeline.results.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, summarise, verdict
 from pipeline.results.config import ReportConfig
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.fits import choose_anchors, fit_layer
@@ -132,6 +132,25 @@ def test_verdict_rule():
     assert verdict(0.1, -0.05, 0.3, 0.1) == "inconclusive"
     assert verdict(0.05, 0.01, 0.3, 0.1) == "inconclusive"
     assert verdict(0.1, float("nan"), 0.3, 0.1) == "inconclusive"
+
+
+def test_the_headline_of_a_claim_is_its_weakest_test():
+    """A class passes only against every null; the subject's verdict agrees over classes or says `mixed`;
+    the test shown is the one with the weakest verdict, then the lowest interval."""
+
+    def row(fn: str, null: str, v: str, low: float, scope: str = "stratified") -> dict:
+        return {"subject": "neox@final", "claim": "angle_res_tok_large", "fn": fn, "null": null, "scope": scope,
+                "verdict": v, "ci_low": low, "effect": low + 1}  # fmt: skip
+
+    tests = [row("lowrank", "shuffled", SUPPORTED, 3.0), row("lowrank", "gaussian", SUPPORTED, 2.0),
+             row("orthogonal", "shuffled", SUPPORTED, 1.0), row("orthogonal", "gaussian", INCONCLUSIVE, 4.0),
+             row("lowrank", "shuffled", NOT_SUPPORTED, -9.0, scope="layer")]  # fmt: skip
+    (s,) = summarise(tests)
+    assert s.verdicts == {"lowrank": SUPPORTED, "orthogonal": INCONCLUSIVE}
+    assert s.verdict == "mixed: 1 supported, 1 inconclusive" and s.score == 0.5
+    assert (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "gaussian")
+    (s,) = summarise(tests[:3])
+    assert s.verdict == SUPPORTED and s.score == 1.0 and (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "shuffled")
 
 
 def test_derangement_moves_every_anchor():

@@ -31,8 +31,16 @@ def sh(*cmd: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def write_params(workspace: Path, overrides: dict[str, str]) -> None:
-    params = apply_overrides(load_params(workspace / "params.yaml"), overrides)
-    (workspace / "params.yaml").write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    """Set the given keys and nothing else (as `dvc exp run -S` does), so no other stage's params change."""
+    apply_overrides(load_params(workspace / "params.yaml"), overrides)  # valid, or fail here
+    raw = yaml.safe_load((workspace / "params.yaml").read_text())
+    for dotted, value in overrides.items():
+        *parents, leaf = dotted.split(".")
+        section = raw
+        for key in parents:
+            section = section.setdefault(key, {})
+        section[leaf] = yaml.safe_load(value)
+    (workspace / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
@@ -63,11 +71,11 @@ def test_repro_query_and_metrics_diff(study: Path):
     assert load_params(study / "params.yaml") == apply_overrides(
         load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
     )
-    for produced in ("reports/report.md", "reports/metrics.json", "reports/tables/runs.parquet",
-                     "reports/figures/loss_curves.png", "data/train", "data/fits", "data/perturb"):
+    for produced in ("reports/report.md", "reports/report.html", "reports/metrics.json", "reports/tables/runs.parquet",
+                     "reports/figures/study_b_val_loss.png", "data/train", "data/fits", "data/perturb"):
         assert (study / produced).exists(), produced
     report = (study / "reports" / "report.md").read_text()
-    for section in ("Setup & provenance", "Study B", "Study A"):
+    for section in ("## Summary", "## Study B", "## Study A", "## Provenance"):
         assert section in report
     commit(study, "tiny study, run")
 
@@ -89,7 +97,7 @@ def test_repro_query_and_metrics_diff(study: Path):
 
     diff = sh("dvc", "metrics", "diff", "HEAD~1", "HEAD", "--json", cwd=study).stdout
     changed = json.loads(diff)["reports/metrics.json"]
-    assert any(key.startswith("geometry.") and v.get("diff") for key, v in changed.items()), diff[:2000]
+    assert any(key.startswith("study_a.") and v.get("diff") for key, v in changed.items()), diff[:2000]
 
 
 def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
@@ -107,3 +115,34 @@ def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
     last = sh("dvc", "repro", cwd=study)
     assert "Running stage 'report'" in last.stdout, last.stdout
     assert re.findall(r"Running stage '(\w+)'", last.stdout) == ["external", "report"], last.stdout
+
+
+def readme_commands(prefix: str) -> list[str]:
+    """The README's shell lines starting with `prefix`, as written (a trailing `# comment` dropped)."""
+    text = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
+    return [line for line in lines if line.startswith(prefix)]
+
+
+def test_the_readmes_query_examples_run_as_written(study: Path):
+    """Every `lmgeo query` line of the README on the tiny study's two commits (HEAD~1, HEAD)."""
+    examples = readme_commands("lmgeo query")
+    assert len(examples) >= 4, examples
+    for line in examples:
+        done = sh("sh", "-c", line, cwd=study)
+        assert done.stdout.strip(), line
+
+
+def test_every_preset_is_accepted_by_dvc_as_the_readme_queues_it(study: Path):
+    """`dvc exp run --queue $(lmgeo preset presets/<name>.yaml)` for every preset: DVC applies the overrides
+    when it queues, so a key DVC cannot override fails here (nothing is run)."""
+    presets = sorted((REPO / "presets").glob("*.yaml"))
+    assert any(p.name == "gpu.yaml" for p in presets)
+    try:
+        for preset in presets:
+            sh("sh", "-c", f"dvc exp run --queue $(lmgeo preset presets/{preset.name})", cwd=study)
+        queued = sh("dvc", "queue", "status", cwd=study).stdout
+        assert queued.count("Queued") == len(presets), queued
+    finally:
+        sh("dvc", "queue", "remove", "--all", cwd=study, check=False)

@@ -310,9 +310,10 @@ def test_a_two_node_cluster_routes_tasks_by_resources() -> None:
 
 @pytest.mark.slow
 def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
-    """The README's cluster path as a user follows it: `ray start --head` with nothing set (Ray then
-    authenticates with a token it writes to ~/.ray/auth_token), the driver on another account (its own
-    HOME) given `RAY_ADDRESS` and that token as `RAY_AUTH_TOKEN`; without the token, one clear error."""
+    """The README's cluster path as a user follows it: on the head, `ray get-auth-token --generate` (the
+    token in ~/.ray/auth_token turns on Ray's token authentication) and `ray start --head`; the driver on
+    another account (its own HOME) given `RAY_ADDRESS` and the token as `RAY_AUTH_TOKEN`. Without the
+    token: one clear error, at once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -321,6 +322,8 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
     plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     head_env = {**plain, "HOME": str(head_home), "RAY_USAGE_STATS_ENABLED": "0"}
     ray_cli = str(Path(sys.executable).parent / "ray")
+    token = subprocess.run([ray_cli, "get-auth-token", "--generate"], env=head_env, capture_output=True, text=True,
+                           check=True).stdout.strip()
     log = tmp_path / "ray-head.log"
     with open(log, "w") as out:
         head = subprocess.Popen(
@@ -333,8 +336,7 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
         while "Ray runtime started." not in log.read_text():
             assert head.poll() is None and time.monotonic() < deadline, f"ray start failed:\n{log.read_text()}"
             time.sleep(0.2)
-        token = subprocess.run([ray_cli, "get-auth-token"], env=head_env, capture_output=True, text=True,
-                               check=True).stdout.strip()
+        assert "Token authentication is enabled" in log.read_text(), log.read_text()
         driver_env = {**plain, "HOME": str(driver_home), "RAY_ADDRESS": f"127.0.0.1:{port}",
                       "RAY_USAGE_STATS_ENABLED": "0"}
         _run_driver("scenario_refused_without_the_token", driver_env)

@@ -69,7 +69,7 @@ STUDY = {
     "analysis.classes": '["diag_psd","identity","mlp"]',
     "analysis.mlp_steps": "600",  # an mlp fit shard lasts seconds: long enough to be killed mid-way
 }
-FIT_SHARDS = 2 * 3  # layers × classes
+FIT_SHARDS = 2  # one per layer: a fit task searches a layer's neighbours once for every class
 FIT_ORDER = ["model", "layer", "fn", "seq_id", "pos"]
 GIT = ("git", "-c", "user.email=ci@lmgeo", "-c", "user.name=ci")
 
@@ -208,7 +208,7 @@ def test_corrupt_activation_shard_is_named_then_rebuilt(reference, tmp_path):
     refit = lmgeo(workspace, "fit")  # the rebuilt shard is the original: nothing downstream to redo
     assert f"fit: {FIT_SHARDS}/{FIT_SHARDS} shards complete, 0 to do" in refit.stdout, refit.stdout
 
-    (fit_file,) = verify_shard(fits, f"{MODEL}/layer=1/fn=mlp")
+    (fit_file,) = [f for f in verify_shard(fits, f"{MODEL}/layer=1") if "fn=mlp" in f.parts]
     fit_file.write_bytes(garbage(fit_file.stat().st_size))
     reports = snapshot(workspace / "reports")
     aggregate = lmgeo(workspace, "aggregate", check=False)  # DuckDB over the fits
@@ -373,7 +373,7 @@ def test_nonfinite_activations_are_counted_and_excluded(extracted, tmp_path):
     report = (workspace / "reports" / "report.md").read_text()
     assert "excluded non-finite" in report
     rows = [r for r in report.splitlines() if r.startswith(f"| `{TRAINED}@final`") and "pool tokens" in r]
-    assert len(rows) == 3 and all(r.endswith(f"| {2 * len(poisoned)} pool tokens, 0 anchors |") for r in rows), rows
+    assert len(rows) == 1 and f"| {2 * len(poisoned)} pool tokens, 0 anchors |" in rows[0], rows
 
 
 # ------------------------------------------------------------------------------------ 6. diverging run
@@ -385,10 +385,8 @@ def test_diverged_run_is_marked_and_the_pipeline_completes(extracted, reference)
     assert not list((reference / "data" / "activations").glob(f"model={DIVERGING}*")), "diverged weights analysed"
     runs = {r["run"]: r for r in pq.read_table(reference / "reports" / "tables" / "runs.parquet").to_pylist()}
     assert runs[DIVERGING]["diverged"] and not runs[TRAINED]["diverged"]
-    metrics = json.loads((reference / "reports" / "metrics.json").read_text())
-    assert metrics["train"][DIVERGING]["diverged"] is True and f"{TRAINED}@final" in metrics["geometry"]
     report = (reference / "reports" / "report.md").read_text()
-    diverged_line = next(line for line in report.splitlines() if line.startswith("**Diverged runs**"))
+    diverged_line = next(line for line in report.splitlines() if line.startswith("- **Runs.**"))
     assert f"`{DIVERGING}`" in diverged_line and TRAINED not in diverged_line
     assert "## Study A" in report and f"`{TRAINED}@final`" in report
 
@@ -398,7 +396,7 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
     """Run A (`reference`) and run B (`second_run`): train … report twice from one prepared workspace."""
     a, b = ((w / "reports" / "metrics.json").read_bytes() for w in (reference, second_run))
     assert a == b
-    assert json.loads(a)["geometry"] and json.loads(a)["train"]
+    assert set(json.loads(a)) == {"study_a", "study_b"}  # the headline; the detail is in the tables below
     for dataset, order in (("activations", ["model", "layer", "seq_id", "pos"]), ("fits", FIT_ORDER),
                            ("perturb", FIT_ORDER)):
         rows_a, rows_b = (dataset_rows(w / "data" / dataset, order) for w in (reference, second_run))
@@ -408,9 +406,9 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=second_run, capture_output=True, text=True, check=True)
     revision = git.stdout.strip()
     for needed in (
-        f"**revision**: `{revision}`", "**params_hash**: `", "**seeds**", "**train**: 0",
-        "**packages**", "**torch**: `", "**transformers**: `", "**lmgeo**: `",
-        "**data_checksums**", "**params.yaml**: `sha256:", "**data/tokens/meta.json**: `sha256:",
+        f"revision `{revision}`", "**params_hash**: `", "**seeds**", "train `0`",
+        "**packages**", "torch `", "transformers `", "lmgeo `",
+        "**data_checksums**", "params.yaml: `sha256:", "data/tokens/meta.json: `sha256:",
     ):
         assert needed in report, f"{needed!r} missing from the report's provenance"
     params_hash = re.search(r"\*\*params_hash\*\*: `(\w+)`", report).group(1)

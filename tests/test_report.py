@@ -1,22 +1,41 @@
-"""The Markdown report, its figures and provenance (pipeline/report.py)."""
+"""The report (pipeline/results/report.py), its figures and its HTML page, and the DVC-sized metrics."""
 
 from __future__ import annotations
 
+import base64
+import json
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import matplotlib.image as mpimg
+import pyarrow.parquet as pq
 import pytest
-from test_aggregate import CFG, KEY, sources, write_study_b, write_tiny_study
+from test_aggregate import (
+    CFG,
+    DEFAULT,
+    DEFAULT_ARCHS,
+    DEFAULT_RECIPES,
+    DEFAULT_TRAIN_ARCHS,
+    KEY,
+    sources,
+    write_default_shape_study,
+    write_study_b,
+    write_tiny_study,
+)
 
 from pipeline.params import Params
-from pipeline.results.aggregate import aggregate
-from pipeline.results.report import render_report
+from pipeline.results import figures as fig
+from pipeline.results.aggregate import HEADLINE_EXCLUDED, aggregate
+from pipeline.results.claims import CLAIM_NAMES, CLAIMS
+from pipeline.results.report import Rendered, render_report
 from stages.layout import Layout
 from stages.report import collect_provenance
 
 PROVENANCE = {"git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}}
+MAX_LINES = 300  # issue 14: the default study's report reads in a minute
+MAX_METRICS = 50  # issue 14: `dvc exp show` fits a screen
 
 
 # A sweep record as `lmgeo tune` writes it: `hilbert` was tuned to 0.8 nats (the study ran it there), `muon` to
@@ -30,71 +49,264 @@ TUNING = {
 }  # fmt: skip
 
 
-def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path]:  # noqa: ANN001
+def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:
     write_data(tmp_path / "data")
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
     out = tmp_path / "reports" / "report.md"
-    render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE, tuning)
-    return out.read_text(), out
+    rendered = render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE, tuning)
+    return out.read_text(), out, rendered
 
 
 def linked_figures(text: str, out: Path) -> list[Path]:
     return [out.parent / link for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)]
 
 
-def test_full_report_has_every_section_and_its_figures(tmp_path: Path) -> None:
-    text, out = render(tmp_path, write_tiny_study)
-    for heading in ("## Setup & provenance", "## Study B", "### Protocol", "### Test loss, and the paired difference",
-                    "### Head step geometry", "## Study A", "### Spearman per layer", "### Init (random weights) vs final",
-                    "### Transformers vs state-space models", "## Claims as measured here"):  # fmt: skip
-        assert heading in text
-    assert "`0123abc`" in text and "`feedbeef`" in text
-    # test loss = val + 0.05: mean of 2.55, 2.65, 2.70 with its t-interval; paired Δ to muon's 3.05, 3.15, 3.35
-    assert "| gpt2 | `hilbert` | tau=0.8 | 3 | 2.633 [2.505, 2.762] | -0.55 [-0.696, -0.404] | 0.0082 | 0.0082 |" in text
-    assert "not tested (< 3 paired seeds)" in text
-    assert "3 seeds (0, 1, 2) for every recipe" in text and "matched-budget ablation caps" in text
-    assert "No record of the head step-size sweep" in text
-    assert "`hilbert_equi`'s equi_ratio 0.6 against 0.55 for random unit rows (`hilbert` 0.4)" in text
-    assert "**Diverged runs**: `gpt2-sign-s0` (non-finite loss at step 7)" in text
-    assert "`gpt2-rownorm-s0`" in text.split("Runs without a final")[1]
-    assert "| `gpt2-muon-s0@final` | lowrank | spearman_rel_err_kl | 1 | holds | does not hold |" in text
-    assert "| gpt2 | hilbert | beats_muon | -0.55 | holds |" in text
-    assert "| gpt2 | hilbert_equi | equi_spreads_rows | 1.09 | holds |" in text  # 0.6 / 0.55 random rows
-    figures = linked_figures(text, out)
-    names = {p.name for p in figures}
-    assert names == {"final_test_loss.png", "loss_curves.png", "hilbert_bound.png", "tightness.png", "equi_ratio.png",
-                     "angles.png", "spearman_layers.png"}  # fmt: skip
-    for path in figures:
+def headings(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("## ")]
+
+
+def section(text: str, heading: str) -> str:
+    """The text under `heading` up to the next heading of the same level."""
+    level = heading.split(" ")[0]
+    after = text.split(heading + "\n", 1)[1]
+    return re.split(rf"^{level} ", after, flags=re.MULTILINE)[0]
+
+
+# ------------------------------------------------------------------------ the default study's shape
+@pytest.fixture(scope="module")
+def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Rendered]:
+    return render(tmp_path_factory.mktemp("default"), write_default_shape_study)
+
+
+def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
+    text, _, rendered = default_study
+    assert headings(text) == ["## Summary", "## Study B: LM-head update geometry", "## Study A: layer-update geometry",
+                              "## Appendix: per run", "## Provenance"]  # fmt: skip
+    assert rendered.lines == text.count("\n") < MAX_LINES
+    provenance = section(text, "## Provenance")
+    assert "revision `0123abc`" in provenance and "`feedbeef`" in provenance
+    assert "0123abc" not in text.split("## Provenance")[0]  # provenance last, nowhere before
+
+
+def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_muon(default_study) -> None:
+    text, _, _ = default_study
+    summary = section(text, "## Summary")
+    header = next(line for line in summary.splitlines() if line.startswith("| claim |"))
+    assert header == "| claim | " + " | ".join(sorted(DEFAULT_ARCHS)) + " |"
+    claim_rows = [line for line in summary.splitlines() if line.startswith("| `")]
+    assert [re.match(r"\| `(\w+)`", r)[1] for r in claim_rows] == list(CLAIM_NAMES)
+    for row in claim_rows:
+        cells = row.strip("|").split(" | ")[1:]
+        assert len(cells) == len(DEFAULT_ARCHS)
+        assert all(re.match(r"\*\*(supported|not supported|inconclusive|mixed: [^*]+)\*\* · ", c) for c in cells), row
+    for arch in DEFAULT_TRAIN_ARCHS:
+        recipe_rows = [line for line in summary.splitlines() if line.startswith(f"| {arch} | `")]
+        assert [re.match(r"\| \w+ \| `(\w+)`", r)[1] for r in recipe_rows] == [r for r in DEFAULT_RECIPES if r != "muon"]
+        assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows)
+
+
+def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -> None:
+    """Checked against the claim_tests table directly: for every trained arch and claim, the weakest verdict
+    over (class, null) is the cell's, and its numbers are those of the row with the lowest interval."""
+    text, out, _ = default_study
+    tests = pq.read_table(out.parent / "tables" / "claim_tests.parquet").to_pylist()
+    summary = section(text, "## Summary")
+    strength = {"not supported": 0, "inconclusive": 1, "supported": 2}
+    for arch_i, arch in enumerate(sorted(DEFAULT_ARCHS)):
+        for claim in CLAIM_NAMES:
+            rows = [t for t in tests if t["scope"] == "stratified" and t["subject"] == f"{arch}@final" and t["claim"] == claim]
+            worst = min(strength[t["verdict"]] for t in rows)
+            decisive = min((t for t in rows if strength[t["verdict"]] == worst), key=lambda t: t["ci_low"])
+            row = next(line for line in summary.splitlines() if line.startswith(f"| `{claim}`"))
+            cell = row.strip("|").split(" | ")[1 + arch_i]
+            assert f"({decisive['fn']}, " in cell and f"→ {decisive['effect']:.2g} [{decisive['ci_low']:.2g}, " in cell, cell
+
+
+def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
+    _, out, _ = default_study
+    m = json.loads((out.parent / "metrics.json").read_text())
+
+    def leaves(x: object) -> list[object]:
+        return [v for child in x.values() for v in leaves(child)] if isinstance(x, dict) else [x]
+
+    assert len(leaves(m)) <= MAX_METRICS
+    assert set(m["study_a"]) == set(DEFAULT_ARCHS)
+    assert all(set(claims) == set(CLAIM_NAMES) - set(HEADLINE_EXCLUDED) for claims in m["study_a"].values())
+    assert all(set(v) == {"effect", "verdict"} and -1 <= v["verdict"] <= 1 for a in m["study_a"].values() for v in a.values())
+    recipes = pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist()
+    assert set(m["study_b"]) == set(DEFAULT_TRAIN_ARCHS)
+    for r in recipes:
+        diffs = m["study_b"][r["arch"]]["diff_vs_muon"]
+        assert r["recipe"] == "muon" or diffs[r["recipe"]] == pytest.approx(r["diff_vs_muon"], rel=1e-5)
+
+
+# Per figure, the y label of each panel as it must read (row by row); the label bug of issue 14 put the last
+# recipe's name (`hilbert_equi`) on four of them.
+CHECKPOINTS = [c for c in ("final", "init") if c in DEFAULT.analysis.checkpoints]
+EXPECTED_Y = {
+    "study_b_vs_muon": ["head recipe"] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_val_loss": [fig.VAL_LOSS.label] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_head_step": [q.label for q in fig.HEAD_STEP] * len(DEFAULT_TRAIN_ARCHS),
+    # The claim names label each row's first panel.
+    "study_a_claims_by_layer": ["claim", *[""] * (len(CHECKPOINTS) - 1)] * len(DEFAULT_ARCHS),
+    "study_a_spearman_vs_null": [fig.SPEARMAN_EFFECT.label] * len(DEFAULT_ARCHS),
+}
+
+
+def test_every_figure_has_the_labels_of_what_it_draws_inside_the_figure(default_study) -> None:
+    """The labels are read back from the drawn matplotlib axes (`figures.axis_labels`), before saving."""
+    text, out, rendered = default_study
+    assert {p.name for p in linked_figures(text, out)} == {f"{name}.png" for name in EXPECTED_Y}
+    assert {name: [p["y"] for p in panels] for name, panels in rendered.figures.items()} == EXPECTED_Y
+    recipes = set(DEFAULT_RECIPES)
+    for name, panels in rendered.figures.items():
+        for panel in panels:
+            assert panel["inside"], (name, panel)  # not cut off at the figure's edge
+            assert panel["x"] in {fig.STEP, fig.LAYER} or "test loss" in panel["x"], (name, panel)
+            assert not {panel["x"], panel["y"]} & recipes, (name, panel)
+    titles = [p["title"] for p in rendered.figures["study_a_claims_by_layer"]]
+    assert titles == [f"{a}@{c}" for a in sorted(DEFAULT_ARCHS) for c in CHECKPOINTS]
+    for path in linked_figures(text, out):
         image = mpimg.imread(path)
-        assert image.shape[0] > 200 and image.shape[1] > 300
-        assert image[..., :3].std() > 0.05  # something was drawn
+        assert image.shape[0] > 200 and image.shape[1] > 300 and image[..., :3].std() > 0.05  # something was drawn
+
+
+def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_model() -> None:
+    tests = [{"scope": "layer", "subject": subject, "layer": layer, "claim": claim, "fn": "lowrank", "null": "shuffled",
+              "verdict": "supported" if layer else "not supported"}
+             for subject in ("neox@final", "neox@init", "org/tiny") for layer in range(3)
+             for claim in ("angle_res_tok_large", "spearman_rel_err_kl")]  # fmt: skip
+    panels = fig.axis_labels(fig.claims_by_layer(tests))
+    assert [(p["title"], p["x"], p["y"]) for p in panels] == [
+        ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
+
+
+def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(3, 2), layout="constrained")
+    ax = figure.add_subplot()
+    ax.plot([0, 1])
+    ax.set_ylabel("a label far too long for a figure two inches tall, cut off at both ends")
+    assert fig.axis_labels(figure) == [{"title": "", "x": "", "y": ax.get_ylabel(), "inside": False}]
+
+
+# ----------------------------------------------------------------------------------- the HTML page
+def test_the_html_page_is_self_contained_and_holds_the_same_content(default_study) -> None:
+    text, out, rendered = default_study
+    page = out.with_suffix(".html").read_text()
+    assert not re.search(r"""(src|href)=["']?(https?:|//|figures/)""", page) and "<link" not in page and "<script" not in page
+    images = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
+    assert len(images) == len(rendered.figures)
+    assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
+    assert page.count("<h2>") == len(headings(text)) and "<h2>Summary</h2>" in page
+    assert page.count("<tr>") == sum(1 for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---"))
+
+
+CHROMIUM = next(filter(None, (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))), None)
+# Written into a copy of the page once it has loaded: each image's decoded width, and any error raised.
+PROBE = """<script>
+window.__errors = [];
+window.addEventListener("error", e => window.__errors.push(String(e.message || (e.target && e.target.src))), true);
+window.addEventListener("load", () => {
+  const out = document.createElement("pre");
+  out.id = "probe";
+  out.textContent = JSON.stringify({widths: [...document.images].map(i => i.naturalWidth), errors: window.__errors});
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--virtual-time-budget=10000",
+                           "--enable-logging=stderr", "--v=0", *args, page.as_uri()],
+                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+
+
+def browse(page: Path) -> tuple[list[str], dict]:
+    """Console messages of `page` as loaded, and the probe's findings on a copy of it."""
+    console = [line for line in chromium(page, "--dump-dom").stderr.splitlines() if ":CONSOLE" in line]
+    probed = page.with_name(f"{page.stem}.probe.html")
+    probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE, 1))
+    dom = chromium(probed, "--dump-dom").stdout
+    found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.DOTALL)
+    assert found, "the page never finished loading"
+    return console, json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no chromium binary on PATH (apt-get install chromium): the headless "
+                    "browser check of report.html needs one")  # fmt: skip
+def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(default_study, tmp_path: Path) -> None:
+    _, out, rendered = default_study
+    page = tmp_path / "report.html"
+    shutil.copy(out.with_suffix(".html"), page)  # alone in a folder: nothing it could fetch beside it
+    console, probe = browse(page)
+    assert console == [] and probe["errors"] == []
+    assert len(probe["widths"]) == len(rendered.figures) and all(w > 0 for w in probe["widths"]), probe
+    shot = tmp_path / "report.png"
+    chromium(page, f"--screenshot={shot}", "--window-size=1280,2400", "--hide-scrollbars")
+    assert mpimg.imread(shot).shape[:2] == (2400, 1280)
+    print(f"screenshot of report.html: {shot}")
+
+    # The same checks catch a broken page: a console error and an image that does not decode.
+    broken = tmp_path / "broken.html"
+    broken.write_text('<!DOCTYPE html><html><head><meta charset="utf-8"></head><body><img src="missing.png">'
+                      '<script>console.error("broken")</script></body></html>')  # fmt: skip
+    console, probe = browse(broken)
+    assert len(console) == 1 and "broken" in console[0] and probe["widths"] == [0]
+
+
+# ------------------------------------------------------------------------------ a hand-made study
+def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
+    text, _, _ = render(tmp_path, write_tiny_study)
+    summary = section(text, "## Summary")
+    # test loss = val + 0.05: mean of 2.55, 2.65, 2.70 with its t-interval; paired Δ to muon's 3.05, 3.15, 3.35
+    assert "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 | lower than muon |" in summary
+    assert "| gpt2 | `adamw` | 1 | 3.45 | 3.183 | 0.4 | – | – | not tested: 1 paired seeds, a test needs 3 |" in summary
+    assert "| gpt2 | `sign` | 0 | – | 3.183 | – | – | – | every run diverged |" in summary
+    assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
+    protocol = section(text, "### Protocol")
+    assert "3 seeds (0, 1, 2) per recipe" in protocol and "matched-budget ablation is" in protocol
+    assert "No record of the head step-size sweep" in protocol
+    runs = next(line for line in protocol.splitlines() if line.startswith("- **Runs.**"))
+    assert "diverged (left out of the means): `gpt2-sign-s0` (step 7)" in runs and "`gpt2-rownorm-s0`" in runs
+    assert "`equi_spreads_rows` (gpt2): **holds**: median equi_ratio hilbert_equi 0.6 vs random unit rows 0.55" in text
+    assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 0% | 2 pool tokens, 1 anchors |" in section(text, "### Models")
 
 
 def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
-    text, out = render(tmp_path, lambda d: None)
+    text, out, rendered = render(tmp_path, lambda d: None)
     assert "Study B was not run" in text and "Study A was not run" in text
-    assert "not measured (Study A not run)" in text and "Not measured: Study B was not run." in text
-    assert linked_figures(text, out) == [] and not list((tmp_path / "reports" / "figures").glob("*.png"))
+    assert "not measured: Study A was not run (no fits), so the data says nothing" in text
+    assert "Study B was not run (no training logs)" in text
+    assert linked_figures(text, out) == [] and rendered.figures == {}
+    assert not list((tmp_path / "reports" / "figures").glob("*.png")) and "<img" not in out.with_suffix(".html").read_text()
 
 
 def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: Path) -> None:
-    text, _ = render(tmp_path, write_study_b, TUNING)
+    text, _, _ = render(tmp_path, write_study_b, TUNING)
     assert "chosen on `gpt2` with the same budget: 7 step sizes per recipe (the grid)" in text
-    assert "seeds 1000, 1001 (not the study's) for 20 steps, as here" in text
+    assert "seeds 1000, 1001 (not the study's), 20 steps, as here" in text
     assert "Not at the tuned step here: `muon` (head_lr=0.02, tuned head_lr=0.03)." in text
 
 
 def test_a_matched_budget_study_says_so(tmp_path: Path) -> None:
-    text, _ = render(tmp_path, lambda data: write_study_b(data, head_budget_tau=0.8))
+    text, _, _ = render(tmp_path, lambda data: write_study_b(data, head_budget_tau=0.8))
     assert "This study is the **matched-budget ablation**" in text and "tau = 0.8 nats" in text
 
 
 def test_report_with_study_b_only(tmp_path: Path) -> None:
-    text, out = render(tmp_path, write_study_b)
+    text, out, rendered = render(tmp_path, write_study_b)
     assert "Study A was not run" in text and "Study B was not run" not in text
+    assert set(rendered.figures) == {"study_b_vs_muon", "study_b_val_loss", "study_b_head_step"}
     assert all(p.is_file() for p in linked_figures(text, out))
 
 
+def test_every_claim_has_a_seed_value_for_the_summary() -> None:
+    assert all(c.seed_value for c in CLAIMS)
+
+
+# ------------------------------------------------------------------------------------- provenance
 def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     def git(*args: str) -> str:
         done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=tmp_path,
@@ -118,15 +330,30 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is True
 
 
+def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:
+    write_study_b(tmp_path / "data")
+    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
+    out = tmp_path / "reports" / "report.md"
+    provenance = {"git": {"revision": "abc", "uncommitted_changes": True}, "seeds": {"train": [0, 1]},
+                  "data_checksums": {"params.yaml": "sha256:1", "stage outputs (dvc.lock)": {"data/tokens": "md5:2"}}}  # fmt: skip
+    render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", provenance)
+    assert section(out.read_text(), "## Provenance").strip().splitlines() == [
+        "- **git**: revision `abc`, uncommitted_changes `True`",
+        "- **seeds**: train `0, 1`",
+        "- **data_checksums**:",
+        "  - params.yaml: `sha256:1`",
+        "  - stage outputs (dvc.lock): data/tokens `md5:2`",
+    ]
+
+
 def test_provenance_outside_git(tmp_path: Path) -> None:
     prov = collect_provenance(Layout(tmp_path), Params())
     assert prov["git"]["revision"].startswith("unknown") and prov["data_checksums"] == {}
 
 
-@pytest.mark.parametrize("name", ["final_test_loss.png", "spearman_layers.png"])
-def test_figures_are_rewritten_not_accumulated(tmp_path: Path, name: str) -> None:
+def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
     render(tmp_path, write_tiny_study)
     stale = tmp_path / "reports" / "figures" / "old_figure.png"
     stale.write_bytes(b"x")
     render_report(tmp_path / "reports" / "tables", tmp_path / "reports" / "report.md", tmp_path / "reports" / "figures", {})
-    assert not stale.exists() and (tmp_path / "reports" / "figures" / name).is_file()
+    assert not stale.exists() and (tmp_path / "reports" / "figures" / "study_b_vs_muon.png").is_file()

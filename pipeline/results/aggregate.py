@@ -9,24 +9,19 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
   ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
   layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
   ``pipeline.results.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
-- ``out_dir/metrics.json`` (DVC metrics). Layout, stable; a key whose value is not measured (null, NaN) is
-  left out rather than written as null::
+- ``out_dir/metrics.json`` (DVC metrics): the headline numbers a person compares across experiments, tens of
+  entries for the default study so ``dvc exp show`` and ``dvc metrics diff`` fit a screen (the detail stays in
+  the tables, for ``lmgeo query``). Layout, stable; a key whose value is not measured is left out::
 
-      {"train":    {<run>:   {"final_test_loss", "final_val_loss", "final_train_loss", "diverged",
-                              "median_hilbert_bound", "median_tightness", "median_equi_ratio"}},
-       "recipes":  {<arch>:  {<recipe>: {"test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon",
-                                         "p_vs_muon_holm"}}},
-       "geometry": {<model>: {<fn>: {"n", "median_rel_err", "median_cos_full_tok", "median_angle_res_tok",
-                                     "median_proj_full", "median_proj_res", "spearman_stratified",
-                                     "spearman_ci_low", "spearman_ci_high"}}},
-       "claims":   {<subject>: {<fn or recipe or "all">: {<claim>: true|false (Study B)
-                                                          | "supported"|"not supported"|"inconclusive" (Study A)}}}}
+      {"study_b": {<arch>: {"muon_test_loss": mean over seeds,
+                            "diff_vs_muon": {<recipe>: paired mean difference of the final test loss}}},
+       "study_a": {<subject>: {<claim>: {"effect": the deciding test's stratified effect against its null,
+                                         "verdict": +1 supported, 0 inconclusive, -1 not supported,
+                                                    averaged over classes}}}}
 
+  Study A's subjects are the trained architectures (``<arch>@final``) and external models; the ``@init``
+  checkpoints and the claims in ``HEADLINE_EXCLUDED`` are in the tables and the report only.
   Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
-- ``out_dir/plots/*.csv`` for ``dvc plots``, long format with one line per ``run`` (or ``series``) value:
-  ``train_loss.csv`` and ``val_loss.csv`` (step, run, train_loss | val_loss; val_loss at evaluations only),
-  ``hilbert.csv`` (step, run, hilbert_bound, hilbert_realized, equi_ratio; geometry steps only),
-  ``spearman.csv`` (layer, series = "<model> <fn>", model, fn, spearman, ci_low, ci_high; per layer).
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``).
 """
@@ -45,7 +40,6 @@ from typing import Any
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.csv as pacsv
 
 from pipeline.core.contracts import (
     FIT_METRICS,
@@ -59,9 +53,9 @@ from pipeline.core.contracts import (
     scan,
     table_id_sql,
 )
-from pipeline.core.store import ManifestKey, ShardWriter, atomic_path, atomic_write, verified_files
+from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified_files
 from pipeline.models.registry import FAMILIES
-from pipeline.results.claims import Stratum, claim_tests, combined_verdict
+from pipeline.results.claims import Stratum, claim_tests, summarise
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import (
     detectable_difference,
@@ -575,7 +569,7 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
 
 
 def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey) -> None:
-    """Write ``out_dir/tables/*.parquet``, ``out_dir/metrics.json`` and ``out_dir/plots/`` (module docstring).
+    """Write ``out_dir/tables/*.parquet`` and ``out_dir/metrics.json`` (module docstring).
 
     The tables are one shard of the store under ``key``, so their readers (the report, ``lmgeo query``)
     verify every file against the manifest, as for any dataset."""
@@ -584,7 +578,6 @@ def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestK
         for name, table in tables.items():
             writer.write({}, table, name=f"{name}.parquet")
     atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n")
-    write_plot_csvs(tables, out_dir / "plots")
 
 
 def _round(x: Any) -> Any:
@@ -600,61 +593,23 @@ def _measured(record: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
+# `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
+HEADLINE_EXCLUDED = ("cos_full_tok_near_1",)
+
+
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """The DVC metrics dictionary (layout in the module docstring)."""
-    train = {
-        # No wall-clock figure here: two runs of one study must give the same metrics.json byte for byte
-        # (step times stay in the `runs` table and the report).
-        r["run"]: _measured({k: r[k] for k in ("final_test_loss", "final_val_loss", "final_train_loss", "diverged",
-                                               "median_hilbert_bound", "median_tightness", "median_equi_ratio")})
-        for r in tables["runs"].to_pylist()
-    }  # fmt: skip
-    recipes: dict[str, dict[str, Any]] = {}
+    study_b: dict[str, dict[str, Any]] = {}
     for r in tables["recipes"].to_pylist():
-        recipes.setdefault(r["arch"], {})[r["recipe"]] = _measured(
-            {k: r[k] for k in ("test_loss_mean", "test_loss_sd", "n_seeds", "diff_vs_muon", "p_vs_muon_holm")}
-        )
-    spearman = {(r["model"], r["fn"]): r for r in tables["correlations"].to_pylist() if r["scope"] == "stratified"}
-    geometry: dict[str, dict[str, Any]] = {}
-    for g in tables["geometry_pooled"].to_pylist():
-        s = spearman.get((g["model"], g["fn"]), {})
-        geometry.setdefault(g["model"], {})[g["fn"]] = _measured({
-            "n": g["n"],
-            **{f"median_{c}": g[f"median_{c}"] for c in ("rel_err", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res")},
-            "spearman_stratified": s.get("spearman"), "spearman_ci_low": s.get("ci_low"), "spearman_ci_high": s.get("ci_high"),
-        })  # fmt: skip
-    claims: dict[str, dict[str, dict[str, Any]]] = {}
-    for c in tables["claims"].to_pylist():
-        if c["holds"] is not None:
-            claims.setdefault(c["subject"], {}).setdefault(c["fn"], {})[c["claim"]] = c["holds"]
-    for (subject, fn, claim), verdicts in _study_a_verdicts(tables["claim_tests"]).items():
-        claims.setdefault(subject, {}).setdefault(fn, {})[claim] = combined_verdict(verdicts)
-    return {"train": train, "recipes": recipes, "geometry": geometry, "claims": claims}
-
-
-def _study_a_verdicts(tests: pa.Table) -> dict[tuple[str, str, str], list[str]]:
-    """(subject, class, claim) → the stratified verdict against each of the claim's nulls."""
-    verdicts: dict[tuple[str, str, str], list[str]] = {}
-    for t in tests.to_pylist():
-        if t["scope"] == "stratified":
-            verdicts.setdefault((t["subject"], t["fn"], t["claim"]), []).append(t["verdict"])
-    return verdicts
-
-
-def write_plot_csvs(tables: dict[str, pa.Table], plots_dir: Path) -> None:
-    """Long-format CSVs for ``dvc plots``, one line per ``run`` (or ``series``) value (module docstring)."""
-    con = duckdb.connect(":memory:")
-    con.register("curves", tables["curves"])
-    con.register("correlations", tables["correlations"])
-    plots = {
-        "train_loss": "SELECT step, run, train_loss FROM curves WHERE train_loss IS NOT NULL ORDER BY run, step",
-        "val_loss": "SELECT step, run, val_loss FROM curves WHERE val_loss IS NOT NULL ORDER BY run, step",
-        "hilbert": "SELECT step, run, hilbert_bound, hilbert_realized, equi_ratio FROM curves "
-        "WHERE hilbert_bound IS NOT NULL ORDER BY run, step",
-        "spearman": "SELECT layer, model || ' ' || fn AS series, model, fn, spearman, ci_low, ci_high "
-        "FROM correlations WHERE scope = 'layer' AND spearman IS NOT NULL ORDER BY model, fn, layer",
-    }
-    plots_dir.mkdir(parents=True, exist_ok=True)
-    for name, sql in plots.items():
-        with atomic_path(plots_dir / f"{name}.csv") as temp:
-            pacsv.write_csv(con.sql(sql).to_arrow_table(), temp)
+        arch = study_b.setdefault(r["arch"], {"diff_vs_muon": {}})
+        if r["recipe"] == baseline().name:
+            arch |= _measured({"muon_test_loss": r["test_loss_mean"]})
+        else:
+            arch["diff_vs_muon"] |= _measured({r["recipe"]: r["diff_vs_muon"]})
+    study_a: dict[str, dict[str, Any]] = {}
+    for s in summarise(tables["claim_tests"].to_pylist()):
+        if not s.subject.endswith("@init") and s.claim not in HEADLINE_EXCLUDED:
+            study_a.setdefault(s.subject.removesuffix("@final"), {})[s.claim] = _measured(
+                {"effect": s.weakest["effect"], "verdict": s.score}
+            )
+    return {"study_b": study_b, "study_a": study_a}

@@ -239,3 +239,56 @@ def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int 
         "effect": mean([r.effect for r in reps]), "ci_low": float(low), "ci_high": float(high),
         "margin": claim.margin, "verdict": verdict(mean([r.effect for r in reps]), float(low), float(high), claim.margin),
     }  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------- the headline
+VERDICT_SCORE = {SUPPORTED: 1.0, INCONCLUSIVE: 0.0, NOT_SUPPORTED: -1.0}
+_STRENGTH = {NOT_SUPPORTED: 0, INCONCLUSIVE: 1, SUPPORTED: 2}
+
+
+@dataclass(frozen=True)
+class ClaimSummary:
+    """One claim for one subject (`<arch>@<checkpoint>` or a model id), over the classes it applies to:
+    each class's verdict (over the claim's nulls, `combined_verdict`) and the test that decides the weakest
+    of them, the one the headline shows (a `claim_tests` row at scope `stratified`)."""
+
+    subject: str
+    claim: str
+    verdicts: dict[str, str]  # class -> combined verdict
+    weakest: dict[str, object]
+
+    @property
+    def score(self) -> float:
+        """+1 supported, 0 inconclusive, −1 not supported, averaged over the classes: one number that
+        `dvc metrics diff` can compare across experiments."""
+        return float(np.mean([VERDICT_SCORE[v] for v in self.verdicts.values()]))
+
+    @property
+    def verdict(self) -> str:
+        """The verdict where every class agrees, else `mixed` with the count of each."""
+        distinct = set(self.verdicts.values())
+        if len(distinct) == 1:
+            return distinct.pop()
+        counts = {v: list(self.verdicts.values()).count(v) for v in (SUPPORTED, INCONCLUSIVE, NOT_SUPPORTED)}
+        return "mixed: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
+
+
+def summarise(tests: Sequence[dict[str, object]]) -> list[ClaimSummary]:
+    """Per (subject, claim), in `CLAIMS` order, from the stratified rows of the `claim_tests` table."""
+    groups: dict[tuple[str, str], list[dict[str, object]]] = {}
+    for t in tests:
+        if t["scope"] == "stratified":
+            groups.setdefault((str(t["subject"]), str(t["claim"])), []).append(t)
+    out = []
+    for (subject, claim), rows in sorted(groups.items(), key=lambda g: (g[0][0], CLAIM_NAMES.index(g[0][1]))):
+        by_class: dict[str, list[str]] = {}
+        for r in rows:
+            by_class.setdefault(str(r["fn"]), []).append(str(r["verdict"]))
+        # The deciding test: the weakest verdict, then the lowest interval (a missing one counts as lowest).
+        weakest = min(rows, key=lambda r: (_STRENGTH[str(r["verdict"])], _finite_or_low(r["ci_low"])))
+        out.append(ClaimSummary(subject, claim, {fn: combined_verdict(vs) for fn, vs in sorted(by_class.items())}, weakest))
+    return out
+
+
+def _finite_or_low(x: object) -> float:
+    return float(x) if isinstance(x, float) and math.isfinite(x) else -math.inf
