@@ -76,7 +76,12 @@ def join_cluster(target: str) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    if "RAY_AUTH_MODE" not in os.environ:
+        # Ray reads the mode into its cached config when it is imported; its own switch refreshes that
+        # cache too (a private helper, pinned with Ray's version in constraints.txt).
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+        _enable_token_auth()
     try:
         ray.init(address=target, logging_level=logging.WARNING, runtime_env={"env_vars": WORKER_ENV})
     except AuthenticationError as err:
