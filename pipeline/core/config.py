@@ -196,9 +196,11 @@ def parse_override_value(dotted: str, value: str) -> Any:
     """A `-S` value as DVC parses it (Hydra's override grammar, which DVC uses: what `lmgeo preset` prints
     must mean the same here and there). A value that grammar rejects, such as JSON with quoted keys, which
     Python callers pass, is read as YAML."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
+    try:  # Hydra comes with DVC; where DVC is absent (the GPU check's machine), YAML reads what Python passes
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+    except ImportError:
+        return parse_yaml(value)
     try:
         return OverridesParser.create().parse_override(f"{dotted}={value}").value()
     except HydraException:
