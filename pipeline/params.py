@@ -14,7 +14,7 @@ from pipeline.core.config import (
     SecurityConfig,
     digest,
     load_yaml,
-    parse_yaml,
+    parse_override_value,
 )
 from pipeline.results.config import ReportConfig
 from pipeline.study_a.config import AnalysisConfig
@@ -97,14 +97,14 @@ def load_params(path: str | Path = "params.yaml") -> Params:
 
 
 def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
-    """`params` with dotted overrides applied (values parsed as YAML, like `dvc exp run -S`), validated."""
+    """`params` with dotted overrides applied (values parsed as `dvc exp run -S` parses them), validated."""
     raw = params.model_dump(mode="json")
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = parse_yaml(value)
+        node[leaf] = parse_override_value(dotted, value)
     return parse_params(raw, "overrides")
 
 

@@ -7,11 +7,10 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.core.contracts import ACTIVATIONS, external_table_id, path_id, trained_model_id
 from pipeline.core.errors import InputError
-from pipeline.core.store import folder_digest, sha256_cached, verified_files, verify_shard
+from pipeline.core.store import folder_digest, verified_files
 from pipeline.params import Params
 from stages.layout import Layout
 
@@ -115,54 +114,3 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
             "save it beside the weights with `tokenizer.save_pretrained(...)`)"
         )
     return tokenizer
-
-
-def check_external_models(params: Params, layout: Layout) -> None:
-    """Fail in the driver, before any task starts, on an external model that cannot be analysed."""
-    for model in analysed_models(params, layout):
-        if not model.trained:
-            model_tokenizer(layout, params, model)
-
-
-def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
-    """What to load for `model`, after checking that its weights are still those it was planned with:
-    a checkpoint against its training manifest, a local external folder against its digest."""
-    if model.trained:
-        assert model.run is not None
-        verify_shard(layout.models, model.run)
-        if sha256_cached(Path(model.ref) / "model.safetensors") != model.digest:
-            raise InputError(f"{model.table_id}: retrained after the stage was planned; run the stage again")
-        return model.ref
-    source = model_source(layout, params, model.ref, model.revision)
-    if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:
-        raise InputError(f"{model.ref}: its files changed after the stage was planned; run the stage again")
-    return source
-
-
-def open_model(layout: Layout, params: Params, model: AnalysedModel):
-    """The verified model on the task's device (a GPU when Ray gave the task one), under the security params.
-
-    The worker keeps the last model it opened: a task runs consecutive shards of one model (its layers and
-    classes), which then load it once."""
-    import torch
-
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    source = verify_weights(layout, params, model)
-    key = (source, model.digest, str(device), params.security)
-    if _opened.get("key") != key:
-        _opened.clear()
-        _opened.update(key=key, net=_load(layout, source, params, model.revision).to(device))
-    return _opened["net"], device
-
-
-_opened: dict[str, Any] = {}  # this worker's last opened model (one, so memory stays bounded)
-
-
-def _load(layout: Layout, source: str, params: Params, revision: str | None):
-    from pipeline.models.loading import load_model
-
-    s = params.security
-    return load_model(
-        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
-        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
-    )

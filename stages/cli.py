@@ -175,6 +175,53 @@ def tune(
     _run_stage("tune", params, ray_address, arch=arch, steps=steps, seeds=seed, recipes=recipe, out=out)
 
 
+@app.command(name="check-model")
+def check_model(
+    ref: Annotated[str, typer.Argument(help="a local save_pretrained folder or a hub id")],
+    revision: Annotated[Optional[str], typer.Option(help="hub revision (branch, tag or commit)")] = None,
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Load a causal LM as Study A would (under params' security section) and verify its structure."""
+    from stages.families import check_model as run_check
+
+    loaded = _load(params)
+    try:
+        typer.echo(run_check(loaded, ref, revision))
+    except InputError as err:
+        fail(str(err))
+
+
+@app.command()
+def families(
+    write: Annotated[Optional[Path], typer.Option("--write", help="write the table here, e.g. docs/families.md")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="this model type only (repeatable)")] = None,
+) -> None:
+    """Verify a tiny random-weight model of every causal-LM family transformers ships; print the table."""
+    from stages.families import write_coverage
+
+    typer.echo(write_coverage(write, only))
+
+
+@app.command()
+def rehearse(
+    write: Annotated[Optional[Path], typer.Option("--write", help="write the report here, e.g. docs/scale.md (and .json beside it)")] = None,
+    only: Annotated[Optional[list[str]], typer.Option("--only", help="this seed model only: pythia-1.4b, mamba-370m, gpt2 (repeatable)")] = None,
+    device: Annotated[str, typer.Option(help="cpu, or cuda on a GPU node")] = "cpu",
+    threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
+    preset: Annotated[Path, typer.Option(help="the study whose cost is extrapolated")] = Path("presets/seed.yaml"),
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Run the seed's model configurations (random weights) through extract, fit and perturb on a slice;
+    print the per-unit costs, peak memory and the extrapolated cost of the preset's study."""
+    from stages.rehearse import rehearse as run_rehearsal
+
+    loaded = _load(params)
+    try:
+        typer.echo(run_rehearsal(loaded, preset, write, only, device, threads))
+    except ParamsError as err:
+        fail(f"{preset}: {err}")
+
+
 @app.command()
 def preset(
     path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],

@@ -8,7 +8,8 @@ import numpy as np
 from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
-from stages.analysis_set import AnalysedModel, analysed_models, check_external_models, model_tokenizer, open_model
+from stages.analysis_set import AnalysedModel, analysed_models, model_tokenizer
+from stages.opening import check_external_models, open_model
 from stages.layout import Layout
 from stages.sharded import Plan, run_sharded_stage, stage_code, stage_params
 

@@ -12,7 +12,8 @@ from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, read
 from pipeline.core.execution import Shard
 from pipeline.core.store import ManifestKey, ShardWriter, arrow_to_vectors, dataset_digest, verified_files
 from pipeline.params import Params
-from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models, open_model
+from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models
+from stages.opening import open_model
 from stages.layout import Layout
 from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, stage_params
 

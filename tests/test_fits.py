@@ -98,6 +98,31 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
     assert info.n_nonfinite == 0 and info.n_anchors == len(anchors) and info.n_pool == len(x)
 
 
+@pytest.mark.parametrize("fn", CLASSES)
+def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
+    """Memory is bounded by the anchor chunk (`fits.CHUNK_VALUES`); the rows do not depend on it (the
+    MLP's start is drawn per anchor, whatever its chunk)."""
+    from pipeline.study_a import fits
+
+    rng = np.random.default_rng(4)
+    x, y, seq, pos, tok = random_layer(rng, d=6)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), cfg.anchors, seed=3)
+    whole = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
+    monkeypatch.setattr(fits, "CHUNK_VALUES", 2 * cfg.k * 6)  # two anchors a chunk: 5 chunks, the last short
+    assert len(fits.anchor_chunks(len(anchors), cfg.k, 6)) == 5
+    chunked = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
+    for name in chunked.column_names:
+        got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
+        if name in ("sample", "degenerate", "converged", "subspace_tied", "seq_id", "pos", "token_id", "k", "input_rank"):
+            assert got == want, name
+        else:
+            assert [g is None for g in got] == [w is None for w in want], name
+            present = [(g, w) for g, w in zip(got, want, strict=True) if g is not None]
+            for g, w in present:
+                np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
+
+
 def test_schema_is_the_contract():
     assert FITS.file_schema(3).names == [
         "sample", "seq_id", "pos", "token_id", "k", "rel_err", "rel_err_state", "cos_full_tok", "cos_full_res",
@@ -248,3 +273,19 @@ def test_choose_anchors_is_seeded_sorted_and_valid():
     np.testing.assert_array_equal(picked, choose_anchors(100, 20, seed=5, valid_mask=valid))
     assert not np.array_equal(picked, choose_anchors(100, 20, seed=6, valid_mask=valid))
     assert len(choose_anchors(100, 500, seed=5, valid_mask=valid)) == valid.sum()
+
+
+def test_numerical_rank_matches_numpys_svd():
+    """The Gram eigensolve counts the ranks NumPy's SVD counts, for both shapes, with exact dependences and
+    singular values spread over three orders of magnitude."""
+    from pipeline.study_a.geometry import numerical_rank
+
+    rng = np.random.default_rng(8)
+    for k, d in ((12, 7), (5, 9)):
+        batch = []
+        for rank in range(1, min(k, d) + 1):
+            left, right = rng.normal(size=(k, rank)), rng.normal(size=(rank, d))
+            batch.append((left * np.logspace(0, -3, rank)) @ right)
+        m = np.stack(batch).astype(np.float32).astype(np.float64)
+        expected = [int((s > 1e-6 * s[0]).sum()) for s in np.linalg.svd(m, compute_uv=False)]
+        assert numerical_rank(torch.from_numpy(m)).tolist() == expected == list(range(1, min(k, d) + 1))

@@ -126,7 +126,8 @@ def test_2_a_changed_external_model_is_noticed_by_dvc_and_recomputed(ws):
 
 def test_2_an_external_model_changed_after_planning_is_refused_when_opened(ws):
     from pipeline.params import load_params
-    from stages.analysis_set import analysed_models, verify_weights
+    from stages.analysis_set import analysed_models
+    from stages.opening import verify_weights
     from stages.layout import Layout
 
     layout, params = Layout(ws), load_params(ws / "params.yaml")

@@ -145,3 +145,14 @@ def test_the_ablation_presets_set_what_they_say():
     assert preset("matched_budget.yaml").train.head_budget_tau == RECIPES["hilbert"].default_step.tau
     centring = preset("centring.yaml").train
     assert centring.recipe_overrides["hilbert"].head_lr == pytest.approx(2 * RECIPES["rownorm"].default_step.head_lr)
+
+
+def test_a_preset_value_reads_back_through_dvcs_grammar():
+    """`lmgeo preset` prints mappings with bare keys and no spaces (Hydra, which DVC's `-S` uses, takes no
+    quoted key, and the shell splits `$(lmgeo preset ...)` on spaces); the value reads back unchanged."""
+    from pipeline.core.config import override_value, parse_override_value
+
+    value = [{"id": "EleutherAI/pythia-70m", "revision": "step143000"}, {"id": "./models/x"}, {"n": 1.5e-6, "on": None}]
+    printed = override_value(value)
+    assert " " not in printed and '"id"' not in printed
+    assert parse_override_value("analysis.external_models", printed) == value

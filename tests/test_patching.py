@@ -84,6 +84,19 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
         np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("layer", range(TINY.n_layers))
+def test_suffix_patching_equals_the_full_forward(model, tokens, states, layer):
+    """A patched copy that recomputes only blocks l+1.. (the default) gives the full forward's KLs."""
+    rng = np.random.default_rng(10 + layer)
+    rows, positions = _anchors(rng, 8)
+    vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (8, TINY.d_model)).astype(np.float32)
+    suffix = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=3, mode="suffix")
+    full = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=3, mode="full")
+    assert np.all(full[0] > 1e-4)
+    for got, want in zip(suffix, full, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
 def test_batched_equals_one_at_a_time(model, tokens, states):
     rng = np.random.default_rng(5)
     rows, positions = _anchors(rng, 9)  # unsorted, several per sequence, mixed in batches

@@ -239,7 +239,7 @@ def inputs(extracted, tmp_path_factory) -> Path:
     models = workspace / "models"
     save_tiny_model(models / "remote", config_extra={"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}})
     save_tiny_model(models / "pickle", pickle_only=True)
-    save_tiny_llama(models / "llama")
+    save_tiny_llama(models / "llama", workspace / "data" / "tokenizer")
     save_tiny_model(root / "outside_model")
     (workspace / "escape").symlink_to(root / "outside_model")
     (root / "outside.txt").write_text("text outside the workspace\n" * 100)
@@ -265,12 +265,17 @@ def save_tiny_model(path: Path, config_extra: dict | None = None, pickle_only: b
         weights.unlink()
 
 
-def save_tiny_llama(path: Path) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def save_tiny_llama(path: Path, tokenizer: Path) -> None:
+    """A Llama (with the workspace's tokenizer beside it) whose config carries Cohere's `logit_scale`, which
+    Llama does not apply: its readout cannot be reproduced, so verification must refuse it."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=2)
     LlamaForCausalLM(config).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
+    raw = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**raw, "logit_scale": 3.0}))
 
 
 def run_all(workspace: Path, commands: dict[str, tuple[str, ...]]) -> dict[str, subprocess.CompletedProcess]:
@@ -326,7 +331,7 @@ def test_malformed_params_exit_2_naming_the_key(inputs):
 def test_missing_or_unsupported_model_and_empty_corpus_exit_2(inputs):
     refused_everywhere(inputs, {
         "missing_model": ("extract", external("./no/such/model"), ("./no/such/model", "does not exist")),
-        "llama_model": ("extract", external("./models/llama"), ("unsupported model_type 'llama'",)),
+        "unverified_model": ("extract", external("./models/llama"), ("verification failed: readout",)),
         "empty_corpus": ("prepare", corpus("empty/*.txt"), ("empty/*.txt", "empty")),
     })
 

@@ -177,5 +177,31 @@ def flatten_overrides(raw: Any, prefix: str = "") -> dict[str, str]:
         if isinstance(value, dict) and value:
             flat |= flatten_overrides(value, f"{dotted}.")
         else:
-            flat[dotted] = json.dumps(value, separators=(",", ":"))
+            flat[dotted] = override_value(value)
     return flat
+
+
+def override_value(value: Any) -> str:
+    """`value` as DVC's `-S` reads it (Hydra's override grammar), without spaces, since the shell splits
+    `$(lmgeo preset ...)` on them: JSON, except that a mapping's keys are bare (Hydra takes no quoted key),
+    e.g. a list of external models `[{id:"EleutherAI/pythia-70m",revision:"step143000"}]`."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{key}:{override_value(item)}" for key, item in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ",".join(override_value(item) for item in value) + "]"
+    return json.dumps(value)
+
+
+def parse_override_value(dotted: str, value: str) -> Any:
+    """A `-S` value as DVC parses it (Hydra's override grammar, which DVC uses: what `lmgeo preset` prints
+    must mean the same here and there). A value that grammar rejects, such as JSON with quoted keys, which
+    Python callers pass, is read as YAML."""
+    try:  # Hydra comes with DVC; where DVC is absent (the GPU check's machine), YAML reads what Python passes
+        from hydra.core.override_parser.overrides_parser import OverridesParser
+        from hydra.errors import HydraException
+    except ImportError:
+        return parse_yaml(value)
+    try:
+        return OverridesParser.create().parse_override(f"{dotted}={value}").value()
+    except HydraException:
+        return parse_yaml(value)

@@ -1,10 +1,10 @@
-"""A model family: where a causal LM keeps its blocks, final norm and head, and how its parameters split
-into optimizer groups (SPEC §1, §3.2, §4.1).
+"""A registered model family: what the structure of a model cannot say by itself (SPEC §1, §3.2, §4.1).
 
-Extraction, patching and training locate modules only through a family, and the optimizer groups of
-Study B come from its name patterns (torchtitan style, with a partition assertion in
-`pipeline.study_b.optim`). A family is one module of `pipeline/models/` plus one line in
-`pipeline/models/registry.py`.
+Any decoder-only causal LM is analysed without registration: its blocks, final norm and head are found
+from its structure (`pipeline.models.structure`) and verified on the loaded model. A family is registered
+only to be *trained* here (a config builder and the name patterns of its optimizer groups, torchtitan
+style, with a partition assertion in `pipeline.study_b.optim`), or to override a path that resolution
+gets wrong. A family is one module of `pipeline/models/` plus one line in `pipeline/models/registry.py`.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Literal
 from transformers import PretrainedConfig
 
 from pipeline.models.config import ModelSize
+from pipeline.models.structure import Overrides
 
 ConfigBuilder = Callable[[ModelSize, int, int], PretrainedConfig]  # (size, vocab_size, seq_len)
 
@@ -38,9 +39,7 @@ class ModelFamily:
     name: str  # our short name, used in run ids
     model_type: str  # Hugging Face `config.model_type`
     kind: Literal["transformer", "ssm"]  # how the report groups families
-    blocks: str  # dotted path to the ModuleList of blocks
-    final_norm: str  # dotted path to the norm applied after the last block
-    head: str  # dotted path to the LM head (nn.Linear)
+    overrides: Overrides = Overrides()  # paths that resolution would get wrong
     make_config: ConfigBuilder | None = None  # None: analysed only, never trained here
     param_groups: tuple[GroupRule, ...] = ()
     # Hidden matrices stored (in, out), like GPT-2's Conv1D, instead of nn.Linear's (out, in).

@@ -28,9 +28,6 @@ FAMILY = ModelFamily(
     name="gpt2",
     model_type="gpt2",
     kind="transformer",
-    blocks="transformer.h",
-    final_norm="transformer.ln_f",
-    head="lm_head",
     make_config=make_config,
     param_groups=(
         GroupRule("embed", r"^transformer\.(?:wte|wpe)\.weight$"),

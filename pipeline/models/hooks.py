@@ -20,6 +20,11 @@ def block_output(output: Any) -> torch.Tensor:
     return output[0] if isinstance(output, tuple) else output
 
 
+def with_hidden(output: Any, hidden: torch.Tensor) -> Any:
+    """A block's output with its hidden states replaced (what a forward hook returns to patch it)."""
+    return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
 @contextlib.contextmanager
 def eval_mode(model: nn.Module) -> Iterator[None]:
     """Dropout off for the duration, restoring the caller's mode afterwards."""

@@ -1,19 +1,20 @@
 """Opening a causal LM safely: a local `save_pretrained` directory or a hub id, safetensors only, no remote
-code unless trusted, registered families only, every file inside the workspace unless allowed, a
-parameter budget checked before anything is allocated, and every tensor of the checkpoint matched to the
-model (a missing, unexpected or mis-shaped tensor is an error, never a randomly initialised weight)."""
+code unless trusted, causal-LM model types only, every file inside the workspace unless allowed, the
+structure resolved and a parameter budget checked on the meta device before anything is allocated, and
+every tensor of the checkpoint matched to the model (a missing, unexpected or mis-shaped tensor is an
+error, never a randomly initialised weight)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from pipeline.core.errors import InputError
-from pipeline.models.registry import family_for_model_type, family_of
+from pipeline.models.registry import UnsupportedArchitecture, structure_of
 
 
 class ModelLoadError(InputError):
@@ -44,16 +45,15 @@ def _local_dir(ref: str, workspace: Path | None, allow_outside_paths: bool) -> P
     return path
 
 
-def parameter_count(config: dict[str, Any], trust_remote_code: bool = False) -> int:
-    """Parameters of the model a config describes, counted on the meta device (nothing is allocated)."""
+def meta_model(config: dict[str, Any], trust_remote_code: bool = False) -> PreTrainedModel:
+    """The model a config describes, on the meta device: its structure and size, nothing allocated."""
     settings = {k: v for k, v in config.items() if k not in ("model_type", "auto_map")}
     try:
         built = AutoConfig.for_model(config["model_type"], **settings)
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(built, trust_remote_code=trust_remote_code)
+            return AutoModelForCausalLM.from_config(built, trust_remote_code=trust_remote_code)
     except (KeyError, ValueError, TypeError) as err:
         raise ModelLoadError(f"config.json does not describe a model transformers can build: {err}") from None
-    return sum(p.numel() for p in model.parameters())
 
 
 def check_budget(n_parameters: int, ref: str, max_parameters: int, dtype: torch.dtype) -> None:
@@ -91,7 +91,12 @@ def _check_config(config: dict, ref: str, trust_remote_code: bool) -> None:
             f"{ref}: config.json asks for remote code (auto_map); refusing to run it. "
             "Set security.trust_remote_code: true only for a model you trust."
         )
-    family_for_model_type(config.get("model_type"))
+    model_type = config.get("model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not ("auto_map" in config and trust_remote_code):
+        raise UnsupportedArchitecture(
+            f"{ref}: model_type {model_type!r} is not a causal LM transformers knows "
+            "(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES); Study A analyses decoder-only causal LMs"
+        )
 
 
 def check_model(
@@ -109,20 +114,19 @@ def check_model(
     Stages call it in the driver, so a bad model reference is one clear error before any task starts.
     """
     local = _local_dir(ref, workspace, allow_outside_paths)
-    if local is not None:
-        config_file = local / "config.json"
-        if not config_file.is_file():
-            raise ModelLoadError(f"{local} has no config.json; not a saved Hugging Face model")
-        config = json.loads(config_file.read_text())
-    else:
-        try:
-            config, _ = PretrainedConfig.get_config_dict(ref, revision=revision)
-        except OSError as err:
-            raise ModelLoadError(
-                f"{ref!r} is neither a local model directory nor a reachable hub model: {err}"
-            ) from None
+    if local is not None and not (local / "config.json").is_file():
+        raise ModelLoadError(f"{local} has no config.json; not a saved Hugging Face model")
+    try:
+        # transformers' own reader: it decodes what its writer encodes (an infinite `time_step_limit`
+        # of Mamba-2 and the hybrids is saved as {"__float__": "Infinity"}).
+        config, _ = PretrainedConfig.get_config_dict(str(local) if local is not None else ref, revision=revision)
+    except OSError as err:
+        where = f"config.json of {local} is unreadable" if local is not None else "neither a local model directory nor a reachable hub model"
+        raise ModelLoadError(f"{ref!r}: {where}: {err}") from None
     _check_config(config, ref, trust_remote_code)
-    check_budget(parameter_count(config, trust_remote_code), ref, max_parameters, dtype)
+    skeleton = meta_model(config, trust_remote_code)
+    structure_of(skeleton)  # no blocks, final norm or head: refused before any weight is read
+    check_budget(sum(p.numel() for p in skeleton.parameters()), ref, max_parameters, dtype)
     if local is not None:
         _check_local_weights(local)
     return str(local) if local is not None else ref
@@ -160,7 +164,7 @@ def load_model(
     except Exception as err:  # noqa: BLE001 - safetensors, tokenizers and torch raise their own types
         raise ModelLoadError(f"cannot load model {ref!r}: {type(err).__name__}: {err}") from None
     _check_every_tensor_matched(ref, loading)
-    family_of(model)  # remote code could still map to a class outside the registry
+    structure_of(model)  # remote code could still build another structure than its config's
     return model.eval()
 
 

@@ -28,9 +28,6 @@ FAMILY = ModelFamily(
     name="mamba",
     model_type="mamba",
     kind="ssm",
-    blocks="backbone.layers",
-    final_norm="backbone.norm_f",
-    head="lm_head",
     make_config=make_config,
     param_groups=(
         GroupRule("embed", r"^backbone\.embeddings\.weight$"),

@@ -29,9 +29,6 @@ FAMILY = ModelFamily(
     name="neox",
     model_type="gpt_neox",
     kind="transformer",
-    blocks="gpt_neox.layers",
-    final_norm="gpt_neox.final_layer_norm",
-    head="lm_head",
     make_config=make_config,
     param_groups=(
         GroupRule("embed", r"^gpt_neox\.embed_in\.weight$"),

@@ -1,4 +1,5 @@
-"""The registered model families, and the lookups every other module uses to find a model's parts."""
+"""The registered model families, and the lookups every other module uses to find a model's parts (the
+blocks, final norm and head of any causal LM, resolved from its structure; `pipeline.models.structure`)."""
 
 from __future__ import annotations
 
@@ -11,42 +12,59 @@ from pipeline.core.registry import Registry
 from pipeline.models import gpt2, mamba, neox
 from pipeline.models.config import ModelSize
 from pipeline.models.family import ModelFamily
+from pipeline.models.structure import Overrides, Structure, resolve
 
 FAMILIES: Registry[ModelFamily] = Registry("model family", [gpt2.FAMILY, neox.FAMILY, mamba.FAMILY])
 
 
 class UnsupportedArchitecture(InputError):
-    """A model whose family is not registered."""
+    """A model that cannot be analysed (not a causal LM transformers knows) or trained (not registered)."""
 
 
-def family_for_model_type(model_type: str | None) -> ModelFamily:
+def registered_family(model_type: str | None) -> ModelFamily | None:
     for family in FAMILIES:
         if family.model_type == model_type:
             return family
-    supported = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES)
-    raise UnsupportedArchitecture(f"unsupported model_type {model_type!r}; supported model types: {supported}")
+    return None
 
 
 def family_of(model: PreTrainedModel) -> ModelFamily:
-    return family_for_model_type(getattr(model.config, "model_type", None))
+    """The registered family of a model Study B trains (its config builder and optimizer groups)."""
+    model_type = getattr(model.config, "model_type", None)
+    family = registered_family(model_type)
+    if family is None:
+        registered = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES)
+        raise UnsupportedArchitecture(f"model_type {model_type!r} is not a registered family; registered: {registered}")
+    return family
+
+
+def structure_of(model: PreTrainedModel) -> Structure:
+    """Where the model keeps its blocks, final norm and head: found from its structure, unless its
+    registered family overrides a path."""
+    family = registered_family(getattr(model.config, "model_type", None))
+    return resolve(model, family.overrides if family is not None else Overrides())
 
 
 def blocks_of(model: PreTrainedModel) -> nn.ModuleList:
-    path = family_of(model).blocks
-    blocks = model.get_submodule(path)
-    assert isinstance(blocks, nn.ModuleList), f"{path} is not a ModuleList"
+    blocks = model.get_submodule(structure_of(model).blocks)
+    assert isinstance(blocks, nn.ModuleList)
     return blocks
 
 
 def final_norm_of(model: PreTrainedModel) -> nn.Module:
-    return model.get_submodule(family_of(model).final_norm)
+    return model.get_submodule(structure_of(model).final_norm)
 
 
 def head_of(model: PreTrainedModel) -> nn.Linear:
-    path = family_of(model).head
-    head = model.get_submodule(path)
-    assert isinstance(head, nn.Linear), f"{path} is not a Linear layer"
+    head = model.get_submodule(structure_of(model).head)
+    assert isinstance(head, nn.Linear)
     return head
+
+
+def logits_from_last_state(model: PreTrainedModel, h_last: torch.Tensor) -> torch.Tensor:
+    """The model's logits from its last block's output `h_L`: final norm, head, then the family's
+    documented logit map (what `pipeline.study_a.verify` checks against the model's own forward)."""
+    return structure_of(model).logit_map(head_of(model)(final_norm_of(model)(h_last)))
 
 
 def assert_untied(model: PreTrainedModel) -> None:

@@ -2,7 +2,8 @@
 
 `h_l` is the input of block `l` and `h_L` the output of the last block *before* the final norm. The
 `output_hidden_states` of transformers is not used: its last entry is final-normed for GPT-2/NeoX and
-its entries for Mamba are block outputs, not inputs.
+its entries for Mamba are block outputs, not inputs. The blocks are those `pipeline.models.structure`
+resolves; `pipeline.study_a.verify` checks, per model, that these captures are the residual stream.
 """
 
 from __future__ import annotations
@@ -24,15 +25,17 @@ ACTIVATION_COLUMNS = ("seq_id", "pos", "token_id", "h")
 
 
 def capture_states(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torch.Tensor]:
-    """[h_0, …, h_L], each (batch, seq_len, d), from one forward of the base model (the head is not needed)."""
+    """[h_0, …, h_L], each (batch, seq_len, d), from one forward of the base model (the head is not needed).
+
+    Copies, not references: a block that updates its input in place would otherwise rewrite a capture."""
     blocks = blocks_of(model)
     states: list[torch.Tensor] = []
 
     def save_input(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        states.append(block_input(args, kwargs))
+        states.append(block_input(args, kwargs).clone())
 
     def save_output(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-        states.append(block_output(output))
+        states.append(block_output(output).clone())
 
     handles = [block.register_forward_pre_hook(save_input, with_kwargs=True) for block in blocks]
     handles.append(blocks[-1].register_forward_hook(save_output))

@@ -176,13 +176,28 @@ class _Pool(NamedTuple):
     copies: Tensor | None  # (A,) every neighbour's input is an exact copy of the anchor's
 
 
+# The neighbourhoods of at most this many float64 values are gathered at once ((A, k, d) inputs and outputs,
+# and a class's (A, d, d) operators): memory is bounded by the chunk, not by the number of anchors. At
+# k = d = 2048 that is 8 anchors a chunk; at the tests' sizes, every anchor in one.
+CHUNK_VALUES = 2**25
+
+
+def anchor_chunks(n_anchors: int, k: int, d: int) -> list[slice]:
+    """Consecutive slices of the anchors, each gathering at most `CHUNK_VALUES` values per tensor."""
+    size = max(1, CHUNK_VALUES // (max(k, d) * d))
+    return [slice(start, min(start + size, n_anchors)) for start in range(0, n_anchors, size)]
+
+
 def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Neighbours | None, n_nonfinite: int) -> _Pool:
     n_distinct = int(torch.unique(x, dim=0).shape[0])
     if neighbours is None:
         return _Pool(x, y, anchors, None, n_nonfinite, n_distinct, None, None)
-    xn = x[neighbours.index]
-    copies = (xn == x[anchors][:, None]).all(dim=2).all(dim=1)
-    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, numerical_rank(xn), copies)
+    ranks, copies = [], []
+    for chunk in anchor_chunks(len(anchors), neighbours.index.shape[1], x.shape[1]):
+        xn = x[neighbours.index[chunk]]
+        ranks.append(numerical_rank(xn))
+        copies.append((xn == x[anchors[chunk]][:, None]).all(dim=2).all(dim=1))
+    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, torch.cat(ranks), torch.cat(copies))
 
 
 def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Neighbours | None:
@@ -197,17 +212,30 @@ def fit_update(pool: _Pool, fn: str, cfg: AnalysisConfig) -> tuple[Update, Tenso
     numerical rank of its neighbours' inputs (None for a layer-wide class)."""
     fit_class = FIT_CLASSES[fn]
     if not fit_class.local:
-        update = fit_class.fit(pool.x, pool.y, pool.anchors, cfg)
+        update = fit_class.fit(pool.x, pool.y, pool.anchors, cfg, 0)
         return update, torch.zeros(len(pool.anchors), dtype=torch.bool, device=pool.x.device), None
     assert pool.neighbours is not None
-    xn, yn = pool.x[pool.neighbours.index], pool.y[pool.neighbours.index]  # (A, k, d)
-    x_a = pool.x[pool.anchors]
-    update = fit_class.fit(xn, yn, x_a, cfg)
+    parts = []
+    for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.index.shape[1], pool.x.shape[1]):
+        index = pool.neighbours.index[chunk]
+        parts.append(fit_class.fit(pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]], cfg, chunk.start))
+    update = _concat(parts)
     assert pool.input_rank is not None and pool.copies is not None
     degenerate = (pool.input_rank < fit_class.needs_rank(pool.x.shape[1])) | pool.copies
     if update.unidentified is not None:
         degenerate |= update.unidentified
     return update, degenerate, pool.input_rank
+
+
+def _concat(parts: list[Update]) -> Update:
+    """The updates of consecutive anchor chunks as one."""
+    first = parts[0]
+    basis = type(first.basis)(*(torch.cat(fields) for fields in zip(*(u.basis for u in parts), strict=True)))
+
+    def optional(name: str) -> Tensor | None:
+        return None if getattr(first, name) is None else torch.cat([getattr(u, name) for u in parts])
+
+    return Update(torch.cat([u.delta_tok for u in parts]), basis, optional("unidentified"), optional("converged"))
 
 
 def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, pool: _Pool, fn: str) -> pa.Table:

@@ -153,9 +153,15 @@ def tied(singular: Tensor, p: int) -> Tensor:
 
 
 def numerical_rank(m: Tensor) -> Tensor:
-    """The rank of each matrix of a batch (A, k, d), singular values below `RANK_TOL` of the largest as zero."""
-    singular = torch.linalg.svdvals(m)
-    return (singular > RANK_TOL * singular[..., :1]).sum(dim=-1)
+    """The rank of each matrix of a batch (A, k, d), singular values below `RANK_TOL` of the largest as zero.
+
+    The squared singular values are the eigenvalues of the smaller Gram matrix: one symmetric eigensolve
+    instead of an SVD, which at k = d = 768 was the fits' slowest step on CPU (about 25× slower, batched).
+    In float64 the Gram's rounding (~1e-16 of its largest eigenvalue) stays far below `RANK_TOL² = 1e-12`."""
+    m = m.to(F64)
+    gram = m @ m.mT if m.shape[-2] <= m.shape[-1] else m.mT @ m
+    squared = torch.linalg.eigvalsh(gram).clamp_min(0)  # ascending
+    return (squared > RANK_TOL**2 * squared[..., -1:]).sum(dim=-1)
 
 
 def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:

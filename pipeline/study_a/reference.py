@@ -91,7 +91,7 @@ def reference_rows(
 
     patched, ops, degenerate = [], [], []
     for i, a in enumerate(anchors):
-        context = RefContext(i, len(anchors))
+        context = RefContext(i)
         if fit_class.local:
             nb = ref_neighbours(x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)
             result = fit_class.reference(x[nb], y[nb], x[a], cfg, context)

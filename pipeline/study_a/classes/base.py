@@ -20,17 +20,17 @@ from pipeline.study_a.geometry import Update
 
 
 class RefContext(NamedTuple):
-    """Where the reference is in the layer: anchor `anchor` of `n_anchors` (the MLP's initial weights are
-    drawn for all anchors at once, so the reference needs both)."""
+    """Where the reference is in the layer: anchor `anchor` (the MLP's initial weights depend on it)."""
 
     anchor: int
-    n_anchors: int
 
 
-# (inputs, outputs, at, cfg) -> Update. A local class gets its (A, k, d) neighbours and `at` = the anchors'
-# inputs x_a (A, d), never an anchor's own output; a layer-wide class gets the (n, d) pool and `at` = the
-# anchors' pool rows (A,), so that it can leave each anchor's own pair out.
-BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig], Update]
+# (inputs, outputs, at, cfg, first) -> Update. A local class gets its (A, k, d) neighbours and `at` = the
+# anchors' inputs x_a (A, d), never an anchor's own output; anchors come in chunks (memory stays bounded by
+# the chunk, `pipeline.study_a.fits`) and `first` is the chunk's first anchor in the layer, so that per-anchor
+# randomness (the MLP's start) does not depend on the chunking. A layer-wide class gets the (n, d) pool and
+# `at` = the anchors' pool rows (A,), so that it can leave each anchor's own pair out, and `first` = 0.
+BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig, int], Update]
 # (inputs, outputs, at, cfg, context) -> (T(x_a), J − I) for one anchor, in NumPy; `at` as for the batched fit
 # (x_a for a local class, the anchor's pool row for a layer-wide one); None where the class's solve is not unique.
 ReferenceFit = Callable[[np.ndarray, np.ndarray, Any, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray] | None]

@@ -11,7 +11,8 @@ from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Columns, Update
 
 
-def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig) -> Update:
+def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, first: int) -> Update:
+    del first  # one map for the layer
     del y
     none = torch.zeros(1, dtype=torch.bool, device=x.device)
     return Update(torch.zeros_like(x[anchors]), Columns(x.new_zeros((1, x.shape[1], cfg.p)), none))

@@ -61,7 +61,8 @@ def _left_singular(m: Tensor, rank: int) -> Tensor:
     return torch.linalg.eigh(m @ m.transpose(1, 2)).eigenvectors[..., -rank:]
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig) -> Update:
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
+    del first  # a closed form: nothing drawn per anchor
     return fit_lowrank(xn, yn, cfg.rank, cfg.ridge).update(x_a, cfg.p)
 
 

@@ -8,7 +8,7 @@ per anchor neighbourhood.
 Fitting is variable projection: for given `(W₁, b₁)` the output layer `(W₂, b₂)` minimising `f` is a ridge
 regression in closed form, so only `(W₁, b₁)` are optimised, by Adam (lr 1e-2) on `f` with the output layer
 solved at every step (its gradient there is the partial one, the output layer being optimal). `W₁ ~ N(0,
-1/d)` (drawn on the CPU from `seed`, so every device starts alike), `b₁ = 0`. Anchors are independent
+1/d)` (drawn on the CPU from `seed` and the anchor's index, so every device and chunking starts alike), `b₁ = 0`. Anchors are independent
 problems: Adam is element-wise, so one optimiser on the summed objective is exactly one per anchor.
 
 Convergence criterion (stated, and recorded per anchor as `converged`): the objective fell by less than
@@ -56,10 +56,14 @@ class MLPFit(NamedTuple):
         return Update(delta, top_left_singular(q2, core, p))
 
 
-def initial_w1(n_anchors: int, hidden: int, d: int, seed: int, device: torch.device | str) -> Tensor:
-    """`W₁ ~ N(0, 1/d)` for every anchor, drawn on the CPU from `seed` (part of the fit's definition)."""
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn((n_anchors, hidden, d), generator=generator, dtype=F64) / math.sqrt(d)).to(device)
+def initial_w1(first: int, n_anchors: int, hidden: int, d: int, seed: int, device: torch.device | str) -> Tensor:
+    """`W₁ ~ N(0, 1/d)` for anchors `first … first + n_anchors − 1` of the layer, each drawn on the CPU from
+    its own stream of `seed` (part of the fit's definition): the same whichever chunk the anchor is in."""
+    draws = []
+    for anchor in range(first, first + n_anchors):
+        stream = int(np.random.SeedSequence([seed, anchor]).generate_state(1, np.uint64)[0] >> np.uint64(1))
+        draws.append(torch.randn((hidden, d), generator=torch.Generator().manual_seed(stream), dtype=F64))
+    return (torch.stack(draws) / math.sqrt(d)).to(device)
 
 
 def output_layer(hidden: Tensor, target: Tensor, ridge: float) -> tuple[Tensor, Tensor]:
@@ -72,8 +76,11 @@ def output_layer(hidden: Tensor, target: Tensor, ridge: float) -> tuple[Tensor, 
     return w2_t.transpose(1, 2), (t_mean - h_mean @ w2_t)[:, 0]
 
 
-def fit_mlp(xn: Tensor, yn: Tensor, hidden: int, max_steps: int, tol: float, ridge: float, seed: int) -> tuple[MLPFit, Tensor]:
-    """The fitted maps and, per anchor, whether the convergence criterion was met."""
+def fit_mlp(
+    xn: Tensor, yn: Tensor, hidden: int, max_steps: int, tol: float, ridge: float, seed: int, first: int = 0
+) -> tuple[MLPFit, Tensor]:
+    """The fitted maps and, per anchor, whether the convergence criterion was met (`first`: the first
+    anchor's index in the layer, which its initial weights depend on)."""
     n_anchors, _, d = xn.shape
     tiny = torch.finfo(F64).tiny
     centre = xn.mean(dim=1)
@@ -81,7 +88,7 @@ def fit_mlp(xn: Tensor, yn: Tensor, hidden: int, max_steps: int, tol: float, rid
     out_scale = (yn - xn).square().mean(dim=(1, 2)).sqrt().clamp_min(tiny)
     scaled = (xn - centre[:, None]) / in_scale[:, None, None]
     target = (yn - xn) / out_scale[:, None, None]
-    w1 = initial_w1(n_anchors, hidden, d, seed, xn.device).requires_grad_(True)
+    w1 = initial_w1(first, n_anchors, hidden, d, seed, xn.device).requires_grad_(True)
     b1 = xn.new_zeros((n_anchors, hidden)).requires_grad_(True)
     optimiser = torch.optim.Adam([w1, b1], lr=LEARNING_RATE)
     history: list[Tensor] = []
@@ -116,8 +123,8 @@ def _met(before: Tensor, now: Tensor, tol: float) -> Tensor:
     return before - now <= tol * now
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig) -> Update:
-    mlp, converged = fit_mlp(xn, yn, cfg.mlp_hidden, cfg.mlp_steps, cfg.mlp_tol, cfg.ridge, cfg.seed)
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
+    mlp, converged = fit_mlp(xn, yn, cfg.mlp_hidden, cfg.mlp_steps, cfg.mlp_tol, cfg.ridge, cfg.seed, first)
     return mlp.update(x_a, cfg.p)._replace(converged=converged)
 
 
@@ -126,7 +133,7 @@ def reference(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The MLP fitted on this neighbourhood alone, one step at a time with its own stopping rule:
     (T(x_a), J − I), the Jacobian by autograd."""
-    w1_init = initial_w1(context.n_anchors, cfg.mlp_hidden, xn.shape[1], cfg.seed, torch.device("cpu"))[context.anchor]
+    w1_init = initial_w1(context.anchor, 1, cfg.mlp_hidden, xn.shape[1], cfg.seed, torch.device("cpu"))[0]
     xt, yt, at = (torch.from_numpy(v) for v in (xn, yn, xa))
     d = xt.shape[1]
     mu = xt.mean(dim=0)

@@ -53,7 +53,8 @@ def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool) -> OrthogonalFit:
     return OrthogonalFit(rotation, (cross * rotation).sum(dim=(1, 2)) / energy, unidentified)
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig) -> Update:
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
+    del first  # a closed form: nothing drawn per anchor
     return fit_orthogonal(xn, yn, cfg.orthogonal_scale).update(x_a, cfg.p)
 
 

@@ -1,0 +1,77 @@
+"""Opening an analysed model in a task: its weights checked against the plan, loaded under the security
+params, and verified (`pipeline.study_a.verify`) before any work. Only the stages that run a model
+(extract, perturb) import this module, so the other stages' code versions do not depend on model code."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pipeline.core.errors import InputError
+from pipeline.core.store import folder_digest, sha256_cached, verify_shard
+from pipeline.params import Params
+from stages.analysis_set import AnalysedModel, analysed_models, model_source, model_tokenizer
+from stages.layout import Layout
+
+
+def check_external_models(params: Params, layout: Layout) -> None:
+    """Fail in the driver, before any task starts, on an external model that cannot be analysed: its
+    tokenizer, and a local model itself, loaded on the CPU and verified (a hub model is verified in the
+    task that opens it: the nodes have the network, the driver may not)."""
+    from pipeline.study_a.verify import verify_model
+
+    for model in analysed_models(params, layout):
+        if not model.trained:
+            model_tokenizer(layout, params, model)
+            source = model_source(layout, params, model.ref, model.revision)
+            if Path(source).is_dir():
+                verify_model(_load(layout, source, params, model.revision))
+
+
+def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
+    """What to load for `model`, after checking that its weights are still those it was planned with:
+    a checkpoint against its training manifest, a local external folder against its digest."""
+    if model.trained:
+        assert model.run is not None
+        verify_shard(layout.models, model.run)
+        if sha256_cached(Path(model.ref) / "model.safetensors") != model.digest:
+            raise InputError(f"{model.table_id}: retrained after the stage was planned; run the stage again")
+        return model.ref
+    source = model_source(layout, params, model.ref, model.revision)
+    if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:
+        raise InputError(f"{model.ref}: its files changed after the stage was planned; run the stage again")
+    return source
+
+
+def open_model(layout: Layout, params: Params, model: AnalysedModel):
+    """The verified model on the task's device (a GPU when Ray gave the task one), under the security
+    params, its structure verified on that device before any work (`pipeline.study_a.verify`).
+
+    The worker keeps the last model it opened: a task runs consecutive shards of one model (its layers and
+    classes), which then load it once."""
+    import torch
+
+    from pipeline.study_a.verify import verify_model
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    source = verify_weights(layout, params, model)
+    key = (source, model.digest, str(device), params.security)
+    if _opened.get("key") != key:
+        _opened.clear()
+        net = _load(layout, source, params, model.revision).to(device)
+        verify_model(net)
+        _opened.update(key=key, net=net)
+    return _opened["net"], device
+
+
+_opened: dict[str, Any] = {}  # this worker's last opened model (one, so memory stays bounded)
+
+
+def _load(layout: Layout, source: str, params: Params, revision: str | None):
+    from pipeline.models.loading import load_model
+
+    s = params.security
+    return load_model(
+        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
+    )
