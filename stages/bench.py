@@ -31,7 +31,7 @@ from pipeline.tools.bench.gpu import gpu_benchmarks
 from pipeline.tools.bench.measure import bar, run_fresh, run_here
 from pipeline.tools.bench.recipes import recipe_step_times
 from pipeline.tools.bench.render import render_markdown, to_jsonable
-from pipeline.tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize
+from pipeline.tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize, identifiable_k
 from pipeline.tools.bench.study_a import knn_vs_faiss, suffix_vs_full
 from pipeline.tools.bench.synthetic import activation_batch, synthetic_states, token_ids
 from stages.layout import Layout
@@ -129,9 +129,8 @@ def fanout(params: Params, size: FanoutSize) -> dict[str, Any]:
 
 def _fanout_params(params: Params, size: FanoutSize) -> Params:
     """The study's analysis params on the benchmark's activations; one CPU (and thread) per fit task."""
-    # k > d, so that every class is identifiable at the benchmark's width (SPEC §4.5).
     analysis = params.analysis.model_copy(
-        update={"anchors": size.anchors, "classes": list(size.classes), "pool_size": None, "k": size.d + size.d // 2}
+        update={"anchors": size.anchors, "classes": list(size.classes), "pool_size": None, "k": identifiable_k(size.d)}
     )
     ray_cfg = params.ray.model_copy(update={"tasks": {**params.ray.tasks, "fit": TaskResources(num_cpus=1)}})
     return params.model_copy(update={"analysis": analysis, "ray": ray_cfg})

@@ -18,7 +18,7 @@ from pipeline.tools.bench.measure import (
     reset_peak_rss,
     run_fresh,
 )
-from pipeline.tools.bench.sizes import FitScale, KnnSize, fit_bench_classes
+from pipeline.tools.bench.sizes import FitScale, KnnSize, fit_bench_classes, identifiable_k
 from pipeline.tools.bench.synthetic import synthetic_states
 
 
@@ -34,8 +34,11 @@ def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, 
                 mismatched += 1
             elif g is not None:
                 worst = max(worst, abs(g - w))
-    patched = np.array(table.column("patched").to_pylist())
-    worst = max(worst, float(np.abs(patched - np.array([r["patched"] for r in rows])).max()))
+    for g, w in zip(table.column("patched").to_pylist(), (r["patched"] for r in rows), strict=True):
+        if (g is None) != (w is None):
+            mismatched += 1
+        elif g is not None:
+            worst = max(worst, float(np.abs(np.asarray(g) - np.asarray(w)).max()))
     return {"max_abs_diff": worst, "null_mismatches": mismatched}
 
 
@@ -53,6 +56,7 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
     seq = np.repeat(np.arange(scale.n_seq), scale.seq_len)
     pos = np.tile(np.arange(scale.seq_len), scale.n_seq)
     anchors = choose_anchors(len(x32), scale.anchors, cfg.seed)
+    cfg = cfg.model_copy(update={"k": max(cfg.k, identifiable_k(scale.d))})
     out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {}}
     for fn in fit_bench_classes():
         cases = {

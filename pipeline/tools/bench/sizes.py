@@ -14,6 +14,12 @@ def fit_bench_classes() -> tuple[str, ...]:
     return tuple(c.name for c in FIT_CLASSES if c.local and not c.iterative)
 
 
+def identifiable_k(d: int) -> int:
+    """Neighbours enough for every local class to be identifiable at width `d` (k > d, SPEC §4.2): a
+    benchmark of degenerate anchors would compare nulls."""
+    return d + d // 2
+
+
 @dataclass(frozen=True)
 class ExtractionSize:
     arch: str
