@@ -309,7 +309,7 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
     size = (f" **The tuned model had {p['n_params']:,} parameters ({p['model']['n_layers']} blocks); this study's "
             f"`{p['arch']}` has {', '.join(f'{n:,}' for n in sorted(tuned_arch))}: the step sizes were not re-tuned "
             "at this size (`lmgeo tune` does it), so a recipe may be off its best step.**"
-            if tuned_arch and tuned_arch != {p["n_params"]} else "")  # fmt: skip
+            if tuned_arch and p.get("n_params") and tuned_arch != {p["n_params"]} else "")  # fmt: skip
     used_note = ("Every recipe ran at its tuned step." if not differing else "Not at the tuned step here: "
                  + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
     return (
