@@ -71,10 +71,12 @@ class Params(Section):
         ]
 
     def trained_runs(self) -> list[str]:
-        """Study B's grid, then the runs only Study A analyses (trained with the same settings), so that
-        Study A can cover architectures the optimizer comparison leaves out."""
+        """The runs only Study A analyses (trained with the same settings, so that Study A can cover
+        architectures the optimizer comparison leaves out), then Study B's grid. Study A's runs go first
+        because they include the slowest (Mamba's scan): started last, one of them would run alone at the
+        end while the other workers idle."""
         grid = self.train.runs()
-        return grid + [run for run in self.analysed_runs() if run not in grid]
+        return [run for run in self.analysed_runs() if run not in grid] + grid
 
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections, for shard manifests."""

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.core.contracts import FIT_METRICS
+from pipeline.core.contracts import FIT_METRICS, parse_run_id
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
@@ -30,6 +30,10 @@ FINAL_VAL = {
     "gpt2-hilbert-s0": 2.5, "gpt2-hilbert-s1": 2.6, "gpt2-hilbert-s2": 2.65,
     "gpt2-hilbert_equi-s0": 2.55, "gpt2-adamw-s0": 3.4, "gpt2-sign-s0": math.nan,
 }  # fmt: skip
+# The matched-budget runs: the cap costs muon 0.2 nats on every seed and leaves hilbert as it was.
+MATCHED_TAU = 0.5
+MATCHED_VAL = {f"gpt2-muon-s{s}-matched": FINAL_VAL[f"gpt2-muon-s{s}"] + 0.2 for s in range(3)} | {
+    f"gpt2-hilbert-s{s}-matched": FINAL_VAL[f"gpt2-hilbert-s{s}"] for s in range(3)}
 TEST_OFFSET = 0.05
 EQUI_RATIO = {"hilbert": 0.4, "hilbert_equi": 0.6}
 EQUI_RATIO_RANDOM = 0.55
@@ -80,13 +84,15 @@ def diverged_steps(run: str) -> pa.Table:
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
 
-def write_run(data_dir: Path, run: str, val: float, head_budget_tau: float | None = None) -> None:
-    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7."""
+def write_run(data_dir: Path, run: str, val: float) -> None:
+    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7. A matched-budget
+    run is capped at MATCHED_TAU."""
     steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
     write_steps(data_dir, run, steps)
-    arch, recipe, seed = run.split("-")
+    spec = parse_run_id(run)
+    arch, recipe, head_budget_tau = spec.arch, spec.recipe, MATCHED_TAU if spec.matched else None
     record = {
-        "run": run, "arch": arch, "recipe": recipe, "seed": int(seed[1:]), "steps": STEPS,
+        "run": run, "arch": arch, "recipe": recipe, "seed": spec.seed, "steps": STEPS,
         "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
         "final_train_loss": None if math.isnan(val) else val - 0.1,
         "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
@@ -99,9 +105,10 @@ def write_run(data_dir: Path, run: str, val: float, head_budget_tau: float | Non
         (folder / "run.json").write_text(json.dumps(record))
 
 
-def write_study_b(data_dir: Path, head_budget_tau: float | None = None) -> None:
-    for run, val in FINAL_VAL.items():
-        write_run(data_dir, run, val, head_budget_tau)
+def write_study_b(data_dir: Path, matched: bool = False) -> None:
+    """FINAL_VAL's runs, and with `matched` MATCHED_VAL's."""
+    for run, val in (FINAL_VAL | (MATCHED_VAL if matched else {})).items():
+        write_run(data_dir, run, val)
     # A run that crashed before writing run.json still shows up, as not finished.
     write_steps(data_dir, "gpt2-rownorm-s0", steps_table("gpt2-rownorm-s0"))
 
@@ -312,6 +319,28 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
     assert [by[r]["p_vs_muon"] for r in ("hilbert", "sign")] == pytest.approx(raw)
     assert [by[r]["p_vs_muon_holm"] for r in ("hilbert", "sign")] == pytest.approx(holm(raw))
     assert by["hilbert"]["head_budget_tau"] == 0.3
+
+
+def test_matched_runs_are_compared_with_matched_muon_and_with_their_own_default_runs(tmp_path: Path) -> None:
+    write_study_b(tmp_path, matched=True)
+    tables = build_tables(sources(tmp_path), CFG)
+    runs = {r["run"]: r for r in tables["runs"].to_pylist()}
+    assert runs["gpt2-muon-s0-matched"]["matched"] and not runs["gpt2-muon-s0"]["matched"]
+    assert runs["gpt2-muon-s0-matched"]["seed"] == 0 and runs["gpt2-muon-s0-matched"]["head_budget_tau"] == MATCHED_TAU
+    recipes = {(r["recipe"], r["matched"]): r for r in tables["recipes"].to_pylist()}
+    # default rows: as without matched runs (hilbert − muon, planted), and no cap effect
+    assert recipes[("hilbert", False)]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
+    assert recipes[("hilbert", False)]["cap_effect"] is None
+    # matched rows: against the matched muon (0.2 worse), and the cap's effect against the default runs
+    assert recipes[("hilbert", True)]["diff_vs_muon"] == pytest.approx(np.mean([-0.7, -0.7, -0.85]))
+    assert recipes[("hilbert", True)]["cap_effect"] == pytest.approx(0.0, abs=1e-12)
+    assert recipes[("muon", True)]["cap_effect"] == pytest.approx(0.2)
+    assert recipes[("muon", True)]["cap_effect_ci_low"] == pytest.approx(0.2)  # the same 0.2 on every seed
+    headline = metrics(tables)["study_b"]["gpt2"]
+    assert headline["diff_vs_muon_matched"]["hilbert"] == pytest.approx(np.mean([-0.7, -0.7, -0.85]))
+    assert headline["muon_test_loss_matched"] == pytest.approx(headline["muon_test_loss"] + 0.2)
+    beats = [c for c in tables["claims"].to_pylist() if c["claim"] == "beats_muon"]
+    assert [c["subject"] for c in beats if c["fn"] == "hilbert"] == ["gpt2"]  # the default runs' claim only
 
 
 def test_curves_keep_evaluations_and_mark_tightness(tables: dict[str, pa.Table]) -> None:

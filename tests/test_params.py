@@ -31,7 +31,8 @@ def test_default_params_are_valid():
         ({"prepare": {"val_fraction": 1.5}}, "prepare.val_fraction"),
         ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}}, "val_fraction + test_fraction must leave a train split"),
         ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
-        ({"train": {"head_budget_tau": 0}}, "train.head_budget_tau"),
+        ({"train": {"matched_budget": {"tau": 0, "seeds": [0]}}}, "train.matched_budget.tau"),
+        ({"train": {"matched_budget": {"tau": 0.5, "seeds": []}}}, "matched_budget.seeds"),
         ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1"),
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
@@ -141,8 +142,8 @@ def test_the_ablation_presets_set_what_they_say():
     def preset(name):
         return apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / name)))
 
-    # the matched budget is `hilbert`'s tuned tau; the centred rows take rownorm's tuned row norm η
-    assert preset("matched_budget.yaml").train.head_budget_tau == RECIPES["hilbert"].default_step.tau
+    # the default study's matched budget is `hilbert`'s tuned tau; the centred rows take rownorm's tuned row norm η
+    assert load_params(REPO / "params.yaml").train.matched_budget.tau == RECIPES["hilbert"].default_step.tau
     centring = preset("centring.yaml").train
     assert centring.recipe_overrides["hilbert"].head_lr == pytest.approx(2 * RECIPES["rownorm"].default_step.head_lr)
 
@@ -156,3 +157,19 @@ def test_a_preset_value_reads_back_through_dvcs_grammar():
     printed = override_value(value)
     assert " " not in printed and '"id"' not in printed
     assert parse_override_value("analysis.external_models", printed) == value
+
+
+def test_the_matched_budget_runs_are_the_grid_again_on_its_seeds_and_study_as_own_runs_go_first():
+    from pipeline.core.contracts import parse_run_id
+
+    params = parse_params({
+        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1],
+                  "matched_budget": {"tau": 0.5, "seeds": [1]}},
+        "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
+    })  # fmt: skip
+    assert params.trained_runs() == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-hilbert-s0",
+                                     "neox-hilbert-s1", "neox-muon-s1-matched", "neox-hilbert-s1-matched"]  # fmt: skip
+    matched = parse_run_id("neox-hilbert-s1-matched")
+    assert matched.matched and matched.run_id == "neox-hilbert-s1-matched"
+    assert params.train.head_budget(matched) == 0.5 and params.train.head_budget(parse_run_id("neox-muon-s1")) is None
+    assert "neox-muon-s1-matched" not in params.analysed_runs()  # Study A analyses the recipes as tuned

@@ -421,14 +421,14 @@ def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float, w
 
 @pytest.mark.parametrize("recipe", RECIPES.names())
 def test_a_head_budget_caps_every_recipes_step_in_hilbert_units(recipe: str) -> None:
-    """`head_budget_tau`: diam(ΔW)·max‖h‖ ≤ the budget at every step, for every recipe; a step larger than
+    """A matched-budget cap: diam(ΔW)·max‖h‖ ≤ the budget at every step, for every recipe; a step larger than
     the budget is scaled to it (factor < 1), and the budget follows the head's schedule."""
     budget = 0.05
     schedule = Schedule(warmup_steps=2, decay="linear", final_frac=0.5)
-    cfg = TrainConfig(steps=4, schedule=schedule, head_budget_tau=budget)
+    cfg = TrainConfig(steps=4, schedule=schedule)
     model = neox()
     head = head_of(model)
-    optimizer = optim.build_optimizers(model, head, recipe, cfg)
+    optimizer = optim.build_optimizers(model, head, recipe, cfg, head_budget_tau=budget)
     assert optimizer.needs_radius and optimizer.radius_quantile == 1.0
     scales = []
     for step in range(4):

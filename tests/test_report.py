@@ -266,7 +266,7 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "| gpt2 | `sign` | 0 | – | 3.183 | – | – | – | every run diverged |" in summary
     assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
     protocol = section(text, "### Protocol")
-    assert "3 seeds (0, 1, 2) per recipe" in protocol and "matched-budget ablation is" in protocol
+    assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget ablation at the end" in protocol
     assert "No record of the head step-size sweep" in protocol
     runs = next(line for line in protocol.splitlines() if line.startswith("- **Runs.**"))
     assert "diverged (left out of the means): `gpt2-sign-s0` (step 7)" in runs and "`gpt2-rownorm-s0`" in runs
@@ -290,9 +290,20 @@ def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: 
     assert "Not at the tuned step here: `muon` (head_lr=0.02, tuned head_lr=0.03)." in text
 
 
-def test_a_matched_budget_study_says_so(tmp_path: Path) -> None:
-    text, _, _ = render(tmp_path, lambda data: write_study_b(data, head_budget_tau=0.8))
-    assert "This study is the **matched-budget ablation**" in text and "tau = 0.8 nats" in text
+def test_the_matched_budget_ablation_has_its_own_section_apart_from_the_comparison(tmp_path: Path) -> None:
+    text, out, rendered = render(tmp_path, lambda data: write_study_b(data, matched=True))
+    section = text[text.index("### Step size vs direction: the matched-budget ablation"):text.index("## Study A")]
+    assert "tau = 0.5 nats" in section and "seeds 0, 1, 2" in section
+    hilbert = next(line for line in section.splitlines() if line.startswith("| gpt2 | `hilbert`"))
+    assert "-0.75 [" in hilbert and "| 0 [" in hilbert  # Δ vs the matched muon; the cap changed nothing
+    assert "study_b_matched_vs_muon" in rendered.figures
+    summary = text[: text.index("## Study B")]
+    assert "-matched" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs only
+
+
+def test_a_study_without_the_matched_budget_ablation_says_so(tmp_path: Path) -> None:
+    text, _, _ = render(tmp_path, write_study_b)
+    assert "Not in this study (`train.matched_budget` is null)" in text
 
 
 def test_report_with_study_b_only(tmp_path: Path) -> None:

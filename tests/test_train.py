@@ -11,7 +11,7 @@ import pytest
 from pipeline.core.contracts import STEPS, RunSpec
 from pipeline.models.config import ModelSize
 from pipeline.study_b import hilbert
-from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.config import MatchedBudget, RecipeConfig, Schedule, TrainConfig
 from pipeline.study_b.optim import schedule_factor
 from pipeline.study_b.train import train_run
 
@@ -25,11 +25,11 @@ def tokens() -> dict[str, np.ndarray]:
     return {split: rng.integers(0, VOCAB, n).astype(np.int32) for split, n in (("train", 4000), ("val", 800), ("test", 800))}
 
 
-def run(tokens, recipe: str, with_test: bool = True, **overrides):
+def run(tokens, recipe: str, with_test: bool = True, matched: bool = False, **overrides):
     cfg = TrainConfig(model=TINY, steps=6, batch_size=4, eval_batches=1, test_batches=2, probe_sequences=2,
                       geometry_interval=2, equi_sample_rows=32, device="cpu", **overrides)  # fmt: skip
     record, steps = train_run(
-        RunSpec("neox", recipe, 0), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x", lambda *_: None,
+        RunSpec("neox", recipe, 0, matched), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x", lambda *_: None,
         test_tokens=tokens["test"] if with_test else None,
     )
     return cfg, record, steps.to_pylist()
@@ -76,8 +76,9 @@ def test_runs_without_test_tokens_never_measure_test(tokens) -> None:
     assert without.final_val_loss == with_test.final_val_loss  # reading test changes nothing else
 
 
-def test_a_head_budget_is_recorded_every_step(tokens) -> None:
-    _, _, steps = run(tokens, "adamw", head_budget_tau=0.01)
+def test_a_matched_run_is_capped_at_the_budget_and_records_it_every_step(tokens) -> None:
+    _, record, steps = run(tokens, "adamw", matched=True, matched_budget=MatchedBudget(tau=0.01, seeds=[0]))
+    assert record.run == "neox-adamw-s0-matched" and record.head_budget_tau == 0.01
     assert all(0 < r["head_step_scale"] <= 1 for r in steps)
     assert min(r["head_step_scale"] for r in steps) < 1
     for r in geometry_rows(steps):

@@ -6,8 +6,8 @@ workspace is the glue's knowledge (`stages/layout.py`), so every reader takes th
 Readers see only the files of complete, verified shards (`pipeline.core.store`), never a stray file.
 
 Ids:
-- a run is `<arch>-<recipe>-s<seed>` (`run_id`, `parse_run_id`); names are `[a-z0-9_.]`, `-` only
-  separates;
+- a run is `<arch>-<recipe>-s<seed>`, or `<arch>-<recipe>-s<seed>-matched` for a run of the matched-budget
+  ablation (`run_id`, `parse_run_id`); names are `[a-z0-9_.]`, `-` only separates;
 - a model is `<run>@init` / `<run>@final` in tables and `<run>.init` / `<run>.final` in partition paths;
   an external model is its hub id or workspace path (without `./`) in tables and the same with `/` → `--`
   in paths (`path_id`, `table_id`, and `table_id_sql` for the same inverse inside DuckDB).
@@ -32,7 +32,9 @@ from pipeline.core.errors import InputError
 
 # ------------------------------------------------------------------------------------------- run ids
 _NAME = r"[a-z0-9_.]+"
-RUN_ID_PATTERN = rf"^({_NAME})-({_NAME})-s([0-9]+)$"  # groups: arch, recipe, seed
+MATCHED = "-matched"  # the suffix of a matched-budget run (SPEC §3.2)
+_RUN = rf"({_NAME})-({_NAME})-s([0-9]+)({MATCHED})?"
+RUN_ID_PATTERN = rf"^{_RUN}$"  # groups: arch, recipe, seed, the matched suffix (empty when absent)
 CHECKPOINTS = ("init", "final")
 
 
@@ -41,14 +43,15 @@ class RunSpec:
     arch: str
     recipe: str
     seed: int
+    matched: bool = False  # a run of the matched-budget ablation: its head step capped (`train.matched_budget`)
 
     @property
     def run_id(self) -> str:
-        return run_id(self.arch, self.recipe, self.seed)
+        return run_id(self.arch, self.recipe, self.seed, self.matched)
 
 
-def run_id(arch: str, recipe: str, seed: int) -> str:
-    run = f"{arch}-{recipe}-s{seed}"
+def run_id(arch: str, recipe: str, seed: int, matched: bool = False) -> str:
+    run = f"{arch}-{recipe}-s{seed}{MATCHED if matched else ''}"
     if not re.match(RUN_ID_PATTERN, run):
         raise ValueError(f"{run!r} is not a valid run id (names are [a-z0-9_.], seeds non-negative)")
     return run
@@ -57,13 +60,13 @@ def run_id(arch: str, recipe: str, seed: int) -> str:
 def parse_run_id(run: str) -> RunSpec:
     match = re.match(RUN_ID_PATTERN, run)
     if not match:
-        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>`")
-    return RunSpec(match[1], match[2], int(match[3]))
+        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>[{MATCHED}]`")
+    return RunSpec(match[1], match[2], int(match[3]), bool(match[4]))
 
 
 # ----------------------------------------------------------------------------------------- model ids
-_TRAINED_PATH = re.compile(rf"^{_NAME}-{_NAME}-s[0-9]+\.(init|final)$")
-_TRAINED_TABLE = re.compile(rf"^{_NAME}-{_NAME}-s[0-9]+@(init|final)$")
+_TRAINED_PATH = re.compile(rf"^{_RUN}\.(init|final)$")
+_TRAINED_TABLE = re.compile(rf"^{_RUN}@(init|final)$")
 _EXTERNAL = re.compile(r"^[A-Za-z0-9_.\-/]+$")
 
 

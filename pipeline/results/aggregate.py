@@ -14,7 +14,9 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
   the tables, for ``lmgeo query``). Layout, stable; a key whose value is not measured is left out::
 
       {"study_b": {<arch>: {"muon_test_loss": mean over seeds,
-                            "diff_vs_muon": {<recipe>: paired mean difference of the final test loss}}},
+                            "diff_vs_muon": {<recipe>: paired mean difference of the final test loss},
+                            "muon_test_loss_matched", "diff_vs_muon_matched": the same for the
+                                                     matched-budget runs, when the study has them}},
        "study_a": {<subject>: {<claim>: {"effect": the deciding test's stratified effect against its null,
                                          "verdict": +1 supported, 0 inconclusive, -1 not supported,
                                                     averaged over classes}}}}
@@ -162,13 +164,14 @@ def _runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                coalesce(j.arch, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 1)) AS arch,
                coalesce(j.recipe, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 2)) AS recipe,
                coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
+               regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 4) <> '' AS matched,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
                j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step, j.head_budget_tau,
                j.wall_time_s, j.n_params, j.params_hash,
                l.* EXCLUDE (run)
         FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
-        ORDER BY arch, recipe, seed, run
+        ORDER BY matched, arch, recipe, seed, run
     """).to_arrow_table()  # fmt: skip
 
 
@@ -199,37 +202,39 @@ def _curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 
 RECIPES_SCHEMA = pa.schema(
-    [("arch", pa.string()), ("recipe", pa.string()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
+    [("arch", pa.string()), ("recipe", pa.string()), ("matched", pa.bool_()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
      ("n_diverged", pa.int64()), ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
      ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
      ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
      ("n_paired", pa.int64()),
      ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
      ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
-     ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64())]
+     ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64()),
+     ("cap_effect", pa.float64()), ("cap_effect_ci_low", pa.float64()), ("cap_effect_ci_high", pa.float64())]
 )  # fmt: skip
 
 
 def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
-    """Per arch × recipe: final test loss over seeds with its t-interval (diverged runs counted, not
-    averaged), and the paired comparison with `muon` on the same seeds (same init, same data order): the
-    mean difference with its t-interval, the paired t-test p-value and its Holm adjustment over the arch's
-    recipes, the difference these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed
-    difference would need."""
-    by_group: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    """Per arch × recipe, for the default runs and apart for the matched-budget runs: final test loss over
+    seeds with its t-interval (diverged runs counted, not averaged), and the paired comparison with `muon`
+    of the same kind on the same seeds (same init, same data order): the mean difference with its
+    t-interval, the paired t-test p-value and its Holm adjustment over the arch's recipes, the difference
+    these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed difference would need."""
+    by_group: dict[tuple[bool, str, str], list[dict[str, Any]]] = {}
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
-            by_group.setdefault((row["arch"], row["recipe"]), []).append(row)
+            by_group.setdefault((row["matched"], row["arch"], row["recipe"]), []).append(row)
     test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
     out = []
-    for (arch, recipe), rows in sorted(by_group.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
-        loss = mean_interval(list(test[(arch, recipe)].values()), cfg.ci)
-        compared = recipe != reference and (arch, reference) in test
-        paired = paired_difference(test[(arch, recipe)], test[(arch, reference)], cfg.ci) if compared else None
+    for (matched, arch, recipe), rows in sorted(by_group.items(), key=lambda item: (*item[0][:2], RECIPES.order(item[0][2]))):
+        loss = mean_interval(list(test[(matched, arch, recipe)].values()), cfg.ci)
+        muon = (matched, arch, reference)
+        compared = recipe != reference and muon in test
+        paired = paired_difference(test[(matched, arch, recipe)], test[muon], cfg.ci) if compared else None
         diff = paired.diff if paired else None
         out.append({
-            "arch": arch, "recipe": recipe, "n_runs": len(rows), "n_seeds": loss.n,
+            "arch": arch, "recipe": recipe, "matched": matched, "n_runs": len(rows), "n_seeds": loss.n,
             "n_diverged": sum(bool(r["diverged"]) for r in rows),
             "test_loss_mean": _none_if_nan(loss.mean), "test_loss_sd": _none_if_nan(loss.sd),
             "test_loss_ci_low": _none_if_nan(loss.low), "test_loss_ci_high": _none_if_nan(loss.high),
@@ -244,6 +249,7 @@ def _recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "diff_ci_high": _none_if_nan(diff.high) if diff else None,
             "p_vs_muon": _testable(paired),
             **_planning(diff),
+            **_cap_effect(test, (matched, arch, recipe), cfg.ci),
         })  # fmt: skip
     _holm_per_arch(out)
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
@@ -255,6 +261,18 @@ def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
         r["seed"]: r[column] for r in runs
         if not r["diverged"] and r[column] is not None and math.isfinite(r[column]) and r["seed"] is not None
     }  # fmt: skip
+
+
+def _cap_effect(test: dict[tuple[bool, str, str], dict[int, float]], key: tuple[bool, str, str], ci: float) -> dict[str, Any]:
+    """For matched-budget runs: what the cap did, their test loss minus the same recipe's default runs' on
+    the same seeds (paired t-interval); None for default runs."""
+    matched, arch, recipe = key
+    default = test.get((False, arch, recipe))
+    if not matched or not default:
+        return {"cap_effect": None, "cap_effect_ci_low": None, "cap_effect_ci_high": None}
+    diff = paired_difference(test[key], default, ci).diff
+    return {"cap_effect": _none_if_nan(diff.mean), "cap_effect_ci_low": _none_if_nan(diff.low),
+            "cap_effect_ci_high": _none_if_nan(diff.high)}  # fmt: skip
 
 
 def _planning(diff: Any) -> dict[str, Any]:
@@ -277,9 +295,10 @@ def _testable(paired: Any) -> float | None:
 
 
 def _holm_per_arch(rows: list[dict[str, Any]]) -> None:
-    """`p_vs_muon_holm`: the arch's family of comparisons with `muon`, adjusted together."""
-    for arch in {r["arch"] for r in rows}:
-        family = [r for r in rows if r["arch"] == arch]
+    """`p_vs_muon_holm`: the arch's family of comparisons with `muon` (default or matched runs), adjusted
+    together."""
+    for family_key in {(r["arch"], r["matched"]) for r in rows}:
+        family = [r for r in rows if (r["arch"], r["matched"]) == family_key]
         adjusted = holm([math.nan if r["p_vs_muon"] is None else r["p_vs_muon"] for r in family])
         for r, p in zip(family, adjusted, strict=True):
             r["p_vs_muon_holm"] = _none_if_nan(p)
@@ -508,7 +527,7 @@ def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
     rows = []
     by_arch: dict[str, list[dict[str, Any]]] = {}
     for r in runs.to_pylist():
-        if r["arch"]:
+        if r["arch"] and not r["matched"]:  # the geometry claims are about the recipes as tuned
             by_arch.setdefault(r["arch"], []).append(r)
     for arch, arch_runs in sorted(by_arch.items()):
         ratios = [r["max_tightness"] for r in arch_runs if r["max_tightness"] is not None]
@@ -526,7 +545,7 @@ def _study_b_claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
                                f"median equi_ratio hilbert_equi {_fmt(equi)} vs random unit rows {_fmt(random_rows)}"
                                f" (hilbert {_fmt(plain)})"))  # fmt: skip
     for r in recipes.to_pylist():
-        if r["recipe"] == baseline().name or r["diff_vs_muon"] is None:
+        if r["recipe"] == baseline().name or r["diff_vs_muon"] is None or r["matched"]:
             continue
         p = r["p_vs_muon_holm"]
         detail = (f"paired Δ {_fmt(r['diff_vs_muon'])} nats [{_fmt(r['diff_ci_low'])}, {_fmt(r['diff_ci_high'])}], "
@@ -605,9 +624,10 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     for r in (r for r in rows if r["arch"] in compared):
         arch = study_b.setdefault(r["arch"], {"diff_vs_muon": {}})
         if r["recipe"] == baseline().name:
-            arch |= _measured({"muon_test_loss": r["test_loss_mean"]})
+            arch |= _measured({"muon_test_loss" + ("_matched" if r["matched"] else ""): r["test_loss_mean"]})
         else:
-            arch["diff_vs_muon"] |= _measured({r["recipe"]: r["diff_vs_muon"]})
+            key = "diff_vs_muon_matched" if r["matched"] else "diff_vs_muon"
+            arch[key] = arch.get(key, {}) | _measured({r["recipe"]: r["diff_vs_muon"]})
     study_a: dict[str, dict[str, Any]] = {}
     for s in summarise(tables["claim_tests"].to_pylist()):
         if not s.subject.endswith("@init") and s.claim not in HEADLINE_EXCLUDED:

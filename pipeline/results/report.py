@@ -130,7 +130,7 @@ def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
 def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     out = ["## Summary\n"]
     out.append(_claims_summary(claims, bool(tables["geometry"])))
-    out.append(_comparison_summary(tables["recipes"]))
+    out.append(_comparison_summary(_default_runs(tables["recipes"])))
     return "\n".join(out)
 
 
@@ -233,8 +233,13 @@ def _reading(r: Row) -> str:
 
 
 # ----------------------------------------------------------------------------------------- Study B
+def _default_runs(rows: list[Row], matched: bool = False) -> list[Row]:
+    """The rows of the default runs (or of the matched-budget runs) of a `runs` or `recipes` table."""
+    return [r for r in rows if bool(r["matched"]) == matched]
+
+
 def _study_b(tables: Tables, figures: _Figures, tuning: dict[str, Any] | None) -> str:
-    runs, curves, recipes = tables["runs"], tables["curves"], tables["recipes"]
+    runs, curves, recipes = _default_runs(tables["runs"]), tables["curves"], _default_runs(tables["recipes"])
     out = ["## Study B: LM-head update geometry\n"]
     if not runs:
         return out[0] + "\nStudy B was not run: there are no training logs.\n"
@@ -249,7 +254,39 @@ def _study_b(tables: Tables, figures: _Figures, tuning: dict[str, Any] | None) -
     out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
                             "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random unit rows)."))  # fmt: skip
+    out.append(_matched_budget(_default_runs(tables["runs"], True), _default_runs(tables["recipes"], True), figures))
     return "\n".join(part for part in out if part)
+
+
+def _matched_budget(runs: list[Row], recipes: list[Row], figures: _Figures) -> str:
+    """The matched-budget ablation: every recipe again with its head step capped at the same worst-case
+    Hilbert budget, against `muon` under the same cap, and what the cap did to each recipe."""
+    out = ["### Step size vs direction: the matched-budget ablation\n"]
+    if not runs:
+        return out[0] + ("Not in this study (`train.matched_budget` is null): recipes differ in step size as well "
+                         "as direction.\n")  # fmt: skip
+    reference = baseline().name
+    budgets = sorted({r["head_budget_tau"] for r in runs if r["head_budget_tau"] is not None})
+    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
+    out.append(f"Every recipe trained again on seeds {', '.join(map(str, seeds))} with its head step (decay included) "
+               f"scaled down where needed so that diam(ΔW) ≤ tau_t / r_t, tau = {', '.join(map(_num, budgets))} nats "
+               f"on the head's schedule, r_t = max ‖h‖ over the batch: recipes compare at equal worst-case nats per "
+               f"step, and where the cap binds only the direction differs. Δ is against `{reference}` under the same "
+               "cap on the same seeds (paired t-interval; Holm over the arch's recipes); *cap's effect*: the matched "
+               "run's test loss minus the same recipe's default run on the same seed.\n")  # fmt: skip
+    capped = {key: _median([r["frac_steps_capped"] for r in rs]) for key, rs in _by_arch_recipe(runs).items()}
+    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], _num(capped.get((r["arch"], r["recipe"])), 2),
+             _interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
+             "–" if r["diff_vs_muon"] is None else _interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
+             _num(r["p_vs_muon_holm"], 2), _reading(r) if r["recipe"] != reference else "–",
+             _interval(r["cap_effect"], r["cap_effect_ci_low"], r["cap_effect_ci_high"])] for r in recipes]  # fmt: skip
+    header = ["arch", "recipe", "seeds", "steps capped", "test loss [95% CI]", f"Δ vs {reference} [95% CI]",
+              "Holm p", "reading", "cap's effect [95% CI]"]  # fmt: skip
+    out.append(_table(header, body))
+    out.append(_plain_comparison([r for r in recipes if r["recipe"] != reference]))
+    out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_matched_vs_muon",
+                            f"Matched budget: final test loss minus {reference}'s under the same cap, same seed."))  # fmt: skip
+    return "\n".join(out)
 
 
 def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
@@ -264,7 +301,9 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
          "all recipes run the same steps and tokens."),
         _power_statement(recipes),
         _tuning_statement(tuning, runs),
-        _budget_statement(runs),
+        ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
+         "well as direction (`hilbert_bound` below); the matched-budget ablation at the end of this section "
+         "compares them at equal worst-case nats per step."),
         _problem_runs(runs),
     ]  # fmt: skip
     return "\n".join(line for line in lines if line) + "\n"
@@ -318,17 +357,6 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
         f"({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the "
         f"mean final **val** loss (a divergence counts as +∞).{transfer} {used_note}{size}"
     )
-
-
-def _budget_statement(runs: list[Row]) -> str:
-    budgets = {r["head_budget_tau"] for r in runs if r["finished"]} - {None}
-    if budgets:
-        return (f"- **Step size vs direction.** This study is the **matched-budget ablation**: every head step was "
-                f"capped at diam(ΔW) ≤ tau_t / r_t, tau = {', '.join(map(_num, sorted(budgets)))} nats, so recipes "
-                "compare at equal worst-case nats per step.")  # fmt: skip
-    return ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
-            "well as direction (`hilbert_bound` below); the matched-budget ablation is "
-            "`dvc exp run $(lmgeo preset presets/matched_budget.yaml)`.")  # fmt: skip
 
 
 def _problem_runs(runs: list[Row]) -> str:

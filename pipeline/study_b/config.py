@@ -3,7 +3,7 @@ schedules and what training records."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -20,6 +20,9 @@ from pipeline.core.config import (
     unique_non_empty,
 )
 from pipeline.models.config import ModelSize
+
+if TYPE_CHECKING:
+    from pipeline.core.contracts import RunSpec
 
 
 class Schedule(Section):
@@ -53,6 +56,20 @@ class RecipeConfig(Section):
         return self
 
 
+class MatchedBudget(Section):
+    """The matched-budget ablation (SPEC §3.2): every recipe trained again on `seeds` with its realised head
+    step (decay included) scaled down where needed so that diam(ΔW) ≤ tau_t / r_t, r_t = max ‖h‖ over the
+    batch and tau_t = `tau` on the head's schedule; these runs are `<arch>-<recipe>-s<seed>-matched`."""
+
+    tau: PositiveFloat
+    seeds: list[Seed]
+
+    @model_validator(mode="after")
+    def _seeds(self) -> MatchedBudget:
+        unique_non_empty("matched_budget.seeds", self.seeds)
+        return self
+
+
 class TrainConfig(Section):
     archs: list[FamilyName] = Field(default_factory=lambda: [f.name for f in _families() if f.trainable])
     recipes: list[RecipeName] = Field(default_factory=lambda: list(_recipes().names()))
@@ -66,9 +83,7 @@ class TrainConfig(Section):
     grad_clip: PositiveFloat | None = 1.0
     schedule: Schedule = Schedule()
     recipe_overrides: dict[RecipeName, RecipeConfig] = {}
-    # Matched-budget ablation (SPEC §3.2): every recipe's head step (decay included) is scaled down where
-    # needed so that diam(ΔW) ≤ head_budget_tau_t / r_t, r_t = max ‖h‖ over the batch; null = off.
-    head_budget_tau: PositiveFloat | None = None
+    matched_budget: MatchedBudget | None = None  # null: no matched-budget runs
     eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 4  # val: curves, tuning and early decisions
     test_batches: PositiveInt = 16  # test: the final comparison (SPEC §3.2), once at the end of a run
@@ -95,7 +110,18 @@ class TrainConfig(Section):
         return self
 
     def runs(self) -> list[str]:
-        """Run ids of the grid, in a stable order."""
+        """Run ids of the grid, then of the matched-budget runs, in a stable order."""
         from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
 
-        return [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds]
+        matched = self.matched_budget.seeds if self.matched_budget else []
+        return [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds] + [
+            run_id(a, r, s, matched=True) for a in self.archs for r in self.recipes for s in matched
+        ]
+
+    def head_budget(self, spec: RunSpec) -> float | None:
+        """The cap (nats) of `spec`'s head steps: the matched budget's tau for a matched run, else none."""
+        if not spec.matched:
+            return None
+        if self.matched_budget is None:
+            raise ValueError(f"{spec.run_id} is a matched-budget run, but train.matched_budget is not set")
+        return self.matched_budget.tau

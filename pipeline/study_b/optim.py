@@ -18,7 +18,7 @@ torch.optim.Muon scales a matrix's step by √max(1, A/B) for its shape (A, B), 
 whose hidden matrices are stored (in, out) (GPT-2's Conv1D) gets the scale of the same matrix stored
 (out, in), so equivalent GPT-2 and GPT-NeoX matrices take equal steps.
 
-The matched-budget ablation (`train.head_budget_tau`) scales every recipe's realised head step down where
+The matched-budget ablation (`train.matched_budget`) scales every recipe's realised head step down where
 needed so that diam(ΔW) ≤ budget_t / r_t, the same worst-case nats per step for every recipe.
 """
 
@@ -214,7 +214,7 @@ class HeadLMO(torch.optim.Optimizer):
 
 class RecipeOptimizer:
     """The 1–3 torch optimizers of a recipe and their schedulers, stepped together; with a head budget
-    (`train.head_budget_tau`), the head's realised step is then capped to it."""
+    (a matched-budget run, `train.matched_budget`), the head's realised step is then capped to it."""
 
     def __init__(
         self,
@@ -307,9 +307,11 @@ def build_optimizers(
     recipe: str,
     cfg: TrainConfig,
     seed: int = 0,
+    head_budget_tau: float | None = None,
 ) -> RecipeOptimizer:
     """The recipe's optimizers over `model`, whose untied head weight `(vocab, width)` is `head`; the
-    parameter groups come from the model's family; `seed` seeds the head direction's random numbers."""
+    parameter groups come from the model's family; `seed` seeds the head direction's random numbers;
+    `head_budget_tau` (a matched-budget run) caps the head's realised steps at that many nats."""
     spec = RECIPES[recipe]
     family = family_of(model)
     groups = partition_parameters(model, head, family.param_groups)
@@ -342,8 +344,8 @@ def build_optimizers(
     optimizers["adamw"] = torch.optim.AdamW(_non_empty(adamw_groups), lr=cfg.adamw_lr, betas=ADAMW_BETAS)
     schedulers = {name: _scheduler(opt, cfg, head_step) for name, opt in optimizers.items()}
     budget = None
-    if cfg.head_budget_tau is not None:
-        budget = partial(_budget, tau=cfg.head_budget_tau, total_steps=cfg.steps, schedule=head_step.schedule)
+    if head_budget_tau is not None:
+        budget = partial(_budget, tau=head_budget_tau, total_steps=cfg.steps, schedule=head_step.schedule)
     return RecipeOptimizer(recipe, optimizers, schedulers, head_step, head, budget)
 
 

@@ -162,7 +162,8 @@ def train_run(
 
     model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
     head = head_of(model)
-    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed)
+    head_budget_tau = cfg.head_budget(spec)
+    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed, head_budget_tau=head_budget_tau)
     head_inputs = HeadInputs(head)
     forward = torch.compile(model) if (cfg.compile and cuda) else model
 
@@ -227,7 +228,7 @@ def train_run(
         run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
         steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
         final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
-        final_test_loss=test_loss, head_step=optimizer.head_step.describe(), head_budget_tau=cfg.head_budget_tau,
+        final_test_loss=test_loss, head_step=optimizer.head_step.describe(), head_budget_tau=head_budget_tau,
         diverged=diverged, diverged_at_step=diverged_at, wall_time_s=time.perf_counter() - started,
         n_params=sum(p.numel() for p in model.parameters()), params_hash=params_hash,
     )
