@@ -237,8 +237,10 @@ def preset(
         present = flatten_overrides(load_yaml(params) or {})
     except ParamsError as err:
         fail(f"{path}: {err}")
-    # DVC (Hydra) overrides a key params.yaml has with `key=value` and adds one it lacks with `+key=value`.
-    typer.echo(" ".join(f"-S {'' if key in present else '+'}{key}={value}" for key, value in overrides.items()))
+    # DVC (Hydra) overrides a key params.yaml has (a value or a whole section) with `key=value` and adds one
+    # it lacks with `+key=value`.
+    sections = {key.rsplit(".", n)[0] for key in present for n in range(1, key.count(".") + 1)}
+    typer.echo(" ".join(f"-S {'' if key in present.keys() | sections else '+'}{key}={value}" for key, value in overrides.items()))
 
 
 def main() -> None:  # pragma: no cover - console entry point alias
