@@ -299,6 +299,8 @@ def test_the_matched_budget_ablation_has_its_own_section_apart_from_the_comparis
     assert "study_b_matched_vs_muon" in rendered.figures
     summary = text[: text.index("## Study B")]
     assert "-matched" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs only
+    at_equal_budget = summary[summary.index("**At equal worst-case nats per step**"):]
+    assert "- Lower test loss than `muon`: `hilbert` (gpt2)." in at_equal_budget
 
 
 def test_a_study_without_the_matched_budget_ablation_says_so(tmp_path: Path) -> None:

@@ -131,6 +131,10 @@ def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     out = ["## Summary\n"]
     out.append(_claims_summary(claims, bool(tables["geometry"])))
     out.append(_comparison_summary(_default_runs(tables["recipes"])))
+    matched = [r for r in _default_runs(tables["recipes"], True) if r["recipe"] != baseline().name]
+    if matched:
+        out.append("**At equal worst-case nats per step** (the matched-budget ablation, every head step capped at the "
+                   f"same budget; against `{baseline().name}` under the cap):\n\n{_plain_comparison(matched)}")  # fmt: skip
     return "\n".join(out)
 
 
