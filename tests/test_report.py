@@ -264,6 +264,8 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 | lower than muon |" in summary
     assert "| gpt2 | `adamw` | 1 | 3.45 | 3.183 | 0.4 | – | – | not tested: 1 paired seeds, a test needs 3 |" in summary
     assert "| gpt2 | `sign` | 0 | – | 3.183 | – | – | – | every run diverged |" in summary
+    assert "- Lower test loss than `muon`: `hilbert` (gpt2)." in summary
+    assert "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)." in summary
     assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
     protocol = section(text, "### Protocol")
     assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget ablation at the end" in protocol

@@ -213,10 +213,14 @@ def _plain_comparison(rows: list[Row]) -> str:
     for r in rows:
         reading = _reading(r)
         key = reading if reading in ("lower than muon", "higher than muon") else "unresolved"
+        key = "not compared" if r["diff_vs_muon"] is None else key
         readings.setdefault(key, []).append(f"`{r['recipe']}` ({r['arch']})")
     detectable = _median([r["detectable_diff"] for r in rows])
     lines = [f"- Lower test loss than `muon`: {', '.join(readings.get('lower than muon', [])) or 'no recipe'}.",
              f"- Higher than `muon`: {', '.join(readings.get('higher than muon', [])) or 'no recipe'}."]  # fmt: skip
+    if "not compared" in readings:
+        lines.append(f"- Not compared (no `muon` run on the same seeds, or every run diverged): "
+                     f"{', '.join(readings['not compared'])}.")  # fmt: skip
     if "unresolved" in readings:
         limit = f" (differences below about {_num(detectable, 2)} nats are within seed noise)" if detectable else ""
         lines.append(f"- Not resolved from `muon` with these seeds{limit}: {', '.join(readings['unresolved'])}.")
@@ -373,8 +377,7 @@ def _problem_runs(runs: list[Row]) -> str:
 
 
 GEOMETRY_COLUMNS = ("median_hilbert_bound", "median_hilbert_realized_train", "median_head_alignment",
-                    "median_head_alignment_hilbert", "median_equi_ratio", "median_equi_ratio_random",
-                    "frac_steps_capped")  # fmt: skip
+                    "median_head_alignment_hilbert", "median_equi_ratio", "median_equi_ratio_random")  # fmt: skip
 
 
 def _geometry_table(runs: list[Row]) -> str:
@@ -382,7 +385,7 @@ def _geometry_table(runs: list[Row]) -> str:
     rows = [[arch, f"`{recipe}`", *(_median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
             for (arch, recipe), rs in _by_arch_recipe(runs).items()]  # fmt: skip
     header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its batch", "cos(ΔW, −G)", "descent / hilbert's",
-              "equi_ratio", "random rows", "steps capped"]  # fmt: skip
+              "equi_ratio", "random rows"]  # fmt: skip
     note = ("Medians over logged steps, then seeds. *d_H on its batch*: the largest change of a token's log-probability "
             "the head step made on the batch it was computed from; *descent / hilbert's*: −⟨G, ΔW⟩ per unit diameter "
             "relative to the `hilbert` step (SPEC §3.3); *equi_ratio*: min/max row distance of ΔW on a fixed row "
