@@ -121,7 +121,8 @@ class _Search:
         # backends compute a squared distance as ‖a‖² + ‖p‖² − 2 a·p (torch leaves out the constant ‖a‖²):
         # each of the three float32 dot products of length d is off by at most d·u times its factors' norms,
         # which sum to (‖a‖ + ‖p‖)²; the two additions and the float64 → float32 inputs add at most 4u of it,
-        # and FAISS's clamp of negative sums to 0 only moves a value towards the true one (≥ 0).
+        # and FAISS's clamp of negative sums to 0 only moves a value towards the true one (≥ 0). (For small
+        # searches FAISS sums (a − p)² row by row instead, whose error is smaller still.)
         self.error = 2 * (pool.shape[1] + 8) * _U32 * scale
         # At most this many of an anchor's nearest rows are excluded: itself, or every row of its sequence.
         self.skipped = 1 if seq_id is None else int(torch.unique(seq_id, return_counts=True)[1].max())
