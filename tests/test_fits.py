@@ -23,6 +23,7 @@ from pipeline.study_a.classes.lowrank import fit_lowrank
 from pipeline.study_a.classes.orthogonal import fit_orthogonal
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.fits import choose_anchors, fit_layer
+from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_a.reference import reference_rows
 
 CLASSES = FIT_CLASSES.names()
@@ -289,3 +290,29 @@ def test_numerical_rank_matches_numpys_svd():
         m = np.stack(batch).astype(np.float32).astype(np.float64)
         expected = [int((s > 1e-6 * s[0]).sum()) for s in np.linalg.svd(m, compute_uv=False)]
         assert numerical_rank(torch.from_numpy(m)).tolist() == expected == list(range(1, min(k, d) + 1))
+
+
+def test_neighbours_are_searched_once_per_pool(monkeypatch):
+    """One search for the real inputs, shared by every class and by `shuffled` (which permutes outputs only),
+    whatever the order of the nulls; `gaussian` draws new inputs, so it gets its own."""
+    import pipeline.study_a.fits as fits
+
+    rng = np.random.default_rng(32)
+    x, y, seq, pos, tok = random_layer(rng)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), 8, 2)
+    searches = []
+
+    def counted(pool, *args, **kwargs):
+        searches.append(pool)
+        return nearest_neighbours(pool, *args, **kwargs)
+
+    monkeypatch.setattr(fits, "nearest_neighbours", counted)
+    shuffled = []
+    for samples in (("real", "shuffled", "gaussian"), ("real", "gaussian", "shuffled"), ("gaussian", "shuffled")):
+        searches.clear()
+        tables, _ = fit_layer(x, y, seq, pos, tok, anchors, ["diag_psd", "lowrank", "identity"], cfg, samples=samples)
+        assert len(searches) == 2
+        table = tables["lowrank"]
+        shuffled.append(table.filter(pa.compute.equal(table["sample"], "shuffled")))
+    assert shuffled[0].equals(shuffled[1]) and shuffled[0].equals(shuffled[2])

@@ -23,6 +23,7 @@ its second moments, nothing more). Their rows carry the ids of the pool row they
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -103,11 +104,12 @@ def fit_layer(
     ids = {name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))}
 
     parts: dict[str, list[pa.Table]] = {fn: [] for fn in classes}
-    neighbours = None
+    real_neighbours = functools.cache(lambda: _neighbours(x, anchors, seq_of_row, classes, cfg))
     for sample in samples:
         xs, ys = null_sample(x, y, sample, cfg.seed)
-        if sample != "shuffled" or neighbours is None:  # shuffling moves outputs only: same neighbours
-            neighbours = _neighbours(xs, anchors, seq_of_row, classes, cfg)
+        # `shuffled` permutes the outputs only: it shares the real inputs' neighbours, searched once whatever
+        # the order of the samples; `gaussian` draws new inputs, which need their own.
+        neighbours = real_neighbours() if xs is x else _neighbours(xs, anchors, seq_of_row, classes, cfg)
         pool = _pool(xs, ys, anchors, neighbours, n_nonfinite)
         for fn in classes:
             parts[fn].append(_fit_table(sample, ids, cfg, pool, fn))

