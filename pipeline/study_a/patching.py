@@ -15,13 +15,14 @@ rotary embeddings, ALiBi and masks are the family's own). The copies of a batch 
 each start at their earliest anchor (`_groups`: one forward per group, where that saves more tokens than a
 forward costs).
 
-The cached path is used only where it is checked to reproduce the recomputation: the first call at each
-(model, layer) patches a probe (one of its sequences, anchors near the start, middle and end) both ways and
-compares the log-probabilities (`suffix_path` says which path was chosen, and why). Where it does not (the
-recurrent families mamba, mamba2 and falcon_mamba, whose state at a position exists only by running the
-prefix, and any family whose cache does not cut), `suffix` recomputes the positions before the anchor inside
-blocks `l+1..` as `recompute` does, with the head on the positions from the batch's earliest anchor on.
-`full` runs the whole model with a hook on block l's output instead, the straightforward reference.
+The cached path is used only where it is checked to reproduce the full forward: the first `suffix` call at
+each (model, layer) patches a probe (one of its sequences, anchors near the start, middle and end) both ways
+and compares the KLs (`suffix_path` says which path was chosen, and why). Where they differ or the cached
+path fails (the recurrent families mamba, mamba2 and falcon_mamba, whose state at a position exists only by
+running the prefix; a clean pass split at every anchor to keep the state there is not implemented),
+`suffix` runs as `recompute` does: blocks `l+1..` on every position, the head from the batch's earliest
+anchor on. `full` runs the whole model with a hook on block l's output instead, the straightforward
+reference.
 """
 
 from __future__ import annotations
