@@ -84,6 +84,7 @@ def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     assert report["fanout"]["same_outputs"] is True
     assert all(run["same_neighbours"] == 1.0 for run in report["knn_vs_faiss"]["runs"])
     assert report["patching"]["max_relative_kl_difference"] <= 1e-3
+    assert report["patching"]["paths"] == ["cached"]  # neox's cache reproduces the full forward
     assert set(report["recipes"]["vs_baseline"]) == set(RECIPES.names())
     assert report["recipes"]["vs_baseline"][baseline().name] == pytest.approx(1.0)
     assert report["gpu"]["available"] == torch.cuda.is_available()

@@ -23,6 +23,8 @@ REQUIRED = {
     "gpt2", "gpt_neo", "gpt_neox", "gptj", "falcon", "bloom", "opt", "stablelm", "starcoder2", "mamba",
     "mamba2", "falcon_mamba",
 }  # fmt: skip
+# Families whose state at a position exists only by running the prefix: their patched copies recompute it.
+RECURRENT = {"mamba", "mamba2", "falcon_mamba"}
 
 
 def tiny(model_type: str, seed: int = 0, **changes):
@@ -42,9 +44,12 @@ def test_the_ci_list_holds_every_family_the_issue_names():
 @pytest.mark.parametrize("model_type", CI_FAMILIES)
 def test_family_is_saved_loaded_verified_extracted_and_patched(model_type, tmp_path):
     """Saved with save_pretrained and opened through lmgeo's strict loading: mamba2 (like the hybrids)
-    saves an infinite `time_step_limit` as {"__float__": "Infinity"}, which only transformers' reader decodes."""
+    saves an infinite `time_step_limit` as {"__float__": "Infinity"}, which only transformers' reader decodes.
+    Patching checks the suffix against the full forward; every attention family skips the prefix through
+    its key/value cache."""
     row = check_family(model_type, tmp_path)
     assert row.verified, row.detail
+    assert row.detail.endswith(f"suffix patching {'recompute' if model_type in RECURRENT else 'cached'}"), row.detail
 
 
 def test_the_table_counts_and_groups_what_it_found():

@@ -7,11 +7,13 @@ import pytest
 import torch
 from conftest import SEQ_LEN, VOCAB, tiny_size
 from scipy.special import log_softmax
+from transformers import DynamicCache
 
 from pipeline.models.hooks import block_output
 from pipeline.models.registry import blocks_of, build_model, head_of
 from pipeline.study_a.extract import capture_states
-from pipeline.study_a.patching import patch_kl_anchors
+from pipeline.study_a import patching
+from pipeline.study_a.patching import patch_kl_anchors, suffix_path
 
 TINY = tiny_size()
 N_SEQ = 3
@@ -84,17 +86,64 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
         np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["suffix", "recompute"])
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
-def test_suffix_patching_equals_the_full_forward(model, tokens, states, layer):
-    """A patched copy that recomputes only blocks l+1.. (the default) gives the full forward's KLs."""
+def test_suffix_patching_equals_the_full_forward(arch, model, tokens, states, layer, mode):
+    """A patched copy that recomputes only blocks l+1.. gives the full forward's KLs: on the positions from
+    the anchor on from the cached keys and values (the default, where the cache can be cut: not the
+    recurrent state of Mamba), or on every position."""
     rng = np.random.default_rng(10 + layer)
     rows, positions = _anchors(rng, 8)
     vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (8, TINY.d_model)).astype(np.float32)
-    suffix = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=3, mode="suffix")
+    suffix = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=3, mode=mode)
     full = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=3, mode="full")
     assert np.all(full[0] > 1e-4)
     for got, want in zip(suffix, full, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+    if mode == "suffix":
+        assert suffix_path(model, layer)[0] == ("recompute" if arch == "mamba" else "cached")
+
+
+def test_a_cache_that_does_not_reproduce_the_full_forward_is_not_used(tokens):
+    """A family whose forward does not attend to the cached positions (here: the cache is dropped) fails
+    the probe, and its copies recompute the prefix: the KLs are still the full forward's."""
+    model = build_model("neox", TINY, VOCAB, SEQ_LEN, seed=2).eval()
+    with torch.no_grad():
+        head_of(model).weight.mul_(30.0)
+    forward = model.forward
+
+    def without_the_cache(*args, **kwargs):
+        if kwargs.get("cache") is not None:
+            kwargs["cache"] = DynamicCache()
+        return forward(*args, **kwargs)
+
+    model.forward = without_the_cache
+    rows, positions = np.array([0, 1, 1]), np.array([5, 9, 14])
+    vectors = np.random.default_rng(4).normal(0, 1.0, (3, TINY.d_model)).astype(np.float32)
+    suffix = patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=3)
+    path, why = suffix_path(model, 0)
+    assert path == "recompute" and "differ" in why
+    full = patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=3, mode="full")
+    for got, want in zip(suffix, full, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
+
+
+@pytest.mark.parametrize("forward_cost, shapes", [(0, [(3, SEQ_LEN), (3, 2)]), (10**6, [(6, SEQ_LEN)])])
+def test_a_batch_splits_where_a_forward_costs_less_than_the_positions_it_skips(
+    arch, model, tokens, states, monkeypatch, forward_cost, shapes
+):
+    """Each group of a batch runs from its own earliest anchor; the recurrent state (Mamba) runs every
+    position of the batch in one forward."""
+    monkeypatch.setattr(patching, "FORWARD_COST", forward_cost)
+    rows, positions = np.zeros(6, dtype=int), np.array([SEQ_LEN - 2, 0] * 3)
+    patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=6)  # the probe ran
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape[:2])))
+    try:
+        patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=6)
+    finally:
+        handle.remove()
+    assert seen[1:] == ([(6, SEQ_LEN)] if arch == "mamba" else shapes)  # after the clean pass
 
 
 def test_batched_equals_one_at_a_time(model, tokens, states):
@@ -134,6 +183,7 @@ def test_rejects_an_out_of_range_layer_or_anchor(model, tokens):
 def test_each_clean_sequence_runs_once(model, tokens, states):
     """Rows through the embedding = one per patched copy + one per distinct sequence (the clean pass)."""
     rows, positions = np.array([2, 0, 2, 2, 0, 2, 0]), np.array([5, 1, 0, 9, 15, 3, 7])
+    patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=3)  # the probe ran
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
     try:

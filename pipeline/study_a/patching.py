@@ -6,31 +6,48 @@ attention (or, for Mamba, through the recurrence). With p the clean and q the pa
 distributions: `kl = KL(p_t ‖ q_t)` and `kl_seq = mean_{s ≥ t} KL(p_s ‖ q_s)`.
 
 Each sequence's clean pass runs once, for every patched copy of it (every class and every null patch), and
-keeps its log-probabilities and block l's output `h_{l+1}`. A patched copy then recomputes only what the
-patch can change (`suffix`, the default): blocks `0..l−1` are skipped (they return their input), block
-`l` returns the clean `h_{l+1}` with the patch written in, blocks `l+1..L−1` run, and the head runs only on
-the positions from the earliest anchor of the batch on (`logits_to_keep`; positions before an anchor
-cannot change in a causal model). Positions before the anchor are still recomputed inside blocks `l+1..`:
-skipping them needs each family's key/value cache or recurrent state, which this does not use. `full`
-runs the whole model with a hook on block l's output instead, the straightforward reference.
+keeps its log-probabilities, block l's output `h_{l+1}` and the model's key/value cache. A patched copy
+then recomputes only what the patch can change (`suffix`, the default): blocks `0..l−1` are skipped (they
+return their input), block `l` returns the clean `h_{l+1}` with the patch written in, and blocks
+`l+1..L−1` and the head run only on the positions from the anchor on, attending to the clean keys and
+values of the positions before it (the model's own forward with the cache cut at the anchor, so positions,
+rotary embeddings, ALiBi and masks are the family's own). The copies of a batch are split into groups that
+each start at their earliest anchor (`_groups`: one forward per group, where that saves more tokens than a
+forward costs).
+
+The cached path is used only where it is checked to reproduce the full forward: the first `suffix` call at
+each (model, layer) patches a probe (one of its sequences, anchors near the start, middle and end) both ways
+and compares the KLs (`suffix_path` says which path was chosen, and why). Where they differ or the cached
+path fails (the recurrent families mamba, mamba2 and falcon_mamba, whose state at a position exists only by
+running the prefix; a clean pass split at every anchor to keep the state there is not implemented),
+`suffix` runs as `recompute` does: blocks `l+1..` on every position, the head from the batch's earliest
+anchor on. `full` runs the whole model with a hook on block l's output instead, the straightforward
+reference.
 """
 
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
 
 from pipeline.models.hooks import block_input, block_output, eval_mode, hooks, model_device
 from pipeline.models.registry import blocks_of
+from pipeline.study_a.verify import TOLERANCE
 
-Mode = Literal["suffix", "full"]
+Mode = Literal["suffix", "recompute", "full"]
+# What one more forward costs, in copy-positions of blocks and head (a tiny model's fixed per-forward cost on
+# a CPU; for a large model it is an overestimate, which only merges a few more anchors into one forward).
+FORWARD_COST = 64
+_PATHS: weakref.WeakKeyDictionary[nn.Module, dict[int, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
 def kl_per_position(clean: torch.Tensor, patched: torch.Tensor) -> torch.Tensor:
@@ -44,43 +61,85 @@ def kl_per_position(clean: torch.Tensor, patched: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1, dtype=torch.float64).clamp_min(0.0)
 
 
-def _log_probs(model: PreTrainedModel, input_ids: torch.Tensor, keep: int = 0) -> torch.Tensor:
-    """Log-probabilities of the last `keep` positions (all when 0)."""
+def _log_probs(model: PreTrainedModel, input_ids: torch.Tensor, keep: int = 0, cache: DynamicCache | None = None) -> torch.Tensor:
+    """Log-probabilities of the last `keep` positions (all when 0); with `cache`, the model continues from
+    the positions it holds (and appends the new ones to it)."""
+    kwargs: dict[str, Any] = {"use_cache": False} if cache is None else {"cache": cache, "use_cache": True}
     if keep and "logits_to_keep" in inspect.signature(model.forward).parameters:
-        logits = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep).logits
+        logits = model(input_ids=input_ids, logits_to_keep=keep, **kwargs).logits
     else:
-        logits = model(input_ids=input_ids, use_cache=False).logits
+        logits = model(input_ids=input_ids, **kwargs).logits
         logits = logits[:, -keep:] if keep else logits
     return torch.log_softmax(logits.float(), dim=-1)
 
 
-class _CleanCache:
-    """Clean log-probabilities and block `layer`'s output of the sequences the current batch needs, each
-    computed once. Anchors are visited sorted by sequence, so a sequence is dropped once a batch no longer
-    needs it and memory stays bounded by the batch."""
+@dataclass(frozen=True)
+class _Clean:
+    """A group of patched copies' clean passes, one row per copy, from the group's first position `start`."""
 
-    def __init__(self, model: PreTrainedModel, token_ids: torch.Tensor, layer: int) -> None:
-        self.model, self.token_ids, self.layer = model, token_ids, layer
-        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    log_probs: torch.Tensor  # (b, T − start, V)
+    hidden: torch.Tensor  # h_{l+1}, (b, T, d)
+    keys_values: list[tuple[torch.Tensor, torch.Tensor] | None] | None  # per block, cut at `start`; None: no cache
+
+
+class _CleanCache:
+    """Clean log-probabilities, block `layer`'s output and (`with_cache`) the key/value cache of the sequences
+    the current batch needs, each computed once. Anchors are visited sorted by sequence, so a sequence is
+    dropped once a batch no longer needs it and memory stays bounded by the batch."""
+
+    def __init__(self, model: PreTrainedModel, token_ids: torch.Tensor, layer: int, with_cache: bool) -> None:
+        self.model, self.token_ids, self.layer, self.with_cache = model, token_ids, layer, with_cache
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor, list[tuple[torch.Tensor, torch.Tensor] | None]]] = {}
         self.output_is_tensor = True
 
-    def get(self, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """(log-probabilities (b, T, V), h_{l+1} (b, T, d)) of each row's sequence."""
+    def load(self, rows: np.ndarray) -> None:
+        """Keep exactly the sequences of `rows`, computing those not yet held."""
         needed = [int(r) for r in np.unique(rows)]
         self.rows = {r: v for r, v in self.rows.items() if r in needed}
         missing = [r for r in needed if r not in self.rows]
-        if missing:
-            captured: list[torch.Tensor] = []
+        if not missing:
+            return
+        captured: list[torch.Tensor] = []
 
-            def keep_output(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
-                self.output_is_tensor = isinstance(output, torch.Tensor)
-                captured.append(block_output(output))
+        def keep_output(_module: nn.Module, _args: tuple[Any, ...], output: Any) -> None:
+            self.output_is_tensor = isinstance(output, torch.Tensor)
+            captured.append(block_output(output))
 
-            with hooks(blocks_of(self.model)[self.layer].register_forward_hook(keep_output)):
-                log_probs = _log_probs(self.model, self.token_ids[missing])
-            self.rows.update(zip(missing, zip(log_probs, captured[0], strict=True), strict=True))
-        log_probs, hidden = zip(*(self.rows[int(r)] for r in rows), strict=True)
-        return torch.stack(log_probs), torch.stack(hidden)
+        # A cache without the config: every block keeps all its keys and values (a sliding-window block's
+        # cache would keep only the last window, which cannot be cut at an earlier position).
+        cache = DynamicCache() if self.with_cache else None
+        with hooks(blocks_of(self.model)[self.layer].register_forward_hook(keep_output)):
+            log_probs = _log_probs(self.model, self.token_ids[missing], cache=cache)
+        kept = self._kept(cache)
+        for i, row in enumerate(missing):
+            per_block = [None if kv is None else (kv[0][i], kv[1][i]) for kv in kept]
+            self.rows[row] = (log_probs[i], captured[0][i], per_block)
+
+    def _kept(self, cache: DynamicCache | None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """The blocks' (keys, values) a patched copy needs: those of blocks `layer+1..` (attended to) and of
+        block 0 (the model reads the number of cached positions from it, for positions and masks)."""
+        if cache is None:
+            return []
+        return [(c.keys, c.values) if i == 0 or i > self.layer else None for i, c in enumerate(cache.layers)]
+
+    def select(self, rows: np.ndarray, start: int) -> _Clean:
+        log_probs, hidden, per_block = zip(*(self.rows[int(r)] for r in rows), strict=True)
+        keys_values = _cut(per_block, start) if self.with_cache else None
+        return _Clean(torch.stack(log_probs)[:, start:], torch.stack(hidden), keys_values)
+
+
+def _cut(per_row: tuple[list[tuple[torch.Tensor, torch.Tensor] | None], ...], start: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Each block's (keys, values) of positions before `start`, stacked over the rows (None where not kept)."""
+    return [
+        None if kept is None else tuple(torch.stack([row[block][j][..., :start, :] for row in per_row]) for j in (0, 1))
+        for block, kept in enumerate(per_row[0])
+    ]
+
+
+def suffix_path(model: PreTrainedModel, layer: int) -> tuple[str, str] | None:
+    """How `suffix` patches block `layer` of `model`, `cached` or `recompute`, and why; None before the
+    first `suffix` call at that layer."""
+    return _PATHS.get(model, {}).get(layer)
 
 
 def patch_kl_anchors(
@@ -111,29 +170,89 @@ def patch_kl_anchors(
     if outside:
         raise ValueError(f"anchor rows/positions out of range for token_ids of shape {token_ids.shape}")
     device = model_device(model) if device is None else torch.device(device)
-    all_tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    with eval_mode(model), torch.inference_mode():
+        path = _checked_path(model, tokens[rows[:1]], layer, vectors) if mode == "suffix" and len(rows) else mode
+        return _patch_kl(model, tokens, rows, positions, layer, vectors, batch_size, path)
+
+
+def _patch_kl(
+    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, layer: int,
+    vectors: np.ndarray, batch_size: int, path: str,
+) -> tuple[np.ndarray, np.ndarray]:
+    """`patch_kl_anchors` on checked arguments, by `path`: `cached`, `recompute` or `full`."""
+    seq_len, device = tokens.shape[1], tokens.device
     order = np.lexsort((positions, rows))
     kl, kl_seq = np.empty(len(rows)), np.empty(len(rows))
-    with eval_mode(model), torch.inference_mode():
-        clean = _CleanCache(model, all_tokens, layer)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            pos = torch.as_tensor(positions[chunk], dtype=torch.long, device=device)
-            vec = torch.as_tensor(vectors[chunk], device=device)
-            clean_lp, clean_h = clean.get(rows[chunk])
-            keep = seq_len - int(pos.min())
-            tokens = all_tokens[torch.as_tensor(rows[chunk], dtype=torch.long, device=device)]
-            if mode == "suffix" and clean.output_is_tensor:
-                patched = _suffix_log_probs(model, layer, tokens, _written(clean_h, pos, vec), keep)
+    clean = _CleanCache(model, tokens, layer, with_cache=path == "cached")
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin : begin + batch_size]
+        clean.load(rows[chunk])
+        for group in _groups(positions[chunk], seq_len) if path == "cached" else [np.arange(len(chunk))]:
+            copies = chunk[group]
+            pos = torch.as_tensor(positions[copies], dtype=torch.long, device=device)
+            start = int(pos.min())
+            batch = clean.select(rows[copies], start)
+            vec = torch.as_tensor(vectors[copies], device=device)
+            row_tokens = tokens[torch.as_tensor(rows[copies], dtype=torch.long, device=device)]
+            if path != "full" and clean.output_is_tensor:
+                hidden = _written(batch.hidden, pos, vec)
+                patched = _suffix_log_probs(model, layer, row_tokens, hidden, start, batch.keys_values)
             else:
                 with hooks(blocks_of(model)[layer].register_forward_hook(_replace_at(pos, vec))):
-                    patched = _log_probs(model, tokens, keep)
-            divergence = kl_per_position(clean_lp[:, seq_len - keep :], patched)  # (batch, keep)
-            offset = pos - (seq_len - keep)
-            from_anchor = torch.arange(keep, device=device)[None, :] >= offset[:, None]
-            kl[chunk] = divergence.gather(1, offset[:, None])[:, 0].cpu().numpy()
-            kl_seq[chunk] = ((divergence * from_anchor).sum(1) / from_anchor.sum(1)).cpu().numpy()
+                    patched = _log_probs(model, row_tokens, seq_len - start)
+            divergence = kl_per_position(batch.log_probs, patched)  # (copies, seq_len − start)
+            offset = pos - start
+            from_anchor = torch.arange(seq_len - start, device=device)[None, :] >= offset[:, None]
+            kl[copies] = divergence.gather(1, offset[:, None])[:, 0].cpu().numpy()
+            kl_seq[copies] = ((divergence * from_anchor).sum(1) / from_anchor.sum(1)).cpu().numpy()
     return kl, kl_seq
+
+
+def _groups(positions: np.ndarray, seq_len: int) -> list[np.ndarray]:
+    """Indices of `positions` split into groups, each run as one forward from its earliest position: in
+    order of position, the split minimising the sum over groups of `FORWARD_COST + copies × (seq_len − start)`."""
+    order = np.argsort(positions, kind="stable")
+    remaining = seq_len - positions[order]  # what each copy costs in a group it starts
+    best, first = np.zeros(len(order) + 1), np.zeros(len(order) + 1, dtype=int)
+    for end in range(1, len(order) + 1):
+        costs = best[:end] + FORWARD_COST + (end - np.arange(end)) * remaining[:end]
+        first[end] = int(np.argmin(costs))
+        best[end] = costs[first[end]]
+    groups, end = [], len(order)
+    while end:
+        groups.append(order[first[end] : end])
+        end = first[end]
+    return groups[::-1]
+
+
+def _checked_path(model: PreTrainedModel, tokens: torch.Tensor, layer: int, vectors: np.ndarray) -> str:
+    known = _PATHS.setdefault(model, {})
+    if layer not in known:
+        known[layer] = _probe(model, tokens, layer, vectors)
+    return known[layer][0]
+
+
+def _probe(model: PreTrainedModel, tokens: torch.Tensor, layer: int, vectors: np.ndarray) -> tuple[str, str]:
+    """Patch the sequence `tokens` (1, T) near its start, middle and end, each copy from its own position,
+    with the cached path and with the full forward: the cached path is used when their KLs agree to the
+    tolerance of the model's dtype. The vectors are the call's own (of the layer's scale) moved in a seeded
+    random direction, so that no probe patch is the clean output itself (a KL at rounding level)."""
+    seq_len = tokens.shape[1]
+    positions = np.unique(np.minimum([1, seq_len // 2, seq_len - 1], seq_len - 1))
+    rows, probe_vectors = np.zeros(len(positions), dtype=int), vectors[np.arange(len(positions)) % len(vectors)]
+    noise = np.random.default_rng(0).normal(size=probe_vectors.shape)
+    probe_vectors = (probe_vectors + noise * np.abs(probe_vectors).mean()).astype(probe_vectors.dtype)
+    try:
+        got = _patch_kl(model, tokens, rows, positions, layer, probe_vectors, 1, "cached")
+    except Exception as err:  # noqa: BLE001 - a family whose cache cannot be cut this way (a recurrent state)
+        return "recompute", f"the cached path failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    want = _patch_kl(model, tokens, rows, positions, layer, probe_vectors, 1, "full")
+    scale = max(float(np.max(want[0])), float(np.max(want[1])), np.finfo(np.float64).tiny)
+    error = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)) / scale
+    if error <= TOLERANCE.get(next(model.parameters()).dtype, 1e-4):
+        return "cached", f"the probe's KLs agree with the full forward's to {error:.1e} (relative)"
+    return "recompute", f"the probe's KLs differ from the full forward's by {error:.1e} (relative)"
 
 
 def _written(hidden: torch.Tensor, positions: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
@@ -153,12 +272,21 @@ def _replace_at(positions: torch.Tensor, vectors: torch.Tensor) -> Callable[...,
     return hook
 
 
-def _suffix_log_probs(model: PreTrainedModel, layer: int, tokens: torch.Tensor, hidden: torch.Tensor, keep: int) -> torch.Tensor:
-    """The model's log-probabilities (last `keep` positions) when block `layer` outputs `hidden`, computing
-    blocks `layer+1..` and the head only: the blocks before return their input, block `layer` `hidden`."""
+def _suffix_log_probs(
+    model: PreTrainedModel, layer: int, tokens: torch.Tensor, hidden: torch.Tensor, start: int,
+    keys_values: list[tuple[torch.Tensor, torch.Tensor] | None] | None,
+) -> torch.Tensor:
+    """The model's log-probabilities (positions `start..`) when block `layer` outputs `hidden`, computing
+    blocks `layer+1..` and the head only: the blocks before return their input, block `layer` `hidden`. With
+    the clean `keys_values` (cut at `start`), only positions `start..` run; without, every position does."""
+    keep, cache = tokens.shape[1] - start, None
+    if keys_values is not None:
+        tokens, hidden = tokens[:, start:], hidden[:, start:]
+        # The batch's own cache, from copies of the clean tensors: the forward appends to it.
+        cache = DynamicCache(ddp_cache_data=[(None, None) if kv is None else kv for kv in keys_values])
     blocks = blocks_of(model)
     with _forwards({**{i: _pass_through for i in range(layer)}, layer: lambda *a, **kw: hidden}, blocks):
-        return _log_probs(model, tokens, keep)
+        return _log_probs(model, tokens, keep, cache)
 
 
 def _pass_through(*args: Any, **kwargs: Any) -> torch.Tensor:

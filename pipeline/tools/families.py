@@ -212,14 +212,14 @@ def check_family(model_type: str, workdir: Path, seed: int = 0) -> Coverage:
             step = "extract"
             states = extract_and_check(model, verified.n_blocks, verified.width)
             step = "patch"
-            patch_and_check(model, states)
+            suffix = patch_and_check(model, states)
     except VerificationFailed as err:
         return Coverage(model_type, False, _one_line(err), f"check: {err.check}")
     except StructureError as err:
         return Coverage(model_type, False, _one_line(err), "structure")
     except Exception as err:  # noqa: BLE001 - every failure is a row of the table, named by its step
         return Coverage(model_type, False, _one_line(err), step)
-    return Coverage(model_type, True, verified.structure.describe())
+    return Coverage(model_type, True, f"{verified.structure.describe()}; suffix patching {suffix}")
 
 
 def _one_line(err: Exception) -> str:
@@ -263,11 +263,12 @@ def extract_and_check(model, n_blocks: int, width: int) -> list[np.ndarray]:
     return states
 
 
-def patch_and_check(model, states: list[np.ndarray]) -> None:
+def patch_and_check(model, states: list[np.ndarray]) -> str:
     """Patch every layer at a few tokens: the true block output leaves the distribution unchanged (KL at
     rounding level); another vector gives a finite KL, the same whether the patched copy recomputes only
-    the suffix of blocks (what the perturb stage runs) or the full forward."""
-    from pipeline.study_a.patching import patch_kl_anchors
+    the suffix of blocks (what the perturb stage runs) or the full forward. Returns how the suffix ran
+    (`cached` or `recompute`, `pipeline.study_a.patching.suffix_path`), over the layers."""
+    from pipeline.study_a.patching import patch_kl_anchors, suffix_path
 
     tokens = probe_tokens(model)
     rows, positions = np.array([0, 1, 0]), np.array([0, PROBE_LENGTH // 2, PROBE_LENGTH - 1])
@@ -285,6 +286,7 @@ def patch_and_check(model, states: list[np.ndarray]) -> None:
         for got, want in zip((kl, kl_seq), full, strict=True):
             if not np.allclose(got, want, rtol=1e-3, atol=1e-6):
                 raise AssertionError(f"layer {layer}: suffix patching gave KLs {got}, the full forward {want}")
+    return "/".join(sorted({suffix_path(model, layer)[0] for layer in range(len(states) - 1)}))
 
 
 def coverage(model_types: list[str]) -> list[Coverage]:
