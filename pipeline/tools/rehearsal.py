@@ -20,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -134,12 +135,12 @@ def rehearse(name: str, size: Slice, device: str = "cpu", seed: int = 0, threads
             return AutoModelForCausalLM.from_config(SEED_CONFIGS[name](), dtype=torch.float32).to(device).eval()
 
     model, build_s, _ = _timed(build)
-    verified, verify_s, _ = _timed(lambda: verify_model(model))
+    verified, verify_s, _ = _timed(partial(verify_model, model))
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model.get_input_embeddings().num_embeddings
     tokens = np.random.default_rng(seed).integers(0, vocab, size=(size.n_seq, size.seq_len))
     layer = verified.n_blocks // 2
-    (x, y), extract_s, extract_peak = _timed(lambda: _extract(model, tokens, layer, size.batch_size))
+    (x, y), extract_s, extract_peak = _timed(partial(_extract, model, tokens, layer, size.batch_size))
     measured = Measured(
         name, n_params, verified.width, verified.n_blocks, vocab, n_params * 4 / GIB, build_s, verify_s,
         extract_s / tokens.size, extract_peak, 0.0,
