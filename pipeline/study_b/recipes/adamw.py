@@ -9,6 +9,6 @@ RECIPE = HeadRecipe(
     summary="AdamW (as everything else)",
     hidden="adamw",
     head="adamw",
-    default_step=HeadStepDefault(head_lr=0.136),
+    default_step=HeadStepDefault(head_lr=0.192),
     head_flops=lambda vocab, width, equi_iters: 11.0 * vocab * width,
 )
