@@ -334,7 +334,8 @@ def _power_statement(recipes: list[Row]) -> str:
             f"α = {SIGNIFICANCE:g}, median over recipes); {RESOLVE_NATS:g} nats would need "
             f"{max(needed) if needed else 'more than 10,000'} seeds"
         )
-    return "- **Power.** " + ("; ".join(parts) + "." if parts else "Not measured: fewer than two paired seeds.")
+    more = " More seeds: `dvc exp run $(lmgeo preset presets/resolve.yaml)`."
+    return "- **Power.** " + ("; ".join(parts) + "." + more if parts else "Not measured: fewer than two paired seeds.")
 
 
 def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
