@@ -95,6 +95,10 @@ def _num(x: Any, digits: int = 3) -> str:
     return f"{x:.0f}" if "e+" in short and abs(x) < 1e6 else short
 
 
+def _percent(fraction: float | None) -> str:
+    return "–" if fraction is None else f"{100 * fraction:.0f}%"
+
+
 def _interval(mean: Any, low: Any, high: Any, digits: int = 3) -> str:
     """`mean [low, high]`; the mean alone where there is no interval (one seed)."""
     if low is None and high is None:
@@ -283,7 +287,7 @@ def _matched_budget(runs: list[Row], recipes: list[Row], figures: _Figures) -> s
                "cap on the same seeds (paired t-interval; Holm over the arch's recipes); *cap's effect*: the matched "
                "run's test loss minus the same recipe's default run on the same seed.\n")  # fmt: skip
     capped = {key: _median([r["frac_steps_capped"] for r in rs]) for key, rs in _by_arch_recipe(runs).items()}
-    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], _num(capped.get((r["arch"], r["recipe"])), 2),
+    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], _percent(capped.get((r["arch"], r["recipe"]))),
              _interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
              "–" if r["diff_vs_muon"] is None else _interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
              _num(r["p_vs_muon_holm"], 2), _reading(r) if r["recipe"] != reference else "–",
