@@ -105,7 +105,9 @@ def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:
-            node = node.setdefault(part, {})
+            if node.get(part) is None:  # a section that is null (off) gets its first key
+                node[part] = {}
+            node = node[part]
         node[leaf] = parse_override_value(dotted, value)
     return parse_params(raw, "overrides")
 

@@ -173,3 +173,10 @@ def test_the_matched_budget_runs_are_the_grid_again_on_its_seeds_and_study_as_ow
     assert matched.matched and matched.run_id == "neox-hilbert-s1-matched"
     assert params.train.head_budget(matched) == 0.5 and params.train.head_budget(parse_run_id("neox-muon-s1")) is None
     assert "neox-muon-s1-matched" not in params.analysed_runs()  # Study A analyses the recipes as tuned
+
+
+def test_an_override_inside_a_null_section_creates_it():
+    from pipeline.params import Params, apply_overrides
+
+    params = apply_overrides(Params(), {"train.matched_budget.tau": "0.4", "train.matched_budget.seeds": "[0]"})
+    assert params.train.matched_budget.tau == 0.4 and params.train.matched_budget.seeds == [0]
