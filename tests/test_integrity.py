@@ -39,6 +39,7 @@ RUN = "neox-adamw-s0"
 EXTERNAL = "models/ext"
 STUDY = {
     **preset_overrides("tiny"),
+    "train.matched_budget": "null",  # these cases count their runs' shards: no matched-budget runs
     "train.archs": '["neox"]',
     "train.recipes": '["adamw"]',
     "analysis.classes": '["diag_psd","identity"]',

@@ -62,6 +62,7 @@ DIVERGING = "neox-hilbert-s0"
 MODEL = f"{TRAINED}.final"  # the only analysed model: the diverged run's final checkpoint is left out
 STUDY = {
     **preset_overrides("tiny"),
+    "train.matched_budget": "null",  # these cases count their runs' shards: no matched-budget runs
     "train.archs": '["neox"]',
     "train.recipes": '["adamw","hilbert"]',
     # A head step that overflows the logits at step 2: non-finite loss, a diverged run.
