@@ -115,7 +115,11 @@ def query_table(
 
 def _run_interruptibly(con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None) -> pa.Table:
     """Run the statement in a thread, so the main thread can stop it: at the deadline, or on Ctrl-C (DuckDB
-    does not see Python's signals while it computes), by `con.interrupt()`."""
+    does not see Python's signals while it computes), by `con.interrupt()`.
+
+    The main thread polls a flag the worker sets last, with `time.sleep`, never `Thread.join`: a Ctrl-C
+    that lands inside `join` can leave the thread counted as alive for ever (a known CPython hazard of an
+    interrupted lock acquire), and the stop loop then never ends."""
     outcome: dict[str, Any] = {}
 
     def execute() -> None:
@@ -124,20 +128,21 @@ def _run_interruptibly(con: duckdb.DuckDBPyConnection, statement: str, timeout_s
             outcome["table"] = result.to_arrow_table() if result is not None else pa.table({})
         except duckdb.Error as err:
             outcome["error"] = err
+        finally:
+            outcome["done"] = True
 
     def stop() -> None:
         # Repeated: an interrupt that lands before DuckDB starts executing is reset by the query's start.
-        while worker.is_alive():
+        while "done" not in outcome:
             con.interrupt()
-            worker.join(0.05)
+            time.sleep(0.05)
 
-    worker = threading.Thread(target=execute, daemon=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    worker.start()
+    threading.Thread(target=execute, daemon=True).start()
     try:
-        while worker.is_alive():
-            worker.join(0.1)
-            if deadline is not None and time.monotonic() > deadline and worker.is_alive():
+        while "done" not in outcome:
+            time.sleep(0.1)
+            if deadline is not None and time.monotonic() > deadline and "done" not in outcome:
                 stop()
                 raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
     except KeyboardInterrupt:
