@@ -284,9 +284,12 @@ def test_10_ctrl_c_in_a_query_is_one_line_and_exit_130(ws):
     slow = "SELECT count(*) FROM range(100000000) a, range(100000000) b"
     proc = subprocess.Popen([str(BIN / "lmgeo"), "query", slow], cwd=ws, env=env(), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
-    time.sleep(8)  # past the imports: inside DuckDB
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=60)
+    try:
+        time.sleep(8)  # past the imports: inside DuckDB
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # a query that ignored Ctrl-C must not outlive the test (it would hold the cores)
     assert proc.returncode == 130 and stderr.strip().splitlines() == ["lmgeo: interrupted"], (proc.returncode, stderr)
 
 
