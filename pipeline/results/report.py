@@ -134,8 +134,8 @@ def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
 def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     out = ["## Summary\n"]
     out.append(_claims_summary(claims, bool(tables["geometry"])))
-    out.append(_comparison_summary(_default_runs(tables["recipes"])))
-    matched = [r for r in _default_runs(tables["recipes"], True) if r["recipe"] != baseline().name]
+    out.append(_comparison_summary(_runs_of_kind(tables["recipes"])))
+    matched = [r for r in _runs_of_kind(tables["recipes"], True) if r["recipe"] != baseline().name]
     if matched:
         out.append("**At equal worst-case nats per step** (the matched-budget ablation, every head step capped at the "
                    f"same budget; against `{baseline().name}` under the cap):\n\n{_plain_comparison(matched)}")  # fmt: skip
@@ -245,13 +245,13 @@ def _reading(r: Row) -> str:
 
 
 # ----------------------------------------------------------------------------------------- Study B
-def _default_runs(rows: list[Row], matched: bool = False) -> list[Row]:
+def _runs_of_kind(rows: list[Row], matched: bool = False) -> list[Row]:
     """The rows of the default runs (or of the matched-budget runs) of a `runs` or `recipes` table."""
     return [r for r in rows if bool(r["matched"]) == matched]
 
 
 def _study_b(tables: Tables, figures: _Figures, tuning: dict[str, Any] | None) -> str:
-    runs, curves, recipes = _default_runs(tables["runs"]), tables["curves"], _default_runs(tables["recipes"])
+    runs, curves, recipes = _runs_of_kind(tables["runs"]), tables["curves"], _runs_of_kind(tables["recipes"])
     out = ["## Study B: LM-head update geometry\n"]
     if not runs:
         return out[0] + "\nStudy B was not run: there are no training logs.\n"
@@ -266,7 +266,7 @@ def _study_b(tables: Tables, figures: _Figures, tuning: dict[str, Any] | None) -
     out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
                             "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random unit rows)."))  # fmt: skip
-    out.append(_matched_budget(_default_runs(tables["runs"], True), _default_runs(tables["recipes"], True), figures))
+    out.append(_matched_budget(_runs_of_kind(tables["runs"], True), _runs_of_kind(tables["recipes"], True), figures))
     return "\n".join(part for part in out if part)
 
 
