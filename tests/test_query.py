@@ -203,3 +203,29 @@ def test_params_and_stored_vectors_are_queryable(workspace: Path) -> None:
     )
     assert vectors.to_pylist() == [{"model": "gpt2-muon-s0@final", "d": 3, "cos": pytest.approx(1.0)}]
     assert "patched" not in query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()
+
+
+def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: Path, monkeypatch) -> None:
+    """DuckDB turns a Ctrl-C that lands in one of its calls on the main thread (the views' set-up) into its
+    own "Query interrupted" error, or loses it when the call finishes: Ctrl-C must still end the query as
+    an interrupt, before the user's statement runs. Here the set-up holds a statement of a few seconds and
+    SIGINT lands inside it; the user's statement would run for hours (the timeout fails a regression)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from pipeline.results import query
+
+    monkeypatch.setattr(query, "_LOCKDOWN", ("SELECT count(*) FROM range(100000) a, range(100000) b", *query._LOCKDOWN))
+    ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    started = time.monotonic()
+    ctrl_c.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            query_in("SELECT count(*) FROM range(100000000) a, range(100000000) b", None, tmp_path,
+                     {"tables": "tables", "params": "params.yaml"}, timeout_s=60)  # fmt: skip
+    finally:
+        ctrl_c.cancel()
+    assert time.monotonic() - started < 30
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back

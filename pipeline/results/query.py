@@ -27,10 +27,11 @@ import io
 import json
 import math
 import re
+import signal
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -94,32 +95,66 @@ def query_table(
     statement = check_read_only(sql)
     # Outside the workspace, private, emptied afterwards: DuckDB may read its own temp folder even with
     # external access off, so it must never be one a workspace (or a symlink in it) controls.
-    with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp, _ctrl_c_deferred() as ctrl_c:
         if revs:
             snapshots = []
             for i, rev in enumerate(revs):
                 wanted = ["tables", "params"] + sorted({DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)})
                 copy = _checkout(workspace, rev, Path(tmp) / str(i), [sources[w] for w in wanted])
                 snapshots.append(_snapshot(copy, rev, {w: sources[w] for w in wanted}))
+                ctrl_c.check()
         else:
             snapshots = [_snapshot(workspace, None, sources)]
+        ctrl_c.check()
         con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
+        ctrl_c.check()
         try:
-            return _run_interruptibly(con, statement, timeout_s)
+            return _run_interruptibly(con, statement, timeout_s, ctrl_c)
         finally:
-            # After Ctrl-C DuckDB can still count the interrupted call as running and refuse to close;
+            # After an interrupt DuckDB can still count the stopped call as running and refuse to close;
             # the in-memory database goes with the process either way.
             with contextlib.suppress(duckdb.Error):
                 con.close()
 
 
-def _run_interruptibly(con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None) -> pa.Table:
-    """Run the statement in a thread, so the main thread can stop it: at the deadline, or on Ctrl-C (DuckDB
-    does not see Python's signals while it computes), by `con.interrupt()`.
+class _CtrlC:
+    """Ctrl-C recorded, not raised: DuckDB, run in the main thread, turns a `KeyboardInterrupt` raised by
+    Python's handler into its own "Query interrupted" error (a traceback, not exit 130), and a statement
+    it lets finish loses the interrupt altogether; so the handler only sets `pressed`, and the query
+    checks it between steps and while it waits."""
 
-    The main thread polls a flag the worker sets last, with `time.sleep`, never `Thread.join`: a Ctrl-C
-    that lands inside `join` can leave the thread counted as alive for ever (a known CPython hazard of an
-    interrupted lock acquire), and the stop loop then never ends."""
+    def __init__(self) -> None:
+        self.pressed = False
+
+    def press(self, signum: int, frame: Any) -> None:
+        self.pressed = True
+
+    def check(self) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred() -> Iterator[_CtrlC]:
+    """SIGINT handled by a `_CtrlC` for the duration (only the main thread can set a handler; elsewhere
+    Python's own stays, and no Ctrl-C reaches the thread anyway)."""
+    ctrl_c = _CtrlC()
+    if threading.current_thread() is not threading.main_thread():
+        yield ctrl_c
+        return
+    previous = signal.signal(signal.SIGINT, ctrl_c.press)
+    try:
+        yield ctrl_c
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    ctrl_c.check()
+
+
+def _run_interruptibly(
+    con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None, ctrl_c: _CtrlC
+) -> pa.Table:
+    """Run the statement in a thread, so the main thread can stop it (DuckDB does not see Python's signals
+    while it computes in another thread) by `con.interrupt()`: at the deadline, or on Ctrl-C."""
     outcome: dict[str, Any] = {}
 
     def execute() -> None:
@@ -139,15 +174,14 @@ def _run_interruptibly(con: duckdb.DuckDBPyConnection, statement: str, timeout_s
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     threading.Thread(target=execute, daemon=True).start()
-    try:
-        while "done" not in outcome:
-            time.sleep(0.1)
-            if deadline is not None and time.monotonic() > deadline and "done" not in outcome:
-                stop()
-                raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
-    except KeyboardInterrupt:
-        stop()
-        raise
+    while "done" not in outcome:
+        time.sleep(0.05)
+        if ctrl_c.pressed:
+            stop()
+            raise KeyboardInterrupt
+        if deadline is not None and time.monotonic() > deadline and "done" not in outcome:
+            stop()
+            raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
     if "error" in outcome:
         raise QueryError(f"query failed: {outcome['error']}{_hint(outcome['error'])}")
     return outcome["table"]
