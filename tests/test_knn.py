@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipeline.study_a import knn
-from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 from pipeline.study_a.reference import ref_distances
 
 
@@ -34,14 +34,9 @@ def brute_force(pool: np.ndarray, anchors: np.ndarray, k: int, distance: str, se
 
 def run(pool, anchors, k, **kw):
     seq = kw.pop("seq_id", None)
-    nb = nearest_neighbours(
-        torch.as_tensor(pool),
-        torch.as_tensor(anchors),
-        k,
-        seq_id=None if seq is None else torch.as_tensor(seq),
-        **kw,
-    )
-    return nb.index.numpy(), nb.distance.numpy()
+    pool, anchors = torch.as_tensor(pool), torch.as_tensor(anchors)
+    index = nearest_neighbours(pool, anchors, k, seq_id=None if seq is None else torch.as_tensor(seq), **kw)
+    return index.numpy(), neighbour_distances(pool, anchors, index, kw.get("distance", "euclidean")).numpy()
 
 
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
@@ -108,13 +103,13 @@ def test_copies_beyond_the_slack_fall_back_to_the_whole_pool(distance, monkeypat
     pool[10:50] = pool[10]
     anchors = np.array([3, 10, 25, 49, 60, 119])
     whole_pool = []
-    exact_top_k = knn._Search._exact_top_k
+    rank_whole_pool = knn._Search._whole_pool
 
-    def spy(self, anchor_rows, candidates):
-        whole_pool.append(candidates.shape[1] == len(pool))
-        return exact_top_k(self, anchor_rows, candidates)
+    def spy(self, anchor):
+        whole_pool.append(int(anchor))
+        return rank_whole_pool(self, anchor)
 
-    monkeypatch.setattr(knn._Search, "_exact_top_k", spy)
+    monkeypatch.setattr(knn._Search, "_whole_pool", spy)
     index, dist = run(pool, anchors, 5, distance=distance, chunk=32)
     ref_index, ref_dist = brute_force(pool, anchors, 5, distance)
     np.testing.assert_array_equal(index, ref_index)
@@ -159,8 +154,51 @@ def test_backends_agree_bit_for_bit(distance, monkeypatch):
     found = nearest_neighbours(pool, anchors, 32, distance=distance, seq_id=seq, chunk=4000)
     monkeypatch.setattr(knn, "_faiss", lambda: None)
     gram = nearest_neighbours(pool, anchors, 32, distance=distance, seq_id=seq, chunk=4000)
-    np.testing.assert_array_equal(found.index.numpy(), gram.index.numpy())
-    np.testing.assert_array_equal(found.distance.numpy(), gram.distance.numpy())
+    np.testing.assert_array_equal(found.numpy(), gram.numpy())
     some = rng.choice(4000, size=50, replace=False)
     ref_index, _ = brute_force(pool.numpy(), anchors.numpy()[some], 32, distance, seq.numpy())
-    np.testing.assert_array_equal(found.index.numpy()[some], ref_index)
+    np.testing.assert_array_equal(found.numpy()[some], ref_index)
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_near_ties_below_float32_resolution_are_ranked_exactly(distance, backend):
+    # Rows whose distances to the anchor differ by ~1e-12 relative (far below float32's 6e-8): the float32
+    # pass cannot order them, so they form one chain and are ranked by their float64 distances.
+    rng = np.random.default_rng(10)
+    d = 16
+    directions = rng.normal(size=(200, d))
+    directions /= np.linalg.norm(directions, axis=1, keepdims=True)
+    radii = 3.0 * (1 + 1e-12 * rng.permutation(200))
+    pool = np.vstack([np.full((1, d), 5.0), 5.0 + radii[:, None] * directions, rng.normal(size=(300, d)) * 40])
+    index, dist = run(pool, np.array([0]), 50, distance=distance)
+    ref_index, ref_dist = brute_force(pool, np.array([0]), 50, distance)
+    np.testing.assert_array_equal(index, ref_index)
+    np.testing.assert_allclose(dist, ref_dist, rtol=1e-12)
+
+
+def test_rows_of_huge_norm_do_not_widen_every_anchors_interval(monkeypatch, backend):
+    # A few rows 10⁴ times the others' norm (attention sinks): a bound on the pool's largest norm would put
+    # every candidate of every anchor within the float32 error of the k-th and rank all of them over the
+    # whole pool; each row's own norm keeps the ordinary anchors on the candidates.
+    rng = np.random.default_rng(11)
+    pool = rng.normal(size=(3000, 24))
+    pool[::500] *= 1e4
+    anchors = rng.choice(np.setdiff1d(np.arange(3000), np.arange(0, 3000, 500)), size=64, replace=False)
+    whole_pool = []
+    rank_whole_pool = knn._Search._whole_pool
+    monkeypatch.setattr(knn._Search, "_whole_pool", lambda self, a: whole_pool.append(a) or rank_whole_pool(self, a))
+    index, _ = run(pool, anchors, 20)
+    np.testing.assert_array_equal(index, brute_force(pool, anchors, 20, "euclidean")[0])
+    assert not whole_pool
+
+
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+def test_a_float32_pool_is_searched_in_place_and_ranked_in_float64(distance, backend):
+    # The float32 values themselves, ranked exactly: the same neighbours as the float64 pool of those values.
+    rng = np.random.default_rng(12)
+    pool32 = rng.normal(size=(400, 12)).astype(np.float32)
+    anchors = rng.choice(400, size=40, replace=False)
+    index32, _ = run(pool32, anchors, 15, distance=distance)
+    index64, _ = run(pool32.astype(np.float64), anchors, 15, distance=distance)
+    np.testing.assert_array_equal(index32, index64)
+    np.testing.assert_array_equal(index32, brute_force(pool32.astype(np.float64), anchors, 15, distance)[0])

@@ -37,7 +37,7 @@ from pipeline.core.store import arrow_to_vectors
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update, as_float64, global_basis, numerical_rank, update_metrics
-from pipeline.study_a.knn import Neighbours, nearest_neighbours
+from pipeline.study_a.knn import nearest_neighbours
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class _Pool(NamedTuple):
     x: Tensor
     y: Tensor
     anchors: Tensor
-    neighbours: Neighbours | None
+    neighbours: Tensor | None
     n_nonfinite: int
     n_distinct: int  # distinct input vectors in the pool
     input_rank: Tensor | None  # (A,) numerical rank of each anchor's neighbour inputs
@@ -190,19 +190,19 @@ def anchor_chunks(n_anchors: int, k: int, d: int) -> list[slice]:
     return [slice(start, min(start + size, n_anchors)) for start in range(0, n_anchors, size)]
 
 
-def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Neighbours | None, n_nonfinite: int) -> _Pool:
+def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Tensor | None, n_nonfinite: int) -> _Pool:
     n_distinct = int(torch.unique(x, dim=0).shape[0])
     if neighbours is None:
         return _Pool(x, y, anchors, None, n_nonfinite, n_distinct, None, None)
     ranks, copies = [], []
-    for chunk in anchor_chunks(len(anchors), neighbours.index.shape[1], x.shape[1]):
-        xn = x[neighbours.index[chunk]]
+    for chunk in anchor_chunks(len(anchors), neighbours.shape[1], x.shape[1]):
+        xn = x[neighbours[chunk]]
         ranks.append(numerical_rank(xn))
         copies.append((xn == x[anchors[chunk]][:, None]).all(dim=2).all(dim=1))
     return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, torch.cat(ranks), torch.cat(copies))
 
 
-def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Neighbours | None:
+def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Tensor | None:
     if not any(FIT_CLASSES[fn].local for fn in classes):
         return None
     seq = seq_of_row if cfg.exclude_same_sequence else None
@@ -218,8 +218,8 @@ def fit_update(pool: _Pool, fn: str, cfg: AnalysisConfig) -> tuple[Update, Tenso
         return update, torch.zeros(len(pool.anchors), dtype=torch.bool, device=pool.x.device), None
     assert pool.neighbours is not None
     parts = []
-    for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.index.shape[1], pool.x.shape[1]):
-        index = pool.neighbours.index[chunk]
+    for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.shape[1], pool.x.shape[1]):
+        index = pool.neighbours[chunk]
         parts.append(fit_class.fit(pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]], cfg, chunk.start))
     update = _concat(parts)
     assert pool.input_rank is not None and pool.copies is not None

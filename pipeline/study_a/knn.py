@@ -5,21 +5,28 @@ at a time. On the CPU that pass is FAISS's exact search (`knn_L2sqr`, the kernel
 run on the float32 copy in place; cosine: on the L2-normalised rows, whose squared distance `2 − 2 cos`
 ranks the same), asked for as many more rows as the exclusions can remove. On an accelerator, or where
 FAISS is not installed (the CUDA check machines), it is the Gram form in torch, `chunk` pool rows at a
-time merged with `topk`. Float32 rounding can misorder rows whose distances differ by less than a bound
-`ε` on its error, so every row within `2ε` of the k-th candidate must be among those kept; an anchor for
-which that is not so (many rows tied at its k-th distance, e.g. copies of one token) is searched again
-exactly over the whole pool. The candidates within `2ε` of the k-th (the only ones that can be among the
-k nearest) are then ranked by their exact float64 distances, computed from the differences themselves
-(never through a matmul, whose rounding depends on where a row sits in a block): bit-identical rows get
-bit-identical distances, and ties are broken by the lower pool index. The result is a function of the
-data alone, the same bit for bit from either backend.
+time merged with `topk`.
 
-Speed: the float32 pass is FAISS's own; the float32 copy and the exact re-rank come on top (`lmgeo bench`
-compares the whole call with FAISS's `IndexFlatL2` alone).
+The second pass makes the float32 ranking exact without redoing it. A float32 squared distance is
+within `c·(‖a‖ + ‖p‖)²` of the exact one (the bound below), so each candidate's true distance lies in
+an interval around its float32 value. Where a candidate's interval meets no other, its rank is certain;
+where intervals overlap (a *chain*), only those candidates are ranked by their exact float64 distances,
+computed from the differences themselves (never through a matmul, whose rounding depends on where a row
+sits in a block), ties to the lower pool index. A row the float32 pass did not keep is certainly farther
+than the k-th when its float32 distance exceeds what any row that close could show; an anchor for which
+that is not so (many rows tied at its k-th distance, e.g. copies of one token) is ranked exactly over
+the whole pool. The bound uses each row's own norm, not the pool's largest, so a few rows of huge norm
+(attention sinks) do not widen every interval. The result is a function of the data alone, the same
+from either backend.
+
+Speed: the float32 pass is FAISS's own; on top come the float32 copy and the exact distances of the
+chained candidates only (`lmgeo bench` compares the whole call with FAISS's `IndexFlatL2` alone).
+Distances are not part of the result: the fits need the neighbours, and `neighbour_distances` gives the
+exact distances of any neighbours found.
 
 Memory: the float32 copy and the row norms, O(pool); per block of anchors, FAISS's candidates
 O(chunk × (k + slack + excluded rows)) and its 4096 × 1024 float32 distance tile, or torch's
-O(chunk × (chunk + k)); the exact distances gather at most 4 MiB of rows at a time on the CPU.
+O(chunk × (chunk + k)); the exact distances gather at most 4 MiB of rows at a time.
 An anchor is excluded from its own neighbourhood by pool index, not by distance: an exact duplicate of the
 anchor elsewhere in the pool is a legitimate neighbour at distance 0.
 """
@@ -28,7 +35,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -52,14 +59,6 @@ def _faiss() -> ModuleType | None:
     return faiss
 
 
-class Neighbours(NamedTuple):
-    """`index[a]`: pool indices of anchor `a`'s neighbours, nearest first (ties: lower index first);
-    `distance[a]`: their distances (Euclidean, or `1 − cos` for cosine)."""
-
-    index: Tensor
-    distance: Tensor
-
-
 def nearest_neighbours(
     pool: Tensor,
     anchor_idx: Tensor,
@@ -68,11 +67,12 @@ def nearest_neighbours(
     distance: Distance = "euclidean",
     seq_id: Tensor | None = None,
     chunk: int = 4096,
-) -> Neighbours:
-    """The `k` nearest pool rows of each anchor `pool[anchor_idx[a]]`, never the anchor itself.
+) -> Tensor:
+    """Pool indices of the `k` nearest rows of each anchor `pool[anchor_idx[a]]`, nearest first (ties: lower
+    index first), never the anchor itself: shape (anchors, k).
 
     `seq_id` (one per pool row), when given, also excludes every row of the anchor's own sequence.
-    Distances are exact in the dtype of `pool` (float64 for the fits). Raises `ValueError` when an anchor
+    Nearness is exact in the dtype of `pool` (float64 for the fits). Raises `ValueError` when an anchor
     has fewer than `k` eligible neighbours.
     """
     n_pool = pool.shape[0]
@@ -90,18 +90,22 @@ def nearest_neighbours(
         seq_id = seq_id.to(pool.device)
     search = _Search(pool, distance, seq_id, k, chunk)
     blocks = [search.block(anchor_idx[a0 : a0 + chunk]) for a0 in range(0, anchor_idx.numel(), chunk)]
-    if not blocks:
-        empty = torch.empty((0, k), device=pool.device)
-        return Neighbours(empty.long(), empty.to(pool.dtype))
-    index = torch.cat([b.index for b in blocks])
-    dist = torch.cat([b.distance for b in blocks])
-    if bool(torch.isinf(dist).any()):
-        short = int(torch.isinf(dist).any(dim=1).nonzero()[0])
+    index = torch.cat(blocks) if blocks else torch.empty((0, k), dtype=torch.long, device=pool.device)
+    if bool((index < 0).any()):
+        short = int((index < 0).any(dim=1).nonzero()[0])
         raise ValueError(
             f"anchor at pool row {int(anchor_idx[short])} has fewer than k={k} eligible neighbours "
             f"(pool of {n_pool}, excluding itself{' and its own sequence' if seq_id is not None else ''})"
         )
-    return Neighbours(index, dist)
+    return index
+
+
+def neighbour_distances(pool: Tensor, anchor_idx: Tensor, index: Tensor, distance: Distance = "euclidean") -> Tensor:
+    """The exact distances (Euclidean, or `1 − cos` for cosine; float64) from each anchor to its neighbours
+    `index[a]`, computed as the search ranks them: shape of `index`."""
+    anchors = anchor_idx.to(device=pool.device, dtype=torch.long)[:, None].expand_as(index)
+    squared = _exact(pool, distance, anchors.reshape(-1), index.reshape(-1)).view(index.shape)
+    return squared.sqrt() if distance == "euclidean" else squared / 2
 
 
 class _Search:
@@ -110,42 +114,81 @@ class _Search:
     def __init__(self, pool: Tensor, distance: Distance, seq_id: Tensor | None, k: int, chunk: int) -> None:
         self.pool, self.distance, self.seq_id, self.k, self.chunk = pool, distance, seq_id, k, chunk
         self.keep = min(pool.shape[0], k + max(8, k // 4))  # candidates kept per anchor
-        norms = pool.norm(dim=1)
+        d = pool.shape[1]
         if distance == "cosine":  # unit rows: the squared Euclidean distance is 2 − 2 cos, the same ranking
-            self.approx = (pool / norms.clamp_min(_TINY_NORM)[:, None]).float().contiguous()
-            scale = torch.full_like(norms, 4.0)  # unit vectors: (‖a‖ + ‖p‖)² = 4
-        else:
-            self.approx = pool.float().contiguous()  # C order: FAISS reads it in place
-            scale = (norms + norms.max()).square()
-        # |float32 distance − exact| ≤ (d + 8)·u·(‖a‖ + ‖p‖)², rounding of the inputs included; doubled. Both
-        # backends compute a squared distance as ‖a‖² + ‖p‖² − 2 a·p (torch leaves out the constant ‖a‖²):
-        # each of the three float32 dot products of length d is off by at most d·u times its factors' norms,
-        # which sum to (‖a‖ + ‖p‖)²; the two additions and the float64 → float32 inputs add at most 4u of it,
-        # and FAISS's clamp of negative sums to 0 only moves a value towards the true one (≥ 0). (For small
-        # searches FAISS sums (a − p)² row by row instead, whose error is smaller still.)
-        self.error = 2 * (pool.shape[1] + 8) * _U32 * scale
+            norms = pool.norm(dim=1, keepdim=True).clamp_min(_TINY_NORM)
+            self.approx = (pool / norms).float().contiguous()
+        else:  # C order: FAISS reads it in place (a float32 pool is not copied)
+            self.approx = pool.contiguous() if pool.dtype == torch.float32 else pool.float().contiguous()
+        # An upper bound on each searched row's norm: the float32 norm is within (d/2 + 1)·u of the norm of
+        # the float32 row, which is within u of the row's (zero rows stay 0, unit rows about 1).
+        self.radius = self.approx.norm(dim=1).double() * (1 + (d + 4) * _U32)
+        # |float32 squared distance − exact| ≤ c·(‖a‖ + ‖p‖)², c = (d + 8)·u, doubled. Both backends
+        # compute it as ‖a‖² + ‖p‖² − 2 a·p: each of the three float32 dot products of length d is off by at
+        # most d·u times its factors' norms, which sum to (‖a‖ + ‖p‖)²; the additions and the float64 →
+        # float32 inputs add at most 8u of it, and FAISS's clamp of negative sums to 0 only moves a value
+        # towards the true one (≥ 0). (For small searches FAISS sums (a − p)² row by row, smaller still.)
+        self.c = 2 * (d + 8) * _U32
         # At most this many of an anchor's nearest rows are excluded: itself, or every row of its sequence.
         self.skipped = 1 if seq_id is None else int(torch.unique(seq_id, return_counts=True)[1].max())
         self.faiss = _faiss() if pool.device.type == "cpu" else None
 
-    def block(self, anchors: Tensor) -> Neighbours:
+    def block(self, anchors: Tensor) -> Tensor:
         cand_d, cand_i = self._faiss_candidates(anchors) if self.faiss else self._gram_candidates(anchors)
-        kth = cand_d[:, self.k - 1 : self.k]
-        # A row farther than this (in float32) has k rows exactly closer, so it is not among the k nearest.
-        reach = kth + 2 * self.error[anchors, None]
-        covered = (cand_d[:, -1:] > reach) | torch.isinf(kth)
-        if self.keep == self.pool.shape[0]:
-            covered[:] = True
-        index = torch.empty((anchors.numel(), self.k), dtype=torch.long, device=self.pool.device)
-        dist = torch.empty((anchors.numel(), self.k), dtype=self.pool.dtype, device=self.pool.device)
-        ok = covered[:, 0]
-        within = (cand_d[ok] <= reach[ok]).sum(dim=1)  # the sorted candidates' prefix that can be among them
-        band = int(within.max()) if within.numel() else self.k
-        index[ok], dist[ok] = self._exact_top_k(anchors[ok], cand_i[ok, :band])
-        for a in (~ok).nonzero()[:, 0].tolist():  # rows tied beyond the slack: rank the whole pool exactly
-            everything = torch.arange(self.pool.shape[0], device=self.pool.device)[None]
-            index[a], dist[a] = (t[0] for t in self._exact_top_k(anchors[a : a + 1], everything))
-        return Neighbours(index, dist)
+        approx = cand_d.double()
+        r_anchor = self.radius[anchors][:, None]
+        err = self.c * (r_anchor + self.radius[cand_i.clamp_min(0)]).square()
+        lower, upper = approx - err, approx + err
+        # The k-th nearest distance is at most `bound`. A row not kept that came within it would have norm
+        # ≤ ‖a‖ + √bound, so a float32 distance ≤ bound + c·(2‖a‖ + √bound)²: past that, none was missed.
+        bound = upper[:, : self.k].max(dim=1).values
+        missed = bound + self.c * (2 * r_anchor[:, 0] + bound.clamp_min(0).sqrt()).square()
+        covered = (approx[:, -1] > missed) | torch.isinf(bound) | (self.keep == self.pool.shape[0])
+        index = torch.full((anchors.numel(), self.k), -1, dtype=torch.long, device=self.pool.device)
+        ok = covered.nonzero()[:, 0]
+        if ok.numel():
+            index[ok] = self._settle(anchors[ok], cand_i[ok], lower[ok], upper[ok], bound[ok])
+        for a in (~covered).nonzero()[:, 0].tolist():  # rows tied beyond the slack: rank the whole pool exactly
+            index[a] = self._whole_pool(anchors[a])
+        return index
+
+    def _settle(self, anchors: Tensor, cand_i: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
+        """The k nearest candidates in exact order. Candidates are sorted by their float32 distance; a chain
+        is a run of them whose intervals overlap (each meets the highest upper end before it); only chained
+        candidates that can be among the k nearest (lower end ≤ `bound`) get exact distances."""
+        eligible = (lower <= bound[:, None]) & torch.isfinite(lower)  # excluded rows are at inf
+        last_needed = int(eligible.long().cumsum(dim=1).argmax(dim=1).max()) + 1  # over every anchor
+        band = min(max(last_needed, self.k), cand_i.shape[1])
+        cand_i, lower, upper, eligible = cand_i[:, :band], lower[:, :band], upper[:, :band], eligible[:, :band]
+        starts = torch.ones_like(eligible)
+        starts[:, 1:] = lower[:, 1:] > upper.cummax(dim=1).values[:, :-1]
+        ends = torch.ones_like(eligible)
+        ends[:, :-1] = starts[:, 1:]
+        chained = eligible & ~(starts & ends)
+        # One key orders all: the exact squared distance of a chained candidate, the float32 one of a
+        # settled candidate (its interval, hence any value in it, lies between its neighbours' chains).
+        key = lower.add(upper).mul_(0.5).masked_fill_(~eligible, torch.inf)
+        rows, cols = chained.nonzero(as_tuple=True)
+        key[rows, cols] = _exact(self.pool, self.distance, anchors[rows], cand_i[rows, cols])
+        order = key.argsort(dim=1, stable=True)
+        ranked = key.gather(1, order)
+        tied = ((ranked[:, 1:] == ranked[:, :-1]) & torch.isfinite(ranked[:, 1:])).any(dim=1)
+        if bool(tied.any()):  # exact ties (copies of a row): the lower pool index first
+            by_index = cand_i[tied].argsort(dim=1)
+            order[tied] = by_index.gather(1, key[tied].gather(1, by_index).argsort(dim=1, stable=True))
+        picked = order[:, : self.k]  # an anchor with fewer than k eligible rows gets -1 for the rest
+        found = cand_i.gather(1, picked).masked_fill(~eligible.gather(1, picked), -1)
+        if found.shape[1] < self.k:  # a pool of fewer than k + 1 rows
+            found = torch.nn.functional.pad(found, (0, self.k - found.shape[1]), value=-1)
+        return found
+
+    def _whole_pool(self, anchor: Tensor) -> Tensor:
+        """One anchor's k nearest by exact distance over the whole pool, ties to the lower pool index."""
+        rows = torch.arange(self.pool.shape[0], device=self.pool.device)
+        exact = _exact(self.pool, self.distance, anchor.expand_as(rows), rows)
+        exact = torch.where(self._excluded_rows(anchor[None], rows[None])[0], torch.inf, exact)
+        order = torch.sort(exact, stable=True).indices[: self.k]
+        return rows[order].masked_fill(torch.isinf(exact[order]), -1)
 
     def _faiss_candidates(self, anchors: Tensor) -> tuple[Tensor, Tensor]:
         """`_gram_candidates` by FAISS's exact float32 search (`knn_L2sqr`, the kernel of `IndexFlatL2`
@@ -155,15 +198,17 @@ class _Search:
         self.faiss.omp_set_num_threads(torch.get_num_threads())  # the task's share of the cores
         dist, index = self.faiss.knn(self.approx[anchors].numpy(), self.approx.numpy(), searched)
         dist, index = torch.from_numpy(dist), torch.from_numpy(index)
-        excluded = self._excluded_rows(anchors, index)
-        # A stable sort on the flag moves the eligible rows first, still nearest first.
-        order = excluded.to(torch.uint8).argsort(dim=1, stable=True)[:, : self.keep]
-        short = excluded.gather(1, order)  # only when the search took the whole pool
-        return dist.gather(1, order).masked_fill(short, torch.inf), index.gather(1, order).masked_fill(short, -1)
+        # Each row's eligible candidates moved to its front, still nearest first (the excluded ones and those
+        # past `keep` to a spare last column); a row left short (the search took the whole pool) ends in inf.
+        eligible = ~self._excluded_rows(anchors, index)
+        slot = (eligible.cumsum(dim=1) - 1).masked_fill_(~eligible, self.keep).clamp_(max=self.keep)
+        kept_d = torch.full((len(anchors), self.keep + 1), torch.inf).scatter_(1, slot, dist)
+        kept_i = torch.full((len(anchors), self.keep + 1), -1).scatter_(1, slot, index)
+        return kept_d[:, : self.keep], kept_i[:, : self.keep]
 
     def _gram_candidates(self, anchors: Tensor) -> tuple[Tensor, Tensor]:
-        """Each anchor's `keep` smallest float32 distances (sorted) and their pool rows, excluded rows at
-        `inf`: the Gram form in blocks of `chunk` pool rows, merged with `topk` (any device)."""
+        """Each anchor's `keep` smallest float32 squared distances (sorted) and their pool rows, excluded
+        rows at `inf`: the Gram form in blocks of `chunk` pool rows, merged with `topk` (any device)."""
         n = anchors.numel()
         a_vec = self.approx[anchors]
         best_d = torch.full((n, 0), torch.inf, dtype=torch.float32, device=self.pool.device)
@@ -171,14 +216,14 @@ class _Search:
         for p0 in range(0, self.pool.shape[0], self.chunk):
             rows = torch.arange(p0, min(p0 + self.chunk, self.pool.shape[0]), device=self.pool.device)
             p_vec = self.approx[rows]
-            # ‖p‖² − 2 a·p: the distance less ‖a‖², a constant per anchor (ranks and gaps are unchanged)
+            # ‖p‖² − 2 a·p: the distance less ‖a‖², a constant per anchor added at the end
             block = torch.addmm((p_vec * p_vec).sum(dim=1)[None, :], a_vec, p_vec.T, alpha=-2)
             block = block.masked_fill(self._excluded(anchors, rows), torch.inf)
             cand_d = torch.cat([best_d, block], dim=1)
             cand_i = torch.cat([best_i, rows.expand(n, -1)], dim=1)
             top = cand_d.topk(min(self.keep, cand_d.shape[1]), dim=1, largest=False, sorted=True)
             best_d, best_i = top.values, cand_i.gather(1, top.indices)
-        return best_d, best_i
+        return best_d + (a_vec * a_vec).sum(dim=1)[:, None], best_i
 
     def _excluded(self, anchors: Tensor, rows: Tensor) -> Tensor:
         excluded = anchors[:, None] == rows[None, :]
@@ -186,34 +231,27 @@ class _Search:
             excluded |= self.seq_id[anchors][:, None] == self.seq_id[rows][None, :]
         return excluded
 
-    def _exact_top_k(self, anchors: Tensor, candidates: Tensor) -> tuple[Tensor, Tensor]:
-        """The `k` candidates nearest by exact distance, ties to the lower pool index."""
-        candidates = candidates.sort(dim=1).values  # index order, so the stable sort breaks ties by index
-        exact = self._exact(anchors, candidates).masked_fill(candidates < 0, torch.inf)
-        exact = torch.where(self._excluded_rows(anchors, candidates), torch.inf, exact)
-        order = torch.sort(exact, dim=1, stable=True).indices[:, : self.k]
-        return candidates.gather(1, order), exact.gather(1, order)
-
     def _excluded_rows(self, anchors: Tensor, candidates: Tensor) -> Tensor:
         excluded = candidates == anchors[:, None]
         if self.seq_id is not None:
             excluded |= self.seq_id[candidates.clamp_min(0)] == self.seq_id[anchors][:, None]
         return excluded
 
-    def _exact(self, anchors: Tensor, candidates: Tensor) -> Tensor:
-        """Exact distances from the differences (Euclidean) or the dot products (cosine), row by row. On the
-        CPU a few anchors at a time, so that their gathered candidate rows stay in cache (twice as fast at
-        d = 256 as gathering the whole block); on an accelerator the whole block in one go."""
-        if self.pool.device.type != "cpu":
-            return self._exact_rows(anchors, candidates)
-        step = max(1, _CACHED_VALUES // max(1, candidates.shape[1] * self.pool.shape[1]))
-        parts = zip(anchors.split(step), candidates.split(step), strict=True)
-        return torch.cat([self._exact_rows(a, c) for a, c in parts])
 
-    def _exact_rows(self, anchors: Tensor, candidates: Tensor) -> Tensor:
-        a = self.pool[anchors][:, None, :]
-        p = self.pool[candidates.clamp_min(0)]
-        if self.distance == "euclidean":  # pair by pair from the differences (no matmul), in C++
-            return torch.cdist(a, p, compute_mode="donot_use_mm_for_euclid_dist")[:, 0]
-        norms = a.norm(dim=2).clamp_min(_TINY_NORM) * p.norm(dim=2).clamp_min(_TINY_NORM)
-        return 1 - (p * a).sum(dim=2) / norms
+def _exact(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor) -> Tensor:
+    """The squared distance of each pair (pool[anchors[i]], pool[rows[i]]) in float64, on the scale the
+    float32 pass ranks by (cosine: 2 − 2 cos, of unit rows): pair by pair from the differences (Euclidean)
+    or the dot products (cosine), a few MiB of gathered rows at a time so that they stay in cache."""
+    step = max(1, _CACHED_VALUES // pool.shape[1])
+    if len(rows) <= step:
+        return _exact_pairs(pool, distance, anchors, rows)
+    return torch.cat([_exact_pairs(pool, distance, a, r) for a, r in zip(anchors.split(step), rows.split(step), strict=True)])
+
+
+def _exact_pairs(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor) -> Tensor:
+    a, p = pool.index_select(0, anchors).double(), pool.index_select(0, rows).double()  # float32 rows: exact
+    if distance == "euclidean":
+        p = p.sub_(a)
+        return torch.linalg.vecdot(p, p)
+    norms = a.norm(dim=1).clamp_min(_TINY_NORM) * p.norm(dim=1).clamp_min(_TINY_NORM)
+    return 2 * (1 - torch.linalg.vecdot(a, p) / norms)

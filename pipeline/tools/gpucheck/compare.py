@@ -31,7 +31,7 @@ from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.extract import extract_batches
 from pipeline.study_a.fits import choose_anchors, finite_rows, fit_layer
-from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 from pipeline.study_a.patching import patch_kl_anchors
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.recipes import baseline
@@ -127,8 +127,10 @@ def compare_knn(arch: str, shape: StudyAShape, device: torch.device) -> Outcome:
         cpu = nearest_neighbours(pool, anchors, k, **kwargs)
         dev = nearest_neighbours(pool.to(device), anchors.to(device), k, **kwargs)
         label = f"{distance}{', other sequences' if same_seq else ''}"
-        parts[label] = agree(dev.distance.cpu().numpy(), cpu.distance.numpy(), TOLERANCES["knn"])
-        mismatched += int((dev.index.cpu() != cpu.index).sum())
+        cpu_distance = neighbour_distances(pool, anchors, cpu, distance)
+        dev_distance = neighbour_distances(pool.to(device), anchors.to(device), dev, distance)
+        parts[label] = agree(dev_distance.cpu().numpy(), cpu_distance.numpy(), TOLERANCES["knn"])
+        mismatched += int((dev.cpu() != cpu).sum())
     overall = combine(parts)
     return Outcome(
         f"{len(anchors)} anchors, k = {k}, pool {len(x)} × {x.shape[1]}: distances {overall.describe()}; "
