@@ -216,3 +216,18 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     net, _device = open_model(layout, params, model)
     states = extract_and_check(net, config.num_hidden_layers, config.hidden_size)
     patch_and_check(net, states)
+
+
+def test_the_readme_states_the_committed_coverage():
+    """The README's coverage figures are those of the committed `docs/families.md` (regenerating the table
+    without updating the README fails here)."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    table = (repo / "docs" / "families.md").read_text()
+    verified, total = re.search(r"\*\*(\d+) verified, \d+ refused\*\* of (\d+) model types", table).groups()
+    cached, recompute = table.count("suffix patching cached"), table.count("suffix patching recompute")
+    readme = " ".join((repo / "README.md").read_text().split())
+    assert f"{verified} of {total} verified" in readme
+    assert f"(`cached`, {cached})" in readme and f"(`recompute`, {recompute}:" in readme
