@@ -135,49 +135,51 @@ class _Search:
 
     def block(self, anchors: Tensor) -> Tensor:
         cand_d, cand_i = self._faiss_candidates(anchors) if self.faiss else self._gram_candidates(anchors)
-        approx = cand_d.double()
-        r_anchor = self.radius[anchors][:, None]
-        err = self.c * (r_anchor + self.radius[cand_i.clamp_min(0)]).square()
-        lower, upper = approx - err, approx + err
+        centre = cand_d.double()
+        r_anchor = self.radius.index_select(0, anchors)
+        r_cand = self.radius.index_select(0, cand_i.clamp_min(0).view(-1)).view(cand_i.shape)
+        err = r_cand.add_(r_anchor[:, None]).square_().mul_(self.c)
+        lower, upper = centre - err, centre + err
         # The k-th nearest distance is at most `bound`. A row not kept that came within it would have norm
         # ≤ ‖a‖ + √bound, so a float32 distance ≤ bound + c·(2‖a‖ + √bound)²: past that, none was missed.
-        bound = upper[:, : self.k].max(dim=1).values
-        missed = bound + self.c * (2 * r_anchor[:, 0] + bound.clamp_min(0).sqrt()).square()
-        covered = (approx[:, -1] > missed) | torch.isinf(bound) | (self.keep == self.pool.shape[0])
+        bound = upper[:, : self.k].amax(dim=1)
+        missed = (2 * r_anchor + bound.clamp_min(0).sqrt()).square_().mul_(self.c).add_(bound)
+        covered = (centre[:, -1] > missed) | torch.isinf(bound) | (self.keep == self.pool.shape[0])
+        if bool(covered.all()):
+            return self._settle(anchors, cand_i, centre, lower, upper, bound)
         index = torch.full((anchors.numel(), self.k), -1, dtype=torch.long, device=self.pool.device)
         ok = covered.nonzero()[:, 0]
         if ok.numel():
-            index[ok] = self._settle(anchors[ok], cand_i[ok], lower[ok], upper[ok], bound[ok])
+            index[ok] = self._settle(anchors[ok], cand_i[ok], centre[ok], lower[ok], upper[ok], bound[ok])
         for a in (~covered).nonzero()[:, 0].tolist():  # rows tied beyond the slack: rank the whole pool exactly
             index[a] = self._whole_pool(anchors[a])
         return index
 
-    def _settle(self, anchors: Tensor, cand_i: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
+    def _settle(self, anchors: Tensor, cand_i: Tensor, centre: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
         """The k nearest candidates in exact order. Candidates are sorted by their float32 distance; a chain
         is a run of them whose intervals overlap (each meets the highest upper end before it); only chained
         candidates that can be among the k nearest (lower end ≤ `bound`) get exact distances."""
-        eligible = (lower <= bound[:, None]) & torch.isfinite(lower)  # excluded rows are at inf
-        last_needed = int(eligible.long().cumsum(dim=1).argmax(dim=1).max()) + 1  # over every anchor
-        band = min(max(last_needed, self.k), cand_i.shape[1])
-        cand_i, lower, upper, eligible = cand_i[:, :band], lower[:, :band], upper[:, :band], eligible[:, :band]
+        # Excluded rows (at inf) are never eligible, also for an anchor whose bound is inf (fewer than k rows).
+        eligible = lower <= bound.clamp(max=torch.finfo(bound.dtype).max)[:, None]
         starts = torch.ones_like(eligible)
-        starts[:, 1:] = lower[:, 1:] > upper.cummax(dim=1).values[:, :-1]
-        ends = torch.ones_like(eligible)
-        ends[:, :-1] = starts[:, 1:]
-        chained = eligible & ~(starts & ends)
+        torch.gt(lower[:, 1:], upper.cummax(dim=1).values[:, :-1], out=starts[:, 1:])
+        alone = starts.clone()
+        alone[:, :-1] &= starts[:, 1:]
+        chained = eligible & ~alone
         # One key orders all: the exact squared distance of a chained candidate, the float32 one of a
         # settled candidate (its interval, hence any value in it, lies between its neighbours' chains).
-        key = lower.add(upper).mul_(0.5).masked_fill_(~eligible, torch.inf)
-        rows, cols = chained.nonzero(as_tuple=True)
-        key[rows, cols] = _exact(self.pool, self.distance, anchors[rows], cand_i[rows, cols])
-        order = key.argsort(dim=1, stable=True)
-        ranked = key.gather(1, order)
-        tied = ((ranked[:, 1:] == ranked[:, :-1]) & torch.isfinite(ranked[:, 1:])).any(dim=1)
+        key = centre.masked_fill(~eligible, torch.inf)
+        flat = chained.view(-1).nonzero()[:, 0]
+        if flat.numel():
+            rows = anchors.index_select(0, flat // cand_i.shape[1])
+            key.view(-1).index_copy_(0, flat, _exact(self.pool, self.distance, rows, cand_i.reshape(-1).index_select(0, flat)))
+        ranked, order = key.sort(dim=1, stable=True)
+        tied = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] < torch.inf)).any(dim=1)
         if bool(tied.any()):  # exact ties (copies of a row): the lower pool index first
             by_index = cand_i[tied].argsort(dim=1)
             order[tied] = by_index.gather(1, key[tied].gather(1, by_index).argsort(dim=1, stable=True))
         picked = order[:, : self.k]  # an anchor with fewer than k eligible rows gets -1 for the rest
-        found = cand_i.gather(1, picked).masked_fill(~eligible.gather(1, picked), -1)
+        found = cand_i.gather(1, picked).masked_fill_(~eligible.gather(1, picked), -1)
         if found.shape[1] < self.k:  # a pool of fewer than k + 1 rows
             found = torch.nn.functional.pad(found, (0, self.k - found.shape[1]), value=-1)
         return found
