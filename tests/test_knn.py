@@ -202,3 +202,66 @@ def test_a_float32_pool_is_searched_in_place_and_ranked_in_float64(distance, bac
     index64, _ = run(pool32.astype(np.float64), anchors, 15, distance=distance)
     np.testing.assert_array_equal(index32, index64)
     np.testing.assert_array_equal(index32, brute_force(pool32.astype(np.float64), anchors, 15, distance)[0])
+
+
+def test_zero_rows_under_cosine_have_cosine_zero_to_others_and_one_to_each_other(backend):
+    # A zero row has no direction. The float32 pass sees it through one extra coordinate, the exact pass by
+    # definition; both must agree, for a zero anchor too, and for a float32 pool of the same values.
+    rng = np.random.default_rng(13)
+    angles = np.linspace(1.0, 1.3, 6)  # cos 0.27..0.54: some rows nearer than a zero row (1 − cos = 1)
+    pool = np.vstack([[1.0, 0.0], np.zeros((3, 2)), np.c_[np.cos(angles), np.sin(angles)], rng.normal(size=(30, 2))])
+    anchors = np.array([0, 1, 5])
+    index, dist = run(pool, anchors, 8, distance="cosine")
+    ref_index, ref_dist = brute_force(pool, anchors, 8, "cosine")
+    np.testing.assert_array_equal(index, ref_index)
+    np.testing.assert_allclose(dist, ref_dist, atol=1e-12)
+    assert list(index[1, :2]) == [2, 3]  # the zero anchor's nearest: the other zero rows, at distance 0
+    np.testing.assert_array_equal(run(pool.astype(np.float32), anchors, 8, distance="cosine")[0], index)
+
+
+@pytest.mark.parametrize("d", [1, 3, 16])
+def test_rows_near_float32_underflow_are_ranked_exactly(d, backend):
+    # Rows around 1e-21: float32 squared distances are subnormal, so their error is absolute, not relative.
+    rng = np.random.default_rng(14)
+    for scale in (1e-19, 1e-21, 1e-22):
+        pool = rng.normal(size=(40, d)) * scale
+        index, _ = run(pool, np.arange(40), 5)
+        np.testing.assert_array_equal(index, brute_force(pool, np.arange(40), 5, "euclidean")[0])
+
+
+def test_a_settled_candidate_is_not_passed_by_a_wider_interval_behind_it(monkeypatch):
+    # White box: float32 values within half the bound, chosen so that the candidate sorted third (a row of
+    # norm 2, so a wide interval) is truly nearer than the one sorted second. A chain that only looks back
+    # would call the second settled and rank it first-come; the split must look both ways.
+    d, c = 2, 2 * (2 + 8) * 2.0**-24
+    pool = np.zeros((24, d))
+    pool[0], pool[2], pool[3] = [1, 0], [0, np.sqrt(2.5 * c)], [2, np.sqrt(0.2 * c)]  # pool[1]: the origin
+    pool[4:] = 10 * np.random.default_rng(0).normal(size=(20, d)) + 30
+    pool_t = torch.as_tensor(pool)
+    fake = ((pool_t - pool_t[0]) ** 2).sum(dim=1).float()
+    fake[1], fake[3] = 1 + 0.45 * c, 1 + 2.6 * c
+
+    def candidates(self, anchors):
+        f = fake.clone()
+        f[0] = torch.inf
+        order = torch.sort(f, stable=True).indices[: self.keep]
+        return f[order][None], order[None]
+
+    monkeypatch.setattr(knn, "_faiss", lambda: None)
+    monkeypatch.setattr(knn._Search, "_gram_candidates", candidates)
+    assert nearest_neighbours(pool_t, torch.tensor([0]), 3)[0].tolist() == [1, 3, 2]
+
+
+def test_rows_too_large_for_float32_are_refused():
+    pool = torch.randn(20, 3, dtype=torch.float64)
+    pool[4] *= 1e19
+    with pytest.raises(ValueError, match="norm below 1e"):
+        nearest_neighbours(pool, torch.tensor([0]), 3)
+    pool[4] = torch.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        nearest_neighbours(pool, torch.tensor([0]), 3)
+
+
+def test_k_may_be_any_integer_type():
+    pool = torch.randn(10, 3, dtype=torch.float64)
+    assert nearest_neighbours(pool, torch.tensor([0, 1]), np.int64(9)).shape == (2, 9)

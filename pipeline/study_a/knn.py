@@ -28,12 +28,17 @@ Memory: the float32 copy and the row norms, O(pool); per block of anchors, FAISS
 O(chunk × (k + slack + excluded rows)) and its 4096 × 1024 float32 distance tile, or torch's
 O(chunk × (chunk + k)); the exact distances gather at most 4 MiB of rows at a time.
 An anchor is excluded from its own neighbourhood by pool index, not by distance: an exact duplicate of the
-anchor elsewhere in the pool is a legitimate neighbour at distance 0.
+anchor elsewhere in the pool is a legitimate neighbour at distance 0. For the cosine distance a zero row has
+no direction: cosine 0 to every other row, 1 to another zero row. "Exact" means the float64 value computed
+pair by pair (Euclidean: the sum of squared differences); two distances that differ only in their last bit
+are ordered by it. Rows must be finite with norm below 1e18 (the float32 pass squares them); at the other
+end, values near float32's underflow are handled by an absolute term in the bound.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
 from types import ModuleType
 from typing import Literal
 
@@ -42,10 +47,9 @@ from torch import Tensor
 
 Distance = Literal["euclidean", "cosine"]
 
-# Norms below this count as zero for the cosine distance: such a row has cosine 0 (distance 1) to
-# every other row instead of a division by zero.
-_TINY_NORM = 1e-300
 _U32 = 2.0**-24  # float32 unit roundoff
+_F32_TINY = 2.0**-126  # float32's smallest normal number
+_LARGEST_NORM = 1e18  # squared distances of rows below this norm stay finite in float32 (< 3.4e38)
 _CACHED_VALUES = 2**19  # candidate values gathered at once for the exact distances on the CPU (4 MiB in float64)
 
 
@@ -75,7 +79,7 @@ def nearest_neighbours(
     Nearness is exact in the dtype of `pool` (float64 for the fits). Raises `ValueError` when an anchor
     has fewer than `k` eligible neighbours.
     """
-    n_pool = pool.shape[0]
+    n_pool, k, chunk = pool.shape[0], operator.index(k), operator.index(chunk)
     anchor_idx = anchor_idx.to(device=pool.device, dtype=torch.long)
     if pool.ndim != 2 or anchor_idx.ndim != 1:
         shapes = f"{tuple(pool.shape)} and {tuple(anchor_idx.shape)}"
@@ -116,19 +120,29 @@ class _Search:
         self.keep = min(pool.shape[0], k + max(8, k // 4))  # candidates kept per anchor
         d = pool.shape[1]
         if distance == "cosine":  # unit rows: the squared Euclidean distance is 2 − 2 cos, the same ranking
-            norms = pool.norm(dim=1, keepdim=True).clamp_min(_TINY_NORM)
-            self.approx = (pool / norms).float().contiguous()
+            norms = pool.double().norm(dim=1, keepdim=True)
+            zero = norms == 0
+            unit = pool.double() / norms.masked_fill(zero, 1.0)
+            # A zero row has no direction: cosine 0 to every other row, 1 to another zero row (a copy). One
+            # more coordinate, 1 for the zero rows, gives the float32 pass exactly those distances (2 and 0).
+            self.approx = torch.cat([unit, zero.double()], dim=1).float().contiguous()
         else:  # C order: FAISS reads it in place (a float32 pool is not copied)
             self.approx = pool.contiguous() if pool.dtype == torch.float32 else pool.float().contiguous()
         # An upper bound on each searched row's norm: the float32 norm is within (d/2 + 1)·u of the norm of
-        # the float32 row, which is within u of the row's (zero rows stay 0, unit rows about 1).
-        self.radius = self.approx.norm(dim=1).double() * (1 + (d + 4) * _U32)
-        # |float32 squared distance − exact| ≤ c·(‖a‖ + ‖p‖)², c = (d + 8)·u, doubled. Both backends
+        # the float32 row, which is within u of the row's (unit rows about 1).
+        self.radius = self.approx.norm(dim=1).double() * (1 + (d + 5) * _U32)
+        if not bool((self.radius < _LARGEST_NORM).all()):
+            raise ValueError(f"pool rows must be finite with norm below {_LARGEST_NORM:g} (the float32 pass "
+                             "squares them); rescale the pool")  # fmt: skip
+        # |float32 squared distance − exact| ≤ c·(‖a‖ + ‖p‖)² + eta, c = (d + 8)·u, doubled. Both backends
         # compute it as ‖a‖² + ‖p‖² − 2 a·p: each of the three float32 dot products of length d is off by at
         # most d·u times its factors' norms, which sum to (‖a‖ + ‖p‖)²; the additions and the float64 →
         # float32 inputs add at most 8u of it, and FAISS's clamp of negative sums to 0 only moves a value
         # towards the true one (≥ 0). (For small searches FAISS sums (a − p)² row by row, smaller still.)
+        # Values near float32's underflow lose absolute precision instead: eta allows every one of the
+        # (4d + 16) operations to lose up to the smallest normal number (as if flushed to zero), doubled.
         self.c = 2 * (d + 8) * _U32
+        self.eta = 2 * (4 * d + 16) * _F32_TINY
         # At most this many of an anchor's nearest rows are excluded: itself, or every row of its sequence.
         self.skipped = 1 if seq_id is None else int(torch.unique(seq_id, return_counts=True)[1].max())
         self.faiss = _faiss() if pool.device.type == "cpu" else None
@@ -138,12 +152,12 @@ class _Search:
         centre = cand_d.double()
         r_anchor = self.radius.index_select(0, anchors)
         r_cand = self.radius.index_select(0, cand_i.clamp_min(0).view(-1)).view(cand_i.shape)
-        err = r_cand.add_(r_anchor[:, None]).square_().mul_(self.c)
+        err = r_cand.add_(r_anchor[:, None]).square_().mul_(self.c).add_(self.eta)
         lower, upper = centre - err, centre + err
         # The k-th nearest distance is at most `bound`. A row not kept that came within it would have norm
         # ≤ ‖a‖ + √bound, so a float32 distance ≤ bound + c·(2‖a‖ + √bound)²: past that, none was missed.
         bound = upper[:, : self.k].amax(dim=1)
-        missed = (2 * r_anchor + bound.clamp_min(0).sqrt()).square_().mul_(self.c).add_(bound)
+        missed = (2 * r_anchor + bound.clamp_min(0).sqrt()).square_().mul_(self.c).add_(bound + self.eta)
         covered = (centre[:, -1] > missed) | torch.isinf(bound) | (self.keep == self.pool.shape[0])
         if bool(covered.all()):
             return self._settle(anchors, cand_i, centre, lower, upper, bound)
@@ -157,12 +171,16 @@ class _Search:
 
     def _settle(self, anchors: Tensor, cand_i: Tensor, centre: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
         """The k nearest candidates in exact order. Candidates are sorted by their float32 distance; a chain
-        is a run of them whose intervals overlap (each meets the highest upper end before it); only chained
-        candidates that can be among the k nearest (lower end ≤ `bound`) get exact distances."""
+        is a run of them that no split separates (a split: every interval before it lies below every interval
+        after it); only chained candidates that can be among the k nearest (lower end ≤ `bound`) get exact
+        distances."""
         # Excluded rows (at inf) are never eligible, also for an anchor whose bound is inf (fewer than k rows).
         eligible = lower <= bound.clamp(max=torch.finfo(bound.dtype).max)[:, None]
+        # A chain ends where every interval before lies below every interval after (each candidate's width
+        # depends on its own norm, so the lower ends are not sorted: both sides are needed).
         starts = torch.ones_like(eligible)
-        torch.gt(lower[:, 1:], upper.cummax(dim=1).values[:, :-1], out=starts[:, 1:])
+        below = lower.flip(1).cummin(dim=1).values.flip(1)
+        torch.lt(upper.cummax(dim=1).values[:, :-1], below[:, 1:], out=starts[:, 1:])
         alone = starts.clone()
         alone[:, :-1] &= starts[:, 1:]
         chained = eligible & ~alone
@@ -255,5 +273,9 @@ def _exact_pairs(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor
     if distance == "euclidean":
         p = p.sub_(a)
         return torch.linalg.vecdot(p, p)
-    norms = a.norm(dim=1).clamp_min(_TINY_NORM) * p.norm(dim=1).clamp_min(_TINY_NORM)
-    return 2 * (1 - torch.linalg.vecdot(a, p) / norms)
+    norm_a, norm_p = a.norm(dim=1), p.norm(dim=1)
+    directed = (norm_a > 0) & (norm_p > 0)
+    cos = torch.linalg.vecdot(a, p) / norm_a.masked_fill(~directed, 1.0) / norm_p.masked_fill(~directed, 1.0)
+    # A zero row: cosine 0 to every other row, 1 to another zero row (as the float32 pass sees them).
+    cos = torch.where(directed, cos, ((norm_a == 0) & (norm_p == 0)).double())
+    return 2 * (1 - cos)

@@ -31,7 +31,12 @@ def ref_distances(x: np.ndarray, a: int, distance: str, seq: np.ndarray | None =
     if distance == "euclidean":
         dist = np.sqrt(((x - x[a]) ** 2).sum(axis=1))
     else:
-        dist = 1 - x @ x[a] / (np.linalg.norm(x, axis=1) * np.linalg.norm(x[a]))
+        norms = np.linalg.norm(x, axis=1)
+        directed = (norms > 0) & (norms[a] > 0)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            cos = x @ x[a] / (norms * norms[a])
+        # a zero row: cosine 0 to every other row, 1 to another zero row
+        dist = 1 - np.where(directed, cos, (norms == 0) & (norms[a] == 0))
     dist[a] = np.inf
     if seq is not None:
         dist[seq == seq[a]] = np.inf
