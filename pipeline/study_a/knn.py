@@ -7,22 +7,24 @@ ranks the same), asked for as many more rows as the exclusions can remove. On an
 FAISS is not installed (the CUDA check machines), it is the Gram form in torch, `chunk` pool rows at a
 time merged with `topk`.
 
-The second pass makes the float32 ranking exact without redoing it. A float32 squared distance is
-within `c·(‖a‖ + ‖p‖)²` of the exact one (the bound below), so each candidate's true distance lies in
-an interval around its float32 value. Where a candidate's interval meets no other, its rank is certain;
-where intervals overlap (a *chain*), only those candidates are ranked by their exact float64 distances,
-computed from the differences themselves (never through a matmul, whose rounding depends on where a row
-sits in a block), ties to the lower pool index. A row the float32 pass did not keep is certainly farther
-than the k-th when its float32 distance exceeds what any row that close could show; an anchor for which
-that is not so (many rows tied at its k-th distance, e.g. copies of one token) is ranked exactly over
-the whole pool. The bound uses each row's own norm, not the pool's largest, so a few rows of huge norm
-(attention sinks) do not widen every interval. The result is a function of the data alone, the same
-from either backend.
+The second pass makes the float32 selection exact without redoing it. A float32 squared distance is
+within `c·(‖a‖ + ‖p‖)² + η` of the exact one (the bound below), so each candidate's true distance lies in
+an interval around its float32 value. Sorted by float32 distance, the candidates fall into *chains*:
+runs that no split separates, a split being a place where every interval before lies below every
+interval after. Whole chains before the k-th candidate's chain are certainly among the k nearest, whole
+chains after it certainly not, so only the members of the k-th candidate's chain (usually a handful) are
+ranked by exact float64 distances, computed from the differences themselves (never through a matmul,
+whose rounding depends on where a row sits in a block), ties to the lower pool index. A row the float32
+pass did not keep is certainly farther than the k-th when its float32 distance exceeds what any row that
+close could show; an anchor for which that is not so (many rows tied at its k-th distance, e.g. copies
+of one token) is ranked exactly over the whole pool. The bound uses each row's own norm, not the pool's
+largest, so a few rows of huge norm (attention sinks) do not widen every interval. The result is the set
+of the k nearest in ascending pool index, a function of the data alone, the same from either backend.
 
-Speed: the float32 pass is FAISS's own; on top come the float32 copy and the exact distances of the
-chained candidates only (`lmgeo bench` compares the whole call with FAISS's `IndexFlatL2` alone).
-Distances are not part of the result: the fits need the neighbours, and `neighbour_distances` gives the
-exact distances of any neighbours found.
+Speed: the float32 pass is FAISS's own; on top come the float32 copy (of a float64 pool) and the exact
+distances of the k-th candidate's chain (`lmgeo bench` compares the whole call with FAISS's
+`IndexFlatL2` alone). Distances and ranks are not part of the result: the fits need the set, and
+`neighbour_distances` gives the exact distances of any neighbours found.
 
 Memory: the float32 copy and the row norms, O(pool); per block of anchors, FAISS's candidates
 O(chunk × (k + slack + excluded rows)) and its 4096 × 1024 float32 distance tile, or torch's
@@ -31,7 +33,7 @@ An anchor is excluded from its own neighbourhood by pool index, not by distance:
 anchor elsewhere in the pool is a legitimate neighbour at distance 0. For the cosine distance a zero row has
 no direction: cosine 0 to every other row, 1 to another zero row. "Exact" means the float64 value computed
 pair by pair (Euclidean: the sum of squared differences); two distances that differ only in their last bit
-are ordered by it. Rows must be finite with norm below 1e18 (the float32 pass squares them); at the other
+are told apart by it. Rows must be finite with norm below 1e18 (the float32 pass squares them); at the other
 end, values near float32's underflow are handled by an absolute term in the bound.
 """
 
@@ -42,6 +44,7 @@ import operator
 from types import ModuleType
 from typing import Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -72,8 +75,8 @@ def nearest_neighbours(
     seq_id: Tensor | None = None,
     chunk: int = 4096,
 ) -> Tensor:
-    """Pool indices of the `k` nearest rows of each anchor `pool[anchor_idx[a]]`, nearest first (ties: lower
-    index first), never the anchor itself: shape (anchors, k).
+    """Pool indices of the `k` nearest rows of each anchor `pool[anchor_idx[a]]` (at equal distance the lower
+    index), never the anchor itself, in ascending pool index: shape (anchors, k).
 
     `seq_id` (one per pool row), when given, also excludes every row of the anchor's own sequence.
     Nearness is exact in the dtype of `pool` (float64 for the fits). Raises `ValueError` when an anchor
@@ -170,10 +173,9 @@ class _Search:
         return index
 
     def _settle(self, anchors: Tensor, cand_i: Tensor, centre: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
-        """The k nearest candidates in exact order. Candidates are sorted by their float32 distance; a chain
-        is a run of them that no split separates (a split: every interval before it lies below every interval
-        after it); only chained candidates that can be among the k nearest (lower end ≤ `bound`) get exact
-        distances."""
+        """The k nearest candidates, in ascending pool index. Only the chain holding the k-th candidate (in
+        float32 order) is split by the k-th place: its members that can be among the k nearest (lower end ≤
+        `bound`) get exact distances; every other candidate is in or out with its whole chain."""
         # Excluded rows (at inf) are never eligible, also for an anchor whose bound is inf (fewer than k rows).
         eligible = lower <= bound.clamp(max=torch.finfo(bound.dtype).max)[:, None]
         # A chain ends where every interval before lies below every interval after (each candidate's width
@@ -181,26 +183,33 @@ class _Search:
         starts = torch.ones_like(eligible)
         below = lower.flip(1).cummin(dim=1).values.flip(1)
         torch.lt(upper.cummax(dim=1).values[:, :-1], below[:, 1:], out=starts[:, 1:])
-        alone = starts.clone()
-        alone[:, :-1] &= starts[:, 1:]
-        chained = eligible & ~alone
-        # One key orders all: the exact squared distance of a chained candidate, the float32 one of a
-        # settled candidate (its interval, hence any value in it, lies between its neighbours' chains).
-        key = centre.masked_fill(~eligible, torch.inf)
-        flat = chained.view(-1).nonzero()[:, 0]
-        if flat.numel():
-            rows = anchors.index_select(0, flat // cand_i.shape[1])
-            key.view(-1).index_copy_(0, flat, _exact(self.pool, self.distance, rows, cand_i.reshape(-1).index_select(0, flat)))
-        ranked, order = key.sort(dim=1, stable=True)
-        tied = ((ranked[:, 1:] == ranked[:, :-1]) & (ranked[:, 1:] < torch.inf)).any(dim=1)
-        if bool(tied.any()):  # exact ties (copies of a row): the lower pool index first
-            by_index = cand_i[tied].argsort(dim=1)
-            order[tied] = by_index.gather(1, key[tied].gather(1, by_index).argsort(dim=1, stable=True))
-        picked = order[:, : self.k]  # an anchor with fewer than k eligible rows gets -1 for the rest
-        found = cand_i.gather(1, picked).masked_fill_(~eligible.gather(1, picked), -1)
+        chain = starts.cumsum(dim=1)
+        kth = min(self.k, cand_i.shape[1]) - 1
+        member = chain < chain[:, kth : kth + 1]  # whole chains before the k-th candidate's: in
+        contested = (chain == chain[:, kth : kth + 1]) & eligible
+        in_contest = contested.sum(dim=1) > 1
+        member |= contested & ~in_contest[:, None]  # a k-th candidate alone in its chain: in
+        rows = in_contest.nonzero()[:, 0]
+        if rows.numel():
+            member[rows] |= self._contest(anchors[rows], cand_i[rows], contested[rows], self.k - member[rows].sum(dim=1))
+        # In ascending pool index; an anchor with fewer than k eligible rows gets -1 for the rest.
+        n_pool = self.pool.shape[0]
+        found = _sorted_rows(cand_i.masked_fill(~member, n_pool))[:, : self.k]
         if found.shape[1] < self.k:  # a pool of fewer than k + 1 rows
-            found = torch.nn.functional.pad(found, (0, self.k - found.shape[1]), value=-1)
-        return found
+            found = torch.nn.functional.pad(found, (0, self.k - found.shape[1]), value=n_pool)
+        return found.masked_fill_(found == n_pool, -1)
+
+    def _contest(self, anchors: Tensor, cand_i: Tensor, contested: Tensor, places: Tensor) -> Tensor:
+        """The `places[a]` contested candidates of each anchor nearest by exact distance (at equal distance
+        the lower pool index), as a mask."""
+        key = torch.full(cand_i.shape, torch.inf, dtype=torch.float64, device=cand_i.device)
+        flat = contested.view(-1).nonzero()[:, 0]
+        rows = anchors.index_select(0, flat // cand_i.shape[1])
+        key.view(-1).index_copy_(0, flat, _exact(self.pool, self.distance, rows, cand_i.reshape(-1).index_select(0, flat)))
+        by_index = cand_i.masked_fill(~contested, self.pool.shape[0]).argsort(dim=1)
+        order = by_index.gather(1, key.gather(1, by_index).argsort(dim=1, stable=True))
+        won = torch.arange(cand_i.shape[1], device=cand_i.device)[None, :] < places[:, None]
+        return torch.zeros_like(contested).scatter_(1, order, won) & contested
 
     def _whole_pool(self, anchor: Tensor) -> Tensor:
         """One anchor's k nearest by exact distance over the whole pool, ties to the lower pool index."""
@@ -208,7 +217,7 @@ class _Search:
         exact = _exact(self.pool, self.distance, anchor.expand_as(rows), rows)
         exact = torch.where(self._excluded_rows(anchor[None], rows[None])[0], torch.inf, exact)
         order = torch.sort(exact, stable=True).indices[: self.k]
-        return rows[order].masked_fill(torch.isinf(exact[order]), -1)
+        return _sorted_rows(rows[order].masked_fill(torch.isinf(exact[order]), -1)[None])[0]
 
     def _faiss_candidates(self, anchors: Tensor) -> tuple[Tensor, Tensor]:
         """`_gram_candidates` by FAISS's exact float32 search (`knn_L2sqr`, the kernel of `IndexFlatL2`
@@ -218,9 +227,12 @@ class _Search:
         self.faiss.omp_set_num_threads(torch.get_num_threads())  # the task's share of the cores
         dist, index = self.faiss.knn(self.approx[anchors].numpy(), self.approx.numpy(), searched)
         dist, index = torch.from_numpy(dist), torch.from_numpy(index)
+        excluded = self._excluded_rows(anchors, index)
+        if searched == self.keep + 1 and self.seq_id is None and bool(excluded[:, 0].all()):
+            return dist[:, 1:], index[:, 1:]  # the usual case: each anchor itself came first
         # Each row's eligible candidates moved to its front, still nearest first (the excluded ones and those
         # past `keep` to a spare last column); a row left short (the search took the whole pool) ends in inf.
-        eligible = ~self._excluded_rows(anchors, index)
+        eligible = ~excluded
         slot = (eligible.cumsum(dim=1) - 1).masked_fill_(~eligible, self.keep).clamp_(max=self.keep)
         kept_d = torch.full((len(anchors), self.keep + 1), torch.inf).scatter_(1, slot, dist)
         kept_i = torch.full((len(anchors), self.keep + 1), -1).scatter_(1, slot, index)
@@ -256,6 +268,13 @@ class _Search:
         if self.seq_id is not None:
             excluded |= self.seq_id[candidates.clamp_min(0)] == self.seq_id[anchors][:, None]
         return excluded
+
+
+def _sorted_rows(index: Tensor) -> Tensor:
+    """Each row in ascending order (NumPy's sort of many short rows is about 3× torch's on the CPU)."""
+    if index.device.type == "cpu":
+        return torch.from_numpy(np.sort(index.numpy(), axis=1))
+    return index.sort(dim=1).values
 
 
 def _exact(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor) -> Tensor:
