@@ -60,10 +60,11 @@ KNOWN_LEVERS = {
         "`_unit_rows` materialises a V × d temporary) or at load on the machine."
     ),
     "kNN vs FAISS": (
-        "Both sides compute the same Gram-form float32 distances; what differs is the selection (FAISS keeps a "
-        "heap per query, `nearest_neighbours` a `topk` over each pool chunk merged with the running best) and the "
-        "exact float64 re-rank of the `k + slack` candidates. A miss at a small pool points at fixed per-call "
-        "costs (the float32 copy and norms of the pool); at a large one, at the `topk` merge."
+        "Both sides run FAISS's own float32 search; ours asks for `k + slack` candidates and adds the rounding "
+        "bound, the chains and the float64 distances of the candidates contesting the k-th place. A miss at a "
+        "small pool points at the fixed per-call cost of those few dozen tensor operations (a few hundred µs); "
+        "at a large one, at the row norms of the pool and the exact distances (more contested candidates when "
+        "distances crowd)."
     ),
     "patching: suffix": (
         "The suffix runs blocks l+1..L−1 and the head on the positions from each group's earliest anchor on "
@@ -195,7 +196,7 @@ def _knn_md(section: dict[str, Any]) -> list[str]:
 def _faiss_md(section: dict[str, Any]) -> list[str]:
     lines = ["## kNN against FAISS", "",
              ("`nearest_neighbours` (a float32 candidate pass that is FAISS's own exact search, then the float64 "
-              "distances of the candidates whose order float32 cannot settle, ties to the lower index) against "
+              "distances of the candidates float32 cannot separate from the k-th, ties to the lower index) against "
               "FAISS `IndexFlatL2` alone (exact, float32; the index is built inside the timed call and `k + 1` "
               "neighbours searched, the anchor dropped), both on one thread, on the same float32 Gaussian pool. "
               "Ours does strictly more work (`k + slack` candidates, the exact re-rank), so the ratio is the price "

@@ -18,7 +18,7 @@ def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dic
     gives both the same float32 pool (FAISS's only input type); ours is also timed on the float64 pool of
     the same values, as the fits call it, which adds the float32 copy. Ours runs FAISS's own exact search
     for its float32 pass, so the ratio is what exactness costs on top of it: `k + slack` candidates and the
-    float64 distances of those whose order float32 cannot settle."""
+    float64 distances of those float32 cannot separate from the k-th."""
     import faiss
     import torch
 
