@@ -20,7 +20,7 @@ each (model, layer) patches a probe (one of its sequences, anchors near the star
 and compares the KLs (`suffix_path` says which path was chosen, and why). Where they differ or the cached
 path fails (the recurrent families mamba, mamba2 and falcon_mamba: transformers' multi-token forward, like
 mamba-ssm's scan kernel, starts from a zero state and ignores a cached one, so only a one-token-at-a-time
-continuation could start at the anchor, and that is no faster than the whole sequence: for the last 16–48 of
+continuation could start at the anchor, and that is seldom faster than the whole sequence: for the last 16–48 of
 64 tokens it took 2–4× the full forward at d = 64 and 0.9–2.8× at d = 768 on one CPU thread),
 `suffix` runs as `recompute` does: blocks `l+1..` on every position, the head from the batch's earliest
 anchor on. `full` runs the whole model with a hook on block l's output instead, the straightforward
