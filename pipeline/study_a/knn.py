@@ -123,9 +123,10 @@ class _Search:
         self.keep = min(pool.shape[0], k + max(8, k // 4))  # candidates kept per anchor
         d = pool.shape[1]
         if distance == "cosine":  # unit rows: the squared Euclidean distance is 2 − 2 cos, the same ranking
-            norms = pool.double().norm(dim=1, keepdim=True)
+            pool64 = pool.double()
+            norms = pool64.norm(dim=1, keepdim=True)
             zero = norms == 0
-            unit = pool.double() / norms.masked_fill(zero, 1.0)
+            unit = pool64 / norms.masked_fill(zero, 1.0)
             # A zero row has no direction: cosine 0 to every other row, 1 to another zero row (a copy). One
             # more coordinate, 1 for the zero rows, gives the float32 pass exactly those distances (2 and 0).
             self.approx = torch.cat([unit, zero.double()], dim=1).float().contiguous()
