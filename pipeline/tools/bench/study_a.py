@@ -43,8 +43,9 @@ def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dic
         cases = {"lmgeo": lambda: nearest_neighbours(pool32_t, anchors_t, k).numpy(),
                  "lmgeo_float64": lambda: nearest_neighbours(pool64_t, anchors_t, k).numpy(), "faiss": theirs}  # fmt: skip
         timings = interleaved(cases, size.repeats)
-        same = float(np.mean([set(a) == set(b) for a, b in zip(cases["lmgeo"](), theirs(), strict=True)]))
-        identical = bool(np.array_equal(cases["lmgeo"](), cases["lmgeo_float64"]()))
+        found = cases["lmgeo"]()
+        same = float(np.mean([set(a) == set(b) for a, b in zip(found, theirs(), strict=True)]))
+        identical = bool(np.array_equal(found, cases["lmgeo_float64"]()))
         speedup, speedup64 = timings.ratio("faiss", "lmgeo"), timings.ratio("faiss", "lmgeo_float64")
         out["runs"].append({"size": asdict(size), "speedup": speedup, "speedup_float64": speedup64,
                             "same_neighbours": same, "float64_identical": identical, "timings": timings.summary()})  # fmt: skip
