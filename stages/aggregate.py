@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+from pipeline.core.fingerprint import CodeSpec
 from pipeline.params import Params
 from stages.layout import Layout
+
+
+def code_spec(layout: Layout) -> CodeSpec:
+    """The tables' code: the stage's, and every registered member's (the tables describe each of them)."""
+    from pipeline.core.fingerprint import all_members
+    from stages.sharded import stage_code
+
+    return stage_code("aggregate", layout, all_members([layout.root]))
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.config import digest
     from pipeline.core.store import ManifestKey, dataset_digest
     from pipeline.results.aggregate import aggregate, load_sources
-    from stages.sharded import planned_keys, stage_code
+    from stages.sharded import planned_keys, versioned
 
     layout = Layout.here()
     trained = planned_keys("train", params, layout)
@@ -19,6 +28,6 @@ def run(params: Params, ray_address: str | None = None) -> None:
     sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models, expected)
     read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
     key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
-                      stage_code("aggregate", layout))  # fmt: skip
+                      versioned(code_spec(layout), layout)[1])  # fmt: skip
     aggregate(sources, layout.reports, params.report, key)
     print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)

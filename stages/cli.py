@@ -43,6 +43,10 @@ def main_options(
     ] = False,
 ) -> None:
     """Geometry of updates in language models: DVC stages dispatching Ray tasks."""
+    # Before any command imports torch or NumPy: the kernels they load decide the last bits of results.
+    from pipeline.core.determinism import pin_this_process
+
+    pin_this_process(threads=1)
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]
 RayAddressOpt = Annotated[

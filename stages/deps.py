@@ -8,21 +8,33 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.core.fingerprint import closure, has_code
+from pipeline.core.fingerprint import ALWAYS, closure, has_code
 
 STAGES = ("prepare", "train", "external", "extract", "fit", "perturb", "aggregate", "report")
 CODE_ROOTS = ("pipeline/", "stages/")
 
 
 def code_deps(stage: str, workspace: Path) -> list[str]:
-    """Workspace-relative source files of `stages.<stage>` and everything it imports, config included
-    (package `__init__` files without code are left out: they cannot change anything)."""
-    files = closure(f"stages.{stage}", roots=[workspace], with_config=True)
+    """Workspace-relative source files of `stages.<stage>` and everything it imports, config and every
+    registry member included, infrastructure left out (package `__init__` files without code are left out
+    too: they cannot change anything)."""
+    files = closure([f"stages.{stage}", *ALWAYS], roots=[workspace], with_config=True, members="all")
     return sorted(
         entry.path.resolve().relative_to(workspace.resolve()).as_posix()
         for entry in files
         if entry.path.name != "__init__.py" or has_code(entry.path)
     )
+
+
+# Besides the code: what decides the results too (the params, the stage graph, the pinned packages).
+DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt")
+
+
+def result_inputs(workspace: Path) -> list[str]:
+    """Every file that decides the pipeline's results: each stage's code, and `DECIDING_FILES`. The report's
+    provenance says whether they were committed, and the committed results are checked against them."""
+    code = {dep for stage in STAGES for dep in code_deps(stage, workspace)}
+    return sorted(code | set(DECIDING_FILES))
 
 
 def is_code(dep: str) -> bool:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from pipeline.core.contracts import ACTIVATIONS
 from pipeline.core.execution import Shard
+from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, model_tokenizer
 from stages.opening import check_external_models, open_model
 from stages.layout import Layout
-from stages.sharded import Plan, run_sharded_stage, stage_code, stage_params
+from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
 
 
 def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
@@ -61,17 +63,24 @@ def shard_key(params: Params, layout: Layout, model: AnalysedModel, code: str) -
     return ManifestKey(inputs=inputs, params_hash=stage_params("extract", params, *extraction), code_version=code)
 
 
+def code_spec(layout: Layout) -> CodeSpec:
+    """A shard's code: the stage's, every family's (any model may take a registered family's structure
+    overrides) and the schema of the activations."""
+    families = members("pipeline.models.families", layout)
+    return stage_code("extract", layout, families, [ACTIVATIONS.declared_schema])
+
+
 def plan(params: Params, layout: Layout) -> Plan:
-    code = stage_code("extract", layout)
+    code = versioned(code_spec(layout), layout)
     per_shard = params.analysis.sequences_per_shard
     seqs = list(range(params.analysis.eval_sequences))
     planned = []
     for model in analysed_models(params, layout):
-        key = shard_key(params, layout, model, code)
+        key = shard_key(params, layout, model, code[1])
         for start in range(0, len(seqs), per_shard):
             name = f"{model.path_id}/seq={start}"
             args = (layout, params, model, seqs[start : start + per_shard], key, name)
-            planned.append((Shard(name, extract_task, args, code=("stages.extract", code)), key))
+            planned.append((Shard(name, extract_task, args, code=code), key))
     return planned
 
 

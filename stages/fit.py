@@ -4,15 +4,16 @@ neighbours once and fits every class on them (and on the null samples), written 
 
 from __future__ import annotations
 
-from pipeline.core.contracts import ACTIVATIONS, read
+from pipeline.core.contracts import ACTIVATIONS, FITS, read
 from pipeline.core.errors import InputError
 from pipeline.core.execution import Shard
+from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
 from pipeline.params import Params
 from pipeline.study_a.config import AnalysisConfig
 from stages.analysis_set import EXTRACT, activation_shapes, analysed_models
 from stages.layout import Layout
-from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, stage_params
+from stages.sharded import Plan, members, planned_keys, run_sharded_stage, stage_code, stage_params, versioned
 
 
 def fit_task(
@@ -33,10 +34,15 @@ def fit_task(
     return sum(table.num_rows for table in tables.values())
 
 
+def code_spec(layout: Layout, classes: list[str]) -> CodeSpec:
+    """A shard's code: the stage's, the classes it fits, and the schema of the fits."""
+    return stage_code("fit", layout, members("pipeline.study_a.classes", layout, classes), [FITS.declared_schema])
+
+
 def plan(params: Params, layout: Layout) -> Plan:
     """One shard per (model, layer) of the verified activations of the current extract plan; every
     value a task will use is checked here, before anything is pruned."""
-    code = stage_code("fit", layout)
+    code = versioned(code_spec(layout, params.analysis.classes), layout)
     a = params.analysis
     fit_params = stage_params("fit", params, a.model_dump(exclude={"runs", "checkpoints", "external_models"}), params.prepare.seq_len)
     extracted = planned_keys("extract", params, layout)
@@ -47,13 +53,13 @@ def plan(params: Params, layout: Layout) -> Plan:
         check_identifiable(a, model, width)
         key = ManifestKey(
             inputs={"activations": dataset_digest(layout.activations, prefix=f"{model}/")},
-            params_hash=fit_params, code_version=code,
+            params_hash=fit_params, code_version=code[1],
         )
         own = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model}/")}
         for layer in range(n_blocks):
             name = f"{model}/layer={layer}"
             args = (layout, params, model, layer, key, name, own)
-            planned.append((Shard(name, fit_task, args, code=("stages.fit", code)), key))
+            planned.append((Shard(name, fit_task, args, code=code), key))
     return planned
 
 

@@ -52,6 +52,11 @@ class Layout:
         return self.root / "data" / "perturb"
 
     @property
+    def telemetry(self) -> Path:
+        """Wall-clock times of the stages' tasks: outside `data/`, since they differ on every run."""
+        return self.root / "telemetry"
+
+    @property
     def reports(self) -> Path:
         return self.root / "reports"
 

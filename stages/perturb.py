@@ -10,12 +10,13 @@ import pyarrow as pa
 
 from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, read
 from pipeline.core.execution import Shard
+from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, arrow_to_vectors, dataset_digest, verified_files
 from pipeline.params import Params
 from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models
 from stages.opening import open_model
 from stages.layout import Layout
-from stages.sharded import Plan, planned_keys, run_sharded_stage, stage_code, stage_params
+from stages.sharded import Plan, members, planned_keys, run_sharded_stage, stage_code, stage_params, versioned
 
 
 def perturb_task(
@@ -63,9 +64,14 @@ def perturb_task(
     return len(vectors)
 
 
+def code_spec(layout: Layout) -> CodeSpec:
+    """A shard's code: the stage's, every family's (as in extract) and the schema of the KLs."""
+    return stage_code("perturb", layout, members("pipeline.models.families", layout), [PERTURB.declared_schema])
+
+
 def plan(params: Params, layout: Layout) -> Plan:
     """One shard per fit shard (model, layer) of the current fit plan, whose verified fits it reads."""
-    code = stage_code("perturb", layout)
+    code = versioned(code_spec(layout), layout)
     fitted = planned_keys("fit", params, layout)
     extracted = planned_keys("extract", params, layout)
     verified_files(layout.fits, fitted, rebuild=FIT)  # every planned fit shard present, current and intact
@@ -77,10 +83,10 @@ def plan(params: Params, layout: Layout) -> Plan:
         for name in (shard for shard in fitted if shard.startswith(f"{model.path_id}/")):
             layer = int(name.split("/")[1].removeprefix("layer="))
             inputs = {"fits": dataset_digest(layout.fits, prefix=name), "model": model.digest}
-            key = ManifestKey(inputs=inputs, params_hash=patch_params, code_version=code)
+            key = ManifestKey(inputs=inputs, params_hash=patch_params, code_version=code[1])
             reads = {"fits": {name: fitted[name]}, "activations": activations}
             args = (layout, params, model, layer, key, name, reads)
-            planned.append((Shard(name, perturb_task, args, code=("stages.perturb", code)), key))
+            planned.append((Shard(name, perturb_task, args, code=code), key))
     return planned
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from pipeline.params import Params
@@ -12,6 +13,8 @@ from stages.layout import Layout
 CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
 # The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
 TUNING_RECORD = "docs/tuning.json"
+# The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
+PROVENANCE = "provenance.json"
 
 
 def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
@@ -24,8 +27,13 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
     outputs = provenance.locked_outputs(lock.read_text()) if lock.is_file() else {}
     if outputs:
         checksums["stage outputs (dvc.lock)"] = outputs
+    from pipeline.core.determinism import pinned_environment
+    from stages.deps import result_inputs
+
     return {
-        "git": provenance.git_state(layout.root),
+        "git": provenance.git_state(layout.root, result_inputs(layout.root)),
+        # The kernels every task ran with (SPEC §1): results are identical on machines with the same pins.
+        "kernels": {name: os.environ.get(name, "unset") for name in pinned_environment(1) if "THREADS" not in name},
         "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
         "seeds": {
             "prepare": params.prepare.seed, "train": list(params.train.seeds),
@@ -44,15 +52,16 @@ def tuning_record(layout: Layout) -> dict[str, Any] | None:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.errors import InputError
-    from pipeline.core.store import MANIFEST_DIR
+    from pipeline.core.store import MANIFEST_DIR, atomic_write
     from pipeline.results.report import render_report
 
     layout = Layout.here()
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
+    provenance = collect_provenance(layout, params)
     rendered = render_report(
-        layout.tables, layout.reports / "report.md", layout.reports / "figures", collect_provenance(layout, params),
-        tuning_record(layout),
+        layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout)
     )
-    print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html and "
+    atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
+    print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html, {PROVENANCE} and "
           f"{len(rendered.figures)} figures", flush=True)

@@ -3,6 +3,7 @@ shards that are complete, fan the rest out as Ray tasks."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -10,7 +11,7 @@ from typing import Any
 
 from pipeline.core.config import digest
 from pipeline.core.execution import Shard, run_shards
-from pipeline.core.fingerprint import code_version
+from pipeline.core.fingerprint import CodeSpec, code_version, index_members
 from pipeline.core.store import ManifestKey, prune_shards, shard_complete
 from pipeline.params import Params
 from stages.layout import Layout
@@ -33,9 +34,31 @@ def stage_params(stage: str, params: Params, *values: Any) -> str:
     return digest((values, params.ray.resources_for(stage).threads))
 
 
-def stage_code(stage: str, layout: Layout) -> str:
-    """The code version of `stages.<stage>` as the stage's Ray workers will import it."""
-    return code_version(f"stages.{stage}", roots=[layout.root])
+def stage_code(stage: str, layout: Layout, members: Sequence[str] = (), schemas: Sequence[Any] = ()) -> CodeSpec:
+    """What the code version of a shard of `stage` covers: the stage's module, the registry `members` it
+    uses (module names) and the declared `schemas` (pyarrow) of what it writes."""
+    return CodeSpec(f"stages.{stage}", tuple(sorted(members)), tuple(schema.to_string() for schema in schemas))
+
+
+def members(index: str, layout: Layout, names: Sequence[str] | None = None) -> list[str]:
+    """The modules of registry `index`'s members `names` (all of them when None): one module each, named as
+    the member."""
+    listed = index_members(index, [layout.root])
+    chosen = listed if names is None else [f"{index}.{name}" for name in names]
+    missing = sorted(set(chosen) - set(listed))
+    if missing:
+        raise ValueError(f"{index} lists no module {', '.join(missing)}: a member is one module named as it")
+    return chosen
+
+
+def versioned(spec: CodeSpec, layout: Layout) -> tuple[CodeSpec, str]:
+    """`(spec, version)` as the stage's Ray workers will import the code, computed once per spec."""
+    return spec, _version(spec, layout.root)
+
+
+@functools.cache
+def _version(spec: CodeSpec, root: Path) -> str:
+    return code_version(spec, roots=[root])
 
 
 def run_sharded_stage(

@@ -3,23 +3,29 @@
 A run is one shard in two datasets: its checkpoints `data/models/<run>/{init,final}/` and its log
 `data/train/run=<run>/steps.parquet`. The log commits first and the checkpoints last, so a run is complete
 when both manifests hold its key; anything else left by a killed run is removed and the run redone.
+
+Wall-clock times are not results: the same code and params must give the same bytes on every run, so
+each run's step times go to `telemetry/train/<run>.json` (a DVC output outside the cache, SPEC §1).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 
 from pipeline.core.execution import Shard
-from pipeline.core.store import ManifestKey, ShardWriter
+from pipeline.core.fingerprint import CodeSpec
+from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
 from stages.layout import Layout
-from stages.sharded import Plan, run_sharded_stage, stage_code, stage_params
+from pipeline.study_b.config import TrainConfig
+from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
 
 RUN_JSON = "run.json"
 
 
-def train_task(layout: Layout, run_id: str, params: Params, key: ManifestKey) -> dict:
+def train_task(layout: Layout, run_id: str, cfg: TrainConfig, seq_len: int, key: ManifestKey) -> dict:
     """Ray task: train one run and write its log, then its checkpoints (each with `run.json`)."""
     import torch
     from transformers import AutoTokenizer
@@ -39,35 +45,72 @@ def train_task(layout: Layout, run_id: str, params: Params, key: ManifestKey) ->
                 (folder / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
         # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.
-        steps_progress = Progress(params.train.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
+        steps_progress = Progress(cfg.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
+        finished_at = [time.perf_counter()]  # when the run started, then when each step ended
+
+        def on_step(step: int, loss: float) -> None:
+            finished_at.append(time.perf_counter())
+            steps_progress.advance(detail=f"loss {loss:.3f}")
+
         result, steps = train_run(
-            parse_run_id(run_id), params.train, load_tokens(layout.tokens, "train"), load_tokens(layout.tokens, "val"),
-            vocab_size=load_meta(layout.tokens)["vocab_size"], seq_len=params.prepare.seq_len,
+            parse_run_id(run_id), cfg, load_tokens(layout.tokens, "train"), load_tokens(layout.tokens, "val"),
+            vocab_size=load_meta(layout.tokens)["vocab_size"], seq_len=seq_len,
             params_hash=key.params_hash, save_checkpoint=save_checkpoint,
-            on_step=lambda step, loss: steps_progress.advance(detail=f"loss {loss:.3f}"),
+            on_step=on_step,
             test_tokens=load_tokens(layout.tokens, "test"),
         )
         steps_progress.close()
         with ShardWriter(layout.train, run_id, key) as log:
             log.write({"run": run_id}, steps, name="steps.parquet")
-    return {"run": run_id, "diverged": result.diverged, "final_test_loss": result.final_test_loss}
+    step_times = [round(b - a, 6) for a, b in zip(finished_at, finished_at[1:])]
+    telemetry = {"run": run_id, "wall_time_s": round(finished_at[-1] - finished_at[0], 3), "step_time_s": step_times}
+    return {"diverged": result.diverged, "final_test_loss": result.final_test_loss, "telemetry": telemetry}
+
+
+def code_spec(layout: Layout, recipe: str, arch: str) -> CodeSpec:
+    """A run's code: the stage's, its recipe's and its family's, and the schemas of what it writes."""
+    from pipeline.core.contracts import STEPS, RunRecord
+
+    used = [*members("pipeline.study_b.recipes", layout, [recipe]), *members("pipeline.models.families", layout, [arch])]
+    return stage_code("train", layout, used, [STEPS.declared_schema, RunRecord.arrow_schema()])
 
 
 def plan(params: Params, layout: Layout) -> Plan:
-    from pipeline.text.corpus import load_meta
+    """One shard per run, keyed by what that run reads: the tokens, its own settings (`for_run`: not the
+    grid, other recipes' step sizes or other runs' budget) and the code of its recipe and family."""
+    from pipeline.core.contracts import parse_run_id
 
-    code = stage_code("train", layout)
-    key = ManifestKey(
-        inputs={"tokens": load_meta(layout.tokens)["corpus_sha256"]},
-        params_hash=stage_params("train", params, params.prepare, params.train),
-        code_version=code,
-    )
-    return [(Shard(run, train_task, (layout, run, params, key), code=("stages.train", code)), key) for run in params.trained_runs()]
+    tokens = {"tokens": file_sha256(layout.tokens / "meta.json")}
+    seq_len = params.prepare.seq_len
+    planned = []
+    for run in params.trained_runs():
+        spec = parse_run_id(run)
+        cfg = params.train.for_run(spec)
+        code = versioned(code_spec(layout, spec.recipe, spec.arch), layout)
+        key = ManifestKey(tokens, stage_params("train", params, seq_len, cfg), code[1])
+        planned.append((Shard(run, train_task, (layout, run, cfg, seq_len, key), code=code), key))
+    return planned
 
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
-    results = run_sharded_stage("train", params, ray_address, [layout.train, layout.models], plan(params, layout))
+    planned = plan(params, layout)
+    results = run_sharded_stage("train", params, ray_address, [layout.train, layout.models], planned)
+    write_telemetry(layout, {shard.key for shard, _ in planned}, {run: out["telemetry"] for run, out in results.items()})
     diverged = sorted(run for run, out in results.items() if out["diverged"])
     if diverged:
         print(f"train: diverged (marked in run.json, pipeline continues): {', '.join(diverged)}", flush=True)
+
+
+def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, dict]) -> None:
+    """Each run's wall-clock times, `telemetry/train/<run>.json`: those just measured are written, those of
+    runs no longer planned removed (a run skipped as complete keeps the times of the run that made it)."""
+    from pipeline.core.store import atomic_write
+
+    folder = layout.telemetry / "train"
+    folder.mkdir(parents=True, exist_ok=True)
+    for run, telemetry in measured.items():
+        atomic_write(folder / f"{run}.json", json.dumps(telemetry, sort_keys=True) + "\n")
+    for stale in folder.glob("*.json"):
+        if stale.stem not in planned:
+            stale.unlink()

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import newton_schulz_flops
 from pipeline.tools.bench.fits import compare_with_reference
 from pipeline.tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh

@@ -1,8 +1,11 @@
-"""Sound code versions: a stage's shards are keyed by exactly the code that can change them, and dvc.yaml
-depends on the same files (pipeline/core/fingerprint.py, stages/deps.py)."""
+"""Sound, fine-grained code versions: a shard is keyed by exactly the code that can change its numbers (its
+stage's, its own recipe's, family's or classes'), and dvc.yaml depends on the same files
+(pipeline/core/fingerprint.py, stages/deps.py)."""
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 import shutil
 from importlib import metadata
@@ -11,11 +14,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.fingerprint import closure, code_version
+from pipeline.core import fingerprint
+from pipeline.core.fingerprint import DECLARATIONS, INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
+from pipeline.params import Params, load_params
+from stages import aggregate, extract, fit, perturb, train
 from stages.deps import STAGES, code_deps, is_code
+from stages.layout import Layout
+from stages.sharded import _version
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDED = ("train", "extract", "fit", "perturb")
+RECIPES = ("adamw", "muon", "muon_head", "sign", "rownorm", "hilbert", "hilbert_equi")
+CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linear")
 
 
 @pytest.fixture
@@ -27,7 +37,16 @@ def workspace(tmp_path: Path) -> Path:
 
 
 def versions(workspace: Path) -> dict[str, str]:
-    return {stage: code_version(f"stages.{stage}", roots=[workspace]) for stage in STAGES}
+    """The code version of every kind of shard, as the stages' plans compute them: a training run per
+    recipe (on neox) and per family (with muon), a fit shard per class, extract, perturb, aggregate."""
+    _version.cache_clear()  # the tests edit the sources between two calls
+    layout = Layout(workspace)
+    specs = {f"train:{r}": train.code_spec(layout, r, "neox") for r in RECIPES}
+    specs |= {f"train:{a}:muon": train.code_spec(layout, "muon", a) for a in ("gpt2", "mamba")}
+    specs |= {f"fit:{c}": fit.code_spec(layout, [c]) for c in CLASSES}
+    specs |= {"extract": extract.code_spec(layout), "perturb": perturb.code_spec(layout),
+              "aggregate": aggregate.code_spec(layout)}  # fmt: skip
+    return {unit: _version(spec, workspace) for unit, spec in specs.items()}
 
 
 def edit(workspace: Path, relative: str, old: str, new: str) -> None:
@@ -38,52 +57,157 @@ def edit(workspace: Path, relative: str, old: str, new: str) -> None:
 
 
 def changed(before: dict[str, str], after: dict[str, str]) -> set[str]:
-    return {stage for stage in before if before[stage] != after[stage]}
+    return {unit for unit in before if before[unit] != after[unit]}
+
+
+TRAIN = {f"train:{r}" for r in RECIPES} | {"train:gpt2:muon", "train:mamba:muon"}
+FIT = {f"fit:{c}" for c in CLASSES}
 
 
 def test_a_version_is_the_package_version_and_a_hash_of_the_sources_not_of_where_they_are(workspace: Path) -> None:
     here = versions(REPO)
     assert all(re.fullmatch(rf"{re.escape(metadata.version('lmgeo'))}\+[0-9a-f]{{16}}", v) for v in here.values())
     assert versions(workspace) == here  # another checkout of the same code: the same versions
-    assert len(set(here.values())) == len(STAGES)
+    assert len(set(here.values())) == len(here)
 
 
-def test_a_stage_covers_its_own_module_and_every_module_it_imports_and_nothing_else() -> None:
-    fit = {entry.name for entry in closure("stages.fit")}
-    assert {"stages.fit", "pipeline.study_a.fits", "pipeline.study_a.knn", "pipeline.study_a.classes.mlp"} <= fit
-    assert "pipeline.core.store" in fit  # imported at any depth
-    assert not {name for name in fit if name.startswith(("pipeline.tools", "pipeline.results"))}  # bench, report
-    assert not {name for name in fit if name.endswith(".config") or name == "pipeline.params"}  # values: params hash
-    assert "pipeline.study_b.train" not in fit and "stages.train" not in fit
+def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> None:
+    spec = train.code_spec(Layout(REPO), "hilbert", "neox")
+    names = {entry.name for entry in closure([spec.module, *spec.members, *fingerprint.ALWAYS])}
+    assert {"stages.train", "pipeline.study_b.train", "pipeline.study_b.recipes.hilbert",
+            "pipeline.study_b.recipes.base", "pipeline.models.families.neox", "pipeline.core.determinism"} <= names  # fmt: skip
+    others = {f"pipeline.study_b.recipes.{r}" for r in RECIPES if r != "hilbert"} | {
+        "pipeline.models.families.gpt2", "pipeline.models.families.mamba"}
+    assert not names & others
+    assert not names & set(INFRASTRUCTURE + DECLARATIONS + INDEXES)
+    assert not {name for name in names if name.endswith(".config") or name == "pipeline.params"}  # params hash
+    assert not {name for name in names if name.startswith(("pipeline.results", "stages.fit"))}
 
 
 @pytest.mark.parametrize(
     ("relative", "old", "new", "expected"),
     [
         # science a stage runs, in the library and in the glue
-        ("pipeline/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", {"fit"}),
+        ("pipeline/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", FIT),
         ("stages/fit.py", 'device = "cuda" if', 'device = "cuda"  if', set()),  # formatting only
         ("stages/fit.py", "return sum(table.num_rows for table in tables.values())",
-         "return int(sum(table.num_rows for table in tables.values()))", {"fit"}),
+         "return int(sum(table.num_rows for table in tables.values()))", FIT),  # a stage's own module: all its shards
         ("pipeline/study_a/patching.py", "clamp_min(0.0)", "clamp_min(0.0) * 1.0", {"perturb"}),
+        # one recipe: exactly its runs (and the tables, which describe every recipe)
         ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.50 * center_rows", set()),
         ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.25 * center_rows",
-         {"train", "aggregate", "report"}),
+         {"train:hilbert", "aggregate"}),
+        # one class: exactly the fit shards that fit it
+        ("pipeline/study_a/classes/lowrank.py", "def fit(", "def fit_(", {"fit:lowrank", "aggregate"}),
+        # a family: its runs, and every analysis of a model (any model may take its overrides)
+        ("pipeline/models/families/mamba.py", "def make_config(", "def make_config_(",
+         {"train:mamba:muon", "extract", "perturb", "aggregate"}),
         # perturb verifies the model it opens, extraction's capture included (`pipeline.study_a.verify`)
         ("pipeline/study_a/extract.py", "def capture_states(", "def capture_states_(", {"extract", "perturb"}),
-        # the report, the bench and comments or docstrings anywhere: no sharded stage
-        ("pipeline/results/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', {"report"}),
-        ("pipeline/tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
+        # a contract enters by its declared schemas (see below), not as code
+        ("pipeline/core/contracts.py", "def parse_run_id(", "def parse_run_id_(", set()),
+        # infrastructure cannot change a number: progress lines, the Ray loop, the runtime
+        ("pipeline/core/progress.py", 'unit: str = "shards"', 'unit: str = "items"', set()),
+        ("pipeline/core/execution.py", "WAIT_TIMEOUT_S = 1.0", "WAIT_TIMEOUT_S = 2.0", set()),
+        ("stages/runtime.py", '"TRANSFORMERS_VERBOSITY": "error"', '"TRANSFORMERS_VERBOSITY": "info"', set()),
+        # the pinned kernels decide every float
+        ("pipeline/core/determinism.py", '"OPENBLAS_CORETYPE": "Haswell"', '"OPENBLAS_CORETYPE": "Zen"',
+         TRAIN | FIT | {"extract", "perturb", "aggregate"}),
+        # comments or docstrings anywhere: nothing
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
         # configuration: values reach shards through their params hash, not through the code version
         ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2)] = 32", "k: Annotated[int, Field(ge=2)] = 16", set()),
     ],
 )
-def test_an_edit_changes_exactly_the_stages_that_run_it(workspace: Path, relative, old, new, expected) -> None:
+def test_an_edit_changes_exactly_the_shards_that_run_it(workspace: Path, relative, old, new, expected) -> None:
     before = versions(workspace)
     edit(workspace, relative, old, new)
     assert changed(before, versions(workspace)) == expected
+
+
+def test_a_contract_enters_by_the_schema_it_declares() -> None:
+    import dataclasses
+
+    import pyarrow as pa
+
+    from pipeline.core.contracts import FITS
+
+    layout = Layout(REPO)
+    spec = fit.code_spec(layout, ["lowrank"])
+    assert spec.schemas == (FITS.declared_schema.to_string(),)
+    fields = tuple(pa.field(f.name, pa.int64()) if f.name == "n_distinct" else f for f in FITS.fields)
+    edited = dataclasses.replace(FITS, fields=fields).declared_schema.to_string()
+    assert _version(dataclasses.replace(spec, schemas=(edited,)), REPO) != _version(spec, REPO)
+
+
+def test_adding_a_recipe_redoes_no_run_of_another(workspace: Path) -> None:
+    before = versions(workspace)
+    recipes = workspace / "pipeline" / "study_b" / "recipes"
+    source = (recipes / "sign.py").read_text().replace('name="sign"', 'name="sign2"')
+    (recipes / "sign2.py").write_text(source)
+    edit(workspace, "pipeline/study_b/recipes/__init__.py", "rownorm, sign", "rownorm, sign, sign2")
+    edit(workspace, "pipeline/study_b/recipes/__init__.py", "sign.RECIPE,", "sign.RECIPE, sign2.RECIPE,")
+    assert changed(before, versions(workspace)) == {"aggregate"}
+    assert "pipeline.study_b.recipes.sign2" in index_members("pipeline.study_b.recipes", [workspace])
+
+
+def run_keys(params: Params, workspace: Path) -> dict[str, tuple[str, str]]:
+    """run → (params hash, code version) of the train plan."""
+    tokens = workspace / "data" / "tokens"
+    tokens.mkdir(parents=True, exist_ok=True)
+    (tokens / "meta.json").write_text(json.dumps({"vocab_size": 64}))
+    _version.cache_clear()
+    return {shard.key: (key.params_hash, key.code_version) for shard, key in train.plan(params, Layout(workspace))}
+
+
+def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
+    params = load_params(REPO / "params.yaml")
+    before = run_keys(params, workspace)
+    matched = {run for run in before if run.endswith("-matched")}
+    assert matched and len(matched) < len(before)
+
+    def keys_after(train_update: dict) -> set[str]:
+        after = run_keys(params.model_copy(update={"train": params.train.model_copy(update=train_update)}), workspace)
+        assert after.keys() == before.keys()
+        return {run for run in before if after[run] != before[run]}
+
+    budget = params.train.matched_budget.model_copy(update={"tau": 0.8})
+    assert keys_after({"matched_budget": budget}) == matched
+    hilbert = {"hilbert": params.train.recipe_overrides.get("hilbert") or _override(tau=0.3)}
+    assert keys_after({"recipe_overrides": hilbert}) == {run for run in before if "-hilbert-" in run}
+    assert keys_after({"steps": params.train.steps + 1}) == set(before)
+
+
+def _override(**values: float):
+    from pipeline.study_b.config import RecipeConfig
+
+    return RecipeConfig(**values)
+
+
+def test_infrastructure_is_unreachable_from_the_science() -> None:
+    """What a code version leaves out as infrastructure cannot change a number, because no science module
+    imports it, however indirectly (lazy imports included)."""
+    science = [module for package in NUMERIC_PACKAGES for module in _modules_under(package)]
+    reached = _reachable(science)
+    assert not reached & set(INFRASTRUCTURE), sorted(reached & set(INFRASTRUCTURE))
+
+
+def test_the_declarations_hold_no_numerics() -> None:
+    errors = ast.parse((REPO / "pipeline" / "core" / "errors.py").read_text())
+    defined = [node for node in errors.body if not isinstance(node, (ast.Expr, ast.ImportFrom, ast.Import))]
+    assert defined and all(isinstance(node, ast.ClassDef) for node in defined)  # exception types only
+
+
+@pytest.mark.parametrize("index", INDEXES)
+def test_a_registry_index_holds_nothing_but_its_list(index: str) -> None:
+    path = fingerprint.resolve(index, [REPO])
+    body = [node for node in ast.parse(path.read_text()).body if not isinstance(node, ast.Expr)]
+    assert all(isinstance(node, (ast.Import, ast.ImportFrom)) for node in body[:-1])
+    assert isinstance(body[-1], (ast.Assign, ast.AnnAssign)) and isinstance(body[-1].value, ast.Call)
+    assert body[-1].value.func.id == "Registry"
+    members = index_members(index, [REPO])
+    assert members and all(fingerprint.resolve(m, [REPO]) for m in members)
 
 
 def test_dvc_yaml_depends_on_exactly_the_code_of_each_stage() -> None:
@@ -93,6 +217,28 @@ def test_dvc_yaml_depends_on_exactly_the_code_of_each_stage() -> None:
         listed = sorted(dep for dep in stages[stage]["deps"] if is_code(dep))
         assert listed == code_deps(stage, REPO), f"dvc.yaml deps of {stage}: run `python -m stages.deps --write`"
         assert all((REPO / dep).is_file() for dep in stages[stage]["deps"] if is_code(dep))
+        assert not {dep for dep in listed if dep.removesuffix(".py").replace("/", ".") in INFRASTRUCTURE}
     for stage in SHARDED:
         config = {dep for dep in stages[stage]["deps"] if dep.endswith("config.py")}
         assert config, f"{stage}: a config module changes defaults, so DVC must rerun the stage (shards decide)"
+
+
+def _modules_under(package: str) -> list[str]:
+    root = REPO.joinpath(*package.split("."))
+    return [
+        ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for path in sorted(root.rglob("*.py"))
+    ]
+
+
+def _reachable(modules: list[str]) -> set[str]:
+    seen: set[str] = set()
+    pending = list(modules)
+    while pending:
+        name = pending.pop()
+        path = fingerprint.resolve(name, [REPO])
+        if name in seen or path is None:
+            continue
+        seen.add(name)
+        pending.extend(fingerprint._imported(name, path))
+    return seen

@@ -14,7 +14,7 @@ from conftest import SEQ_LEN, VOCAB, tiny_size, trainable_families
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_b import hilbert
-from pipeline.study_b.recipes import baseline
+from pipeline.study_b.baseline import baseline
 from pipeline.tools.gpucheck import compare
 
 pytestmark = [

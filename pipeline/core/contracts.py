@@ -148,6 +148,12 @@ class Dataset:
     def partition_schema(self) -> pa.Schema:
         return pa.schema(self.partitions)
 
+    @property
+    def declared_schema(self) -> pa.Schema:
+        """The declaration as one schema (columns, vectors with their placeholder type, partitions, read
+        order): what a shard's code version holds of this contract."""
+        return pa.schema(self.fields + self.partitions, metadata={"order": ",".join(self.order)})
+
     def file_schema(self, d: int | None = None, half: bool = False) -> pa.Schema:
         """The schema a shard file is written with; vectors of dimension `d` (float16 with `half`)."""
         element = pa.float16() if half else pa.float32()
@@ -174,7 +180,7 @@ MODEL_LAYER = (pa.field("model", pa.string()), pa.field("layer", pa.int32()))
 STEPS = Dataset(
     "steps",
     fields=_fields("step", "tokens", kind=pa.int64())
-    + _fields("lr", "train_loss", "val_loss", "step_time_s", "head_diam", kind=pa.float64())
+    + _fields("lr", "train_loss", "val_loss", "head_diam", kind=pa.float64())
     + (pa.field("head_diam_sampled", pa.bool_()),)
     + _fields("head_update_rms", "head_update_spectral", "hilbert_realized", "hilbert_bound", "equi_ratio",
               "equi_ratio_random", "equi_ratio_bound", "head_alignment", "head_alignment_hilbert",
@@ -243,7 +249,6 @@ class RunRecord:
     head_budget_tau: float | None  # the matched-budget cap of the run's head steps (nats), None: none
     diverged: bool
     diverged_at_step: int | None
-    wall_time_s: float
     n_params: int
     params_hash: str
 

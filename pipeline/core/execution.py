@@ -1,10 +1,11 @@
 """Fan a stage's shards out as Ray tasks and collect them with a bounded ``ray.wait`` loop (SPEC §1).
 
 The driver keeps at most ``max_in_flight`` tasks submitted, so a stage with thousands of shards
-never holds thousands of refs or results at once. Every task runs through ``run_batch``: it sets the
-task's thread count from its resources (parallelism comes from Ray, not from BLAS oversubscription),
-checks that the worker runs the code the driver planned with before it writes anything, and runs a
-batch of consecutive small shards, so the fixed cost of a task is paid once per batch. This module
+never holds thousands of refs or results at once. Every task runs through ``run_batch``, in a worker
+whose kernels and thread counts are pinned (``pipeline.core.determinism``; parallelism comes from Ray,
+not from BLAS oversubscription): it checks that the worker runs the code the driver planned with before
+it writes anything, and runs a batch of consecutive small shards, so the fixed cost of a task is paid
+once per batch. This module
 never calls ``ray.init``: the CLI (``stages.runtime.start_ray``) does.
 """
 
@@ -17,7 +18,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.core.config import TaskResources
+from pipeline.core.determinism import pin_torch, pinned_environment
 from pipeline.core.errors import InputError
+from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.progress import Progress
 
 if TYPE_CHECKING:
@@ -33,15 +36,15 @@ WAIT_TIMEOUT_S = 1.0
 class Shard:
     """One unit of work: ``fn(*args, **kwargs)`` run as a Ray task. ``fn`` must be module-level.
 
-    ``code`` is ``(stage module, code version)`` when the shard's output is keyed by that version: the
-    task refuses to run on a worker whose code has another version.
+    ``code`` is ``(what the version covers, code version)`` when the shard's output is keyed by that
+    version: the task refuses to run on a worker whose code has another version.
     """
 
     key: str
     fn: Callable[..., Any]
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
-    code: tuple[str, str] | None = None
+    code: tuple[CodeSpec, str] | None = None
 
 
 class CodeMismatch(InputError):
@@ -57,31 +60,29 @@ class ShardError(Exception):
 
 
 @functools.cache
-def _running_code(module: str) -> str:
+def _running_code(spec: CodeSpec) -> str:
     """The code version this worker process runs (its imports do not change while it lives: a Ray
     worker serves one job)."""
     from pipeline.core.fingerprint import code_version
 
-    return code_version(module)
+    return code_version(spec)
 
 
 def run_batch(
-    threads: int, code: tuple[str, str] | None, calls: list[tuple[str, Callable[..., Any], tuple, dict]]
+    threads: int, code: tuple[CodeSpec, str] | None, calls: list[tuple[str, Callable[..., Any], tuple, dict]]
 ) -> list[Any]:
     """The body of every task, in the worker: one thread count, one code check, then each shard's
     ``fn(*args, **kwargs)`` in turn (several small shards share one task's fixed cost)."""
-    import torch
-
-    torch.set_num_threads(threads)
+    pin_torch(threads)
     if code is not None:
-        module, planned = code
-        running = _running_code(module)
+        spec, planned = code
+        running = _running_code(spec)
         if running != planned:
             import importlib
 
-            where = importlib.import_module(module.split(".")[0]).__file__
+            where = importlib.import_module(spec.module.split(".")[0]).__file__
             raise ShardError(calls[0][0], CodeMismatch(
-                f"this Ray worker runs {module} at code version {running} (imported from {where}), but the "
+                f"this Ray worker runs {spec.module} at code version {running} (imported from {where}), but the "
                 f"driver planned version {planned}: run lmgeo from the workspace whose code you mean to run, "
                 "with the same installation on every node"
             ))  # fmt: skip
@@ -190,6 +191,8 @@ def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
         "num_cpus": resources.num_cpus,
         "num_gpus": resources.num_gpus,
         "max_retries": max_retries,  # worker death only: exceptions raised by fn are not retried
+        # The kernels and thread counts results depend on, whatever the node's environment says.
+        "runtime_env": {"env_vars": pinned_environment(resources.threads)},
     }
     if resources.resources:
         options["resources"] = dict(resources.resources)

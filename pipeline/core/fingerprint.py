@@ -1,30 +1,64 @@
-"""The code version of a stage's shards: a hash of exactly the project code that runs when the stage runs.
+"""The code version of a shard: a hash of exactly the project code that can change its numbers.
 
 A stage's code is its module (`stages/<stage>.py`) and every project module it imports, directly or
 through other project modules, at any depth and inside functions (lazy imports run too), with the
 packages' `__init__` files. It is computed from the source files, not hand-listed, so moving science
 between modules can never leave a shard's key stale. What is hashed is each file's syntax tree without
-docstrings: comments, formatting and docstrings change no output and redo no shard.
+docstrings: comments, formatting and docstrings change no output and redo no shard. Three kinds of module
+are left out, each for a reason a test checks:
 
-Configuration modules (`*/config.py`, `pipeline/params.py`) are neither hashed nor followed: they only
-define values, and every value that reaches a shard is in its params hash. Tools (`pipeline/tools`) are
-never imported by a stage, so they never take part.
+- configuration modules (`*/config.py`, `pipeline/params.py`) define values only, and every value that
+  reaches a shard is in its params hash;
+- infrastructure (`INFRASTRUCTURE`: progress lines, the Ray loop, code versions, provenance, the stage
+  runtime and paths) cannot change a number, and none of it is reachable from the science packages
+  (`NUMERIC_PACKAGES`); the declarations the science does reach (`DECLARATIONS`: exception types, the
+  registry type, the data contracts) hold no numerics;
+- registry indexes (`INDEXES`) only list their members, one module each, named as the member. A shard's
+  code holds the members it uses (`members`: its run's recipe and family, the classes it fits), so adding
+  a recipe, or editing one, redoes only the shards that use it.
 
-Modules are found the way a Ray worker finds them: a workspace that holds the packages comes first (Ray
-puts the driver's working directory on every worker's path), then the installed packages.
+The data contracts enter by value: a stage passes the declared schemas of what it writes
+(`CodeSpec.schemas`), so a contract edit redoes exactly the datasets whose schema changed. The environment that pins the kernels
+(`pipeline.core.determinism`) is part of every version, since it decides the floating-point results.
+
+Modules are found the way a Ray worker finds them: a workspace that holds the packages comes first, then
+the installed packages.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
+import functools
 import hashlib
 import importlib.util
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Literal
 
 PROJECT_PACKAGES = ("pipeline", "stages")
+# Modules that cannot change a number, so no code version holds them (tests/test_fingerprint.py checks that
+# the science packages never reach INFRASTRUCTURE, and what DECLARATIONS may define).
+INFRASTRUCTURE = (
+    "pipeline.core.progress",
+    "pipeline.core.execution",
+    "pipeline.core.fingerprint",
+    "pipeline.core.provenance",
+    "stages.runtime",
+    "stages.sharded",
+    "stages.layout",
+)
+# Reached by the science, but holding no numerics: exception types, the registry type, and the data
+# contracts, whose schemas enter a code version by value (`CodeSpec.schemas`).
+DECLARATIONS = ("pipeline.core.errors", "pipeline.core.registry", "pipeline.core.contracts")
+EXCLUDED = INFRASTRUCTURE + DECLARATIONS
+NUMERIC_PACKAGES = ("pipeline.models", "pipeline.text", "pipeline.study_a", "pipeline.study_b")
+# Registry index → its members, the modules `<index>.<name>`; an index holds nothing but the list.
+INDEXES = ("pipeline.study_b.recipes", "pipeline.study_a.classes", "pipeline.models.families")
+# Part of every version: the pinned kernels decide the last bits of every float.
+ALWAYS = ("pipeline.core.determinism",)
 
 
 def is_config_module(name: str) -> bool:
@@ -35,6 +69,17 @@ def is_config_module(name: str) -> bool:
 class ModuleFile:
     name: str
     path: Path
+
+
+@dataclass(frozen=True)
+class CodeSpec:
+    """What a shard's code version covers: `module` (a stage), the registry `members` it uses (module
+    names), and the declared `schemas` of what it writes (their text). Hashable, so a worker computes
+    each version once."""
+
+    module: str
+    members: tuple[str, ...] = ()
+    schemas: tuple[str, ...] = ()
 
 
 def resolve(name: str, roots: Sequence[Path] = ()) -> Path | None:
@@ -51,40 +96,83 @@ def resolve(name: str, roots: Sequence[Path] = ()) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
-def closure(module: str, roots: Sequence[Path] = (), *, with_config: bool = False) -> list[ModuleFile]:
-    """`module` and every project module it imports, transitively, with their packages, sorted by name.
+def closure(
+    modules: str | Iterable[str], roots: Sequence[Path] = (), *, with_config: bool = False,
+    members: Literal["chosen", "all"] = "chosen",
+) -> list[ModuleFile]:
+    """`modules` and every project module they import, transitively, with their packages, sorted by name,
+    infrastructure left out (neither followed nor listed).
 
-    Configuration modules are left out, unless `with_config` (the code a DVC stage depends on): then they
-    are included, and from one only the configuration modules it imports are followed (the registries a
-    validator loads to check a name are not the stage's code).
+    Registry members are reached only as named in `modules`, and the indexes are left out
+    (`members="chosen"`: a code version), or all of them are, with their indexes (`"all"`: the code a
+    DVC stage depends on, which may run any member). Configuration modules are left out, unless
+    `with_config`: then they are included, and from one only the configuration modules it imports are
+    followed (the registries a validator loads to check a name are not the stage's code).
     """
+    named = [modules] if isinstance(modules, str) else list(modules)
+    registered = {member for index in INDEXES for member in index_members(index, roots)}
     found: dict[str, Path] = {}
-    pending = [(module, False)]
+    pending = [(name, False) for name in named]
     while pending:
         name, from_config = pending.pop()
         if from_config and not is_config_module(name):
             continue
         for candidate in [*_packages_of(name), name]:
-            config = is_config_module(candidate)
-            if candidate in found or (config and not with_config):
+            if candidate in found or candidate in EXCLUDED or (is_config_module(candidate) and not with_config):
+                continue
+            if members == "chosen" and candidate not in named and (candidate in INDEXES or candidate in registered):
                 continue
             path = resolve(candidate, roots)
             if path is None:
-                if candidate == module:
-                    raise ModuleNotFoundError(f"cannot find the project module {module!r}")
+                if candidate in named:
+                    raise ModuleNotFoundError(f"cannot find the project module {candidate!r}")
                 continue  # `from pkg import name` where name is not a module
             found[candidate] = path
+            config = is_config_module(candidate)
             pending.extend((imported, config) for imported in _imported(candidate, path))
     return [ModuleFile(name, found[name]) for name in sorted(found)]
 
 
-def code_version(module: str, roots: Sequence[Path] = ()) -> str:
-    """`<package version>+<hash of the closure of module>`: the same on every machine for the same code."""
+def index_members(index: str, roots: Sequence[Path] = ()) -> list[str]:
+    """The member modules registry `index` lists: those it imports from its own package by name."""
+    path = resolve(index, roots)
+    if path is None:
+        raise ModuleNotFoundError(f"cannot find the registry index {index!r}")
+    return [
+        f"{index}.{alias.name}"
+        for node in _parse(path.read_bytes()).body
+        if isinstance(node, ast.ImportFrom) and node.module == index
+        for alias in node.names
+    ]
+
+
+def all_members(roots: Sequence[Path] = ()) -> tuple[str, ...]:
+    """Every registered member: what a stage that reads about every member (the report) depends on."""
+    return tuple(member for index in INDEXES for member in index_members(index, roots))
+
+
+def code_version(spec: CodeSpec | str, roots: Sequence[Path] = ()) -> str:
+    """`<package version>+<hash>` of the spec's closure, members and schemas: the same on every machine
+    for the same code."""
+    spec = CodeSpec(spec) if isinstance(spec, str) else spec
     digest = hashlib.sha256()
-    for entry in closure(module, roots):
-        for part in (entry.name.encode(), normalised_source(entry.path).encode()):
-            digest.update(len(part).to_bytes(8, "little") + part)
+    for entry in closure([spec.module, *spec.members, *ALWAYS], roots):
+        _update(digest, entry.name, normalised_source(entry.path))
+    for schema in spec.schemas:
+        _update(digest, "schema", schema)
     return f"{_package_version()}+{digest.hexdigest()[:16]}"
+
+
+def member_module(index: str, name: str) -> str:
+    """The module of registry member `name` of `index` (one module per member, named as the member)."""
+    if index not in INDEXES:
+        raise ValueError(f"{index!r} is not a registry index; indexes: {', '.join(INDEXES)}")
+    return f"{index}.{name}"
+
+
+def _update(digest: hashlib._Hash, name: str, text: str) -> None:
+    for part in (name.encode(), text.encode()):
+        digest.update(len(part).to_bytes(8, "little") + part)
 
 
 def normalised_source(path: Path) -> str:
@@ -99,7 +187,7 @@ def has_code(path: Path) -> bool:
 
 
 def _without_docstrings(path: Path) -> ast.Module:
-    tree = ast.parse(path.read_bytes(), filename=str(path))
+    tree = _parsed(path)
     for node in ast.walk(tree):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
             body = node.body
@@ -107,6 +195,16 @@ def _without_docstrings(path: Path) -> ast.Module:
                 if isinstance(body[0].value.value, str):
                     node.body = body[1:] or [ast.Pass()]
     return tree
+
+
+def _parsed(path: Path) -> ast.Module:
+    """A fresh syntax tree of the file (callers may edit it), parsed once per content."""
+    return copy.deepcopy(_parse(path.read_bytes()))
+
+
+@functools.lru_cache(maxsize=1024)
+def _parse(source: bytes) -> ast.Module:
+    return ast.parse(source)
 
 
 def _packages_of(name: str) -> list[str]:
@@ -117,8 +215,7 @@ def _packages_of(name: str) -> list[str]:
 def _imported(module: str, path: Path) -> Iterator[str]:
     """Project modules `path` imports (anywhere in the file, except under `if TYPE_CHECKING:`); for
     `from a import b`, both `a` and the candidate module `a.b`."""
-    tree = ast.parse(path.read_bytes(), filename=str(path))
-    for node in _runtime_nodes(tree):
+    for node in _runtime_nodes(_parse(path.read_bytes())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:

@@ -1,6 +1,6 @@
 """Facts about the machine, the software and the inputs that a result was produced with: the one
-collector that the report's provenance section and the bench both use. Every part tolerates a missing
-tool or file."""
+collector that the report's provenance section and the bench both use, and the check that committed
+results are what the committed code computes. Every part tolerates a missing tool or file."""
 
 from __future__ import annotations
 
@@ -54,12 +54,29 @@ def versions(packages: Sequence[str] = PACKAGES) -> dict[str, str]:
     return found
 
 
-def git_state(workspace: Path) -> dict[str, Any]:
+def git_state(workspace: Path, inputs: Sequence[str]) -> dict[str, Any]:
+    """The revision, and whether any of `inputs` (the files that decide the results: code, params, pins)
+    differs from it. The outputs a run rewrites (dvc.lock, reports/) are not inputs, so a clean tree stays
+    clean while its own run writes them."""
     rev = _run(["git", "rev-parse", "HEAD"], workspace)
     if rev is None:
         return {"revision": "unknown (not a git checkout, or no commit yet)"}
-    status = _run(["git", "status", "--porcelain", "--untracked-files=no"], workspace)
+    status = _run(["git", "status", "--porcelain", "--untracked-files=all", "--", *inputs], workspace)
     return {"revision": rev, "uncommitted_changes": bool(status)}
+
+
+def committed_results_problems(workspace: Path, recorded: dict[str, Any], inputs: Sequence[str]) -> list[str]:
+    """Why results whose provenance says `recorded` (a `git_state`) are not what the code at HEAD computes:
+    written with uncommitted inputs, at a revision that is not HEAD's ancestor, or at one whose inputs
+    differ from HEAD's (each path named). Nothing when they are."""
+    rev = recorded.get("revision", "")
+    if recorded.get("uncommitted_changes") is not False:
+        return [f"the results were written with uncommitted code or params (at {rev!r}); commit, then `dvc repro`"]
+    if _run(["git", "merge-base", "--is-ancestor", rev, "HEAD"], workspace) is None:
+        return [f"the results name revision {rev!r}, which is not HEAD or an ancestor of it"]
+    changed = _run(["git", "diff", "--name-only", rev, "HEAD", "--", *inputs], workspace)
+    return [f"{path} changed after the results' revision {rev[:12]}: run `dvc repro` and commit its outputs"
+            for path in (changed or "").splitlines()]  # fmt: skip
 
 
 def checksums(workspace: Path, names: Sequence[str]) -> dict[str, str]:

@@ -4,7 +4,7 @@ Any decoder-only causal LM is analysed without registration: its blocks, final n
 from its structure (`pipeline.models.structure`) and verified on the loaded model. A family is registered
 only to be *trained* here (a config builder and the name patterns of its optimizer groups, torchtitan
 style, with a partition assertion in `pipeline.study_b.optim`), or to override a path that resolution
-gets wrong. A family is one module of `pipeline/models/` plus one line in `pipeline/models/registry.py`.
+gets wrong. A family is one module of `pipeline/models/families/` plus one line in its `__init__.py`.
 """
 
 from __future__ import annotations

@@ -8,13 +8,12 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pipeline.core.errors import InputError
-from pipeline.core.registry import Registry
-from pipeline.models import gpt2, mamba, neox
 from pipeline.models.config import ModelSize
+from pipeline.models.families import FAMILIES
 from pipeline.models.family import ModelFamily
 from pipeline.models.structure import Overrides, Structure, resolve
 
-FAMILIES: Registry[ModelFamily] = Registry("model family", [gpt2.FAMILY, neox.FAMILY, mamba.FAMILY])
+__all__ = ["FAMILIES"]  # re-exported: callers look families up here, next to the lookups
 
 
 class UnsupportedArchitecture(InputError):

@@ -67,7 +67,8 @@ from pipeline.results.stats import (
     seeds_needed,
     spearman_by_layer,
 )
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 
 # ------------------------------------------------------------------------------ claims (SPEC §3.3)
 SIGNIFICANCE = 0.05

@@ -22,7 +22,8 @@ from matplotlib.figure import Figure
 from matplotlib.text import Text
 
 from pipeline.results.claims import CLAIM_NAMES, VERDICT_SCORE, combined_verdict
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 
 Row = dict[str, Any]
 # One colour per recipe, in registry order (a qualitative palette: ten distinct colours).

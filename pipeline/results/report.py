@@ -27,7 +27,8 @@ from pipeline.results import figures as fig
 from pipeline.results.aggregate import POWER, RESOLVE_NATS, SIGNIFICANCE
 from pipeline.results.claims import CLAIMS, INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimSummary, summarise
 from pipeline.results.html import to_html
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 
 Row = dict[str, Any]
 Tables = dict[str, list[Row]]

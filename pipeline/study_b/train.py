@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -181,12 +180,10 @@ def train_run(
 
     save_checkpoint(model, "init", {"run": spec.run_id, "checkpoint": "init", "step": 0})
     rows: list[dict] = []
-    started = time.perf_counter()
     train_loss = val_loss = math.nan
     diverged_at: int | None = None
     step = 0
     for step in range(1, cfg.steps + 1):
-        t0 = time.perf_counter()
         batch = train_windows.random(cfg.batch_size, gen)
         with autocast():
             loss = forward(input_ids=batch, labels=batch).loss
@@ -207,8 +204,7 @@ def train_run(
         optimizer.step(radius=radius)
         optimizer.zero_grad()
         row = {"step": step, "tokens": step * cfg.batch_size * seq_len, "lr": optimizer.head_lr(),
-               "train_loss": train_loss, "step_time_s": time.perf_counter() - t0,
-               "head_step_scale": optimizer.last_head_scale}
+               "train_loss": train_loss, "head_step_scale": optimizer.last_head_scale}
         if geometry_step:
             delta = head.weight.detach() - w_before
             row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | spread_references
@@ -229,7 +225,7 @@ def train_run(
         steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
         final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
         final_test_loss=test_loss, head_step=optimizer.head_step.describe(), head_budget_tau=head_budget_tau,
-        diverged=diverged, diverged_at_step=diverged_at, wall_time_s=time.perf_counter() - started,
+        diverged=diverged, diverged_at_step=diverged_at,
         n_params=sum(p.numel() for p in model.parameters()), params_hash=params_hash,
     )
     save_checkpoint(model, "final", {"checkpoint": "final", **asdict(result)})

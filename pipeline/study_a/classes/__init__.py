@@ -1,4 +1,6 @@
-"""The registered function classes of Study A, in the order reports list them."""
+"""The registered function classes of Study A, in the order reports list them: one module each, named as the
+class. An index only: a shard's code version holds the classes it fits (SPEC §1), so this file holds nothing
+but the list."""
 
 from pipeline.core.registry import Registry
 from pipeline.study_a.classes import diag_psd, global_linear, identity, lowrank, mlp, orthogonal

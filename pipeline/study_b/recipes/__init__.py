@@ -1,4 +1,6 @@
-"""The registered head-optimizer recipes of Study B, in the order of SPEC §3.2 (baselines first)."""
+"""The registered head-optimizer recipes of Study B, in the order of SPEC §3.2 (baselines first): one module
+each, named as the recipe. An index only: a shard's code version holds the recipes it runs (SPEC §1), so this
+file holds nothing but the list."""
 
 from pipeline.core.registry import Registry
 from pipeline.study_b.recipes import adamw, hilbert, hilbert_equi, muon, muon_head, rownorm, sign
@@ -8,8 +10,3 @@ RECIPES: Registry[HeadRecipe] = Registry(
     "recipe",
     [adamw.RECIPE, muon.RECIPE, muon_head.RECIPE, sign.RECIPE, rownorm.RECIPE, hilbert.RECIPE, hilbert_equi.RECIPE],
 )
-
-
-def baseline() -> HeadRecipe:
-    """The recipe every other one is compared with (`muon`)."""
-    return next(r for r in RECIPES if r.baseline)

@@ -10,7 +10,8 @@ from typing import Any
 
 from pipeline.models.config import ModelSize
 from pipeline.study_b.config import TrainConfig
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 from pipeline.tools.bench.measure import bar, interleaved, profile_top
 from pipeline.tools.bench.sizes import RecipeSize
 from pipeline.tools.bench.synthetic import token_ids

@@ -26,7 +26,8 @@ import torch
 from pipeline.models.config import ModelSize
 from pipeline.models.registry import FAMILIES
 from pipeline.study_a.classes import FIT_CLASSES
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 from pipeline.tools.gpucheck import compare, compat, speed
 from pipeline.tools.gpucheck.compare import StudyAShape, TrainShape
 from pipeline.tools.gpucheck.speed import FitRun, KnnRun, ModelRun

@@ -30,7 +30,8 @@ from pipeline.study_a.fits import choose_anchors, fit_layer
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.optim import build_optimizers, partition_parameters, resolve_head_step
-from pipeline.study_b.recipes import RECIPES, baseline
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.train import HeadInputs
 from pipeline.tools.bench.extraction import extract_to_parquet
 from pipeline.tools.bench.measure import interleaved
