@@ -38,7 +38,7 @@ def write_coverage(out: Path | None, only: list[str] | None) -> str:
 
     from pipeline.core.provenance import versions
     from pipeline.core.store import atomic_write
-    from pipeline.tools.families import causal_lm_types, coverage, render_markdown
+    from tools.families import causal_lm_types, coverage, render_markdown
 
     torch.set_num_threads(1)  # tiny models: more threads only contend
     rows = coverage(only or causal_lm_types())

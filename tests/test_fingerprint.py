@@ -21,7 +21,7 @@ SHARDED = ("train", "extract", "fit", "perturb")
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     """A copy of the project's code, which the tests edit; versions are computed from it first."""
-    for package in ("pipeline", "stages"):
+    for package in ("pipeline", "stages", "tools"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
@@ -52,7 +52,7 @@ def test_a_stage_covers_its_own_module_and_every_module_it_imports_and_nothing_e
     fit = {entry.name for entry in closure("stages.fit")}
     assert {"stages.fit", "pipeline.study_a.fits", "pipeline.study_a.knn", "pipeline.study_a.classes.mlp"} <= fit
     assert "pipeline.core.store" in fit  # imported at any depth
-    assert not {name for name in fit if name.startswith(("pipeline.tools", "pipeline.results"))}  # bench, report
+    assert not {name for name in fit if name.startswith(("tools", "pipeline.results"))}  # bench, report
     assert not {name for name in fit if name.endswith(".config") or name == "pipeline.params"}  # values: params hash
     assert "pipeline.study_b.train" not in fit and "stages.train" not in fit
 
@@ -73,7 +73,7 @@ def test_a_stage_covers_its_own_module_and_every_module_it_imports_and_nothing_e
         ("pipeline/study_a/extract.py", "def capture_states(", "def capture_states_(", {"extract", "perturb"}),
         # the report, the bench and comments or docstrings anywhere: no sharded stage
         ("pipeline/results/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', {"report"}),
-        ("pipeline/tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
+        ("tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
         # configuration: values reach shards through their params hash, not through the code version

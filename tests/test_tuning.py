@@ -16,7 +16,7 @@ from pipeline.study_b.optim import build_optimizers
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import HeadStepDefault
 from pipeline.study_b.train import train_run
-from pipeline.tools import tuning
+from tools import tuning
 from stages.tune import render, tuning_config
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)

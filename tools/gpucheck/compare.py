@@ -36,9 +36,9 @@ from pipeline.study_a.patching import patch_kl_anchors
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.recipes import baseline
 from pipeline.study_b.train import INVARIANT_RTOL, train_run
-from pipeline.tools.bench.synthetic import token_ids
-from pipeline.tools.gpucheck.summary import Outcome
-from pipeline.tools.gpucheck.tolerances import TOLERANCES, agree, combine, largest
+from tools.bench.synthetic import token_ids
+from tools.gpucheck.summary import Outcome
+from tools.gpucheck.tolerances import TOLERANCES, agree, combine, largest
 
 CPU = torch.device("cpu")
 
