@@ -1,6 +1,6 @@
 """`lmgeo bench`: the benchmarks of SPEC §7, written to `<out>/bench.json` and `<out>/bench.md`.
 
-The measurements live in `tools.bench`; this module picks the sizes (`--quick`: a smoke run of a
+The measurements live in the other modules of `tools.bench`; this one picks the sizes (`--quick`: a smoke run of a
 few seconds per section), runs each section in a fresh process, and runs the Ray fan-out benchmark,
 which starts its own embedded Ray once per worker count (`ray.init(num_cpus=N)`), so it refuses to
 run inside a process that already holds a Ray connection.

@@ -1,5 +1,6 @@
 """`lmgeo check-model` (can Study A analyse this model?) and `lmgeo families` (which of transformers'
-causal-LM families it verifies, written to `docs/families.md`). Neither is a DVC stage."""
+causal-LM families it verifies, written to `docs/families.md`; the coverage itself is `tools/families.py`).
+Neither is a DVC stage."""
 
 from __future__ import annotations
 
