@@ -16,9 +16,10 @@ from pipeline.core.contracts import FIT_METRICS, parse_run_id
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
-from pipeline.results.aggregate import MAX_CURVE_POINTS, aggregate, build_tables, load_sources, metrics
+from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
+from pipeline.results.study_b.tables import MAX_CURVE_POINTS
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
