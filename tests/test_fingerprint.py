@@ -72,7 +72,7 @@ def test_a_stage_covers_its_own_module_and_every_module_it_imports_and_nothing_e
         # perturb verifies the model it opens, extraction's capture included (`pipeline.study_a.verify`)
         ("pipeline/study_a/extract.py", "def capture_states(", "def capture_states_(", {"extract", "perturb"}),
         # the report, the bench and comments or docstrings anywhere: no sharded stage
-        ("pipeline/results/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', {"report"}),
+        ("pipeline/results/study_a/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', {"report"}),
         ("tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
