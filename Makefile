@@ -25,7 +25,7 @@ test: install
 bench: install
 	$(VENV)/bin/lmgeo bench
 
-# The GPU check (pipeline/tools/gpucheck): `make gpu-wheels` here fetches, into the git-ignored .whl/, the
+# The GPU check (tools/gpucheck): `make gpu-wheels` here fetches, into the git-ignored .whl/, the
 # wheels the CUDA machine lacks (built for its Python 3.12); `make gpu-check` there installs the missing ones
 # into /tmp and runs the check, writing gpu.json and gpu.md under $$OUT (default build/gpu-check/).
 # Without CUDA it prints "no CUDA: skipped" and exits 0. The machine's own python3 runs it (no .venv there).
@@ -33,7 +33,7 @@ bench: install
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-wheels: install
-	$(PY) -m pipeline.tools.gpucheck.wheels download --to .whl
+	$(PY) -m tools.gpucheck.wheels download --to .whl
 
 gpu-check:
-	$(GPU_PYTHON) -m pipeline.tools.gpucheck --wheels .whl $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m tools.gpucheck --wheels .whl $(GPU_CHECK_ARGS)

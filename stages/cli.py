@@ -1,7 +1,8 @@
-"""`lmgeo`: one command per DVC stage, plus `query` and `bench`.
+"""`lmgeo`: one command per DVC stage, plus `query` and the tools' commands (`bench`, `tune`, `check-model`,
+`families`, `rehearse`, `preset`), whose modules live in `tools/`.
 
 This module imports only typer and the params models, so `lmgeo --help` and every subcommand's
-`--help` answer without importing torch or ray; each command imports its stage module when it runs.
+`--help` answer without importing torch or ray; each command imports its stage or tool module when it runs.
 """
 
 from __future__ import annotations
@@ -88,11 +89,14 @@ def _load(params_path: Path) -> Params:
         raise  # unreachable: fail() exits
 
 
-def _run_stage(stage: str, params_path: Path, ray_address: str | None, **options: Any) -> None:
-    """Validate params, then hand over to `stages.<stage>.run`; bad input exits with code 2."""
+def _run_stage(
+    stage: str, params_path: Path, ray_address: str | None, module_name: str | None = None, **options: Any
+) -> None:
+    """Validate params, then hand over to `stages.<stage>.run` (or `module_name`'s `run`: `lmgeo tune`, a tool
+    that fans out over Ray as a stage does); bad input exits with code 2."""
     params = _load(params_path)
     quiet_logs()
-    module = importlib.import_module(f"stages.{stage}")
+    module = importlib.import_module(module_name or f"stages.{stage}")
     from pipeline.core.execution import ShardFailed
 
     try:
@@ -159,7 +163,7 @@ def bench(
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Benchmarks: ratios measured side by side in one run (SPEC §7)."""
-    from stages.bench import run as run_bench
+    from tools.bench.command import run as run_bench
 
     run_bench(_load(params), quick=quick, out_dir=out_dir)
 
@@ -176,7 +180,8 @@ def tune(
 ) -> None:
     """Sweep each recipe's head step size with equal budgets, select on val, check transfer to the study's
     other archs, and write the protocol and results (docs/tuning.md)."""
-    _run_stage("tune", params, ray_address, arch=arch, steps=steps, seeds=seed, recipes=recipe, out=out)
+    _run_stage("tune", params, ray_address, module_name="tools.tune",
+               arch=arch, steps=steps, seeds=seed, recipes=recipe, out=out)  # fmt: skip
 
 
 @app.command(name="check-model")
@@ -186,7 +191,7 @@ def check_model(
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Load a causal LM as Study A would (under params' security section) and verify its structure."""
-    from stages.families import check_model as run_check
+    from tools.verify import check_model as run_check
 
     loaded = _load(params)
     try:
@@ -201,7 +206,7 @@ def families(
     only: Annotated[Optional[list[str]], typer.Option("--only", help="this model type only (repeatable)")] = None,
 ) -> None:
     """Verify a tiny random-weight model of every causal-LM family transformers ships; print the table."""
-    from stages.families import write_coverage
+    from tools.verify import write_coverage
 
     typer.echo(write_coverage(write, only))
 
@@ -217,7 +222,7 @@ def rehearse(
 ) -> None:
     """Run the seed's model configurations (random weights) through extract, fit and perturb on a slice;
     print the per-unit costs, peak memory and the extrapolated cost of the preset's study."""
-    from stages.rehearse import rehearse as run_rehearsal
+    from tools.rehearse import rehearse as run_rehearsal
 
     loaded = _load(params)
     try:

@@ -18,11 +18,13 @@ def code_deps(stage: str, workspace: Path) -> list[str]:
     """Workspace-relative source files of `stages.<stage>` and everything it imports, config and every
     registry member included, infrastructure left out (package `__init__` files without code are left out
     too: they cannot change anything)."""
+    root = workspace.resolve()
     files = closure([f"stages.{stage}", *ALWAYS], roots=[workspace], with_config=True, members="all")
     return sorted(
-        entry.path.resolve().relative_to(workspace.resolve()).as_posix()
+        entry.path.resolve().relative_to(root).as_posix()
         for entry in files
-        if entry.path.name != "__init__.py" or has_code(entry.path)
+        # code installed elsewhere is not the workspace's (a workspace without its own copy has none)
+        if entry.path.resolve().is_relative_to(root) and (entry.path.name != "__init__.py" or has_code(entry.path))
     )
 
 

@@ -5,13 +5,10 @@ that token is replaced by T_i(h_l), and by the two null patches of SPEC §4.5; o
 
 from __future__ import annotations
 
-import numpy as np
-import pyarrow as pa
-
 from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, read
 from pipeline.core.execution import Shard
 from pipeline.core.fingerprint import CodeSpec
-from pipeline.core.store import ManifestKey, ShardWriter, arrow_to_vectors, dataset_digest, verified_files
+from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
 from pipeline.params import Params
 from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models
 from stages.opening import open_model
@@ -23,45 +20,23 @@ def perturb_task(
     layout: Layout, params: Params, model: AnalysedModel, layer: int, key: ManifestKey, shard: str,
     inputs: dict[str, dict[str, ManifestKey]],
 ) -> int:
-    from pipeline.study_a.nulls import null_patches
-    from pipeline.study_a.patching import patch_kl_anchors
+    from pipeline.study_a.perturb import perturb_layer
 
     a = params.analysis
     fit_files = verified_files(layout.fits, inputs["fits"], rebuild=FIT)
     stored_files = verified_files(layout.activations, inputs["activations"], rebuild=EXTRACT)
-    # The sequences are replayed from the stored activations (layer 0 holds every token id); h_{l+1} at
-    # the anchors is the clean output the null patches are measured from.
-    tokens_rows = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
+    tokens = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
     outputs = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
-    sequences = np.unique(tokens_rows["seq_id"].to_numpy())
-    seq_len = len(tokens_rows) // len(sequences)
-    tokens = tokens_rows["token_id"].to_numpy().astype(np.int64).reshape(len(sequences), seq_len)
-    h_next = arrow_to_vectors(outputs["h"]).reshape(len(sequences), seq_len, -1)
-    copies, per_class = [], {}
-    for index, fn in enumerate(a.classes):
-        where = {"model": model.path_id, "layer": layer, "fn": fn}
-        fits = read(layout.fits, FITS, fit_files, where, ["sample", "seq_id", "pos", "patched"])
-        fits = fits.filter(pa.compute.equal(fits["sample"], "real"))
-        rows = np.searchsorted(sequences, fits["seq_id"].to_numpy())
-        pos = fits["pos"].to_numpy()
-        patches = null_patches(fits["patched"], h_next[rows, pos], np.random.default_rng([a.seed, layer, index]))
-        per_class[fn] = (fits, len(copies), patches.valid)
-        copies += [(rows[patches.valid], pos[patches.valid], v) for v in (patches.real, patches.random, patches.other)]
+    fits = {
+        fn: read(layout.fits, FITS, fit_files, {"model": model.path_id, "layer": layer, "fn": fn}, ["sample", "seq_id", "pos", "patched"])
+        for fn in a.classes
+    }  # fmt: skip
     net, _device = open_model(layout, params, model)
-    rows, pos, vectors = (np.concatenate(part) for part in zip(*copies, strict=True))
-    kl, kl_seq = patch_kl_anchors(net, tokens, rows, pos, layer, vectors, a.batch_size)
-    bounds = np.cumsum([0] + [len(c[0]) for c in copies])
+    tables = perturb_layer(net, tokens, outputs, fits, layer, a.seed, a.batch_size)
     with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id}) as writer:
-        for fn, (fits, first, valid) in per_class.items():
-            part = [slice(bounds[first + i], bounds[first + i + 1]) for i in range(3)]
-            columns = {"kl": kl[part[0]], "kl_seq": kl_seq[part[0]], "kl_random": kl[part[1]], "kl_other": kl[part[2]]}
-            table = {"seq_id": fits["seq_id"], "pos": fits["pos"]}
-            for name, values in columns.items():  # null where the fit is degenerate (no patch)
-                full = np.full(len(valid), np.nan)
-                full[valid] = values
-                table[name] = pa.array(full, mask=~valid)
-            writer.write({"model": model.path_id, "layer": layer, "fn": fn}, pa.table(table, schema=PERTURB.file_schema()))
-    return len(vectors)
+        for fn, table in tables.items():
+            writer.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
+    return sum(table.num_rows for table in tables.values())
 
 
 def code_spec(layout: Layout) -> CodeSpec:

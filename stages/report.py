@@ -45,6 +45,18 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
     }
 
 
+def median_step_times(layout: Layout) -> dict[str, float]:
+    """run → median seconds per step, from the train stage's telemetry (`telemetry/train/<run>.json`)."""
+    import statistics
+
+    found = {}
+    for path in sorted((layout.telemetry / "train").glob("*.json")):
+        times = json.loads(path.read_text())["step_time_s"]
+        if times:
+            found[path.stem] = statistics.median(times)
+    return found
+
+
 def tuning_record(layout: Layout) -> dict[str, Any] | None:
     path = layout.root / TUNING_RECORD
     return json.loads(path.read_text()) if path.is_file() else None
@@ -60,7 +72,8 @@ def run(params: Params, ray_address: str | None = None) -> None:
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     provenance = collect_provenance(layout, params)
     rendered = render_report(
-        layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout)
+        layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout),
+        median_step_times(layout),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html, {PROVENANCE} and "

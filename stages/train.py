@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 from pipeline.core.execution import Shard
 from pipeline.core.fingerprint import CodeSpec
@@ -31,7 +30,7 @@ def train_task(layout: Layout, run_id: str, cfg: TrainConfig, seq_len: int, key:
     from transformers import AutoTokenizer
 
     from pipeline.core.contracts import parse_run_id
-    from pipeline.core.progress import Progress
+    from pipeline.core.progress import Progress, StepClock
     from pipeline.study_b.train import train_run
     from pipeline.text.corpus import load_meta, load_tokens
 
@@ -46,10 +45,10 @@ def train_task(layout: Layout, run_id: str, cfg: TrainConfig, seq_len: int, key:
 
         # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.
         steps_progress = Progress(cfg.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
-        finished_at = [time.perf_counter()]  # when the run started, then when each step ended
+        clock = StepClock()
 
         def on_step(step: int, loss: float) -> None:
-            finished_at.append(time.perf_counter())
+            clock.tick()
             steps_progress.advance(detail=f"loss {loss:.3f}")
 
         result, steps = train_run(
@@ -62,8 +61,8 @@ def train_task(layout: Layout, run_id: str, cfg: TrainConfig, seq_len: int, key:
         steps_progress.close()
         with ShardWriter(layout.train, run_id, key) as log:
             log.write({"run": run_id}, steps, name="steps.parquet")
-    step_times = [round(b - a, 6) for a, b in zip(finished_at, finished_at[1:])]
-    telemetry = {"run": run_id, "wall_time_s": round(finished_at[-1] - finished_at[0], 3), "step_time_s": step_times}
+    telemetry = {"run": run_id, "wall_time_s": round(clock.wall_time_s, 3),
+                 "step_time_s": [round(t, 6) for t in clock.step_times]}  # fmt: skip
     return {"diverged": result.diverged, "final_test_loss": result.final_test_loss, "telemetry": telemetry}
 
 

@@ -16,9 +16,10 @@ from pipeline.core.contracts import FIT_METRICS, parse_run_id
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
-from pipeline.results.aggregate import MAX_CURVE_POINTS, aggregate, build_tables, load_sources, metrics
+from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
+from pipeline.results.study_b.tables import MAX_CURVE_POINTS
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -66,7 +67,7 @@ def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
 
     return pa.table({
         "step": step, "tokens": step * 256, "lr": np.full(n_steps, 1e-3), "train_loss": 4.0 - step / n_steps,
-        "val_loss": nullable(val), "step_time_s": 0.1 + 0.01 * step, "head_diam": nullable(bound),
+        "val_loss": nullable(val), "head_diam": nullable(bound),
         "head_diam_sampled": pa.array(np.where(geo, sampled, False), mask=~geo),
         "head_update_rms": nullable(np.where(geo, 0.01, np.nan)), "head_update_spectral": pa.nulls(n_steps, pa.float64()),
         "hilbert_realized": nullable(np.where(geo, realized, np.nan)), "hilbert_bound": nullable(bound),
@@ -98,7 +99,7 @@ def write_run(data_dir: Path, run: str, val: float) -> None:
         "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
         "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
         "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
-        "diverged_at_step": 7 if math.isnan(val) else None, "wall_time_s": 1.5, "n_params": 1000,
+        "diverged_at_step": 7 if math.isnan(val) else None, "n_params": 1000,
         "params_hash": "abc",
     }  # fmt: skip
     with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
@@ -253,7 +254,6 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert r["median_equi_ratio_random"] == pytest.approx(EQUI_RATIO_RANDOM)
     assert r["median_head_alignment"] == pytest.approx(0.3)
     assert r["frac_steps_capped"] is None  # no head budget: nothing to count
-    assert r["median_step_time_s"] == pytest.approx(np.median(0.1 + 0.01 * np.arange(STEPS)))
     geo_steps = np.arange(0, STEPS, GEOMETRY_EVERY)
     assert r["median_hilbert_bound"] == pytest.approx(np.median(1.0 + geo_steps))
     # The sampled step (realized = 2 × bound) is excluded from tightness, so the max stays 1/2.
@@ -268,7 +268,6 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert diverged["diverged"] is True
     # Its NaN/Inf last step is missing, not a value: summaries are those of the finite steps.
     assert diverged["max_tightness"] == pytest.approx(0.5)
-    assert diverged["median_step_time_s"] == pytest.approx(np.median(0.1 + 0.01 * np.arange(STEPS - 1)))
 
 
 def test_recipes_table_compares_test_loss_with_muon_on_the_same_seeds(tables: dict[str, pa.Table]) -> None:
@@ -308,7 +307,7 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
             write_steps(tmp_path, run, steps_table(run).append_column("head_step_scale", pa.array(capped)))
             record = {"run": run, "arch": "neox", "recipe": recipe, "seed": seed, "steps": STEPS, "steps_done": STEPS,
                       "tokens": 1, "final_train_loss": 1.0, "final_val_loss": loss, "final_test_loss": loss,
-                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None, "wall_time_s": 1.0,
+                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None, 
                       "n_params": 1, "params_hash": "x"}  # fmt: skip
             with ShardWriter(tmp_path / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
                 (folder / "run.json").write_text(json.dumps(record))

@@ -22,9 +22,9 @@ import torch
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import newton_schulz_flops
-from pipeline.tools.bench.fits import compare_with_reference
-from pipeline.tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
-from pipeline.tools.bench.synthetic import synthetic_states
+from tools.bench.fits import compare_with_reference
+from tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
+from tools.bench.synthetic import synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout", "gpu")

@@ -15,7 +15,7 @@ from pipeline.models.registry import final_norm_of, head_of, logits_from_last_st
 from pipeline.models.structure import LogitMap, StructureError
 from pipeline.study_a import verify
 from pipeline.study_a.verify import VerificationFailed, verify_model
-from pipeline.tools.families import CI_FAMILIES, Coverage, check_family, render_markdown, save_tiny_model, tiny_config
+from tools.families import CI_FAMILIES, Coverage, check_family, render_markdown, save_tiny_model, tiny_config
 
 # The families issue 13 names; the CI list may hold more, never fewer.
 REQUIRED = {
@@ -189,7 +189,7 @@ def test_the_seed_preset_analyses_the_rehearsed_models():
 
     import yaml
 
-    from pipeline.tools.rehearsal import SEED_STUDY
+    from tools.rehearsal import SEED_STUDY
 
     preset = yaml.safe_load((Path(__file__).parents[1] / "presets" / "seed.yaml").read_text())
     assert [m["id"] for m in preset["analysis"]["external_models"]] == list(SEED_STUDY)
@@ -201,8 +201,8 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     save_pretrained inside the workspace, go through the stages' loading path (`external_model`:
     the safety checks and digest; `open_model`: load and verify), then extraction and patching."""
     from pipeline.params import Params
-    from pipeline.tools.families import extract_and_check, patch_and_check
-    from pipeline.tools.rehearsal import SEED_STUDY
+    from tools.families import extract_and_check, patch_and_check
+    from tools.rehearsal import SEED_STUDY
     from stages.analysis_set import external_model
     from stages.opening import open_model
     from stages.layout import Layout

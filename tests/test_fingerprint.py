@@ -31,7 +31,7 @@ CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linea
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     """A copy of the project's code, which the tests edit; versions are computed from it first."""
-    for package in ("pipeline", "stages"):
+    for package in ("pipeline", "stages", "tools"):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
@@ -113,6 +113,9 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
         # the pinned kernels decide every float
         ("pipeline/core/determinism.py", '"OPENBLAS_CORETYPE": "Haswell"', '"OPENBLAS_CORETYPE": "Zen"',
          TRAIN | FIT | {"extract", "perturb", "aggregate"}),
+        # the report and the tools: no shard
+        ("pipeline/results/study_a/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', set()),
+        ("tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
         # comments or docstrings anywhere: nothing
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),

@@ -1,7 +1,7 @@
 """The library on CUDA against the same calls on the CPU (marker `gpu`; `make gpu-check` runs these first).
 
 Without CUDA every test here skips itself, with the reason. Each compares through the check's own functions
-(`pipeline.tools.gpucheck.compare`) at tiny sizes, or tests a property the CPU suite cannot: that the kNN's
+(`tools.gpucheck.compare`) at tiny sizes, or tests a property the CPU suite cannot: that the kNN's
 tie-breaking and the exact diameter hold with CUDA's kernels.
 """
 
@@ -15,7 +15,7 @@ from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_b import hilbert
 from pipeline.study_b.baseline import baseline
-from pipeline.tools.gpucheck import compare
+from tools.gpucheck import compare
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,11 +17,11 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from pipeline.tools.gpucheck import compat, plan, summary, wheels
-from pipeline.tools.gpucheck.compare import hilbert_invariant
-from pipeline.tools.gpucheck.plan import Item
-from pipeline.tools.gpucheck.summary import Outcome, Result
-from pipeline.tools.gpucheck.tolerances import TOLERANCES, Tolerance, agree, combine, largest
+from tools.gpucheck import compat, plan, summary, wheels
+from tools.gpucheck.compare import hilbert_invariant
+from tools.gpucheck.plan import Item
+from tools.gpucheck.summary import Outcome, Result
+from tools.gpucheck.tolerances import TOLERANCES, Tolerance, agree, combine, largest
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -233,7 +233,7 @@ def test_a_module_needing_an_uncarried_package_is_not_a_failure(tmp_path, monkey
 # --------------------------------------------------------------------------------- entry point
 def _check(*args: str, out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    return subprocess.run([sys.executable, "-m", "pipeline.tools.gpucheck", "--out", str(out), *args],
+    return subprocess.run([sys.executable, "-m", "tools.gpucheck", "--out", str(out), *args],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=500, check=False)
 
 

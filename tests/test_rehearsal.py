@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 from transformers import GPT2Config
 
-from pipeline.tools import rehearsal
-from pipeline.tools.rehearsal import Measured, Node, Slice, Study, extrapolate, render_markdown
+from tools import rehearsal
+from tools.rehearsal import Measured, Node, Slice, Study, extrapolate, render_markdown
 
 
 def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypatch):

@@ -26,10 +26,13 @@ from test_aggregate import (
 )
 
 from pipeline.params import Params
-from pipeline.results import figures as fig
-from pipeline.results.aggregate import HEADLINE_EXCLUDED, aggregate
-from pipeline.results.claims import CLAIM_NAMES, CLAIMS
+from pipeline.results.aggregate import aggregate
+from pipeline.results.common import axis_labels
 from pipeline.results.report import Rendered, render_report
+from pipeline.results.study_a import figures as fig_a
+from pipeline.results.study_a.claims import CLAIM_NAMES, CLAIMS
+from pipeline.results.study_a.tables import HEADLINE_EXCLUDED
+from pipeline.results.study_b import figures as fig_b
 from stages.layout import Layout
 from stages.report import collect_provenance
 
@@ -145,11 +148,11 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
 CHECKPOINTS = [c for c in ("final", "init") if c in DEFAULT.analysis.checkpoints]
 EXPECTED_Y = {
     "study_b_vs_muon": ["head recipe"] * len(DEFAULT_TRAIN_ARCHS),
-    "study_b_val_loss": [fig.VAL_LOSS.label] * len(DEFAULT_TRAIN_ARCHS),
-    "study_b_head_step": [q.label for q in fig.HEAD_STEP] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_val_loss": [fig_b.VAL_LOSS.label] * len(DEFAULT_TRAIN_ARCHS),
+    "study_b_head_step": [q.label for q in fig_b.HEAD_STEP] * len(DEFAULT_TRAIN_ARCHS),
     # The claim names label each row's first panel.
     "study_a_claims_by_layer": ["claim", *[""] * (len(CHECKPOINTS) - 1)] * len(DEFAULT_ARCHS),
-    "study_a_spearman_vs_null": [fig.SPEARMAN_EFFECT.label] * len(DEFAULT_ARCHS),
+    "study_a_spearman_vs_null": [fig_a.SPEARMAN_EFFECT.label] * len(DEFAULT_ARCHS),
 }
 
 
@@ -162,7 +165,7 @@ def test_every_figure_has_the_labels_of_what_it_draws_inside_the_figure(default_
     for name, panels in rendered.figures.items():
         for panel in panels:
             assert panel["inside"], (name, panel)  # not cut off at the figure's edge
-            assert panel["x"] in {fig.STEP, fig.LAYER} or "test loss" in panel["x"], (name, panel)
+            assert panel["x"] in {fig_b.STEP, fig_a.LAYER} or "test loss" in panel["x"], (name, panel)
             assert not {panel["x"], panel["y"]} & recipes, (name, panel)
     titles = [p["title"] for p in rendered.figures["study_a_claims_by_layer"]]
     assert titles == [f"{a}@{c}" for a in sorted(DEFAULT_ARCHS) for c in CHECKPOINTS]
@@ -176,7 +179,7 @@ def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_
               "verdict": "supported" if layer else "not supported"}
              for subject in ("neox@final", "neox@init", "org/tiny") for layer in range(3)
              for claim in ("angle_res_tok_large", "spearman_rel_err_kl")]  # fmt: skip
-    panels = fig.axis_labels(fig.claims_by_layer(tests))
+    panels = axis_labels(fig_a.claims_by_layer(tests))
     assert [(p["title"], p["x"], p["y"]) for p in panels] == [
         ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
 
@@ -188,7 +191,7 @@ def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
     ax = figure.add_subplot()
     ax.plot([0, 1])
     ax.set_ylabel("a label far too long for a figure two inches tall, cut off at both ends")
-    assert fig.axis_labels(figure) == [{"title": "", "x": "", "y": ax.get_ylabel(), "inside": False}]
+    assert axis_labels(figure) == [{"title": "", "x": "", "y": ax.get_ylabel(), "inside": False}]
 
 
 # ----------------------------------------------------------------------------------- the HTML page
@@ -341,7 +344,10 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert prov["data_checksums"]["dvc.lock"].startswith("sha256:")
     assert {"python", "torch", "duckdb", "dvc"} <= set(prov["packages"])
     assert prov["hardware"]["logical_cores"] >= 1
+    # Outputs a run rewrites are not its inputs: a clean tree stays clean while its own run writes them.
     (tmp_path / "dvc.lock").write_text("changed")
+    assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is False
+    (tmp_path / "params.yaml").write_text("train: {steps: 3}\n")  # an input, even before git tracks it
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is True
 
 
@@ -375,7 +381,7 @@ def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
 
 
 def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size() -> None:
-    from pipeline.results.report import _tuning_statement
+    from pipeline.results.study_b.report import _tuning_statement
 
     tuning = json.loads((Path(__file__).resolve().parents[1] / "docs" / "tuning.json").read_text())
     tuned = tuning["protocol"]["n_params"]

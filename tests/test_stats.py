@@ -8,7 +8,6 @@ import pytest
 from scipy.stats import rankdata, spearmanr
 
 from pipeline.results.stats import (
-    average_ranks,
     spearman,
     spearman_bootstrap,
     spearman_by_layer,
@@ -21,11 +20,6 @@ def with_ties_and_gaps(rng, n=80):
     y[::9] = np.round(y[::9])
     x[3], y[10], x[20], y[20] = np.nan, np.nan, np.nan, np.nan
     return x, y
-
-
-def test_average_ranks_match_scipy():
-    values = np.random.default_rng(0).integers(0, 5, size=40).astype(float)
-    np.testing.assert_allclose(average_ranks(values), rankdata(values, method="average"))
 
 
 def test_spearman_matches_scipy_with_ties_and_nulls():

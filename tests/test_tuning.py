@@ -16,8 +16,8 @@ from pipeline.study_b.optim import build_optimizers
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import HeadStepDefault
 from pipeline.study_b.train import train_run
-from pipeline.tools import tuning
-from stages.tune import render, tuning_config
+from tools import tuning
+from tools.tuning import render, transfer_summary, tuning_config
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
 VOCAB, SEQ = 64, 16
@@ -221,20 +221,18 @@ def test_the_document_marks_the_choice_diverged_runs_and_bracketing() -> None:
 
 
 def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
-    from stages.tune import _transfer_summary
-
     choice = tuning.Choice("head_lr", 0.2, 3.0)
     other = [dict(r, arch="gpt2") for r in rows("sign", [("head_lr", 0.1, 0, 3.3), ("head_lr", 0.2, 0, 3.4), ("head_lr", 0.4, 0, 3.6)])]
-    summary = _transfer_summary(other, {"sign": choice}, ["gpt2"])
+    summary = transfer_summary(other, {"sign": choice}, ["gpt2"])
     assert summary == "gpt2: the choice is also the best of ×½, ×1, ×2 for 0 of 1 recipes (not for sign)"
-    assert _transfer_summary([], {"sign": choice}, []) is None
+    assert transfer_summary([], {"sign": choice}, []) is None
 
 
-# ---------------------------------------------------------------------------------------- stage
-def test_the_stage_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
+# ---------------------------------------------------------------------------------------- command
+def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
     from pipeline.core.errors import InputError
     from pipeline.params import Params
-    from stages import tune
+    from tools import tune
 
     monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens
     with pytest.raises(InputError, match="unknown arch 'llama'"):

@@ -117,3 +117,23 @@ class _LiveBar:
 
     def close(self) -> None:
         self._bar.stop()
+
+
+class StepClock:
+    """Wall-clock times of a loop's steps, taken by its caller between steps: telemetry, never a result
+    (a result holds no time, so the same code and params give the same bytes)."""
+
+    def __init__(self) -> None:
+        self._marks = [time.perf_counter()]
+
+    def tick(self) -> None:
+        """A step ended."""
+        self._marks.append(time.perf_counter())
+
+    @property
+    def step_times(self) -> list[float]:
+        return [b - a for a, b in zip(self._marks, self._marks[1:])]
+
+    @property
+    def wall_time_s(self) -> float:
+        return self._marks[-1] - self._marks[0]

@@ -1,12 +1,20 @@
 """Summary statistics: Spearman correlation with a bootstrap CI (Study A, SPEC §4.4), and paired comparisons
 over seeds (Study B, SPEC §3.2).
 
+The standard statistics are scipy's: Spearman's rho (`spearmanr`; row by row, the Pearson correlation of
+`rankdata`'s average ranks with `pearsonr`), the Student-t interval (`t.interval`), the paired t-test
+(`ttest_1samp` of the differences) and the noncentral t behind its power (`nct`). What scipy lacks is
+here: the seeded percentile bootstrap, the layer-stratified correlation, the seeds a difference needs and
+Holm's step-down adjustment.
+
 Nulls (None) and NaN are treated alike: missing. A pair with a missing side is dropped.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import numpy as np
@@ -89,29 +97,33 @@ def _correlation(rho: float, replicates: np.ndarray, n: int, ci: float) -> Corre
     return Correlation(rho, float(low), float(high), n, int(defined.size))
 
 
-def average_ranks(values: np.ndarray) -> np.ndarray:
-    """Ranks 1..n, tied values sharing the mean of their ranks."""
-    unique, inverse, counts = np.unique(values, return_inverse=True, return_counts=True)
-    first = np.cumsum(counts) - counts  # 0-based rank of each distinct value's first occurrence
-    return (first + (counts + 1) / 2)[inverse]
+@contextmanager
+def _constant_is_nan() -> Iterator[None]:
+    """scipy's correlations are NaN on a constant side, as here, but also warn; a constant resample is
+    expected (and left out of the interval), so the warning is not shown."""
+    from scipy.stats import ConstantInputWarning, NearConstantInputWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ConstantInputWarning)
+        warnings.simplefilter("ignore", NearConstantInputWarning)
+        yield
 
 
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    rx, ry = average_ranks(x), average_ranks(y)
-    rx, ry = rx - rx.mean(), ry - ry.mean()
-    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
-    return float((rx * ry).sum() / den) if den > 0 else np.nan
+    from scipy.stats import spearmanr
+
+    if x.size < 2:
+        return np.nan
+    with _constant_is_nan():
+        return float(spearmanr(x, y).statistic)
 
 
 def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Spearman's rho of each row pair of two (..., n) arrays (NaN where a row is constant)."""
-    from scipy.stats import rankdata
+    """Spearman's rho of each row pair of two (..., n) arrays, n ≥ 2 (NaN where a row is constant)."""
+    from scipy.stats import pearsonr, rankdata
 
-    rx, ry = rankdata(x, axis=-1), rankdata(y, axis=-1)
-    rx, ry = rx - rx.mean(axis=-1, keepdims=True), ry - ry.mean(axis=-1, keepdims=True)
-    den = np.sqrt((rx * rx).sum(axis=-1) * (ry * ry).sum(axis=-1))
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(den > 0, (rx * ry).sum(axis=-1) / den, np.nan)
+    with _constant_is_nan():
+        return np.asarray(pearsonr(rankdata(x, axis=-1), rankdata(y, axis=-1), axis=-1).statistic)
 
 
 def _as_float(values: ArrayLike) -> np.ndarray:
@@ -158,23 +170,25 @@ def mean_interval(values: ArrayLike, ci: float = 0.95) -> Interval:
     from scipy.stats import t
 
     mean, sd = float(x.mean()), float(x.std(ddof=1))
-    half = float(t.ppf(0.5 + ci / 2, x.size - 1)) * sd / np.sqrt(x.size)
-    return Interval(mean, sd, mean - half, mean + half, int(x.size))
+    if sd == 0:  # scipy's interval needs a positive scale; this one has width 0
+        return Interval(mean, sd, mean, mean, int(x.size))
+    low, high = t.interval(ci, x.size - 1, loc=mean, scale=sd / np.sqrt(x.size))
+    return Interval(mean, sd, float(low), float(high), int(x.size))
 
 
 def paired_difference(a: dict[int, float], b: dict[int, float], ci: float = 0.95) -> PairedDifference:
     """`a` and `b` map seed → value; only seeds finite in both are paired (same seed: same
     initialisation and data order, so the seed's own effect cancels)."""
     seeds = sorted(s for s in a.keys() & b.keys() if np.isfinite(a[s]) and np.isfinite(b[s]))
-    diff = mean_interval([a[s] - b[s] for s in seeds], ci)
+    differences = [a[s] - b[s] for s in seeds]
+    diff = mean_interval(differences, ci)
     if diff.n < 2:
         return PairedDifference(diff, np.nan)
-    from scipy.stats import t
-
-    if diff.sd == 0:
+    if diff.sd == 0:  # scipy's statistic is undefined here; the differences are certain
         return PairedDifference(diff, 0.0 if diff.mean != 0 else 1.0)
-    statistic = diff.mean / (diff.sd / np.sqrt(diff.n))
-    return PairedDifference(diff, float(2 * t.sf(abs(statistic), diff.n - 1)))
+    from scipy.stats import ttest_1samp
+
+    return PairedDifference(diff, float(ttest_1samp(differences, 0.0).pvalue))
 
 
 def paired_t_power(effect: float, sd: float, n: int, alpha: float = 0.05) -> float:
@@ -217,12 +231,12 @@ def detectable_difference(sd: float, n: int, alpha: float = 0.05, power: float =
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjustment of a family of p-values (NaN stays NaN and is not counted)."""
+    """Holm's step-down adjustment of a family of p-values (NaN stays NaN and is not counted); scipy has
+    only Benjamini–Hochberg/Yekutieli (`false_discovery_control`). The k-th smallest of m p-values is
+    multiplied by m − k + 1, capped at 1, and made non-decreasing."""
     p = np.asarray(p_values, dtype=float)
     tested = np.flatnonzero(np.isfinite(p))
+    order = tested[np.argsort(p[tested], kind="stable")]
     adjusted = np.full(p.shape, np.nan)
-    running = 0.0
-    for rank, i in enumerate(tested[np.argsort(p[tested], kind="stable")]):
-        running = max(running, min(1.0, (len(tested) - rank) * p[i]))
-        adjusted[i] = running
+    adjusted[order] = np.maximum.accumulate(np.minimum(1.0, (len(order) - np.arange(len(order))) * p[order]))
     return adjusted.tolist()

@@ -11,6 +11,6 @@ jobs on it), so a figure is never an absolute time compared with a number writte
   allocations, unlike `tracemalloc`; `ru_maxrss` would also count the parent's peak, which a spawned
   child inherits across exec), one fresh process per size.
 
-This module only measures and renders; `stages/bench.py` chooses what runs, starts Ray for the
-fan-out benchmark and writes `bench.json` / `bench.md`.
+This package's modules only measure and render; `command.py` (`lmgeo bench`) chooses what runs, starts Ray
+for the fan-out benchmark and writes `bench.json` / `bench.md`.
 """

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pipeline.core.store import atomic_write
-from pipeline.tools.bench.render import to_jsonable
-from pipeline.tools.gpucheck.tolerances import TOLERANCES
+from tools.bench.render import to_jsonable
+from tools.gpucheck.tolerances import TOLERANCES
 
 Status = Literal["pass", "FAIL", "error", "skipped", "measured"]
 STATUSES: tuple[Status, ...] = ("pass", "FAIL", "error", "skipped", "measured")

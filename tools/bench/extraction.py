@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.tools.bench.measure import (
+from tools.bench.measure import (
     Runner,
     bar,
     current_rss_bytes,
@@ -18,8 +18,8 @@ from pipeline.tools.bench.measure import (
     profile_top,
     run_fresh,
 )
-from pipeline.tools.bench.sizes import ExtractionSize
-from pipeline.tools.bench.synthetic import token_ids
+from tools.bench.sizes import ExtractionSize
+from tools.bench.synthetic import token_ids
 
 
 def _extraction_model(size: ExtractionSize) -> Any:

@@ -3,7 +3,7 @@ code on the CPU, one training step of each recipe (eager and compiled) with the 
 heaviest operations, Mamba's training step with or without its CUDA kernels, and the bf16 matmul peak.
 
 Timings synchronise the device before the clock stops and run interleaved (`A B B A …` after a warm-up,
-`pipeline.tools.bench.measure.interleaved`). On the CPU stand-in the same code runs at tiny sizes; its
+`tools.bench.measure.interleaved`). On the CPU stand-in the same code runs at tiny sizes; its
 figures are CPU figures and say nothing about a GPU.
 """
 
@@ -33,10 +33,10 @@ from pipeline.study_b.optim import build_optimizers, partition_parameters, resol
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.train import HeadInputs
-from pipeline.tools.bench.extraction import extract_to_parquet
-from pipeline.tools.bench.measure import interleaved
-from pipeline.tools.bench.synthetic import synthetic_states, token_ids
-from pipeline.tools.gpucheck.summary import Outcome
+from tools.bench.extraction import extract_to_parquet
+from tools.bench.measure import interleaved
+from tools.bench.synthetic import synthetic_states, token_ids
+from tools.gpucheck.summary import Outcome
 
 CPU = torch.device("cpu")
 # Dense bf16 matrix rate of the H200, as measured on such a machine (8192³ products, docs of the device):

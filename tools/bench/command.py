@@ -1,6 +1,6 @@
 """`lmgeo bench`: the benchmarks of SPEC §7, written to `<out>/bench.json` and `<out>/bench.md`.
 
-The measurements live in `pipeline.tools.bench`; this module picks the sizes (`--quick`: a smoke run of a
+The measurements live in the other modules of `tools.bench`; this one picks the sizes (`--quick`: a smoke run of a
 few seconds per section), runs each section in a fresh process, and runs the Ray fan-out benchmark,
 which starts its own embedded Ray once per worker count (`ray.init(num_cpus=N)`), so it refuses to
 run inside a process that already holds a Ray connection.
@@ -25,15 +25,15 @@ from pipeline.core.config import TaskResources
 from pipeline.core.provenance import machine, versions
 from pipeline.core.store import ManifestKey, ShardWriter, verified_files
 from pipeline.params import Params
-from pipeline.tools.bench.extraction import extraction_section
-from pipeline.tools.bench.fits import fits_vs_reference, knn_section
-from pipeline.tools.bench.gpu import gpu_benchmarks
-from pipeline.tools.bench.measure import bar, run_fresh, run_here
-from pipeline.tools.bench.recipes import recipe_step_times
-from pipeline.tools.bench.render import render_markdown, to_jsonable
-from pipeline.tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize, identifiable_k
-from pipeline.tools.bench.study_a import knn_vs_faiss, suffix_vs_full
-from pipeline.tools.bench.synthetic import activation_batch, synthetic_states, token_ids
+from tools.bench.extraction import extraction_section
+from tools.bench.fits import fits_vs_reference, knn_section
+from tools.bench.gpu import gpu_benchmarks
+from tools.bench.measure import bar, run_fresh, run_here
+from tools.bench.recipes import recipe_step_times
+from tools.bench.render import render_markdown, to_jsonable
+from tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize, identifiable_k
+from tools.bench.study_a import knn_vs_faiss, suffix_vs_full
+from tools.bench.synthetic import activation_batch, synthetic_states, token_ids
 from stages.layout import Layout
 
 FANOUT_MODEL = "bench"

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.tools.bench.extraction import _extraction_model, extract_to_parquet, forward_flops_per_token
-from pipeline.tools.bench.measure import interleaved
-from pipeline.tools.bench.sizes import BenchSizes, ExtractionSize, FitScale, KnnSize, fit_bench_classes
-from pipeline.tools.bench.synthetic import synthetic_states, token_ids
+from tools.bench.extraction import _extraction_model, extract_to_parquet, forward_flops_per_token
+from tools.bench.measure import interleaved
+from tools.bench.sizes import BenchSizes, ExtractionSize, FitScale, KnnSize, fit_bench_classes
+from tools.bench.synthetic import synthetic_states, token_ids
 
 
 def gpu_benchmarks(sizes: BenchSizes, cfg: AnalysisConfig, batch_size: int, threads: int) -> dict[str, Any]:

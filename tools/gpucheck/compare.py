@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from pipeline.core.contracts import FIT_METRICS, RunSpec
+from pipeline.core.progress import StepClock
 from pipeline.core.store import arrow_to_vectors
 from pipeline.models.config import ModelSize
 from pipeline.models.registry import build_model
@@ -36,9 +37,9 @@ from pipeline.study_a.patching import patch_kl_anchors
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.train import INVARIANT_RTOL, train_run
-from pipeline.tools.bench.synthetic import token_ids
-from pipeline.tools.gpucheck.summary import Outcome
-from pipeline.tools.gpucheck.tolerances import TOLERANCES, agree, combine, largest
+from tools.bench.synthetic import token_ids
+from tools.gpucheck.summary import Outcome
+from tools.gpucheck.tolerances import TOLERANCES, agree, combine, largest
 
 CPU = torch.device("cpu")
 
@@ -202,7 +203,8 @@ def _train_config(
     )
 
 
-def _train(spec: RunSpec, cfg: TrainConfig, shape: TrainShape, save: bool) -> tuple[Any, pa.Table]:
+def _train(spec: RunSpec, cfg: TrainConfig, shape: TrainShape, save: bool) -> tuple[Any, pa.Table, StepClock]:
+    clock = StepClock()
     stream = token_ids(1, 64 * shape.seq_len * shape.batch, shape.vocab, seed=3)[0]
     with tempfile.TemporaryDirectory() as tmp:
 
@@ -210,8 +212,9 @@ def _train(spec: RunSpec, cfg: TrainConfig, shape: TrainShape, save: bool) -> tu
             if save:
                 model.save_pretrained(Path(tmp) / name, safe_serialization=True)
 
-        return train_run(spec, cfg, stream[: len(stream) // 2], stream[len(stream) // 2 :], shape.vocab,
-                         shape.seq_len, "gpu-check", save_checkpoint)
+        record, steps = train_run(spec, cfg, stream[: len(stream) // 2], stream[len(stream) // 2 :], shape.vocab,
+                                  shape.seq_len, "gpu-check", save_checkpoint, on_step=lambda *_: clock.tick())
+    return record, steps, clock
 
 
 def compare_training(arch: str, recipe: str, shape: TrainShape, device: torch.device, compile: bool = False) -> Outcome:
@@ -219,8 +222,8 @@ def compare_training(arch: str, recipe: str, shape: TrainShape, device: torch.de
     on_device = _train_config(shape, device.type, compile, geometry_interval=1, exact_rows=shape.vocab)
     on_cpu = _train_config(shape, "cpu", False, geometry_interval=shape.steps,
                            exact_rows=min(shape.vocab, _CPU_EXACT_DIAM_ROWS))
-    dev_record, dev_steps = _train(spec, on_device, shape, shape.save_checkpoints)
-    cpu_record, cpu_steps = _train(spec, on_cpu, shape, save=False)
+    dev_record, dev_steps, dev_clock = _train(spec, on_device, shape, shape.save_checkpoints)
+    cpu_record, cpu_steps, cpu_clock = _train(spec, on_cpu, shape, save=False)
     if dev_record.diverged or cpu_record.diverged:
         return Outcome(f"diverged: device at {dev_record.diverged_at_step}, cpu at {cpu_record.diverged_at_step}",
                        passed=False)
@@ -231,7 +234,7 @@ def compare_training(arch: str, recipe: str, shape: TrainShape, device: torch.de
     }
     relative = np.abs(_column(dev_steps, "train_loss") / _column(cpu_steps, "train_loss") - 1)
     invariant = hilbert_invariant(dev_steps)
-    first_step_s = float(dev_steps["step_time_s"][0].as_py())
+    first_step_s = dev_clock.step_times[0]
     overall = combine(losses)
     return Outcome(
         f"{shape.steps} steps: loss rel Δ ≤ {relative.max():.1e} (per step {_short(relative)}); "
@@ -240,7 +243,7 @@ def compare_training(arch: str, recipe: str, shape: TrainShape, device: torch.de
         + (f"; first step (compiles) {first_step_s:.1f} s" if compile else ""),
         {"losses": losses, "relative_loss_diff": relative, "invariant": invariant,
          "device_train_loss": _column(dev_steps, "train_loss"), "cpu_train_loss": _column(cpu_steps, "train_loss"),
-         "device_wall_s": dev_record.wall_time_s, "cpu_wall_s": cpu_record.wall_time_s, "first_step_s": first_step_s},
+         "device_wall_s": dev_clock.wall_time_s, "cpu_wall_s": cpu_clock.wall_time_s, "first_step_s": first_step_s},
         overall.passed and invariant["held"] == invariant["logged"] == shape.steps,
     )
 

@@ -1,5 +1,6 @@
 """`lmgeo check-model` (can Study A analyse this model?) and `lmgeo families` (which of transformers'
-causal-LM families it verifies, written to `docs/families.md`). Neither is a DVC stage."""
+causal-LM families it verifies, written to `docs/families.md`; the coverage itself is `tools/families.py`).
+Neither is a DVC stage."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def write_coverage(out: Path | None, only: list[str] | None) -> str:
 
     from pipeline.core.provenance import versions
     from pipeline.core.store import atomic_write
-    from pipeline.tools.families import causal_lm_types, coverage, render_markdown
+    from tools.families import causal_lm_types, coverage, render_markdown
 
     torch.set_num_threads(1)  # tiny models: more threads only contend
     rows = coverage(only or causal_lm_types())

@@ -1,4 +1,4 @@
-"""`python -m pipeline.tools.gpucheck` (`make gpu-check`): install what the machine lacks from the carried
+"""`python -m tools.gpucheck` (`make gpu-check`): install what the machine lacks from the carried
 wheels, then run the plan and write `gpu.json` and `gpu.md` under `--out` (default `$OUT`, else
 `build/gpu-check/`). Exit status 1 when a comparison failed or an item raised."""
 
@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pipeline.tools.gpucheck import wheels
+from tools.gpucheck import wheels
 
 # Items start only within this many seconds: a first run and a rerun of what it could not finish must both
 # fit one session's 15 minutes of device time, machine start-ups included.
@@ -32,7 +32,7 @@ def cuda_missing() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.tools.gpucheck", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.gpucheck", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the stand-in run, both sides on the CPU at tiny sizes (proves the code path only)")
     parser.add_argument("--wheels", type=Path, default=wheels.WHEEL_DIR, help="carried wheels (make gpu-wheels)")
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace, install: dict) -> int:
     from transformers.utils import logging as transformers_logging
 
     from pipeline.core.provenance import machine
-    from pipeline.tools.gpucheck import compat, plan, summary
+    from tools.gpucheck import compat, plan, summary
 
     # The device returns only the last 12,000 characters of output: keep them for the check's own lines
     # (everything it finds is in gpu.json and gpu.md anyway).
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace, install: dict) -> int:
     cuda = device.type == "cuda"
     header = {
         "mode": "CUDA" if cuda else "CPU stand-in (no GPU figures)",
-        "command": " ".join(["python -m pipeline.tools.gpucheck", *sys.argv[1:]]),
+        "command": " ".join(["python -m tools.gpucheck", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(device) if cuda else "the CPU",
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         "budget_s": args.budget_s,

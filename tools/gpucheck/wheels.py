@@ -9,8 +9,8 @@ when it runs (`imported_distributions`), and their requirements, less what the m
 x86-64 Linux. A requirement that the machine has, but that a carried wheel constrains (pydantic needs a
 recent typing-extensions), is carried too; the machine installs it only if its own version falls short.
 
-    python -m pipeline.tools.gpucheck.wheels list       # what would be carried, and why
-    python -m pipeline.tools.gpucheck.wheels download   # `make gpu-wheels`: fetch them into .whl/
+    python -m tools.gpucheck.wheels list       # what would be carried, and why
+    python -m tools.gpucheck.wheels download   # `make gpu-wheels`: fetch them into .whl/
 
 Installing (`install_missing`) uses the standard library and `packaging` only: it runs on the machine
 before anything else is importable.
@@ -34,7 +34,7 @@ from pathlib import Path
 
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 WHEEL_DIR = REPO / ".whl"
 TRAVEL_LIMIT_BYTES = 64 * 2**20  # what may travel to the device machine: repo + carried wheels
 MACHINE_PACKAGES = Path(__file__).with_name("machine_packages.txt")
@@ -53,7 +53,7 @@ TARGET_MARKERS = {
 # imports happen only inside a forward (transformers imports mambapy in Mamba's scan).
 _EXERCISE = """
 import json, sys
-import pipeline.tools.gpucheck.plan
+import tools.gpucheck.plan
 import torch
 from pipeline.models.config import ModelSize
 from pipeline.models.registry import FAMILIES, build_model
@@ -277,7 +277,7 @@ def install_missing(wheel_dir: Path, target: Path) -> dict[str, object]:
 
 # ------------------------------------------------------------------------------------------ CLI
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.tools.gpucheck.wheels",
+    parser = argparse.ArgumentParser(prog="python -m tools.gpucheck.wheels",
                                      description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=("list", "download"))
     parser.add_argument("--to", type=Path, default=WHEEL_DIR, help="folder for the wheels (default .whl/, git-ignored)")

@@ -1,4 +1,4 @@
-"""`lmgeo rehearse`: the seed-scale rehearsal of Study A (`pipeline.tools.rehearsal`), written to
+"""`lmgeo rehearse`: the seed-scale rehearsal of Study A (`tools/rehearsal.py`), written to
 `docs/scale.md` (and the raw measurements beside it as JSON). Not a DVC stage."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def rehearse(params: Params, preset: Path, out: Path | None, only: list[str] | N
     from pipeline.core.config import flatten_overrides, load_yaml
     from pipeline.core.provenance import machine
     from pipeline.core.store import atomic_write
-    from pipeline.tools.rehearsal import SEED_CONFIGS, Node, Slice, Study, as_json, rehearse_all, render_markdown
+    from tools.rehearsal import SEED_CONFIGS, Node, Slice, Study, as_json, rehearse_all, render_markdown
 
     study = Study.of(apply_overrides(params, flatten_overrides(load_yaml(preset))))
     size = Slice()

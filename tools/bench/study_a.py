@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.tools.bench.measure import bar, interleaved
-from pipeline.tools.bench.sizes import KnnVsFaissSize, PatchingSize
+from tools.bench.measure import bar, interleaved
+from tools.bench.sizes import KnnVsFaissSize, PatchingSize
 
 
 def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import traceback
 from importlib import metadata
 from typing import Any
 
-from pipeline.tools.gpucheck.summary import Outcome
+from tools.gpucheck.summary import Outcome
 
 # Too big to travel to the CUDA machine (Ray's wheel alone is 79 MB) and not needed by the library path
 # the check runs: a module that needs one of them is reported as such, not as a failure.

@@ -9,7 +9,7 @@ import numpy as np
 
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.tools.bench.measure import (
+from tools.bench.measure import (
     bar,
     current_rss_bytes,
     interleaved,
@@ -18,8 +18,8 @@ from pipeline.tools.bench.measure import (
     reset_peak_rss,
     run_fresh,
 )
-from pipeline.tools.bench.sizes import FitScale, KnnSize, fit_bench_classes, identifiable_k
-from pipeline.tools.bench.synthetic import synthetic_states
+from tools.bench.sizes import FitScale, KnnSize, fit_bench_classes, identifiable_k
+from tools.bench.synthetic import synthetic_states
 
 
 def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, float | int]:

@@ -12,9 +12,9 @@ from pipeline.models.config import ModelSize
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
-from pipeline.tools.bench.measure import bar, interleaved, profile_top
-from pipeline.tools.bench.sizes import RecipeSize
-from pipeline.tools.bench.synthetic import token_ids
+from tools.bench.measure import bar, interleaved, profile_top
+from tools.bench.sizes import RecipeSize
+from tools.bench.synthetic import token_ids
 
 
 def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dict[str, Any]:

@@ -28,12 +28,12 @@ from pipeline.models.registry import FAMILIES
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
-from pipeline.tools.gpucheck import compare, compat, speed
-from pipeline.tools.gpucheck.compare import StudyAShape, TrainShape
-from pipeline.tools.gpucheck.speed import FitRun, KnnRun, ModelRun
-from pipeline.tools.gpucheck.summary import Outcome, Result
+from tools.gpucheck import compare, compat, speed
+from tools.gpucheck.compare import StudyAShape, TrainShape
+from tools.gpucheck.speed import FitRun, KnnRun, ModelRun
+from tools.gpucheck.summary import Outcome, Result
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 GPT2_SMALL_WIDTH = ModelSize(d_model=768, n_layers=2, n_heads=12, d_state=16, expand=2)
 GPT2_SMALL = ModelSize(d_model=768, n_layers=12, n_heads=12)
 GPT2_VOCAB = 50304  # GPT-2's 50,257 rounded up to a multiple of 64

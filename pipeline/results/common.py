@@ -1,0 +1,136 @@
+"""What Study A's and Study B's results share: the rows the report reads, missing values, the metrics'
+rounding, the Markdown cells and tables, and the figures' axes, grid and saving."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn (not in `aggregate`)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.text import Text
+
+Row = dict[str, Any]
+Tables = dict[str, list[Row]]
+
+
+def none_if_nan(x: float) -> float | None:
+    return None if math.isnan(x) else x
+
+
+def _round(x: Any) -> Any:
+    if isinstance(x, float):
+        return float(f"{x:.6g}")
+    return x
+
+
+def measured(record: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: _round(v) for k, v in record.items()
+        if v is not None and not (isinstance(v, float) and not math.isfinite(v))
+    }  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------- markdown
+def num(x: Any, digits: int = 3) -> str:
+    """`digits` significant digits, but whole numbers in full where those would need an exponent (99.9 → 100)."""
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "–"
+    if not isinstance(x, float):
+        return str(x)
+    short = f"{x:.{digits}g}"
+    return f"{x:.0f}" if "e+" in short and abs(x) < 1e6 else short
+
+
+def percent(fraction: float | None) -> str:
+    return "–" if fraction is None else f"{100 * fraction:.0f}%"
+
+
+def interval(mean: Any, low: Any, high: Any, digits: int = 3) -> str:
+    """`mean [low, high]`; the mean alone where there is no interval (one seed)."""
+    if low is None and high is None:
+        return num(mean, digits)
+    return f"{num(mean, digits)} [{num(low, digits)}, {num(high, digits)}]"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(v if isinstance(v, str) else num(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def median(values: Sequence[float | None]) -> float | None:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return float(np.median(finite)) if finite else None
+
+
+# ----------------------------------------------------------------------------------------- figures
+@dataclass(frozen=True)
+class Axis:
+    """A plotted quantity: the column it reads and the label its axis carries."""
+
+    column: str
+    label: str
+    log: bool = False
+
+
+def axis_labels(fig: Figure) -> list[dict[str, Any]]:
+    """Title, x and y label of every panel that has data (colour bars excluded), as drawn, and whether all
+    three lie inside the figure (a long label is cut off at the edge, unreadable)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    box = fig.bbox
+
+    def inside(text: Text) -> bool:
+        extent = text.get_window_extent(renderer)
+        return not text.get_text() or (extent.x0 >= box.x0 - 1 and extent.x1 <= box.x1 + 1 and
+                                       extent.y0 >= box.y0 - 1 and extent.y1 <= box.y1 + 1)  # fmt: skip
+
+    return [{"title": ax.get_title(), "x": ax.get_xlabel(), "y": ax.get_ylabel(),
+             "inside": all(inside(t) for t in (ax.title, ax.xaxis.label, ax.yaxis.label))}
+            for ax in fig.axes if ax.has_data() and not hasattr(ax, "_colorbar")]  # fmt: skip
+
+
+def panel_grid(rows: int, cols: int, width: float = 4.0, height: float = 3.0) -> tuple[Figure, np.ndarray]:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width * cols, height * rows), layout="constrained")
+    axes = np.array([[fig.add_subplot(rows, cols, r * cols + c + 1) for c in range(cols)] for r in range(rows)])
+    return fig, axes
+
+
+def label_axes(ax: Axes, title: str, x: str, quantity: Axis) -> None:
+    ax.set_title(title)
+    ax.set_xlabel(x)
+    ax.set_ylabel(quantity.label)
+    if quantity.log and ax.has_data():
+        ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+    if ax.has_data():
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+
+
+class Figures:
+    """Saves figures, keeps the labels each one was drawn with, and returns the Markdown that shows it."""
+
+    def __init__(self, directory: Path, link_prefix: Path) -> None:
+        self.directory = directory
+        self.link_prefix = link_prefix
+        self.labels: dict[str, list[dict[str, Any]]] = {}
+
+    def show(self, figure: Figure | None, name: str, caption: str) -> str:
+        if figure is None:
+            return ""
+        self.labels[name] = axis_labels(figure)
+        figure.savefig(self.directory / f"{name}.png", dpi=100, metadata={"Software": None})
+        return f"![{caption}]({(self.link_prefix / f'{name}.png').as_posix()})\n\n*{caption}*\n"

@@ -1,0 +1,156 @@
+"""Study A's part of the report (`pipeline.results.report`): the claims of the seed in the summary, and the
+section with the models, init vs trained and the figures."""
+
+from __future__ import annotations
+
+from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
+from pipeline.results.study_a import figures as fig
+from pipeline.results.study_a.claims import CLAIMS, INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimSummary
+
+NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
+             "other": "other anchor's residual", "zero": "0"}  # fmt: skip
+
+
+def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
+    """One row per claim, one column per trained architecture (and external model): the verdict, and the
+    test that decides it (statistic vs null, effect with its CI)."""
+    trained = [c for c in claims if not c.subject.endswith("@init")]
+    if not trained:
+        why = ("no claim could be tested (no null samples, or fewer than 10 complete anchors per layer)" if fitted
+               else "Study A was not run (no fits)")  # fmt: skip
+        return f"**Study A (the seed's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
+    subjects = sorted({c.subject for c in trained})
+    at = {(c.subject, c.claim): c for c in trained}
+    rows = []
+    for claim in CLAIMS:
+        if any((s, claim.name) in at for s in subjects):
+            cells = [_claim_cell(at.get((s, claim.name))) for s in subjects]
+            rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
+    head = ("**Study A: the seed's claims on the trained models**, each against its null over layers and seeds "
+            "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
+            "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
+            "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A below.\n")  # fmt: skip
+    table = markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
+    return f"{head}\n{table}\n{_plain_claims(trained)}"
+
+
+def _claim_cell(c: ClaimSummary | None) -> str:
+    if c is None:
+        return "not measured"
+    t = c.weakest
+    effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
+    null = NULL_TEXT.get(t["null"], t["null"])
+    versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
+    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null})"
+
+
+def _plain_claims(trained: list[ClaimSummary]) -> str:
+    """The table in words: which claims hold everywhere, nowhere, and where the data cannot decide."""
+    by_claim: dict[str, set[str]] = {}
+    for c in trained:
+        by_claim.setdefault(c.claim, set()).add(c.verdict)
+    groups = {
+        "Supported wherever measured": [n for n, v in by_claim.items() if v == {SUPPORTED}],
+        "Not supported anywhere": [n for n, v in by_claim.items() if v == {NOT_SUPPORTED}],
+        "The data cannot decide (inconclusive everywhere)": [n for n, v in by_claim.items() if v == {INCONCLUSIVE}],
+        "Differs by architecture or class": [n for n, v in by_claim.items()
+                                             if len(v) > 1 or not v <= {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}],
+    }  # fmt: skip
+    lines = [f"- {label}: {', '.join(f'`{n}`' for n in names)}." for label, names in groups.items() if names]
+    return "\n".join(lines) + "\n"
+
+
+def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str:
+    out = ["## Study A: layer-update geometry\n"]
+    if not tables["geometry"]:
+        return out[0] + "\nStudy A was not run: there are no fits.\n"
+    out.append(
+        "Per model and layer a tokenwise map T is fitted on each anchor's nearest neighbours; Δ_full = h_{l+1} − h_l "
+        "splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Each claim is tested against nulls (SPEC "
+        "§4.5): the geometric ones against the same fits on shuffled pairs and on a Gaussian pool, the functional "
+        "ones against patches of norm ‖r‖ in a random direction or along another anchor's residual. Effect = "
+        "statistic − null, stratified over layers and seeds. **Supported**: CI above 0 and effect ≥ the claim's "
+        "margin; **not supported**: CI below the margin; **inconclusive**: otherwise.\n"
+    )  # fmt: skip
+    out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
+    if claims:
+        out.append("### Init vs trained\n")
+        out.append(_init_vs_final(claims))
+    out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
+                            "Verdict of each claim per layer (colour: +1 supported, −1 not supported, averaged over "
+                            "classes; each class combined over its nulls)."))  # fmt: skip
+    out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
+                            "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
+                            "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip
+    out.append("Every test per class, null and layer: `lmgeo query \"SELECT * FROM claim_tests\"` "
+               "(`scope = 'stratified'` for the summary's rows).\n")  # fmt: skip
+    return "\n".join(part for part in out if part)
+
+
+def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
+    """One row per distinct model (each distinct initialisation once): how well posed its fits are, what
+    was excluded as non-finite, and per class rel_err with `cos_full_tok` beside the bound √(1 − rel_err²)
+    that rel_err alone implies."""
+    real = [g for g in geometry if g["sample"] == "real"]
+    fns = list(dict.fromkeys(p["fn"] for p in pooled))
+    at = {(p["model"], p["fn"]): p for p in pooled}
+    rows = []
+    for model in sorted({p["model"] for p in pooled}):
+        layers = [g for g in real if g["model"] == model]
+        classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
+        distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
+        row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
+               f"{max(g['n_degenerate'] / g['n'] for g in layers):.0%}",
+               (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
+                f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
+        for fn in fns:
+            p = at.get((model, fn))
+            bound = median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
+            fit = f"{num(p['layer_median_rel_err'], 2)} · {num(p['layer_median_cos_full_tok'], 2)}" if p else None
+            row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
+        rows.append(row)
+    note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
+            "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose neighbourhood "
+            "cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left out of every "
+            "statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); the bound follows "
+            "from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. Per layer: "
+            "`lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
+    header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
+        f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
+    return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
+
+
+def _ill_posed(real: list[Row]) -> str:
+    """In words, where the data cannot support per-layer statements: pools with fewer than 10·k distinct
+    inputs, and layers where some neighbourhoods cannot identify the map."""
+    small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
+                    if g["n_distinct"] is not None and g["n_distinct"] < 10 * g["k"]})  # fmt: skip
+    degenerate = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_degenerate"]})
+    lines = []
+    if small:
+        lines.append(f"**Not well posed**: fewer than 10·k distinct inputs in {len(small)} (model, layer) pools "
+                     f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}); the claims there rest on repeated "
+                     "tokens and should not be read as evidence either way.")  # fmt: skip
+    if degenerate:
+        lines.append(f"Degenerate neighbourhoods (left out) in {len(degenerate)} (model, layer) pairs: the verdicts "
+                     "there rest on the remaining anchors only.")  # fmt: skip
+    return "".join(f"\n{line}\n" for line in lines)
+
+
+def _init_vs_final(claims: list[ClaimSummary]) -> str:
+    """Is the structure there at random initialisation, or does training make it? Per claim and subject."""
+    at = {(c.subject, c.claim): c for c in claims}
+    bases = sorted({c.subject.rsplit("@", 1)[0] for c in claims})
+    rows = []
+    for claim in CLAIMS:
+        trained = [at.get((f"{b}@final", claim.name)) or at.get((b, claim.name)) for b in bases]
+        cells = [_trained_vs_init(t, at.get((f"{b}@init", claim.name))) for b, t in zip(bases, trained, strict=True)]
+        if any(cell != "–" for cell in cells):
+            rows.append([f"`{claim.name}`", *cells])
+    return markdown_table(["claim"] + [f"{b}: trained / init" for b in bases], rows)
+
+
+def _trained_vs_init(final: ClaimSummary | None, init: ClaimSummary | None) -> str:
+    if final is None and init is None:
+        return "–"
+    return f"{final.verdict if final else '–'} / {init.verdict if init else '–'}"

@@ -1,0 +1,213 @@
+"""Study A's result tables (SPEC §4.4, §4.5): every fit row with its perturbation (the `anchors` view),
+summaries per (model, layer, class, sample) and pooled, the angle histogram, Spearman(rel_err, kl) per layer
+and stratified, the claims' tests against their nulls (`pipeline.results.study_a.claims`); and its part of
+the DVC metrics (`pipeline.results.aggregate`)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import duckdb
+import numpy as np
+import pyarrow as pa
+
+from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, parse_run_id, table_id_sql
+from pipeline.models.registry import FAMILIES
+from pipeline.results.common import measured, none_if_nan
+from pipeline.results.config import ReportConfig
+from pipeline.results.stats import spearman_by_layer
+from pipeline.results.study_a.claims import Stratum, claim_tests, summarise
+
+ANGLE_BIN_DEG = 10
+# `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
+HEADLINE_EXCLUDED = ("cos_full_tok_near_1",)
+
+
+def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
+    """Every fit row (all samples) with its perturbation values (real sample only)."""
+    finite = ", ".join(f"CASE WHEN isfinite(f.{c}) THEN f.{c} END AS {c}" for c in FIT_METRICS)
+    any_nonfinite = " OR ".join(f"NOT isfinite(f.{c})" for c in FIT_METRICS)
+    kl = ", ".join(f"CASE WHEN isfinite(p.{c}) THEN p.{c} END AS {c}" for c in PERTURB_METRICS)
+    con.execute(f"""
+        CREATE TEMP VIEW anchors AS
+        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
+               coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
+               f.degenerate, f.subspace_tied, f.converged, {kl}
+        FROM fits f LEFT JOIN perturb p
+          ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
+             AND f.seq_id = p.seq_id AND f.pos = p.pos
+    """)  # fmt: skip
+
+
+def _model_facts() -> str:
+    """SQL columns run, checkpoint, arch and family (the registered family's kind; for an external model,
+    the kind of the registered family whose model type its id names, else transformer)."""
+    kinds = " ".join(
+        f"WHEN split_part(model, '-', 1) = '{f.name}' OR lower(model) LIKE '%{f.model_type}%' THEN '{f.kind}'"
+        for f in FAMILIES if f.kind != "transformer"
+    )
+    return f"""
+    nullif(regexp_extract(model, '^(.*)@(init|final)$', 1), '') AS run,
+    nullif(regexp_extract(model, '^(.*)@(init|final)$', 2), '') AS checkpoint,
+    CASE WHEN regexp_matches(model, '@(init|final)$') THEN split_part(model, '-', 1) END AS arch,
+    CASE {kinds} ELSE 'transformer' END AS family
+"""
+_ALL_METRICS = FIT_METRICS + PERTURB_METRICS
+
+
+def _summaries() -> str:
+    return ", ".join(f"avg({c}) AS mean_{c}, median({c}) AS median_{c}" for c in _ALL_METRICS)
+
+
+def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Per (model, layer, class, sample): summaries, and what SPEC §4.5 asks to count per layer."""
+    return con.sql(f"""
+        SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
+               max(n_distinct) AS n_distinct, max(k) AS k,
+               count(*) FILTER (WHERE degenerate) AS n_degenerate,
+               count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
+               count(*) FILTER (WHERE NOT converged) AS n_not_converged,
+               count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
+               median(CASE WHEN rel_err < 1 THEN sqrt(1 - rel_err * rel_err) END) AS median_cos_bound
+        FROM anchors GROUP BY model, layer, fn, sample ORDER BY model, layer, fn, sample
+    """).to_arrow_table()  # fmt: skip
+
+
+def geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    """Descriptive medians of the real sample over every anchor of every layer (the claims never use them:
+    they are tested per layer, `claim_tests`)."""
+    over_layers = ", ".join(f"median(median_{c}) AS layer_median_{c}" for c in _ALL_METRICS)
+    return con.sql(f"""
+        WITH pooled AS (
+            SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
+                   count(*) FILTER (WHERE degenerate) AS n_degenerate,
+                   count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
+            FROM anchors WHERE sample = 'real' GROUP BY model, fn
+        ), per_layer AS (
+            SELECT model, fn, sum(n_nonfinite) AS n_nonfinite, {over_layers}
+            FROM geometry WHERE sample = 'real' GROUP BY model, fn
+        )
+        SELECT model, fn, {_model_facts()}, p.n, p.n_layers, l.n_nonfinite,
+               p.* EXCLUDE (model, fn, n, n_layers), l.* EXCLUDE (model, fn, n_nonfinite)
+        FROM pooled p JOIN per_layer l USING (model, fn)
+        ORDER BY model, fn
+    """).to_arrow_table()  # fmt: skip
+
+
+def angles_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
+    bins = 180 // ANGLE_BIN_DEG
+    return con.sql(f"""
+        WITH real AS (SELECT * FROM anchors WHERE sample = 'real'),
+        groups AS (SELECT DISTINCT model, fn FROM real WHERE angle_res_tok IS NOT NULL),
+        grid AS (SELECT model, fn, b FROM groups, range({bins}) t(b)),
+        counts AS (
+            SELECT model, fn, least(floor(angle_res_tok / {ANGLE_BIN_DEG}), {bins - 1})::BIGINT AS b, count(*) AS c
+            FROM real WHERE angle_res_tok IS NOT NULL GROUP BY ALL
+        )
+        SELECT g.model, g.fn, (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
+               coalesce(c.c, 0) AS count,
+               coalesce(c.c, 0) / sum(coalesce(c.c, 0)) OVER (PARTITION BY g.model, g.fn) AS fraction
+        FROM grid g LEFT JOIN counts c USING (model, fn, b)
+        ORDER BY g.model, g.fn, g.b
+    """).to_arrow_table()  # fmt: skip
+
+
+CORRELATIONS_SCHEMA = pa.schema(
+    [("model", pa.string()), ("fn", pa.string()), ("scope", pa.string()), ("layer", pa.int32()),
+     ("n", pa.int64()), ("spearman", pa.float64()), ("ci_low", pa.float64()), ("ci_high", pa.float64())]
+)  # fmt: skip
+
+
+def correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
+    """Spearman(rel_err, kl) per (model, fn, layer), and `stratified` over layers (the mean of the layers'
+    rhos, never rows of different layers ranked together; layer null)."""
+    pairs = con.sql("""
+        SELECT model, fn, layer, rel_err, kl FROM anchors
+        WHERE sample = 'real' AND rel_err IS NOT NULL AND kl IS NOT NULL ORDER BY model, fn, layer, seq_id, pos
+    """).fetchnumpy()  # fmt: skip
+    rows = []
+    for model, fn in dict.fromkeys(zip(pairs["model"].tolist(), pairs["fn"].tolist(), strict=True)):
+        g = (pairs["model"] == model) & (pairs["fn"] == fn)
+        by_layer = spearman_by_layer(pairs["layer"][g], pairs["rel_err"][g], pairs["kl"][g],
+                                     n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)  # fmt: skip
+        stratified = by_layer.pop("stratified", None)
+        for layer, c in ([(None, stratified)] if stratified else []) + sorted(by_layer.items()):
+            rows.append({
+                "model": model, "fn": fn, "scope": "stratified" if layer is None else "layer", "layer": layer, "n": c.n,
+                "spearman": none_if_nan(c.rho), "ci_low": none_if_nan(c.low), "ci_high": none_if_nan(c.high),
+            })  # fmt: skip
+    return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
+
+
+def claim_tests_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
+    """Every claim of the seed against its nulls, per stratum and stratified (`claims.claim_tests`)."""
+    return claim_tests(_strata(con), n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)
+
+
+def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
+    """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
+    (`<sample>.<column>`), the null patches' KLs, and `global_linear`'s left-out rel_err (`global.rel_err`)."""
+    columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
+               "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
+    table = con.sql(f"""
+        SELECT model, layer, fn, sample, seq_id, pos, {", ".join(columns)} FROM anchors
+        ORDER BY model, layer, fn, sample, seq_id, pos
+    """).fetchnumpy()  # fmt: skip
+    groups: dict[tuple[str, int, str, str], dict[str, np.ndarray]] = {}
+    keys = list(zip(table["model"].tolist(), table["layer"].tolist(), table["fn"].tolist(), table["sample"].tolist(), strict=True))
+    anchor = table["seq_id"].astype(np.int64) * 2**32 + table["pos"]
+    for key, (start, stop) in _runs(keys).items():
+        groups[key] = {"anchor": anchor[start:stop], **{c: _floats(table[c][start:stop]) for c in columns}}
+    strata = []
+    for (model, layer, fn, sample), real in groups.items():
+        if sample != "real":
+            continue
+        cols = {c: real[c] for c in columns}
+        for other, values in ((s, groups.get((model, layer, fn, s))) for s in ("shuffled", "gaussian")):
+            if values is not None:
+                cols |= {f"{other}.{c}": _aligned(real["anchor"], values["anchor"], values[c]) for c in columns}
+        glob = groups.get((model, layer, "global_linear", "real"))
+        if glob is not None:
+            cols["global.rel_err"] = _aligned(real["anchor"], glob["anchor"], glob["rel_err"])
+        strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
+    return strata
+
+
+def _runs(keys: list[tuple[Any, ...]]) -> dict[tuple[Any, ...], tuple[int, int]]:
+    """Start and stop of each run of equal keys in a sorted list."""
+    bounds: dict[tuple[Any, ...], tuple[int, int]] = {}
+    for i, key in enumerate(keys):
+        start = bounds.get(key, (i, i))[0]
+        bounds[key] = (start, i + 1)
+    return bounds
+
+
+def _floats(values: Any) -> np.ndarray:
+    return np.ma.filled(np.ma.asarray(values, dtype=float), np.nan)
+
+
+def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """`values` (keyed by the sorted `other` anchors) at `anchors`; NaN where an anchor is missing."""
+    where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
+    found = len(other) > 0 and other[where] == anchors
+    return np.where(found, values[where] if len(other) else np.nan, np.nan)
+
+
+def _subject(model: str) -> str:
+    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
+    combined), the model id for an external model."""
+    match = re.match(r"^(.*)@(init|final)$", model)
+    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
+
+
+def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
+    """Study A's part of the DVC metrics (`pipeline.results.aggregate`): per trained arch (`@final`) and
+    external model, each claim's deciding effect and its verdict score."""
+    study_a: dict[str, dict[str, Any]] = {}
+    for s in summarise(tables["claim_tests"].to_pylist()):
+        if not s.subject.endswith("@init") and s.claim not in HEADLINE_EXCLUDED:
+            study_a.setdefault(s.subject.removesuffix("@final"), {})[s.claim] = measured(
+                {"effect": s.weakest["effect"], "verdict": s.score}
+            )
+    return study_a

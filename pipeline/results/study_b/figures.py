@@ -1,0 +1,125 @@
+"""Study B's figures, one per question, from the rows of the result tables (SPEC §2): the comparison with
+`muon`, the validation loss, the head step's geometry.
+
+Each function returns a matplotlib ``Figure`` (the Agg canvas through ``Figure``: no display, no global
+pyplot state) or None when it has nothing to draw. Panels are small multiples by architecture, lines by
+recipe: a figure stays readable whatever the number of seeds. Every axis is labelled from the quantity it
+draws (``Axis``), never from a loop variable, and ``axis_labels`` (``pipeline.results.common``) reads the
+labels back from the drawn figure so that a test can compare them with what each panel plots.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from matplotlib.figure import Figure
+
+from pipeline.results.common import Axis, Row, label_axes, median, panel_grid
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
+
+# One colour per recipe, in registry order (a qualitative palette: ten distinct colours).
+PALETTE = ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:red", "tab:orange", "tab:green",
+           "tab:pink", "tab:cyan")  # fmt: skip
+
+
+VAL_LOSS = Axis("val_loss", "validation loss (nats)")
+HEAD_STEP = (
+    Axis("hilbert_bound", "hilbert_bound: worst-case nats per step", log=True),
+    Axis("tightness", "hilbert_realized / hilbert_bound"),
+    Axis("equi_ratio", "equi_ratio (min / max row distance)"),
+)
+STEP = "training step"
+
+
+def _recipe_color(recipe: str) -> str:
+    return PALETTE[RECIPES.order(recipe)[0] % len(PALETTE)] if recipe in RECIPES else "black"
+
+
+def _archs(rows: Sequence[Row]) -> list[str]:
+    return sorted({r["arch"] for r in rows if r["arch"]})
+
+
+def _recipes(rows: Sequence[Row]) -> list[str]:
+    return sorted({r["recipe"] for r in rows if r["recipe"]}, key=RECIPES.order)
+
+
+def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
+    """Does any head recipe beat `muon`? Per arch: each recipe's paired difference of the final test loss to
+    `muon` on the same seed (dots), its mean and t-interval (bar)."""
+    reference = baseline().name
+    archs = [a for a in _archs(recipes) if any(r["arch"] == a and r["diff_vs_muon"] is not None for r in recipes)]
+    if not archs:
+        return None
+    fig, axes = panel_grid(1, len(archs), width=4.6, height=0.45 * len(_recipes(recipes)) + 1.4)
+    for ax, arch in zip(axes[0], archs, strict=True):
+        base = _test_loss_by_seed(runs, arch, reference)
+        rows = [r for r in recipes if r["arch"] == arch and r["recipe"] != reference]
+        for y, r in enumerate(rows):
+            mine = _test_loss_by_seed(runs, arch, r["recipe"])
+            diffs = [mine[s] - base[s] for s in sorted(mine.keys() & base.keys())]
+            ax.scatter(diffs, np.full(len(diffs), y), s=12, color=_recipe_color(r["recipe"]), alpha=0.7, zorder=3)
+            if r["diff_vs_muon"] is not None and r["diff_ci_low"] is not None:
+                spread = [[r["diff_vs_muon"] - r["diff_ci_low"]], [r["diff_ci_high"] - r["diff_vs_muon"]]]
+                ax.errorbar(r["diff_vs_muon"], y, xerr=spread, fmt="o", color="black", capsize=4, zorder=4)
+        ax.axvline(0, color="gray", linewidth=1)
+        ax.set_yticks(range(len(rows)), [r["recipe"] for r in rows])
+        ax.invert_yaxis()
+        ax.set_title(arch)
+        ax.set_xlabel(f"final test loss − {reference}'s, same seed (nats)")
+        ax.set_ylabel("head recipe")
+        ax.grid(axis="x", alpha=0.3)
+    return fig
+
+
+def _test_loss_by_seed(runs: Sequence[Row], arch: str, recipe: str) -> dict[int, float]:
+    mine = [r for r in runs if r["arch"] == arch and r["recipe"] == recipe and not r["diverged"]]
+    return {r["seed"]: r["final_test_loss"] for r in mine if r["final_test_loss"] is not None}
+
+
+def val_loss(curves: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
+    """How does training progress? Per arch, the validation loss per recipe (mean over seeds)."""
+    return _curves_by_recipe(curves, runs, [VAL_LOSS])
+
+
+def head_step(curves: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
+    """How large are the head steps in Hilbert units, how tight is the bound, how evenly are the update's
+    rows spread? Columns: those quantities; rows: archs; lines: recipes (median over seeds). The dotted line
+    of the equi_ratio panel is random unit rows of the same shape."""
+    return _curves_by_recipe(curves, runs, list(HEAD_STEP), reference={"equi_ratio": "equi_ratio_random"})
+
+
+def _curves_by_recipe(curves: Sequence[Row], runs: Sequence[Row], quantities: list[Axis],
+                      reference: dict[str, str] | None = None) -> Figure | None:  # fmt: skip
+    run_of = {r["run"]: r for r in runs}
+    archs = _archs(runs)
+    if not archs or not any(c[q.column] is not None for c in curves for q in quantities):
+        return None
+    fig, axes = panel_grid(len(archs), len(quantities))
+    for row, arch in zip(axes, archs, strict=True):
+        for ax, quantity in zip(row, quantities, strict=True):
+            here = [c for c in curves if c["run"] in run_of and run_of[c["run"]]["arch"] == arch]
+            for recipe in _recipes([run_of[c["run"]] for c in here]):
+                steps, values = _median_curve([c for c in here if run_of[c["run"]]["recipe"] == recipe], quantity)
+                if steps:
+                    ax.plot(steps, values, color=_recipe_color(recipe), label=recipe, linewidth=1.3,
+                            marker="." if len(steps) < 30 else None)  # fmt: skip
+            level_of = (reference or {}).get(quantity.column)
+            level = median([c[level_of] for c in here]) if level_of else None
+            if level is not None:
+                ax.axhline(level, color="gray", linestyle=":", linewidth=1.2, label="random unit rows")
+            label_axes(ax, arch, STEP, quantity)
+    return fig
+
+
+def _median_curve(curves: Sequence[Row], quantity: Axis) -> tuple[list[int], list[float]]:
+    """Per step, the median over runs of the finite (positive on a log axis) values."""
+    by_step: dict[int, list[float]] = {}
+    for c in curves:
+        v = c[quantity.column]
+        if v is not None and math.isfinite(v) and (v > 0 or not quantity.log):
+            by_step.setdefault(c["step"], []).append(v)
+    steps = sorted(by_step)
+    return steps, [float(np.median(by_step[s])) for s in steps]

@@ -1,0 +1,259 @@
+"""Study B's part of the report (`pipeline.results.report`): the comparison with `muon` in the summary, the
+section (protocol, power, tuning, step geometry, claims, the matched-budget ablation, figures) and the
+per-run appendix."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num, percent
+from pipeline.results.study_b import figures as fig
+from pipeline.results.study_b.tables import POWER, RESOLVE_NATS, SIGNIFICANCE
+from pipeline.study_b.baseline import baseline
+from pipeline.study_b.recipes import RECIPES
+
+def _pooled(sds: Sequence[float | None]) -> float | None:
+    finite = [s for s in sds if s is not None and math.isfinite(s)]
+    return float(np.sqrt(np.mean(np.square(finite)))) if finite else None
+
+
+def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
+    groups: dict[tuple[str, str], list[Row]] = {}
+    for r in rows:
+        if r["arch"] and r["recipe"]:
+            groups.setdefault((r["arch"], r["recipe"]), []).append(r)
+    return dict(sorted(groups.items(), key=lambda g: (g[0][0], RECIPES.order(g[0][1]))))
+
+
+# ----------------------------------------------------------------------------------------- summary
+def comparison_summary(recipes: list[Row]) -> str:
+    """Per arch and recipe: the final test loss, and the paired comparison with `muon` in numbers and in words."""
+    reference = baseline().name
+    rows = [r for r in recipes if r["recipe"] != reference]
+    if not rows:
+        return "**Study B (head optimizers)**: not measured, Study B was not run (no training logs).\n"
+    head = (f"**Study B: each head recipe against `{reference}`** on the held-out test split: final test loss over "
+            f"seeds, and the difference to `{reference}` on the same seeds (paired t-interval, not adjusted; p of the "
+            f"paired t-test, Holm-adjusted over the arch's recipes, decides the reading). *Detectable Δ*: the "
+            f"difference these seeds detect with power {POWER:g}.\n")  # fmt: skip
+    base = {r["arch"]: r["test_loss_mean"] for r in recipes if r["recipe"] == reference}
+    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
+             interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4), num(base.get(r["arch"]), 4),
+             "–" if r["diff_vs_muon"] is None else interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
+             num(r["p_vs_muon_holm"], 2), num(r["detectable_diff"], 2), _reading(r)] for r in rows]  # fmt: skip
+    header = ["arch", "recipe", "seeds", "test loss [95% CI]", f"{reference}'s", f"Δ vs {reference} [95% CI]",
+              "Holm p", "detectable Δ", "reading"]  # fmt: skip
+    return f"{head}\n{markdown_table(header, body)}\n{plain_comparison(rows)}"
+
+
+def plain_comparison(rows: list[Row]) -> str:
+    """The table in words: which recipes are resolved below or above muon, and which the seeds cannot tell."""
+    readings: dict[str, list[str]] = {}
+    for r in rows:
+        reading = _reading(r)
+        key = reading if reading in ("lower than muon", "higher than muon") else "unresolved"
+        key = "not compared" if r["diff_vs_muon"] is None else key
+        readings.setdefault(key, []).append(f"`{r['recipe']}` ({r['arch']})")
+    detectable = median([r["detectable_diff"] for r in rows])
+    lines = [f"- Lower test loss than `muon`: {', '.join(readings.get('lower than muon', [])) or 'no recipe'}.",
+             f"- Higher than `muon`: {', '.join(readings.get('higher than muon', [])) or 'no recipe'}."]  # fmt: skip
+    if "not compared" in readings:
+        lines.append(f"- Not compared (no `muon` run on the same seeds, or every run diverged): "
+                     f"{', '.join(readings['not compared'])}.")  # fmt: skip
+    if "unresolved" in readings:
+        limit = f" (differences below about {num(detectable, 2)} nats are within seed noise)" if detectable else ""
+        lines.append(f"- Not resolved from `muon` with these seeds{limit}: {', '.join(readings['unresolved'])}.")
+    return "\n".join(lines) + "\n"
+
+
+def _reading(r: Row) -> str:
+    """The comparison in words, saying when the seeds cannot resolve it."""
+    p, diff = r["p_vs_muon_holm"], r["diff_vs_muon"]
+    if diff is None:
+        all_diverged = r["n_runs"] and r["n_diverged"] == r["n_runs"]
+        return "every run diverged" if all_diverged else "not compared (no paired seeds)"
+    if p is None:
+        return f"not tested: {r['n_paired']} paired seeds, a test needs 3"
+    if p < SIGNIFICANCE:
+        return "lower than muon" if diff < 0 else "higher than muon"
+    return f"no difference resolved (these seeds detect ≥ {num(r['detectable_diff'], 2)} nats)"
+
+
+# ----------------------------------------------------------------------------------------- section
+def runs_of_kind(rows: list[Row], matched: bool = False) -> list[Row]:
+    """The rows of the default runs (or of the matched-budget runs) of a `runs` or `recipes` table."""
+    return [r for r in rows if bool(r["matched"]) == matched]
+
+
+def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> str:
+    runs, curves, recipes = runs_of_kind(tables["runs"]), tables["curves"], runs_of_kind(tables["recipes"])
+    out = ["## Study B: LM-head update geometry\n"]
+    if not runs:
+        return out[0] + "\nStudy B was not run: there are no training logs.\n"
+    out.append(_protocol(runs, recipes, tuning))
+    out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_vs_muon",
+                            "Final test loss minus muon's on the same seed: seeds (dots), mean and 95% t-interval."))  # fmt: skip
+    out.append(figures.show(fig.val_loss(curves, runs), "study_b_val_loss",
+                            "Validation loss over training, per recipe (mean over seeds)."))  # fmt: skip
+    out.append("### Head step geometry\n")
+    out.append(_geometry_table(runs))
+    out.append(_study_b_claims(tables["claims"]))
+    out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
+                            "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
+                            "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random unit rows)."))  # fmt: skip
+    out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True), figures))
+    return "\n".join(part for part in out if part)
+
+
+def _matched_budget(runs: list[Row], recipes: list[Row], figures: Figures) -> str:
+    """The matched-budget ablation: every recipe again with its head step capped at the same worst-case
+    Hilbert budget, against `muon` under the same cap, and what the cap did to each recipe."""
+    out = ["### Step size vs direction: the matched-budget ablation\n"]
+    if not runs:
+        return out[0] + ("Not in this study (`train.matched_budget` is null): recipes differ in step size as well "
+                         "as direction.\n")  # fmt: skip
+    reference = baseline().name
+    budgets = sorted({r["head_budget_tau"] for r in runs if r["head_budget_tau"] is not None})
+    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
+    out.append(f"Every recipe trained again on seeds {', '.join(map(str, seeds))} with its head step (decay included) "
+               f"scaled down where needed so that diam(ΔW) ≤ tau_t / r_t, tau = {', '.join(map(num, budgets))} nats "
+               f"on the head's schedule, r_t = max ‖h‖ over the batch: recipes compare at equal worst-case nats per "
+               f"step, and where the cap binds only the direction differs. Δ is against `{reference}` under the same "
+               "cap on the same seeds (paired t-interval; Holm over the arch's recipes); *cap's effect*: the matched "
+               "run's test loss minus the same recipe's default run on the same seed.\n")  # fmt: skip
+    capped = {key: median([r["frac_steps_capped"] for r in rs]) for key, rs in _by_arch_recipe(runs).items()}
+    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], percent(capped.get((r["arch"], r["recipe"]))),
+             interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
+             "–" if r["diff_vs_muon"] is None else interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
+             num(r["p_vs_muon_holm"], 2), _reading(r) if r["recipe"] != reference else "–",
+             interval(r["cap_effect"], r["cap_effect_ci_low"], r["cap_effect_ci_high"])] for r in recipes]  # fmt: skip
+    header = ["arch", "recipe", "seeds", "steps capped", "test loss [95% CI]", f"Δ vs {reference} [95% CI]",
+              "Holm p", "reading", "cap's effect [95% CI]"]  # fmt: skip
+    out.append(markdown_table(header, body))
+    out.append(plain_comparison([r for r in recipes if r["recipe"] != reference]))
+    out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_matched_vs_muon",
+                            f"Matched budget: final test loss minus {reference}'s under the same cap, same seed."))  # fmt: skip
+    return "\n".join(out)
+
+
+def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
+    """What an optimizer researcher needs to trust the comparison (SPEC §3.2)."""
+    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
+    lines = [
+        "### Protocol\n",
+        ("- **Splits.** Train, val and test are split by document. Tuning and the curves use val; recipes are "
+         "compared on test, read once per run after its last step (no tuning run reads it)."),
+        (f"- **Seeds.** {len(seeds)} seeds ({', '.join(map(str, seeds))}) per recipe; a seed fixes the initialisation "
+         "and the batch order, so differences are paired. Only the head's optimizer differs (`adamw`: every matrix); "
+         "all recipes run the same steps and tokens."),
+        _power_statement(recipes),
+        _tuning_statement(tuning, runs),
+        ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
+         "well as direction (`hilbert_bound` below); the matched-budget ablation at the end of this section "
+         "compares them at equal worst-case nats per step."),
+        _problem_runs(runs),
+    ]  # fmt: skip
+    return "\n".join(line for line in lines if line) + "\n"
+
+
+def _power_statement(recipes: list[Row]) -> str:
+    """Per arch: the measured seed SD and paired SD, what these seeds detect, and what RESOLVE_NATS needs."""
+    parts = []
+    for arch in sorted({r["arch"] for r in recipes}):
+        paired = [r for r in recipes if r["arch"] == arch and r["diff_sd"] is not None]
+        if not paired:
+            continue
+        needed = [r["seeds_to_resolve"] for r in paired if r["seeds_to_resolve"] is not None]
+        seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
+        paired_sd = _pooled([r["diff_sd"] for r in paired])
+        detectable = median([r["detectable_diff"] for r in paired])
+        parts.append(
+            f"{arch}: seed SD of the test loss {num(seed_sd, 2)} nats, of the paired difference {num(paired_sd, 2)}; "
+            f"{min(r['n_paired'] for r in paired)} paired seeds detect {num(detectable, 2)} nats (power {POWER:g}, "
+            f"α = {SIGNIFICANCE:g}, median over recipes); {RESOLVE_NATS:g} nats would need "
+            f"{max(needed) if needed else 'more than 10,000'} seeds"
+        )
+    more = " More seeds: `dvc exp run $(lmgeo preset presets/resolve.yaml)`."
+    return "- **Power.** " + ("; ".join(parts) + "." + more if parts else "Not measured: fewer than two paired seeds.")
+
+
+def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
+    if not tuning:
+        return "- **Tuning.** No record of the head step-size sweep (`docs/tuning.json`) was found."
+    p = tuning["protocol"]
+    per_recipe: dict[str, set[tuple[str, float]]] = {}
+    for t in tuning["trials"]:
+        if t["arch"] == p["arch"]:
+            per_recipe.setdefault(t["recipe"], set()).add((t["knob"], t["value"]))
+    budgets = sorted({len(v) for v in per_recipe.values()})
+    chosen = {recipe: f"{c['knob']}={c['value']:g}" for recipe, c in tuning["chosen"].items() if c}
+    used = {r["recipe"]: r["head_step"] for r in runs if r["head_step"]}
+    differing = sorted(r for r, step in used.items() if r in chosen and chosen[r] != step)
+    steps = sorted({r["steps"] for r in runs if r["steps"]})
+    horizon = f"{p['steps']} steps, as here" if steps == [p["steps"]] else f"{p['steps']} steps (here: {steps})"
+    transfer = f" Transfer to other architectures: {p['transfer']}." if p.get("transfer") else ""
+    tuned_arch = {r["n_params"] for r in runs if r["arch"] == p["arch"] and r["n_params"]}
+    size = (f" **The tuned model had {p['n_params']:,} parameters ({p['model']['n_layers']} blocks); this study's "
+            f"`{p['arch']}` has {', '.join(f'{n:,}' for n in sorted(tuned_arch))}: the step sizes were not re-tuned "
+            "at this size (`lmgeo tune` does it), so a recipe may be off its best step.**"
+            if tuned_arch and p.get("n_params") and tuned_arch != {p["n_params"]} else "")  # fmt: skip
+    used_note = ("Every recipe ran at its tuned step." if not differing else "Not at the tuned step here: "
+                 + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
+    return (
+        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's head step size, baselines included, was "
+        f"chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} step sizes per recipe "
+        f"({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the "
+        f"mean final **val** loss (a divergence counts as +∞).{transfer} {used_note}{size}"
+    )
+
+
+def _problem_runs(runs: list[Row]) -> str:
+    diverged = [f"`{r['run']}` (step {num(r['diverged_at_step'])})" for r in runs if r["diverged"]]
+    unfinished = [f"`{r['run']}`" for r in runs if not r["finished"]]
+    parts = [f"diverged (left out of the means): {', '.join(diverged)}" if diverged else "no run diverged"]
+    if unfinished:
+        parts.append(f"stopped before a final `run.json` (logged steps only): {', '.join(unfinished)}")
+    return "- **Runs.** " + "; ".join(parts) + "."
+
+
+GEOMETRY_COLUMNS = ("median_hilbert_bound", "median_hilbert_realized_train", "median_head_alignment",
+                    "median_head_alignment_hilbert", "median_equi_ratio", "median_equi_ratio_random")  # fmt: skip
+
+
+def _geometry_table(runs: list[Row]) -> str:
+    """Per arch × recipe, medians over runs of each run's median over logged steps."""
+    rows = [[arch, f"`{recipe}`", *(median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
+            for (arch, recipe), rs in _by_arch_recipe(runs).items()]  # fmt: skip
+    header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its batch", "cos(ΔW, −G)", "descent / hilbert's",
+              "equi_ratio", "random rows"]  # fmt: skip
+    note = ("Medians over logged steps, then seeds. *d_H on its batch*: the largest change of a token's log-probability "
+            "the head step made on the batch it was computed from; *descent / hilbert's*: −⟨G, ΔW⟩ per unit diameter "
+            "relative to the `hilbert` step (SPEC §3.3); *equi_ratio*: min/max row distance of ΔW on a fixed row "
+            f"sample, against random unit rows (no configuration exceeds {num(median([r['median_equi_ratio_bound'] for r in runs]))}).\n")  # fmt: skip
+    return markdown_table(header, rows) + "\n" + note
+
+
+_HOLDS = {True: "holds", False: "does not hold", None: "not measured"}
+
+
+def _study_b_claims(claims: list[Row]) -> str:
+    """The bound and the equidistance claims in words (the comparison with muon is in the summary)."""
+    rows = [c for c in claims if c["study"] == "B" and c["claim"] != "beats_muon"]
+    return "".join(f"- `{c['claim']}` ({c['subject']}): **{_HOLDS[c['holds']]}**: {c['detail']}.\n" for c in rows)
+
+
+def appendix(tables: Tables, step_times: dict[str, float]) -> str:
+    """The per-run table; `step_times` (run → median wall-clock seconds per step, from the stage's telemetry,
+    never a result) where measured."""
+    runs = tables["runs"]
+    if not runs:
+        return ""
+    rows = [[f"`{r['run']}`", r["head_step"] or "–", num(r["final_test_loss"], 4), num(r["final_val_loss"], 4),
+             num(step_times.get(r["run"])), num(r["median_hilbert_bound"]), num(r["max_tightness"]),
+             "sampled (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs]  # fmt: skip
+    header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness", "diameter"]
+    return "## Appendix: per run\n\n" + markdown_table(header, rows)
