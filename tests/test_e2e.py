@@ -4,65 +4,21 @@ queries across both commits and `dvc metrics diff`."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
+from study_helpers import REPO, commit, new_study, sh, write_params
 
 from pipeline.core.config import flatten_overrides, load_yaml
 from pipeline.params import apply_overrides, load_params
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 pytestmark = pytest.mark.slow
-
-
-def sh(*cmd: str, cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_ADDRESS": ""}
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
-    if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
-    return done
-
-
-def write_params(workspace: Path, overrides: dict[str, str]) -> None:
-    """Set the given keys and nothing else (as `dvc exp run -S` does), so no other stage's params change."""
-    apply_overrides(load_params(workspace / "params.yaml"), overrides)  # valid, or fail here
-    raw = yaml.safe_load((workspace / "params.yaml").read_text())
-    for dotted, value in overrides.items():
-        *parents, leaf = dotted.split(".")
-        section = raw
-        for key in parents:
-            section = section.setdefault(key, {})
-        section[leaf] = yaml.safe_load(value)
-    (workspace / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory) -> Path:
-    """A git + DVC workspace holding this repo's tracked files (the default study's params.yaml)."""
-    workspace = tmp_path_factory.mktemp("study")
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, text=True, check=True)
-    for name in filter(None, files.stdout.split("\0")):
-        if (REPO / name).is_file():
-            (workspace / name).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(REPO / name, workspace / name)
-    # The default study's lock and committed report belong to other params: start without them.
-    (workspace / "dvc.lock").unlink(missing_ok=True)
-    shutil.rmtree(workspace / "reports", ignore_errors=True)
-    sh("git", "init", "-q", cwd=workspace)
-    commit(workspace, "the default study's params")
-    return workspace
-
-
-def commit(workspace: Path, message: str) -> None:
-    sh("git", "add", "-A", cwd=workspace)
-    sh("git", "-c", "user.email=ci@lmgeo", "-c", "user.name=ci", "commit", "-qm", message, cwd=workspace)
+    return new_study(tmp_path_factory.mktemp("study"))
 
 
 def test_repro_query_and_metrics_diff(study: Path):
