@@ -21,9 +21,9 @@ import torch
 
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import newton_schulz_flops
 from tools.bench.fits import compare_with_reference
 from tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
+from tools.bench.recipe_costs import COSTS, newton_schulz_flops
 from tools.bench.synthetic import synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
@@ -124,6 +124,12 @@ def test_bar_verdicts():
     assert bar("x", 1.3, "<=", 1.3).passed and not bar("x", 1.31, "<=", 1.3).passed
     assert not bar("x", 25.0, ">=", 20, extra_ok=False).passed
     assert not bar("x", math.nan, "<=", 1.0).passed
+
+
+def test_every_recipe_and_nothing_else_has_its_bench_costs():
+    assert set(COSTS) == set(RECIPES.names())
+    bars = [bar for cost in COSTS.values() for bar in (cost.step_time_bar, cost.head_step_bar) if bar]
+    assert bars and all(base in RECIPES and ratio > 0 for base, ratio in bars)
 
 
 def test_newton_schulz_flops_match_torchs_flop_counter():

@@ -31,6 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import RunSpec
+from pipeline.core.progress import StepClock
 from pipeline.params import Params
 from pipeline.study_b.config import RecipeConfig, TrainConfig
 from pipeline.study_b.recipes import RECIPES
@@ -157,16 +158,17 @@ def run_trial(
     seq_len: int,
 ) -> dict:
     """Train one trial (no checkpoints, never the test split) and return its row of `TRIAL_SCHEMA`."""
+    clock = StepClock()
     result, _ = train_run(
         RunSpec(trial.arch, trial.recipe, trial.seed), trial_config(base, trial), train_tokens, val_tokens,
-        vocab_size, seq_len, params_hash="tuning", save_checkpoint=_no_checkpoint,
+        vocab_size, seq_len, params_hash="tuning", save_checkpoint=_no_checkpoint, on_step=lambda *_: clock.tick(),
     )
     loss = result.final_val_loss
     finite = loss is not None and math.isfinite(loss)
     return {
         "recipe": trial.recipe, "arch": trial.arch, "knob": trial.knob, "value": trial.value, "seed": trial.seed,
         "final_val_loss": loss if finite else None, "diverged": result.diverged or not finite,
-        "steps_done": result.steps_done, "wall_time_s": result.wall_time_s,
+        "steps_done": result.steps_done, "wall_time_s": clock.wall_time_s,
     }
 
 

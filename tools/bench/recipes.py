@@ -1,5 +1,6 @@
 """Each head recipe's training-step time against `muon` on the same model and batch, and the head step
-alone at GPT-2 scale for recipes whose cost grows faster than V·d (their `head_step_bar`)."""
+alone at GPT-2 scale for recipes whose cost grows faster than V·d (their `head_step_bar`, in
+`tools.bench.recipe_costs`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 from tools.bench.measure import bar, interleaved, profile_top
+from tools.bench.recipe_costs import COSTS
 from tools.bench.sizes import RecipeSize
 from tools.bench.synthetic import token_ids
 
@@ -44,17 +46,17 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         cases[recipe] = lambda r=recipe, m=model, o=optimizer: training_step(r, m, o)
     timings = interleaved(cases, size.repeats, warmup=2)
     equi_iters = {r.name: resolve_head_step(r.name, train).knobs.equi_iters for r in RECIPES}
-    flops = {r.name: r.head_flops(size.flops_vocab, size.flops_width, equi_iters[r.name]) for r in RECIPES}
+    flops = {r: COSTS[r].head_flops(size.flops_vocab, size.flops_width, equi_iters[r]) for r in names}
     # Each bar from its own pair, interleaved A B B A: adjacent steps share the machine's load.
     bars, profile = [], {}
-    for spec in RECIPES:
-        if spec.step_time_bar is None:
+    for name in names:
+        if COSTS[name].step_time_bar is None:
             continue
-        base, threshold = spec.step_time_bar
-        pair = interleaved({spec.name: cases[spec.name], base: cases[base]}, 3 * size.repeats, warmup=0)
-        bars.append(bar(f"recipes: {spec.name} / {base} (training-step time)", pair.ratio(spec.name, base), "<=", threshold))
+        base, threshold = COSTS[name].step_time_bar
+        pair = interleaved({name: cases[name], base: cases[base]}, 3 * size.repeats, warmup=0)
+        bars.append(bar(f"recipes: {name} / {base} (training-step time)", pair.ratio(name, base), "<=", threshold))
         if not bars[-1].passed:
-            profile[bars[-1].name] = profile_top(cases[spec.name])
+            profile[bars[-1].name] = profile_top(cases[name])
     head_steps = head_step_times(size, train)
     bars += head_steps.pop("bars")
     reference = baseline().name
@@ -94,12 +96,12 @@ def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
         return step
 
     pairs, bars = {}, []
-    for spec in RECIPES:
-        if spec.head_step_bar is None:
+    for name in RECIPES.names():
+        if COSTS[name].head_step_bar is None:
             continue
-        base, threshold = spec.head_step_bar
-        timings = interleaved({spec.name: stepper(spec.name), base: stepper(base)}, size.head_repeats, warmup=1)
-        pairs[f"{spec.name} / {base}"] = {"ratio": timings.ratio(spec.name, base), "timings": timings.summary()}
-        bars.append(bar(f"recipes: {spec.name} / {base} (head step alone, V = {shape[0]}, d = {shape[1]})",
-                        pairs[f"{spec.name} / {base}"]["ratio"], "<=", threshold))  # fmt: skip
+        base, threshold = COSTS[name].head_step_bar
+        timings = interleaved({name: stepper(name), base: stepper(base)}, size.head_repeats, warmup=1)
+        pairs[f"{name} / {base}"] = {"ratio": timings.ratio(name, base), "timings": timings.summary()}
+        bars.append(bar(f"recipes: {name} / {base} (head step alone, V = {shape[0]}, d = {shape[1]})",
+                        pairs[f"{name} / {base}"]["ratio"], "<=", threshold))  # fmt: skip
     return {"shape": list(shape), "pairs": pairs, "bars": bars}

@@ -237,7 +237,7 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
              "from rounds over every recipe (order reversed every other round); each bar from its own pair "
              "interleaved A B B A, three times as many steps, so the two sides of a ratio always run next to "
              "each other."), "",
-             (f"Head-step FLOPs are analytic (each recipe's `head_flops`), at V = {f['vocab']}, d = {f['width']}, "
+             (f"Head-step FLOPs are analytic (each recipe's `head_flops` in `tools/bench/recipe_costs.py`), at V = {f['vocab']}, d = {f['width']}, "
              "counted from the code; NS(V, d) = 5·(4·m²·M + 2·m³) with m = min(V, d), M = max(V, d) is "
              "torch.optim.Muon's 5-step quintic Newton–Schulz. The backward pass producing the gradient is "
              "common to all recipes and not counted."), ""]

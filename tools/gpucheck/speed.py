@@ -32,6 +32,7 @@ from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.optim import build_optimizers, partition_parameters, resolve_head_step
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
+from tools.bench.recipe_costs import COSTS
 from pipeline.study_b.train import HeadInputs
 from tools.bench.extraction import extract_to_parquet
 from tools.bench.measure import interleaved
@@ -276,7 +277,7 @@ def training_steps(run: ModelRun, device: torch.device, compile: bool = False) -
         times = _step_seconds(step, device, run.repeats)
         ops = [] if compile else heaviest_ops(step, device)
         equi_iters = resolve_head_step(recipe, cfg).knobs.equi_iters
-        head_gflop = RECIPES[recipe].head_flops(run.vocab, run.size.d_model, equi_iters) / 1e9
+        head_gflop = COSTS[recipe].head_flops(run.vocab, run.size.d_model, equi_iters) / 1e9
         details[recipe] = {**times, "heaviest_ops": ops, "head_step_gflop": head_gflop}
         row = [recipe, times["median_s"] * 1e3, times["first_s"], step_flops / times["median_s"] / 1e12, head_gflop]
         if ops:

@@ -24,7 +24,4 @@ RECIPE = HeadRecipe(
     direction=direction,
     trust_region=True,
     default_step=HeadStepDefault(tau=0.4),
-    # momentum 4, centring 2, row normalisation 3, re-centring 2, scaling 1, decay 1, update 2
-    head_flops=lambda vocab, width, equi_iters: 15.0 * vocab * width,
-    step_time_bar=("muon", 1.1),
 )

@@ -54,17 +54,6 @@ def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
     return 0.5 * center_rows(u)
 
 
-def head_flops(vocab: int, width: int, equi_iters: int) -> float:
-    """Per V·d: momentum 4, centring and unit axes 5, random start and tangent 8, centre, scale, decay,
-    update 6; per iteration push, renormalise, project 16. With s = min(d, 64) the sketch width and
-    B = min(V, 2048) the bucket size: the search 2·V·(V/B + B)·s, and per iteration the sketch 2·V·d·s
-    (when d > 64) and the candidate distances 3·k·V·s."""
-    n, s, bucket = vocab * width, min(width, 64), min(vocab, 2048)
-    search = 2.0 * vocab * (vocab / bucket + bucket) * s
-    per_iter = 16 * n + (2 * n * s if width > 64 else 0) + 3 * CANDIDATES * vocab * s
-    return (4 + 5 + 8 + 6) * n + (search + equi_iters * per_iter if equi_iters else 0)
-
-
 RECIPE = HeadRecipe(
     name="hilbert_equi",
     summary="rows spread apart (max-min distance) within alignment cones ≥ c, centred, η/2",
@@ -73,10 +62,4 @@ RECIPE = HeadRecipe(
     direction=direction,
     trust_region=True,
     default_step=HeadStepDefault(tau=0.8),
-    head_flops=head_flops,
-    # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is
-    # as large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2
-    # scale, where the model dwarfs it, ~1.3× `muon_head`'s (`lmgeo bench`).
-    step_time_bar=("muon_head", 2.5),
-    head_step_bar=("muon_head", 1.5),
 )

@@ -8,6 +8,5 @@ RECIPE = HeadRecipe(
     hidden="muon",
     head="adamw",
     default_step=HeadStepDefault(head_lr=0.0339),
-    head_flops=lambda vocab, width, equi_iters: 11.0 * vocab * width,
     baseline=True,
 )

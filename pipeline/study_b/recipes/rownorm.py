@@ -19,6 +19,4 @@ RECIPE = HeadRecipe(
     head="lmo",
     direction=direction,
     default_step=HeadStepDefault(head_lr=0.03),
-    # momentum 4, row normalisation 3, scaling 1, update 2
-    head_flops=lambda vocab, width, equi_iters: 10.0 * vocab * width,
 )

@@ -19,6 +19,4 @@ RECIPE = HeadRecipe(
     head="lmo",
     direction=direction,
     default_step=HeadStepDefault(head_lr=0.4),
-    # momentum 4, sign and scaling 2, decay 1, update 2
-    head_flops=lambda vocab, width, equi_iters: 9.0 * vocab * width,
 )
