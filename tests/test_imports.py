@@ -1,5 +1,6 @@
-"""The library's import graph: no circle, and no arrow from `pipeline/core` to a later layer (CONTRIBUTING:
-`core` → `models` → `text` → `study_a`, `study_b` → `results` → `tools`).
+"""The library's import graph: no circle, no arrow from `pipeline/core` to a later layer (CONTRIBUTING:
+`core` → `models` → `text` → `study_a`, `study_b` → `results`, with `params` assembling them) and none out
+of the library to `stages/` or `tools/`.
 
 Every import counts, lazy ones inside functions included (they run as soon as the function does), except
 those under `if TYPE_CHECKING:`, which never run. Importing `a.b.c` runs `a/__init__` and `a/b/__init__`
@@ -12,7 +13,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LATER_LAYERS = ("models", "text", "study_a", "study_b", "results", "params", "tools")
+LATER_LAYERS = ("models", "text", "study_a", "study_b", "results", "params")
 
 
 def module_name(path: Path) -> str:
@@ -66,13 +67,14 @@ def targets(name: str, importer: str) -> set[str]:
     return ({name} | ancestors(name) - ancestors(importer)) & MODULES.keys()
 
 
+def imports_of(name: str) -> list[str]:
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imported_names(ast.parse(path.read_text()), package)
+
+
 def import_graph() -> dict[str, set[str]]:
-    graph: dict[str, set[str]] = {}
-    for name, path in MODULES.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        imported = imported_names(ast.parse(path.read_text()), package)
-        graph[name] = set().union(*(targets(each, name) for each in imported)) - {name}
-    return graph
+    return {name: set().union(*(targets(each, name) for each in imports_of(name))) - {name} for name in MODULES}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -125,3 +127,13 @@ def test_core_imports_no_later_layer():
         if target.split(".")[1:2] and target.split(".")[1] in LATER_LAYERS
     ]
     assert not arrows, "pipeline/core imports a later layer:\n" + "\n".join(arrows)
+
+
+def test_the_library_imports_neither_stages_nor_tools():
+    arrows = [
+        f"{name} -> {imported}"
+        for name in MODULES
+        for imported in imports_of(name)
+        if imported.split(".")[0] in ("stages", "tools")
+    ]
+    assert not arrows, "\n".join(arrows)
