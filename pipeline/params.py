@@ -1,36 +1,79 @@
-"""`params.yaml` as one validated object: every section of SPEC §5, and the checks that span sections."""
+"""`params.yaml` as one validated object: every section of SPEC §5, and the checks that span sections.
+
+It is also where registered names are checked: the sections type them with a `RegisteredName` marker only,
+since their registries (model families, recipes, fit classes) live in later layers that import the sections;
+this module sees both. The registries load torch, so they are imported only when params are validated.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Union, get_args, get_origin
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from pipeline.core.config import (
     ParamsError,
     RayConfig,
+    RegisteredName,
     Section,
     SecurityConfig,
     digest,
     load_yaml,
     parse_override_value,
 )
+from pipeline.core.registry import UnknownName
 from pipeline.results.config import ReportConfig
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_b.config import TrainConfig
 from pipeline.text.config import PrepareConfig
 
+if TYPE_CHECKING:
+    from pipeline.core.registry import Registry
+
+KeyPath = tuple[str | int, ...]
+
 
 class Params(Section):
-    # Factories, not instances: a default section is built (and its registered names checked) only when
-    # params are validated, so importing this module loads no registry (and no torch).
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     analysis: AnalysisConfig = Field(default_factory=AnalysisConfig)
     ray: RayConfig = Field(default_factory=RayConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
     security: SecurityConfig = Field(default_factory=SecurityConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_in_registered(cls, data: Any) -> Any:
+        """The lists of names a section leaves out: every registered one (every trainable family)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for (section, key), every in REGISTERED_DEFAULTS.items():
+            given = data.get(section, {})
+            if isinstance(given, dict) and key not in given:
+                data[section] = {**given, key: every()}
+            elif isinstance(given, Section) and key not in given.model_fields_set:
+                data[section] = given.model_copy(update={key: every()})
+        return data
+
+    @model_validator(mode="after")
+    def _registered(self) -> Params:
+        """Every registered name, wherever a section holds one; then what the registries say of them."""
+        registries = _registries()
+        unknown = [
+            f"{_dotted(path)}: {problem} (got {name!r})"
+            for path, kind, name in registered_names(self)
+            if (problem := _unknown(registries[kind], name))
+        ]
+        if unknown:
+            raise ValueError("\n".join(unknown))
+        problems = [*_untrainable(self), *_misplaced_tau(self), *_class_constraints(self)]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _fits_the_pool(self) -> Params:
@@ -47,15 +90,6 @@ class Params(Section):
                 f"analysis.k ({self.analysis.k}) leaves too few neighbours once an anchor's own sequence "
                 f"({self.prepare.seq_len} tokens) is excluded from a pool of {pool} tokens"
             )
-        return self
-
-    @model_validator(mode="after")
-    def _analysed_runs_are_trainable(self) -> Params:
-        from pipeline.models.registry import FAMILIES  # loaded only once params are validated
-
-        untrainable = [arch for arch in self.analysis.runs.archs or [] if not FAMILIES[arch].trainable]
-        if untrainable:
-            raise ValueError(f"analysis.runs.archs: {untrainable} are analysed only, not trained")
         return self
 
     def analysed_runs(self) -> list[str]:
@@ -81,6 +115,96 @@ class Params(Section):
     def section_hash(self, *sections: str) -> str:
         """Stable hash of the named sections, for shard manifests."""
         return digest({name: getattr(self, name) for name in sections})
+
+
+def _registries() -> dict[str, Registry[Any]]:
+    """The registry of each kind `RegisteredName` names."""
+    from pipeline.models.registry import FAMILIES
+    from pipeline.study_a.classes import FIT_CLASSES
+    from pipeline.study_b.recipes import RECIPES
+
+    return {"family": FAMILIES, "recipe": RECIPES, "fit class": FIT_CLASSES}
+
+
+def _unknown(registry: Registry[Any], name: str) -> str | None:
+    """The registry's own message for a name it lacks."""
+    try:
+        registry[name]
+    except UnknownName as err:
+        return str(err)
+    return None
+
+
+def _trainable_families() -> list[str]:
+    return [family.name for family in _registries()["family"] if family.trainable]
+
+
+def _every(kind: str) -> Callable[[], list[str]]:
+    return lambda: list(_registries()[kind].names())
+
+
+# What a params file that leaves these out gets (`Params._fill_in_registered`).
+REGISTERED_DEFAULTS: dict[tuple[str, str], Callable[[], list[str]]] = {
+    ("train", "archs"): _trainable_families,
+    ("train", "recipes"): _every("recipe"),
+    ("analysis", "classes"): _every("fit class"),
+}
+
+
+def registered_names(value: Any, annotation: Any = None, path: KeyPath = ()) -> Iterator[tuple[KeyPath, str, str]]:
+    """(key path, kind, name) of every `RegisteredName` in `value`, found from the types its models declare:
+    in a field, a list's items, a mapping's keys (path ending in `[key]`, as pydantic writes it) or values,
+    an optional value, a nested section."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if isinstance(value, BaseModel):
+        for name, field in type(value).model_fields.items():
+            declared = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+            yield from registered_names(getattr(value, name), declared, (*path, name))
+    elif origin is Annotated:
+        marker = next((m for m in args[1:] if isinstance(m, RegisteredName)), None)
+        if marker is None:
+            yield from registered_names(value, args[0], path)
+        elif isinstance(value, str):
+            yield path, marker.kind, value
+    elif origin in (Union, UnionType):
+        for member in args:
+            yield from registered_names(value, member, path)
+    elif origin is list and isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from registered_names(item, args[0], (*path, index))
+    elif origin is dict and isinstance(value, dict):
+        for key, item in value.items():
+            yield from registered_names(key, args[0], (*path, key, "[key]"))
+            yield from registered_names(item, args[1], (*path, key))
+
+
+def _untrainable(params: Params) -> Iterator[str]:
+    families = _registries()["family"]
+    trainable = ", ".join(_trainable_families())
+    for section, archs in (("train", params.train.archs), ("analysis.runs", params.analysis.runs.archs or [])):
+        for index, arch in enumerate(archs):
+            if not families[arch].trainable:
+                yield f"{section}.archs.{index}: {arch!r} is analysed only, not trained; trainable: {trainable}"
+
+
+def _misplaced_tau(params: Params) -> Iterator[str]:
+    recipes = _registries()["recipe"]
+    allowed = ", ".join(recipe.name for recipe in recipes if recipe.trust_region)
+    for recipe, override in params.train.recipe_overrides.items():
+        if override.tau is not None and not recipes[recipe].trust_region:
+            yield f"train.recipe_overrides.{recipe}.tau: tau applies to {allowed} only"
+
+
+def _class_constraints(params: Params) -> Iterator[str]:
+    classes = _registries()["fit class"]
+    for index, name in enumerate(params.analysis.classes):
+        problem = classes[name].check_config(params.analysis)
+        if problem:
+            yield f"analysis.classes.{index}: {name}: {problem}"
+
+
+def _dotted(path: KeyPath) -> str:
+    return ".".join(str(part) for part in path)
 
 
 def parse_params(raw: Any, source: str = "params.yaml") -> Params:
@@ -121,8 +245,8 @@ def _describe(err: ValidationError, source: str) -> str:
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key {loc!r}")
-        elif not loc:  # a cross-field check, whose message names its keys
-            lines.append(f"{source}: {message}")
+        elif not loc:  # a cross-field check, whose message names its keys: one line per problem
+            lines.extend(f"{source}: {line}" for line in message.splitlines())
         else:
             lines.append(f"{source}: {loc}: {message}{shown}")
     return "\n".join(lines)

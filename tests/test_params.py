@@ -33,11 +33,18 @@ def test_default_params_are_valid():
         ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
         ({"train": {"matched_budget": {"tau": 0, "seeds": [0]}}}, "train.matched_budget.tau"),
         ({"train": {"matched_budget": {"tau": 0.5, "seeds": []}}}, "matched_budget.seeds"),
-        ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1"),
-        ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1"),
+        ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1: unknown recipe 'lion'; registered: adamw, muon"),
+        ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1: unknown function class 'kernel'"),
+        # registered names are checked wherever a section holds one (pipeline.params walks the sections)
+        ({"train": {"archs": ["neox", "llama"]}}, "train.archs.1: unknown model family 'llama'; registered: gpt2"),
+        ({"train": {"recipe_overrides": {"lion": {"head_lr": 0.1}}}}, "train.recipe_overrides.lion.[key]: unknown"),
+        ({"analysis": {"runs": {"archs": ["llama"]}}}, "analysis.runs.archs.0: unknown model family 'llama'"),
+        ({"analysis": {"runs": {"recipes": ["muon", "lion"]}}}, "analysis.runs.recipes.1: unknown recipe 'lion'"),
+        ({"train": {"archs": []}}, "train: archs must not be empty"),
+        ({"analysis": {"classes": ["lowrank", "lowrank"]}}, "analysis: classes has duplicates"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
         ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
-        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "recipe_overrides.muon.tau: tau applies to hilbert"),
+        ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "train.recipe_overrides.muon.tau: tau applies"),
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
         # Values a task would crash on are refused here, before a stage deletes anything.
         ({"train": {"seeds": [18446744073709551616]}}, "train.seeds.0: Input should be less than or equal to"),
@@ -49,6 +56,40 @@ def test_each_kind_of_error_names_the_key(raw, needle):
     with pytest.raises(ParamsError) as err:
         parse_params(raw)
     assert needle in str(err.value)
+
+
+def test_every_unknown_name_is_reported_on_its_own_line():
+    with pytest.raises(ParamsError) as err:
+        parse_params({"train": {"recipes": ["lion"]}, "analysis": {"runs": {"archs": ["llama"]}}})
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[1] for line in lines] == ["train.recipes.0", "analysis.runs.archs.0"]
+    assert all(line.startswith("params.yaml: ") for line in lines)
+
+
+def test_names_left_out_are_every_registered_one():
+    """The sections cannot see the registries (they are imported by them): `pipeline.params` fills these in,
+    whether the section is left out, given without the key, or given as an object."""
+    from pipeline.models.registry import FAMILIES
+    from pipeline.params import Params
+    from pipeline.study_a.classes import FIT_CLASSES
+    from pipeline.study_a.config import AnalysisConfig
+    from pipeline.study_b.config import TrainConfig
+    from pipeline.study_b.recipes import RECIPES
+
+    trainable = [family.name for family in FAMILIES if family.trainable]
+    for params in (parse_params({}), parse_params({"train": {"steps": 3}, "analysis": {"k": 8}}),
+                   Params(train=TrainConfig(steps=3), analysis=AnalysisConfig(k=8)), Params()):  # fmt: skip
+        assert params.train.archs == trainable
+        assert params.train.recipes == list(RECIPES.names())
+        assert params.analysis.classes == list(FIT_CLASSES.names())
+    given = parse_params({"train": {"archs": ["neox"], "recipes": ["muon"]}, "analysis": {"classes": ["lowrank"]}})
+    assert (given.train.archs, given.train.recipes, given.analysis.classes) == (["neox"], ["muon"], ["lowrank"])
+
+
+def test_importing_params_loads_no_registry():
+    code = "import sys, pipeline.params\nassert 'torch' not in sys.modules, 'torch'\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_scientific_notation_is_a_float(tmp_path):

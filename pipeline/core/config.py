@@ -5,8 +5,9 @@ Each study's section lives with the study (`pipeline/text/config.py`, `pipeline/
 `pipeline/params.py` assembles them. Every section forbids unknown keys and checks types and ranges, so a
 bad ``params.yaml`` fails before any work starts. This module imports neither torch nor ray.
 
-Names of registered things (model families, recipes, fit classes) are checked against their registries,
-which are imported only when a value is validated, so that `lmgeo --help` never loads torch.
+Names of registered things (model families, recipes, fit classes) are typed here with a `RegisteredName`
+marker only: their registries live in later layers, so `pipeline/params.py`, which sees both, checks them
+(and imports the registries only then, so that `lmgeo --help` never loads torch).
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.core.errors import InputError
 
@@ -41,39 +42,17 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
 
 
-def registered(registry: Callable[[], Any]) -> AfterValidator:
-    """A validator accepting only names of `registry()` (imported lazily: registries import torch)."""
+@dataclass(frozen=True)
+class RegisteredName:
+    """Marks a `str` as the name of a registered `kind` of thing; `pipeline.params` checks it against the
+    registry of that kind wherever it occurs in params (a field, a list item, a mapping's key)."""
 
-    def check(name: str) -> str:
-        known = registry()
-        if name not in known:
-            raise ValueError(f"unknown {known.kind} {name!r}; registered: {', '.join(known.names())}")
-        return name
-
-    return AfterValidator(check)
+    kind: Literal["family", "recipe", "fit class"]
 
 
-def _families() -> Any:
-    from pipeline.models.registry import FAMILIES
-
-    return FAMILIES
-
-
-def _recipes() -> Any:
-    from pipeline.study_b.recipes import RECIPES
-
-    return RECIPES
-
-
-def _fit_classes() -> Any:
-    from pipeline.study_a.classes import FIT_CLASSES
-
-    return FIT_CLASSES
-
-
-FamilyName = Annotated[str, registered(_families)]
-RecipeName = Annotated[str, registered(_recipes)]
-FitClassName = Annotated[str, registered(_fit_classes)]
+FamilyName = Annotated[str, RegisteredName("family")]
+RecipeName = Annotated[str, RegisteredName("recipe")]
+FitClassName = Annotated[str, RegisteredName("fit class")]
 
 
 def unique_non_empty(name: str, values: list[Any]) -> None:

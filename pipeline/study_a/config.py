@@ -13,7 +13,6 @@ from pipeline.core.config import (
     RecipeName,
     Section,
     Seed,
-    _fit_classes,
     unique_non_empty,
 )
 
@@ -59,7 +58,9 @@ class AnalysisConfig(Section):
     k: Annotated[int, Field(ge=2)] = 32
     distance: Literal["euclidean", "cosine"] = "euclidean"
     exclude_same_sequence: bool = False
-    classes: list[FitClassName] = Field(default_factory=lambda: list(_fit_classes().names()))
+    # Checked against the registry (and each class's constraints on this section) by `pipeline.params`, which
+    # also fills in every registered class when left out: the classes import this module.
+    classes: list[FitClassName] = []
     rank: PositiveInt = 4  # lowrank
     ridge: Annotated[float, Field(ge=0)] = 1e-6
     mlp_hidden: PositiveInt = 8
@@ -74,13 +75,9 @@ class AnalysisConfig(Section):
 
     @model_validator(mode="after")
     def _classes(self) -> AnalysisConfig:
-        unique_non_empty("classes", self.classes)
+        if "classes" in self.model_fields_set:  # left out, it is filled in by `pipeline.params`
+            unique_non_empty("classes", self.classes)
         unique_non_empty("checkpoints", self.checkpoints)
         if len(set(self.nulls)) != len(self.nulls):
             raise ValueError("nulls: each null sample at most once")
-        registry = _fit_classes()
-        for name in self.classes:
-            problem = registry[name].check_config(self)
-            if problem:
-                raise ValueError(f"classes: {name}: {problem}")
         return self

@@ -13,7 +13,7 @@ times `fit_layer` against it (SPEC §7: "fits vs a straightforward per-anchor re
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -24,6 +24,12 @@ if TYPE_CHECKING:  # the classes import this module's solvers: no import of them
     from pipeline.study_a.classes.base import FitClass
 
 Row = dict[str, Any]  # metric name -> float or None (undefined), and "patched" -> T_i(x_a)
+
+
+class RefContext(NamedTuple):
+    """Where the reference is in the layer: anchor `anchor` (the MLP's initial weights depend on it)."""
+
+    anchor: int
 
 
 def ref_distances(x: np.ndarray, a: int, distance: str, seq: np.ndarray | None = None) -> np.ndarray:
@@ -92,8 +98,6 @@ def reference_rows(
 ) -> list[Row]:
     """One anchor at a time: T_i(x_a) and J_i − I from the class's reference (None where the class's own
     solve is not unique), then every metric column (None where undefined or degenerate)."""
-    from pipeline.study_a.classes.base import RefContext
-
     patched, ops, degenerate = [], [], []
     for i, a in enumerate(anchors):
         context = RefContext(i)

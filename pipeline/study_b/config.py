@@ -15,8 +15,6 @@ from pipeline.core.config import (
     RecipeName,
     Section,
     Seed,
-    _families,
-    _recipes,
     unique_non_empty,
 )
 from pipeline.models.config import ModelSize
@@ -71,8 +69,12 @@ class MatchedBudget(Section):
 
 
 class TrainConfig(Section):
-    archs: list[FamilyName] = Field(default_factory=lambda: [f.name for f in _families() if f.trainable])
-    recipes: list[RecipeName] = Field(default_factory=lambda: list(_recipes().names()))
+    """Names are checked against their registries, and `archs` against the trainable families, by
+    `pipeline.params`, which sees the registries; left out, `archs` (every trainable family) and `recipes`
+    (every recipe) are filled in there too."""
+
+    archs: list[FamilyName] = []
+    recipes: list[RecipeName] = []
     seeds: list[Seed] = [0]
     model: ModelSize = ModelSize()
     steps: PositiveInt = 200
@@ -97,16 +99,8 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _grid(self) -> TrainConfig:
         for name in ("archs", "recipes", "seeds"):
-            unique_non_empty(name, getattr(self, name))
-        families, recipes = _families(), _recipes()
-        for arch in self.archs:
-            if not families[arch].trainable:
-                trainable = ", ".join(f.name for f in families if f.trainable)
-                raise ValueError(f"archs: {arch!r} is analysed only, not trained; trainable: {trainable}")
-        for recipe, override in self.recipe_overrides.items():
-            if override.tau is not None and not recipes[recipe].trust_region:
-                allowed = ", ".join(r.name for r in recipes if r.trust_region)
-                raise ValueError(f"recipe_overrides.{recipe}.tau: tau applies to {allowed} only")
+            if name in self.model_fields_set:  # what is left out is filled in by `pipeline.params`
+                unique_non_empty(name, getattr(self, name))
         return self
 
     def runs(self) -> list[str]:

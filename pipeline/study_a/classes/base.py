@@ -10,19 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 from torch import Tensor
 
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update
-
-
-class RefContext(NamedTuple):
-    """Where the reference is in the layer: anchor `anchor` (the MLP's initial weights depend on it)."""
-
-    anchor: int
+from pipeline.study_a.reference import RefContext
 
 
 # (inputs, outputs, at, cfg, first) -> Update. A local class gets its (A, k, d) neighbours and `at` = the
