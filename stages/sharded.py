@@ -12,7 +12,7 @@ from typing import Any
 from pipeline.core.config import digest
 from pipeline.core.execution import Shard, run_shards
 from pipeline.core.fingerprint import CodeSpec, code_version, index_members
-from pipeline.core.store import ManifestKey, prune_shards, shard_complete
+from pipeline.core.store import ManifestKey, prune_shards, shard_complete, write_plan
 from pipeline.params import Params
 from stages.layout import Layout
 
@@ -66,7 +66,8 @@ def run_sharded_stage(
 ) -> dict[str, Any]:
     """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key); first remove shards that are no
-    longer in the plan. Returns each run task's result."""
+    longer in the plan; last, record the plan as complete in each root (`write_plan`). Returns each run
+    task's result."""
     from stages.runtime import check_reachable, start_ray
 
     check_reachable(params.ray, ray_address)  # before the prune: a stage that cannot run changes nothing
@@ -78,14 +79,17 @@ def run_sharded_stage(
         + (f", {removed} stale removed" if removed else ""),
         flush=True,
     )
-    if not todo:
-        return {}
-    start_ray(params.ray, ray_address)
-    return run_shards(
-        todo,
-        params.ray.resources_for(stage),
-        max_in_flight=params.ray.max_in_flight,
-        max_retries=params.ray.max_retries,
-        label=stage,
-        shards_per_task=params.ray.shards_per_task,
-    )
+    results: dict[str, Any] = {}
+    if todo:
+        start_ray(params.ray, ray_address)
+        results = run_shards(
+            todo,
+            params.ray.resources_for(stage),
+            max_in_flight=params.ray.max_in_flight,
+            max_retries=params.ray.max_retries,
+            label=stage,
+            shards_per_task=params.ray.shards_per_task,
+        )
+    for root in roots:  # every planned shard is complete: what a reader without a plan checks against
+        write_plan(root, {shard.key: key for shard, key in plan})
+    return results

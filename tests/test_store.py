@@ -26,6 +26,8 @@ from pipeline.core import store
 from pipeline.core.contracts import VECTOR, Dataset, read
 from pipeline.core.errors import InputError
 from pipeline.core.store import (
+    PLAN_FILE,
+    write_plan,
     CorruptShardError,
     ManifestKey,
     ShardWriter,
@@ -354,6 +356,20 @@ def test_a_dataset_mixing_two_keys_is_refused_without_a_plan(tmp_path: Path) -> 
     write_shard(tmp_path, "a")
     write_shard(tmp_path, "b", key=ManifestKey(KEY.inputs, "p2", KEY.code_version))
     with pytest.raises(StaleShardError, match="2 different params hashs|2 different params hashes"):
+        verified_files(tmp_path)
+
+
+def test_a_completed_plan_lets_shards_hold_their_own_keys_and_catches_a_half_redone_stage(tmp_path: Path) -> None:
+    """Each shard holds the code and params it reads, so keys differ within a dataset; the record of the
+    plan its stage last completed is what a reader without a plan checks them against."""
+    own = ManifestKey(KEY.inputs, "p2", "c2")
+    write_shard(tmp_path, "a")
+    write_shard(tmp_path, "b", key=own, seq=1)
+    write_plan(tmp_path, {"a": KEY, "b": own})
+    assert len(verified_files(tmp_path)) == 4  # two layers of each shard
+    assert prune_shards(tmp_path, {"a", "b"}) == 0 and (tmp_path / PLAN_FILE).is_file()  # not a stray file
+    write_shard(tmp_path, "b", key=ManifestKey(KEY.inputs, "p3", "c2"), seq=1)  # redone by a run killed later
+    with pytest.raises(StaleShardError, match="shard 'b' is stale"):
         verified_files(tmp_path)
 
 

@@ -40,6 +40,11 @@ from pipeline.core.errors import InputError
 
 MANIFEST_DIR = "_manifests"
 MANIFEST_FORMAT = 2
+# The keys of the last plan a stage completed, `root/_plan.json`: what a reader without a plan of its own
+# (a query, or a result at an old revision) checks every shard against. Shards of one plan may hold
+# different keys (each holds the code and params it reads), so "one key for all" cannot tell a complete
+# dataset from one a stage left half-redone.
+PLAN_FILE = "_plan.json"
 
 log = logging.getLogger(__name__)
 
@@ -191,17 +196,38 @@ def verified_files(
     With ``expected`` (shard → the key the current plan gives it), exactly those shards are read: a
     planned shard without a manifest, or whose manifest has another key, is an error naming the command
     that rebuilds it (``rebuild``); shards outside the plan are never read. Without it (reading a
-    result as it was written, e.g. at an old revision), every shard is read, and the shards must share
-    one params hash and one code version: a dataset mixing two runs of a stage is an error.
+    result as it was written, e.g. at an old revision), the shards of the plan its stage last completed
+    (``write_plan``) are read, each with the key that plan gave it, so a dataset a stage left half-redone
+    is an error; a dataset without such a record must have one params hash and one code version.
     """
     root = Path(root)
     manifests = {m["shard"]: m for m in map(_load_manifest, sorted((root / MANIFEST_DIR).glob("*.json")))}
+    if expected is None and (root / PLAN_FILE).is_file():
+        expected = read_plan(root)
     if expected is None:
         _check_unmixed(root, manifests.values(), rebuild)
         chosen = list(manifests.values())
     else:
         chosen = [_planned(root, manifests.get(shard), shard, key, rebuild) for shard, key in expected.items()]
     return [path for manifest in chosen for path in _check_files(root, manifest)]
+
+
+def write_plan(root: Path, planned: Mapping[str, ManifestKey]) -> None:
+    """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are)."""
+    keys = {shard: asdict(key) for shard, key in sorted(planned.items())}
+    atomic_write(Path(root) / PLAN_FILE, json.dumps({"format": MANIFEST_FORMAT, "shards": keys}, indent=1, sort_keys=True))
+
+
+def read_plan(root: Path) -> dict[str, ManifestKey]:
+    path = Path(root) / PLAN_FILE
+    try:
+        record = json.loads(path.read_text())
+        return {shard: ManifestKey(**key) for shard, key in record["shards"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CorruptShardError(
+            f"{path}: unreadable record of the last plan of the stage that writes {root} ({err}); re-run that "
+            "stage (`dvc repro`, or its `lmgeo` command)"
+        ) from None
 
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:
@@ -302,7 +328,7 @@ def remove_shard(root: Path, shard: str) -> None:
 def _data_files_on_disk(root: Path) -> list[Path]:
     """Every file under ``root`` except the manifests, temporaries of writes in progress included."""
     manifests = root / MANIFEST_DIR
-    return [p for p in _walk_files(root) if p.parent != manifests]
+    return [p for p in _walk_files(root) if p.parent != manifests and p != root / PLAN_FILE]
 
 
 def _remove_empty_dirs(root: Path) -> None:
