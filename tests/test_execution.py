@@ -185,11 +185,12 @@ def test_every_task_runs_with_the_thread_count_of_its_resources(ray_local, cpus:
 
 def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) -> None:
     from pipeline.core.execution import CodeMismatch
-    from pipeline.core.fingerprint import code_version
+    from pipeline.core.fingerprint import CodeSpec, code_version
 
-    planned = Shard("ok", square, (3,), code=("stages.fit", code_version("stages.fit")))
+    spec = CodeSpec("stages.fit", ("pipeline.study_a.classes.lowrank",))
+    planned = Shard("ok", square, (3,), code=(spec, code_version(spec)))
     assert run_shards([planned], ONE_CPU, max_in_flight=1, max_retries=0, label="fit") == {"ok": 9}
-    other = Shard("stale", square, (3,), code=("stages.fit", "0.1.0+0000000000000000"))
+    other = Shard("stale", square, (3,), code=(spec, "0.1.0+0000000000000000"))
     with pytest.raises(ShardFailed) as failure:
         run_shards([other], ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
     assert isinstance(failure.value.cause, CodeMismatch) and "planned version 0.1.0+0000000000000000" in str(failure.value)
