@@ -232,7 +232,9 @@ def read_plan(root: Path) -> dict[str, ManifestKey]:
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:
     if manifest is None:
-        raise StaleShardError(f"{root}: shard {shard!r} is missing (no {manifest_path(root, shard)}); run {rebuild} first")
+        raise StaleShardError(
+            f"{root}: shard {shard!r} is missing (no {manifest_path(root, shard)}); run {rebuild} first"
+        )
     if manifest_key(manifest) != key:
         changed = [name for name, old, new in _key_parts(manifest_key(manifest), key) if old != new]
         raise StaleShardError(
