@@ -389,7 +389,7 @@ def test_a_dataset_mixing_two_keys_is_refused_without_a_plan(tmp_path: Path) -> 
         verified_files(tmp_path)
     # A manifest of each side is named, so the shards of the interrupted run can be found.
     a, b = store.manifest_path(tmp_path, "a"), store.manifest_path(tmp_path, "b")
-    assert f"p1 (1 shard, e.g. {a}), p2 (2 shards, e.g. {b})" in str(err.value)
+    assert f"2 different params hashes (p1 ({a}), p2 ({b} and 1 more))" in str(err.value)
 
 
 def test_a_completed_plan_lets_shards_hold_their_own_keys_and_catches_a_half_redone_stage(tmp_path: Path) -> None:

@@ -259,8 +259,8 @@ def _check_unmixed(root: Path, manifests: Any, rebuild: str) -> None:
         if len(values) > 1:
             # Name a manifest of each value, so the shards of one run of the stage can be told from the other's.
             named = ", ".join(
-                f"{value} ({len(holders[value])} shard{'s' if len(holders[value]) > 1 else ''}, "
-                f"e.g. {manifest_path(root, min(holders[value]))})"
+                f"{value} ({manifest_path(root, min(holders[value]))}"
+                f"{f' and {len(holders[value]) - 1} more' if len(holders[value]) > 1 else ''})"
                 for value in values
             )
             raise StaleShardError(
