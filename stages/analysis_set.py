@@ -93,10 +93,22 @@ def model_source(layout: Layout, params: Params, ref: str, revision: str | None)
     from pipeline.models.loading import check_model
 
     s = params.security
-    return check_model(
-        ref, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
-        allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
-    )
+    try:
+        return check_model(
+            ref, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+            allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
+        )
+    except InputError as err:
+        # A config transformers cannot build, or a structure Study A cannot use, is refused without naming
+        # the model (the loader's messages stay free of paths for `lmgeo families`' table): name it here.
+        if ref not in str(err):
+            err.args = (f"{ref}: {err}", *err.args[1:])
+        raise
+
+
+def model_label(ref: str, source: str) -> str:
+    """An external model as the params name it, with the folder it resolved to when that differs."""
+    return ref if source == ref else f"{ref} ({source})"
 
 
 def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
@@ -107,10 +119,12 @@ def model_tokenizer(layout: Layout, params: Params, model: AnalysedModel):
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, revision=model.revision, trust_remote_code=False)
     except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for bad files
-        raise InputError(f"{model.ref}: no usable tokenizer beside the model ({type(err).__name__}: {err})") from None
+        raise InputError(
+            f"{model_label(model.ref, source)}: no usable tokenizer beside the model ({type(err).__name__}: {err})"
+        ) from None
     if not tokenizer("The eval text is encoded with the model's own tokenizer.")["input_ids"]:
         raise InputError(
-            f"{model.ref}: its tokenizer encodes text to no tokens (was the model saved without its tokenizer? "
-            "save it beside the weights with `tokenizer.save_pretrained(...)`)"
+            f"{model_label(model.ref, source)}: its tokenizer encodes text to no tokens (was the model saved without "
+            "its tokenizer? save it beside the weights with `tokenizer.save_pretrained(...)`)"
         )
     return tokenizer

@@ -61,6 +61,12 @@ def fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
+def about(path: Path, err: Exception) -> str:
+    """`err`'s message naming `path` once: prefixed unless it already starts with it."""
+    text = str(err)
+    return text if text.startswith(f"{path}:") else f"{path}: {text}"
+
+
 def interrupted() -> None:
     """Ctrl-C: one line and the shell's code for SIGINT (128 + 2); nothing half-written is kept, since
     every output is written atomically."""
@@ -228,7 +234,7 @@ def rehearse(
     try:
         typer.echo(run_rehearsal(loaded, preset, write, only, device, threads))
     except ParamsError as err:
-        fail(f"{preset}: {err}")
+        fail(about(preset, err))
 
 
 @app.command()
@@ -245,7 +251,7 @@ def preset(
         apply_overrides(_load(params), overrides)  # the merged params must validate
         present = flatten_overrides(load_yaml(params) or {})
     except ParamsError as err:
-        fail(f"{path}: {err}")
+        fail(about(path, err))
     # DVC (Hydra) overrides a key params.yaml has (a value or a whole section) with `key=value` and adds one
     # it lacks with `+key=value`.
     sections = {key.rsplit(".", n)[0] for key in present for n in range(1, key.count(".") + 1)}

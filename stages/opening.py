@@ -10,7 +10,7 @@ from typing import Any
 from pipeline.core.errors import InputError
 from pipeline.core.store import folder_digest, sha256_cached, verify_shard
 from pipeline.params import Params
-from stages.analysis_set import AnalysedModel, analysed_models, model_source, model_tokenizer
+from stages.analysis_set import AnalysedModel, analysed_models, model_label, model_source, model_tokenizer
 from stages.layout import Layout
 
 
@@ -34,12 +34,15 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
     if model.trained:
         assert model.run is not None
         verify_shard(layout.models, model.run)
-        if sha256_cached(Path(model.ref) / "model.safetensors") != model.digest:
-            raise InputError(f"{model.table_id}: retrained after the stage was planned; run the stage again")
+        weights = Path(model.ref) / "model.safetensors"
+        if sha256_cached(weights) != model.digest:
+            raise InputError(f"{model.table_id} ({weights}): retrained after the stage was planned; run the stage again")
         return model.ref
     source = model_source(layout, params, model.ref, model.revision)
     if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:
-        raise InputError(f"{model.ref}: its files changed after the stage was planned; run the stage again")
+        raise InputError(
+            f"{model_label(model.ref, source)}: its files changed after the stage was planned; run the stage again"
+        )
     return source
 
 

@@ -154,3 +154,51 @@ def test_paths_stay_inside_the_workspace_unless_allowed(tmp_path):
     with pytest.raises(ModelLoadError, match="outside the workspace"):
         load_model("../elsewhere", workspace=workspace)
     assert _same_weights(model, load_model(str(outside), workspace=workspace, allow_outside_paths=True))
+
+
+# ------------------------------------------------------------------ refusals name the model's folder
+def test_a_model_the_stages_refuse_is_named_by_its_path(tmp_path):
+    """A config transformers cannot build or a structure Study A cannot use is refused by messages that do
+    not name the model (they stay free of paths for `lmgeo families`' table); the stages name it."""
+    from pipeline.models.structure import StructureError
+    from pipeline.params import Params
+    from stages.analysis_set import model_source
+    from stages.layout import Layout
+
+    layout, params = Layout(tmp_path), Params()
+    (tmp_path / "models").mkdir()
+    _config_only_dir(tmp_path / "models" / "bad", model_type="gpt2", n_embd=5, n_head=2, n_layer=1, vocab_size=VOCAB)
+    _config_only_dir(tmp_path / "models" / "bert", model_type="bert-generation", hidden_size=8, num_hidden_layers=1,
+                     num_attention_heads=2, intermediate_size=8, vocab_size=VOCAB)  # fmt: skip
+    (tmp_path / "models" / "file").write_text("not a folder")
+    with pytest.raises(ModelLoadError, match="^models/bad: config.json does not describe a model"):
+        model_source(layout, params, "models/bad", None)
+    with pytest.raises(StructureError, match="^models/bert: no final norm"):
+        model_source(layout, params, "models/bert", None)
+    with pytest.raises(ModelLoadError, match=f"is not a directory \\(resolved to {tmp_path / 'models' / 'file'}\\)"):
+        model_source(layout, params, "models/file", None)
+
+
+def test_weights_changed_after_planning_and_a_missing_tokenizer_name_the_model_files(tmp_path):
+    from pipeline.core.store import ManifestKey, ShardWriter
+    from pipeline.params import Params
+    from stages.analysis_set import AnalysedModel, model_tokenizer
+    from stages.layout import Layout
+    from stages.opening import verify_weights
+
+    layout, params = Layout(tmp_path), Params()
+    folder = _save(build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0), tmp_path / "models" / "ext")
+    external = AnalysedModel("./models/ext", "./models/ext", None, None, "digest-at-planning")
+    with pytest.raises(InputError, match=f"^./models/ext \\({folder}\\): its files changed after the stage was planned"):
+        verify_weights(layout, params, external)
+    # (transformers builds an empty tokenizer from a model folder without one, or fails to: either is refused)
+    refused = "(no usable tokenizer beside the model|its tokenizer encodes text to no tokens)"
+    with pytest.raises(InputError, match=f"^./models/ext \\({folder}\\): {refused}"):
+        model_tokenizer(layout, params, external)
+
+    with ShardWriter(layout.models, "run", ManifestKey({}, "p", "c")) as writer, writer.directory("run/final") as final:
+        (final / "model.safetensors").write_bytes(b"weights")
+    trained = AnalysedModel("run@final", str(layout.checkpoint("run", "final")), None, "run", "digest-at-planning")
+    weights = layout.checkpoint("run", "final") / "model.safetensors"
+    with pytest.raises(InputError, match=f"^run@final \\({weights}\\): retrained after the stage was planned"):
+        verify_weights(layout, params, trained)

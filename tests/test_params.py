@@ -130,6 +130,24 @@ def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "file not found"),
+        ("- a list\n", "a preset must be a mapping of params sections"),
+        ("trainn: {}\n", "overrides: unknown key 'trainn'"),
+    ],
+)
+def test_a_refused_preset_is_named_once(tmp_path, content, message):
+    (tmp_path / "params.yaml").write_text("train: {steps: 5}\n")
+    preset = tmp_path / "bad.yaml"
+    if content is not None:
+        preset.write_text(content)
+    done = _lmgeo(["preset", str(preset)], tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"lmgeo: error: {preset}: {message}"
+
+
 def test_help_does_not_import_torch_or_ray():
     code = (
         "import sys\n"

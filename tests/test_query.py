@@ -192,6 +192,36 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
 
 
+def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_temporary_copy(tmp_path: Path) -> None:
+    """The revision's files are read from a temporary copy that is gone when the message is read: the
+    refused file and its manifest are named by their workspace paths."""
+    from pipeline.core.store import manifest_path, shard_slug
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git(repo, "init", "-q")
+    with ShardWriter(repo / "data" / "fits", "fits", ManifestKey({}, "p", "c")) as writer:
+        writer.write({"model": "m", "layer": 0, "fn": "lowrank"}, pa.table({"seq_id": pa.array([0], pa.int32())}))
+    victim = f"data/fits/model=m/layer=0/fn=lowrank/part-{shard_slug('fits')}.parquet"
+    with open(repo / victim, "r+b") as f:
+        f.truncate(10)
+    (repo / "params.yaml").write_text("- not a mapping\n")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "corrupt")
+    with pytest.raises(QueryError) as err:
+        query_table("SELECT count(*) FROM fits", ["HEAD"], repo)
+    assert str(err.value) == "revision 'HEAD': cannot read params.yaml: params.yaml: expected a mapping of sections at the top level"
+    (repo / "params.yaml").write_text("analysis: {k: 8}\n")
+    git(repo, "commit", "-qam", "params")
+    with pytest.raises(QueryError) as err:
+        query_table("SELECT count(*) FROM fits", ["HEAD"], repo)
+    message = str(err.value)
+    assert message.startswith(f"revision 'HEAD': cannot read data/fits: {victim}: corrupt shard: 10 bytes"), message
+    manifest = manifest_path(Path("data/fits"), "fits").as_posix()
+    assert "re-run the stage that writes data/fits" in message and f"(here {manifest})" in message
+    assert "lmgeo-query-" not in message
+
+
 def test_params_and_stored_vectors_are_queryable(workspace: Path) -> None:
     (workspace / "params.yaml").write_text("analysis:\n  k: 8\n  classes: [lowrank, identity]\n")
     rows = query_table("SELECT key, json_extract(value, '$') AS v FROM params ORDER BY key", None, workspace)

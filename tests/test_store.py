@@ -313,6 +313,33 @@ def test_a_corrupted_manifest_is_named_and_the_shard_redone(tmp_path: Path) -> N
     assert verify_shard(tmp_path, "s")
 
 
+@pytest.mark.parametrize("damage", ["no shard", "no key", "entry without bytes", "files not a list"])
+def test_a_manifest_without_its_fields_is_named_not_a_key_error(tmp_path: Path, damage: str) -> None:
+    """Valid JSON of the right format but missing a field readers index: the manifest is named (it was a
+    KeyError naming no file), and a re-run or a prune treats the shard like any corrupt one."""
+    write_shard(tmp_path, "s")
+    write_shard(tmp_path, "other", seq=1)
+    manifest = store.manifest_path(tmp_path, "s")
+    record = json.loads(manifest.read_text())
+    if damage == "no shard":
+        del record["shard"]
+    elif damage == "no key":
+        del record["params_hash"]
+    elif damage == "entry without bytes":
+        del record["files"][0]["bytes"]
+    else:
+        record["files"] = "model=m"
+    manifest.write_text(json.dumps(record))
+    for reader in (lambda: verified_files(tmp_path), lambda: verified_files(tmp_path, {"s": KEY}),
+                   lambda: verify_shard(tmp_path, "s"), lambda: dataset_digest(tmp_path)):
+        with pytest.raises(CorruptShardError, match=re.escape(f"{manifest}: corrupt shard: a manifest without")):
+            reader()
+    assert resume(tmp_path, {"s": 0, "other": 1}) == ["s"]
+    manifest.write_text(json.dumps(record))
+    prune_shards(tmp_path, {"s", "other"})
+    assert not manifest.exists() and {p.name for p in verified_files(tmp_path)} == {f"part-{shard_slug('other')}.parquet"}
+
+
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
     write_shard(tmp_path, "s")
     victim = verified_files(tmp_path)[0]
@@ -346,17 +373,23 @@ def test_a_reader_takes_only_the_planned_shards_with_their_keys(tmp_path: Path) 
     write_shard(tmp_path, "unplanned", seq=1)
     assert {p.name for p in verified_files(tmp_path, {"planned": KEY})} == {f"part-{shard_slug('planned')}.parquet"}
     stale = ManifestKey(KEY.inputs, "p2", KEY.code_version)
-    with pytest.raises(StaleShardError, match="shard 'planned' is stale \\(its params hash differ"):
+    planned = store.manifest_path(tmp_path, "planned")
+    with pytest.raises(StaleShardError, match=re.escape(f"shard 'planned' is stale (its params hash in {planned} differ")):
         verified_files(tmp_path, {"planned": stale}, rebuild="`lmgeo extract`")
-    with pytest.raises(StaleShardError, match="'missing' is missing; run `lmgeo extract`"):
+    missing = store.manifest_path(tmp_path, "missing")
+    with pytest.raises(StaleShardError, match=re.escape(f"'missing' is missing (no {missing}); run `lmgeo extract`")):
         verified_files(tmp_path, {"missing": KEY}, rebuild="`lmgeo extract`")
 
 
 def test_a_dataset_mixing_two_keys_is_refused_without_a_plan(tmp_path: Path) -> None:
     write_shard(tmp_path, "a")
     write_shard(tmp_path, "b", key=ManifestKey(KEY.inputs, "p2", KEY.code_version))
-    with pytest.raises(StaleShardError, match="2 different params hashs|2 different params hashes"):
+    write_shard(tmp_path, "c", key=ManifestKey(KEY.inputs, "p2", KEY.code_version))
+    with pytest.raises(StaleShardError, match="2 different params hashes") as err:
         verified_files(tmp_path)
+    # A manifest of each side is named, so the shards of the interrupted run can be found.
+    a, b = store.manifest_path(tmp_path, "a"), store.manifest_path(tmp_path, "b")
+    assert f"2 different params hashes (p1 ({a}), p2 ({b} and 1 more))" in str(err.value)
 
 
 def test_a_completed_plan_lets_shards_hold_their_own_keys_and_catches_a_half_redone_stage(tmp_path: Path) -> None:

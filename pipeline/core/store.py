@@ -232,12 +232,14 @@ def read_plan(root: Path) -> dict[str, ManifestKey]:
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:
     if manifest is None:
-        raise StaleShardError(f"{root}: shard {shard!r} is missing; run {rebuild} first")
+        raise StaleShardError(
+            f"{root}: shard {shard!r} is missing (no {manifest_path(root, shard)}); run {rebuild} first"
+        )
     if manifest_key(manifest) != key:
         changed = [name for name, old, new in _key_parts(manifest_key(manifest), key) if old != new]
         raise StaleShardError(
-            f"{root}: shard {shard!r} is stale (its {', '.join(changed)} differ from the current plan's); "
-            f"run {rebuild} to recompute it"
+            f"{root}: shard {shard!r} is stale (its {', '.join(changed)} in {manifest_path(root, shard)} differ "
+            f"from the current plan's); run {rebuild} to recompute it"
         )
     return manifest
 
@@ -250,11 +252,20 @@ def _key_parts(old: ManifestKey, new: ManifestKey) -> list[tuple[str, Any, Any]]
 
 def _check_unmixed(root: Path, manifests: Any, rebuild: str) -> None:
     for field, plural in (("params_hash", "params hashes"), ("code_version", "code versions")):
-        values = sorted({m[field] for m in manifests})
+        holders: dict[str, list[str]] = {}
+        for m in manifests:
+            holders.setdefault(m[field], []).append(m["shard"])
+        values = sorted(holders)
         if len(values) > 1:
+            # Name a manifest of each value, so the shards of one run of the stage can be told from the other's.
+            named = ", ".join(
+                f"{value} ({manifest_path(root, min(holders[value]))}"
+                f"{f' and {len(holders[value]) - 1} more' if len(holders[value]) > 1 else ''})"
+                for value in values
+            )
             raise StaleShardError(
                 f"{root}: its shards were written with {len(values)} different {plural} "
-                f"({', '.join(values)}): a stage was interrupted after a change; run {rebuild} to finish it"
+                f"({named}): a stage was interrupted after a change; run {rebuild} to finish it"
             )
 
 
@@ -358,7 +369,22 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         raise _corrupt(path, path, f"unreadable manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise _corrupt(path, path, "not a manifest of this format (written by another lmgeo version?)")
+    if not _well_formed(manifest):  # readers index these fields: a KeyError would name no file
+        raise _corrupt(path, path, "a manifest without its shard, key or list of files (edited by hand?)")
     return manifest
+
+
+def _well_formed(manifest: dict[str, Any]) -> bool:
+    files = manifest.get("files")
+    return (
+        isinstance(manifest.get("shard"), str)
+        and isinstance(manifest.get("inputs"), dict)
+        and isinstance(manifest.get("params_hash"), str)
+        and isinstance(manifest.get("code_version"), str)
+        and isinstance(files, list)
+        and all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+                and isinstance(f.get("sha256"), str) for f in files)
+    )
 
 
 def manifest_key(manifest: dict[str, Any]) -> ManifestKey:

@@ -33,7 +33,7 @@ def _local_dir(ref: str, workspace: Path | None, allow_outside_paths: bool) -> P
             raise ModelLoadError(f"model path {ref!r} does not exist (resolved to {path})")
         return None
     if not path.is_dir():
-        raise ModelLoadError(f"model path {ref!r} is not a directory")
+        raise ModelLoadError(f"model path {ref!r} is not a directory (resolved to {path})")
     if workspace is not None and not allow_outside_paths:
         # The folder and every file in it: a symlinked `model.safetensors` counts like a symlinked folder.
         for inside in [path, *sorted(path.rglob("*"))]:

@@ -26,6 +26,7 @@ import csv
 import io
 import json
 import math
+import os
 import re
 import signal
 import tempfile
@@ -271,14 +272,23 @@ def _mentions(sql: str, name: str) -> bool:
 def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot:
     """The tables (read into memory; they are small) and lazy, verified datasets found under ``root``."""
     where = f"revision {rev!r}" if rev else str(root)
+
+    def cause(err: BaseException) -> str:
+        # At a revision `root` is a temporary copy, gone once the query ends: the paths the cause names
+        # (the file refused, its manifest) are shown relative to it, as they are in the workspace at `rev`.
+        return str(err).replace(f"{root}{os.sep}", "") if rev else str(err)
+
     folder = root / sources["tables"]
     try:
         found = read_result_tables(folder) if folder.is_dir() else {}
     except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
-        raise QueryError(f"{where}: cannot read {sources['tables']}: {err}") from None
+        raise QueryError(f"{where}: cannot read {sources['tables']}: {cause(err)}") from None
     tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
     if (root / sources["params"]).is_file():
-        tables["params"] = _params_table(root / sources["params"], where)
+        try:
+            tables["params"] = _params_table(root / sources["params"])
+        except InputError as err:
+            raise QueryError(f"{where}: cannot read {sources['params']}: {cause(err)}") from None
     datasets = {}
     for name, (dataset, vectors) in DATASETS.items():
         if dataset.name not in sources:
@@ -288,18 +298,18 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
             files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`") if folder.is_dir() else []
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
-            raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {err}") from None
+            raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
     return _Snapshot(rev, tables, datasets)
 
 
-def _params_table(path: Path, where: str) -> pa.Table:
+def _params_table(path: Path) -> pa.Table:
     """`params.yaml` as rows (key, value): dotted keys, values as JSON text (`json_extract` reads them)."""
     from pipeline.core.config import ParamsError, flatten_overrides, load_yaml
 
-    try:
-        flat = flatten_overrides(load_yaml(path) or {})
-    except ParamsError as err:
-        raise QueryError(f"{where}: cannot read {path.name}: {err}") from None
+    raw = load_yaml(path) or {}
+    if not isinstance(raw, dict):  # flatten_overrides would call it "a preset"
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level")
+    flat = flatten_overrides(raw)
     return pa.table({"key": list(flat), "value": list(flat.values())})
 
 
