@@ -5,8 +5,8 @@ drift, so `dvc repro` and the shard manifests agree on what a code change invali
 
 from __future__ import annotations
 
-import sys
 import io
+import sys
 from pathlib import Path
 
 from pipeline.core.fingerprint import closure, has_code
