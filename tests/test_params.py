@@ -80,6 +80,7 @@ def _lmgeo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     ],
 )
 @pytest.mark.parametrize("stage", ["prepare", "train", "fit"])
+@pytest.mark.slow  # lmgeo in a subprocess, 12 times
 def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
     (tmp_path / "params.yaml").write_text(content)
     done = _lmgeo([stage], tmp_path)
@@ -89,6 +90,7 @@ def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
     assert not (tmp_path / "data").exists()
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_help_does_not_import_torch_or_ray():
     code = (
         "import sys\n"
