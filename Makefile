@@ -1,11 +1,12 @@
-# The two set-up commands of the README: `make study` and `make test`.
+# The two set-up commands of the README: `make study` and `make test` (lint, then the whole suite: what CI runs).
+# `make check` is the fast loop while editing: lint, then the tests not marked `slow` (under 3 minutes).
 # Both create .venv (once) from constraints.txt, so installs are pinned and reproducible;
 # constraints.txt pins torch==2.13.0, the CPU wheel, so no CUDA build is pulled on a CPU machine.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 
-.PHONY: install study test bench gpu-wheels gpu-check
+.PHONY: install study lint check test bench gpu-wheels gpu-check
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -19,7 +20,13 @@ install: $(VENV)/.installed
 study: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
-test: install
+lint: install
+	$(VENV)/bin/ruff check .
+
+check: lint
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow"
+
+test: lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest
 
 bench: install

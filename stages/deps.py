@@ -5,10 +5,12 @@ drift, so `dvc repro` and the shard manifests agree on what a code change invali
 
 from __future__ import annotations
 
+import io
 import sys
 from pathlib import Path
 
 from pipeline.core.fingerprint import ALWAYS, closure, has_code
+from pipeline.core.store import atomic_write
 
 STAGES = ("prepare", "train", "external", "extract", "fit", "perturb", "aggregate", "report")
 CODE_ROOTS = ("pipeline/", "stages/")
@@ -55,8 +57,9 @@ def write(dvc_yaml: Path) -> None:
         data = [d for d in deps if not is_code(str(d))]
         deps.clear()
         deps.extend(data + code_deps(stage, dvc_yaml.parent))
-    with dvc_yaml.open("w") as f:
-        yaml.dump(document, f)
+    text = io.StringIO()
+    yaml.dump(document, text)
+    atomic_write(dvc_yaml, text.getvalue())  # an interrupted rewrite must not leave dvc.yaml half-written
 
 
 def main(argv: list[str]) -> None:

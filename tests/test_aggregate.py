@@ -17,6 +17,7 @@ from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
 from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
+from pipeline.results.study_a.claims import CLAIMS
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
@@ -205,8 +206,11 @@ def write_default_shape_study(data_dir: Path) -> None:
                     write_random_stratum(data_dir, model, layer, fn, rng)
 
 
-def write_random_stratum(data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator) -> None:
-    """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches."""
+def write_random_stratum(
+    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True
+) -> None:
+    """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches (with the
+    null patches' KLs unless `null_patches` is false)."""
     n = DEFAULT_ANCHORS
     seq = np.arange(n, dtype=np.int32)
     parts = []
@@ -225,10 +229,10 @@ def write_random_stratum(data_dir: Path, model: str, layer: int, fn: str, rng: n
     with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.concat_tables(parts))
     kl = np.exp(rng.normal(0, 1, n))
+    nulls = {"kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n)}
     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.table({
-            "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2,
-            "kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n),
+            "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2, **(nulls if null_patches else {}),
         }))  # fmt: skip
 
 
@@ -440,10 +444,33 @@ def test_correlations_are_per_layer_and_stratified(tmp_path: Path) -> None:
 
 
 # -------------------------------------------------------------------------------------------- claims
-def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(tables: dict[str, pa.Table]) -> None:
-    tests = tables["claim_tests"]
+@pytest.fixture(scope="module")
+def null_study(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pa.Table]:
+    """Study A only: gpt2 at its final checkpoint on two seeds, two layers, real and null fits of enough
+    anchors to be tested (the tiny study's strata have fewer than MIN_ANCHORS), patches without null patches."""
+    data = tmp_path_factory.mktemp("nulls")
+    rng = np.random.default_rng(1)
+    for seed in (0, 1):
+        for layer in (0, 1):
+            for fn in ("lowrank", "identity"):
+                write_random_stratum(data, f"gpt2-muon-s{seed}.final", layer, fn, rng, null_patches=False)
+    return build_tables(sources(data), CFG)
+
+
+def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(null_study: dict[str, pa.Table]) -> None:
+    tests = null_study["claim_tests"]
+    assert tests.num_rows > 0  # every check below also holds for an empty table
+    geometric = [c.name for c in CLAIMS if set(c.tests) == {"shuffled", "gaussian"}]
+    want = {(claim, null) for claim in geometric for null in ("shuffled", "gaussian")}
+    want.add(("partial_spearman_rel_err_kl", "zero"))  # against 0: needs no null
+    for scope, layers, n_layers in (("layer", {0, 1}, 1), ("stratified", {None}, 2)):
+        found = rows(tests, subject="gpt2@final", fn="lowrank", scope=scope)
+        assert {(r["claim"], r["null"]) for r in found} == want
+        assert len(found) == len(want) * len(layers) and {r["layer"] for r in found} == layers
+        assert {(r["n_models"], r["n_layers"]) for r in found} == {(2, n_layers)}  # both seeds in every test
     spearman = rows(tests, subject="gpt2@final", fn="lowrank", claim="spearman_rel_err_kl", scope="stratified")
     assert spearman == []  # no null patch in this study: nothing to test the correlation against
+    assert not rows(tests, claim="residual_outweighs_null")  # nor the residual against a null patch
     assert not rows(tests, fn="identity")  # Δ_tok = 0: the alignment claims are undefined
     assert {r["scope"] for r in tests.to_pylist()} <= {"layer", "stratified"}
 

@@ -59,6 +59,7 @@ def quick_bench(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # `lmgeo bench --quick` in a subprocess
 def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_bench):
     report = json.loads((quick_bench / "bench.json").read_text(), parse_constant=_reject_constant)
     for key in ("command", "quick", "started_utc", "wall_s", "machine", "versions", "ratios", "profiles", *SECTIONS):
@@ -78,6 +79,7 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
         assert row["op"] in (">=", "<=") and isinstance(row["passed"], bool)
 
 
+@pytest.mark.slow  # `lmgeo bench --quick` in a subprocess
 def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     report = json.loads((quick_bench / "bench.json").read_text())
     agreement = [r for r in report["ratios"] if "max |fit_layer − reference|" in r["name"]]
@@ -91,6 +93,7 @@ def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     assert report["gpu"]["available"] == torch.cuda.is_available()
 
 
+@pytest.mark.slow  # `lmgeo bench --quick` in a subprocess
 def test_quick_bench_markdown_has_the_ratio_table(quick_bench):
     md = (quick_bench / "bench.md").read_text()
     report = json.loads((quick_bench / "bench.json").read_text())
@@ -163,6 +166,7 @@ def _child_environment(threads: int, name: str) -> tuple[str | None, int]:
     return os.environ.get(name), os.getpid()
 
 
+@pytest.mark.slow  # a fresh process, twice
 def test_run_fresh_runs_in_another_process_with_the_thread_count():
     value, pid = run_fresh(_child_environment, 3, env={"LMGEO_BENCH_PROBE": "yes"}, name="OMP_NUM_THREADS")
     assert value == "3" and pid != os.getpid()

@@ -1,6 +1,7 @@
 """The Ray execution layer: run_shards, Progress, start_ray.
 
-Most tests use the session's embedded Ray (``ray_local``, 2 CPUs). The cluster tests run their
+Most tests use the session's embedded Ray (``ray_local``, 2 CPUs; they are marked slow, as is every
+test that starts Ray: ``make check`` leaves them out). The cluster tests run their
 driver in a subprocess (see conftest): one against a two-node ``ray.cluster_utils.Cluster`` whose
 second node has a GPU slot and a ``fake_gpu`` custom resource, so routing by resources is really
 exercised; one against a separately started ``ray start --head`` process joined through
@@ -163,6 +164,7 @@ def test_duplicate_shard_keys_are_refused() -> None:
         run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="fit")
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_results_are_collected_as_they_arrive(ray_local, capsys: pytest.CaptureFixture[str]) -> None:
     shards = [Shard(f"sq{i}", square, (i,)) for i in range(5)]
     results = run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="squares")
@@ -177,12 +179,14 @@ def threads_in_task() -> int:
     return torch.get_num_threads()
 
 
+@pytest.mark.slow  # the session's embedded Ray
 @pytest.mark.parametrize("cpus", [1, 2])
 def test_every_task_runs_with_the_thread_count_of_its_resources(ray_local, cpus: int) -> None:
     shards = [Shard(f"t{i}", threads_in_task) for i in range(2)]
     assert set(run_shards(shards, TaskResources(num_cpus=cpus), max_in_flight=2, max_retries=0, label="t").values()) == {cpus}
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) -> None:
     from pipeline.core.execution import CodeMismatch
     from pipeline.core.fingerprint import CodeSpec, code_version
@@ -196,6 +200,7 @@ def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) ->
     assert isinstance(failure.value.cause, CodeMismatch) and "planned version 0.1.0+0000000000000000" in str(failure.value)
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_keyword_arguments_reach_the_task(ray_local) -> None:
     shards = [Shard(f"sq{i}", square, kwargs={"x": i}) for i in range(3)]
     assert run_shards(shards, ONE_CPU, max_in_flight=8, max_retries=0, label="squares") == {
@@ -205,6 +210,7 @@ def test_keyword_arguments_reach_the_task(ray_local) -> None:
     }
 
 
+@pytest.mark.slow  # the session's embedded Ray
 @pytest.mark.parametrize("max_in_flight", [1, 3])
 def test_in_flight_tasks_are_bounded(ray_local, monkeypatch: pytest.MonkeyPatch, max_in_flight: int) -> None:
     waited_on = []
@@ -223,6 +229,7 @@ def test_in_flight_tasks_are_bounded(ray_local, monkeypatch: pytest.MonkeyPatch,
     assert ray.get(tracker.get_peak.remote()) == max_in_flight
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_a_failing_task_is_reported_with_its_shard(ray_local) -> None:
     shards = [Shard(f"part-{i}", fail_if, (i, 1)) for i in range(4)]
     with pytest.raises(ShardFailed) as failure:
@@ -233,6 +240,7 @@ def test_a_failing_task_is_reported_with_its_shard(ray_local) -> None:
     assert "fail_if" in str(failure.value)  # the remote traceback comes along
 
 
+@pytest.mark.slow  # the session's embedded Ray
 @pytest.mark.timeout(90)
 def test_a_failure_cancels_the_tasks_in_flight(ray_local, tmp_path: Path) -> None:
     never = str(tmp_path / "never-created")
@@ -254,6 +262,7 @@ def test_a_dead_worker_is_retried_then_reported(ray_local, tmp_path: Path) -> No
         run_shards([Shard("doomed", die)], ONE_CPU, max_in_flight=1, max_retries=0, label="retry")
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
     with pytest.raises(InputError, match=r"fit: no node .*'GPU': 1\.0"):
         run_shards([Shard("a", square, (1,))], TaskResources(num_gpus=1), max_in_flight=1, max_retries=0, label="fit")
@@ -262,12 +271,14 @@ def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
                    max_retries=0, label="fit")
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_workers_import_this_checkout(ray_local) -> None:
     result = run_shards([Shard("src", pipeline_source)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")
     assert Path(result["src"]).resolve() == Path(pipeline.core.store.__file__).resolve()
 
 
 # ----------------------------------------------------------------------------------- start_ray
+@pytest.mark.slow  # the session's embedded Ray
 def test_start_ray_is_idempotent(ray_local) -> None:
     start_ray(RayConfig(num_cpus=1))
     assert ray.cluster_resources()["CPU"] == 2
@@ -438,6 +449,7 @@ def scenario_joined_by_address() -> None:
     print("scenario_joined_by_address: ok")
 
 
+@pytest.mark.slow  # the session's embedded Ray
 def test_small_shards_share_tasks_and_a_failure_still_names_its_shard(ray_local) -> None:
     shards = [Shard(f"sq{i}", square, (i,)) for i in range(7)]
     assert run_shards(shards, ONE_CPU, max_in_flight=2, max_retries=0, label="sq", shards_per_task=3) == {

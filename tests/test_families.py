@@ -42,6 +42,7 @@ def test_the_ci_list_holds_every_family_the_issue_names():
 
 
 @pytest.mark.parametrize("model_type", CI_FAMILIES)
+@pytest.mark.slow  # end to end for each family
 def test_family_is_saved_loaded_verified_extracted_and_patched(model_type, tmp_path):
     """Saved with save_pretrained and opened through lmgeo's strict loading: mamba2 (like the hybrids)
     saves an infinite `time_step_limit` as {"__float__": "Infinity"}, which only transformers' reader decodes.
@@ -196,6 +197,7 @@ def test_the_seed_preset_analyses_the_rehearsed_models():
 
 
 @pytest.mark.parametrize("hub_id", ["EleutherAI/pythia-1.4b", "state-spaces/mamba-370m-hf", "distilbert/distilgpt2"])
+@pytest.mark.slow  # saved, then opened by the stages
 def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path):
     """The seed's configurations (their published settings, shrunk to a tiny size), saved with
     save_pretrained inside the workspace, go through the stages' loading path (`external_model`:

@@ -183,6 +183,7 @@ def test_installing_takes_what_is_missing_or_too_old_and_names_what_nothing_sati
     assert "typing_extensions" not in {w.name.split("-")[0] for w in recent.install}  # the machine's will do
 
 
+@pytest.mark.slow  # exercises the library path in a fresh interpreter
 def test_the_real_wheel_list_carries_pydantic_and_mambapy_and_nothing_the_machine_has():
     listed = wheels.carried_list()
     carried = {c.name for c in listed}
@@ -238,6 +239,7 @@ def _check(*args: str, out: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
+@pytest.mark.slow  # the check in a subprocess
 def test_without_cuda_the_check_says_so_and_succeeds(tmp_path):
     done = _check(out=tmp_path)
     assert done.returncode == 0 and done.stdout.startswith("no CUDA: skipped"), done.stdout + done.stderr

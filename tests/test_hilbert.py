@@ -252,6 +252,7 @@ def _best_spread(n_points: int, width: int, restarts: int) -> float:
     return best
 
 
+@pytest.mark.slow  # optimises configurations for a high ratio, with restarts
 def test_equi_ratio_bound_is_one_up_to_a_simplex_and_never_exceeded() -> None:
     """`equi_ratio_bound` (SPEC §3.1): 1 exactly when n ≤ d + 1 (a regular simplex reaches it); below 1
     beyond, and no configuration exceeds it: the regular pentagon (0.618 in the plane), random unit rows,

@@ -128,8 +128,8 @@ def test_2_a_changed_external_model_is_noticed_by_dvc_and_recomputed(ws):
 def test_2_an_external_model_changed_after_planning_is_refused_when_opened(ws):
     from pipeline.params import load_params
     from stages.analysis_set import analysed_models
-    from stages.opening import verify_weights
     from stages.layout import Layout
+    from stages.opening import verify_weights
 
     layout, params = Layout(ws), load_params(ws / "params.yaml")
     external = next(m for m in analysed_models(params, layout) if not m.trained)
@@ -281,12 +281,20 @@ def test_10_infeasible_task_resources_are_one_error(ws):
     fails(lmgeo(ws, "fit", check=False), "no node of the Ray cluster can run")
 
 
-def test_10_ctrl_c_in_a_query_is_one_line_and_exit_130(ws):
+def test_10_ctrl_c_in_a_query_is_one_line_and_exit_130(ws, tmp_path):
     slow = "SELECT count(*) FROM range(100000000) a, range(100000000) b"
-    proc = subprocess.Popen([str(BIN / "lmgeo"), "query", slow], cwd=ws, env=env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    private = tmp_path / "tmp"  # the query's own temp folder appears here: the sign it is past the imports
+    private.mkdir()
+    proc = subprocess.Popen([str(BIN / "lmgeo"), "query", slow], cwd=ws, env={**env(), "TMPDIR": str(private)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        time.sleep(8)  # past the imports: in the set-up or the query (set-up alone: tests/test_query.py)
+        # Past the imports once `query_table` has made its temp folder: Ctrl-C lands in the set-up or the
+        # query (set-up alone: tests/test_query.py).
+        deadline = time.monotonic() + 120
+        while not any(private.glob("lmgeo-query-*")):
+            assert proc.poll() is None, f"the query ended before Ctrl-C: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no query temp folder after 120 s"
+            time.sleep(0.05)
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=60)
     finally:

@@ -121,6 +121,7 @@ def _lmgeo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     ],
 )
 @pytest.mark.parametrize("stage", ["prepare", "train", "fit"])
+@pytest.mark.slow  # lmgeo in a subprocess, 12 times
 def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
     (tmp_path / "params.yaml").write_text(content)
     done = _lmgeo([stage], tmp_path)
@@ -138,6 +139,7 @@ def test_cli_exits_2_before_any_work(tmp_path, content, needle, stage):
         ("trainn: {}\n", "overrides: unknown key 'trainn'"),
     ],
 )
+@pytest.mark.slow  # a fresh interpreter
 def test_a_refused_preset_is_named_once(tmp_path, content, message):
     (tmp_path / "params.yaml").write_text("train: {steps: 5}\n")
     preset = tmp_path / "bad.yaml"
@@ -148,6 +150,7 @@ def test_a_refused_preset_is_named_once(tmp_path, content, message):
     assert done.stderr.strip() == f"lmgeo: error: {preset}: {message}"
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_help_does_not_import_torch_or_ray():
     code = (
         "import sys\n"

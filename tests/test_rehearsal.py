@@ -12,6 +12,7 @@ from tools import rehearsal
 from tools.rehearsal import Measured, Node, Slice, Study, extrapolate, render_markdown
 
 
+@pytest.mark.slow  # extract, fit and perturb on a slice
 def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypatch):
     monkeypatch.setitem(rehearsal.SEED_CONFIGS, "gpt2", lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256))
     measured = rehearsal.rehearse("gpt2", Slice(n_seq=2, seq_len=16))

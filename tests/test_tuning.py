@@ -152,6 +152,7 @@ def tiny_cfg(**overrides) -> TrainConfig:
                        equi_sample_rows=32, device="cpu", **overrides)
 
 
+@pytest.mark.slow  # five training runs
 def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
     train, val = tokens
     base = tiny_cfg()
