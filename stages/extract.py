@@ -11,8 +11,8 @@ from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, model_tokenizer
-from stages.opening import check_external_models, open_model
 from stages.layout import Layout
+from stages.opening import check_external_models, open_model
 from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
 
 

@@ -11,8 +11,8 @@ from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
 from pipeline.params import Params
 from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models
-from stages.opening import open_model
 from stages.layout import Layout
+from stages.opening import open_model
 from stages.sharded import Plan, members, planned_keys, run_sharded_stage, stage_code, stage_params, versioned
 
 

@@ -17,8 +17,8 @@ from pipeline.core.execution import Shard
 from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
 from pipeline.params import Params
-from stages.layout import Layout
 from pipeline.study_b.config import TrainConfig
+from stages.layout import Layout
 from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
 
 RUN_JSON = "run.json"

@@ -17,9 +17,9 @@ from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
 from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
-from pipeline.results.study_a.claims import CLAIMS
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
+from pipeline.results.study_a.claims import CLAIMS
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
@@ -311,7 +311,7 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
             write_steps(tmp_path, run, steps_table(run).append_column("head_step_scale", pa.array(capped)))
             record = {"run": run, "arch": "neox", "recipe": recipe, "seed": seed, "steps": STEPS, "steps_done": STEPS,
                       "tokens": 1, "final_train_loss": 1.0, "final_val_loss": loss, "final_test_loss": loss,
-                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None, 
+                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None,
                       "n_params": 1, "params_hash": "x"}  # fmt: skip
             with ShardWriter(tmp_path / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
                 (folder / "run.json").write_text(json.dumps(record))

@@ -18,8 +18,8 @@ import pytest
 
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import build_tables, load_sources
-from pipeline.results.study_a.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, summarise, verdict
 from pipeline.results.config import ReportConfig
+from pipeline.results.study_a.claims import INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, summarise, verdict
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.fits import choose_anchors, fit_layer
 from pipeline.study_a.nulls import derangement, null_patches

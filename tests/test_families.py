@@ -203,11 +203,11 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     save_pretrained inside the workspace, go through the stages' loading path (`external_model`:
     the safety checks and digest; `open_model`: load and verify), then extraction and patching."""
     from pipeline.params import Params
+    from stages.analysis_set import external_model
+    from stages.layout import Layout
+    from stages.opening import open_model
     from tools.families import extract_and_check, patch_and_check
     from tools.rehearsal import SEED_STUDY
-    from stages.analysis_set import external_model
-    from stages.opening import open_model
-    from stages.layout import Layout
 
     published = SEED_STUDY[hub_id][0]()
     config = tiny_config(published.model_type, base=published)

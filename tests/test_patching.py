@@ -11,8 +11,8 @@ from transformers import DynamicCache
 
 from pipeline.models.hooks import block_output
 from pipeline.models.registry import blocks_of, build_model, head_of
-from pipeline.study_a.extract import capture_states
 from pipeline.study_a import patching
+from pipeline.study_a.extract import capture_states
 from pipeline.study_a.patching import patch_kl_anchors, suffix_path
 
 TINY = tiny_size()

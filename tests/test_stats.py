@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from scipy.stats import rankdata, spearmanr
+from scipy.stats import spearmanr
 
 from pipeline.results.stats import (
     spearman,

@@ -27,7 +27,6 @@ from pipeline.core.contracts import VECTOR, Dataset, read
 from pipeline.core.errors import InputError
 from pipeline.core.store import (
     PLAN_FILE,
-    write_plan,
     CorruptShardError,
     ManifestKey,
     ShardWriter,
@@ -44,6 +43,7 @@ from pipeline.core.store import (
     vectors_to_arrow,
     verified_files,
     verify_shard,
+    write_plan,
 )
 
 KEY = ManifestKey(inputs={"activations": "abc123"}, params_hash="p1", code_version="c1")

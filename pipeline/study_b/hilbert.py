@@ -8,9 +8,8 @@ softmax is blind to common row shifts `1cᵀ`.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import math
+from typing import NamedTuple
 
 import torch
 from torch import Tensor

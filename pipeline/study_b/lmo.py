@@ -18,7 +18,6 @@ from torch.optim._muon import (
     _zeropower_via_newtonschulz,
 )
 
-
 # Rows of a distance block held at once: memory O(CHUNK_ROWS · bucket size).
 CHUNK_ROWS = 512
 

@@ -25,6 +25,7 @@ from pipeline.core.config import TaskResources
 from pipeline.core.provenance import machine, versions
 from pipeline.core.store import ManifestKey, ShardWriter, verified_files
 from pipeline.params import Params
+from stages.layout import Layout
 from tools.bench.extraction import extraction_section
 from tools.bench.fits import fits_vs_reference, knn_section
 from tools.bench.gpu import gpu_benchmarks
@@ -34,7 +35,6 @@ from tools.bench.render import render_markdown, to_jsonable
 from tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize, identifiable_k
 from tools.bench.study_a import knn_vs_faiss, suffix_vs_full
 from tools.bench.synthetic import activation_batch, synthetic_states, token_ids
-from stages.layout import Layout
 
 FANOUT_MODEL = "bench"
 ACTIVATION_SHARD, ACTIVATION_KEY = f"{FANOUT_MODEL}/seq=0", ManifestKey({"tokens": "bench"}, "bench", "bench")

@@ -10,8 +10,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pipeline.models.config import ModelSize
-from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.baseline import baseline
+from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.recipes import RECIPES
 from tools.bench.measure import bar, interleaved, profile_top
 from tools.bench.recipe_costs import COSTS

@@ -34,8 +34,8 @@ from pipeline.study_a.extract import extract_batches
 from pipeline.study_a.fits import choose_anchors, finite_rows, fit_layer
 from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 from pipeline.study_a.patching import patch_kl_anchors
-from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.baseline import baseline
+from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.train import INVARIANT_RTOL, train_run
 from tools.bench.synthetic import token_ids
 from tools.gpucheck.summary import Outcome

@@ -28,14 +28,14 @@ from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.fits import choose_anchors, fit_layer
 from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_b.baseline import baseline
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.optim import build_optimizers, partition_parameters, resolve_head_step
-from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
-from tools.bench.recipe_costs import COSTS
 from pipeline.study_b.train import HeadInputs
 from tools.bench.extraction import extract_to_parquet
 from tools.bench.measure import interleaved
+from tools.bench.recipe_costs import COSTS
 from tools.bench.synthetic import synthetic_states, token_ids
 from tools.gpucheck.summary import Outcome
 

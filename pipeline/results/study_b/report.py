@@ -16,6 +16,7 @@ from pipeline.results.study_b.tables import POWER, RESOLVE_NATS, SIGNIFICANCE
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 
+
 def _pooled(sds: Sequence[float | None]) -> float | None:
     finite = [s for s in sds if s is not None and math.isfinite(s)]
     return float(np.sqrt(np.mean(np.square(finite)))) if finite else None

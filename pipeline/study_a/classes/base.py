@@ -19,7 +19,6 @@ from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update
 from pipeline.study_a.reference import RefContext
 
-
 # (inputs, outputs, at, cfg, first) -> Update. A local class gets its (A, k, d) neighbours and `at` = the
 # anchors' inputs x_a (A, d), never an anchor's own output; anchors come in chunks (memory stays bounded by
 # the chunk, `pipeline.study_a.fits`) and `first` is the chunk's first anchor in the layer, so that per-anchor
