@@ -141,9 +141,13 @@ _stage_command("report", "Render reports/report.md, report.html and the figures 
 @app.command()
 def query(
     sql: Annotated[str, typer.Argument(help="a read-only SQL statement")],
-    rev: Annotated[Optional[list[str]], typer.Option("--rev", help="git revision or DVC experiment (repeatable)")] = None,
+    rev: Annotated[
+        Optional[list[str]], typer.Option("--rev", help="git revision or DVC experiment (repeatable)")
+    ] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | csv | json")] = "table",
-    timeout: Annotated[Optional[float], typer.Option("--timeout", help="stop the query after this many seconds")] = None,
+    timeout: Annotated[
+        Optional[float], typer.Option("--timeout", help="stop the query after this many seconds")
+    ] = None,
 ) -> None:
     """Run read-only SQL over the result tables, at the working tree or at given revisions."""
     if fmt not in ("table", "csv", "json"):
@@ -177,8 +181,12 @@ def bench(
 @app.command()
 def tune(
     arch: Annotated[Optional[str], typer.Option(help="architecture to tune on (default: the study's first)")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="steps per trial (default: train.steps, the study's horizon)")] = None,
-    seed: Annotated[Optional[list[int]], typer.Option(help="seed (repeatable; default: 1000 1001, not the study's)")] = None,
+    steps: Annotated[
+        Optional[int], typer.Option(help="steps per trial (default: train.steps, the study's horizon)")
+    ] = None,
+    seed: Annotated[
+        Optional[list[int]], typer.Option(help="seed (repeatable; default: 1000 1001, not the study's)")
+    ] = None,
     recipe: Annotated[Optional[list[str]], typer.Option(help="recipe (repeatable; default: all registered)")] = None,
     out: Annotated[Path, typer.Option(help="where the protocol and results go")] = Path("docs/tuning.md"),
     params: ParamsOpt = Path("params.yaml"),
@@ -208,7 +216,9 @@ def check_model(
 
 @app.command()
 def families(
-    write: Annotated[Optional[Path], typer.Option("--write", help="write the table here, e.g. docs/families.md")] = None,
+    write: Annotated[
+        Optional[Path], typer.Option("--write", help="write the table here, e.g. docs/families.md")
+    ] = None,
     only: Annotated[Optional[list[str]], typer.Option("--only", help="this model type only (repeatable)")] = None,
 ) -> None:
     """Verify a tiny random-weight model of every causal-LM family transformers ships; print the table."""
@@ -219,8 +229,14 @@ def families(
 
 @app.command()
 def rehearse(
-    write: Annotated[Optional[Path], typer.Option("--write", help="write the report here, e.g. docs/scale.md (and .json beside it)")] = None,
-    only: Annotated[Optional[list[str]], typer.Option("--only", help="this seed model only: pythia-1.4b, mamba-370m, gpt2 (repeatable)")] = None,
+    write: Annotated[
+        Optional[Path],
+        typer.Option("--write", help="write the report here, e.g. docs/scale.md (and .json beside it)"),
+    ] = None,
+    only: Annotated[
+        Optional[list[str]],
+        typer.Option("--only", help="this seed model only: pythia-1.4b, mamba-370m, gpt2 (repeatable)"),
+    ] = None,
     device: Annotated[str, typer.Option(help="cpu, or cuda on a GPU node")] = "cpu",
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
     preset: Annotated[Path, typer.Option(help="the study whose cost is extrapolated")] = Path("presets/seed.yaml"),
@@ -255,7 +271,8 @@ def preset(
     # DVC (Hydra) overrides a key params.yaml has (a value or a whole section) with `key=value` and adds one
     # it lacks with `+key=value`.
     sections = {key.rsplit(".", n)[0] for key in present for n in range(1, key.count(".") + 1)}
-    typer.echo(" ".join(f"-S {'' if key in present.keys() | sections else '+'}{key}={value}" for key, value in overrides.items()))
+    known = present.keys() | sections
+    typer.echo(" ".join(f"-S {'' if key in known else '+'}{key}={value}" for key, value in overrides.items()))
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

@@ -32,7 +32,9 @@ def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.n
     return retokenize(tokens, ours.decode, lambda text: theirs(text)["input_ids"], n, seq_len)
 
 
-def extract_task(layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str) -> int:
+def extract_task(
+    layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str
+) -> int:
     from pipeline.study_a.extract import extract_batches
 
     net, device = open_model(layout, params, model)

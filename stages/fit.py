@@ -25,7 +25,9 @@ def fit_task(
     from pipeline.study_a.fits import fit_transition
 
     files = verified_files(layout.activations, activations, rebuild=EXTRACT)
-    h_in, h_out = (read(layout.activations, ACTIVATIONS, files, {"model": model, "layer": l}) for l in (layer, layer + 1))
+    h_in, h_out = (
+        read(layout.activations, ACTIVATIONS, files, {"model": model, "layer": lay}) for lay in (layer, layer + 1)
+    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     tables = fit_transition(h_in, h_out, params.analysis, device)
     with ShardWriter(layout.fits, shard, key, metadata={"model": model}) as writer:
@@ -44,7 +46,9 @@ def plan(params: Params, layout: Layout) -> Plan:
     value a task will use is checked here, before anything is pruned."""
     code = versioned(code_spec(layout, params.analysis.classes), layout)
     a = params.analysis
-    fit_params = stage_params("fit", params, a.model_dump(exclude={"runs", "checkpoints", "external_models"}), params.prepare.seq_len)
+    fit_params = stage_params(
+        "fit", params, a.model_dump(exclude={"runs", "checkpoints", "external_models"}), params.prepare.seq_len
+    )
     extracted = planned_keys("extract", params, layout)
     stored = activation_shapes(layout, verified_files(layout.activations, extracted, rebuild=EXTRACT))
     planned = []

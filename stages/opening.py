@@ -36,7 +36,9 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
         verify_shard(layout.models, model.run)
         weights = Path(model.ref) / "model.safetensors"
         if sha256_cached(weights) != model.digest:
-            raise InputError(f"{model.table_id} ({weights}): retrained after the stage was planned; run the stage again")
+            raise InputError(
+                f"{model.table_id} ({weights}): retrained after the stage was planned; run the stage again"
+            )
         return model.ref
     source = model_source(layout, params, model.ref, model.revision)
     if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:

@@ -25,10 +25,16 @@ def perturb_task(
     a = params.analysis
     fit_files = verified_files(layout.fits, inputs["fits"], rebuild=FIT)
     stored_files = verified_files(layout.activations, inputs["activations"], rebuild=EXTRACT)
-    tokens = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
-    outputs = read(layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
+    tokens = read(
+        layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"]
+    )
+    outputs = read(
+        layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": layer + 1},
+        ["seq_id", "pos", "h"],
+    )
     fits = {
-        fn: read(layout.fits, FITS, fit_files, {"model": model.path_id, "layer": layer, "fn": fn}, ["sample", "seq_id", "pos", "patched"])
+        fn: read(layout.fits, FITS, fit_files, {"model": model.path_id, "layer": layer, "fn": fn},
+                 ["sample", "seq_id", "pos", "patched"])
         for fn in a.classes
     }  # fmt: skip
     net, _device = open_model(layout, params, model)

@@ -70,7 +70,10 @@ def code_spec(layout: Layout, recipe: str, arch: str) -> CodeSpec:
     """A run's code: the stage's, its recipe's and its family's, and the schemas of what it writes."""
     from pipeline.core.contracts import STEPS, RunRecord
 
-    used = [*members("pipeline.study_b.recipes", layout, [recipe]), *members("pipeline.models.families", layout, [arch])]
+    used = [
+        *members("pipeline.study_b.recipes", layout, [recipe]),
+        *members("pipeline.models.families", layout, [arch]),
+    ]
     return stage_code("train", layout, used, [STEPS.declared_schema, RunRecord.arrow_schema()])
 
 
@@ -95,7 +98,8 @@ def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
     planned = plan(params, layout)
     results = run_sharded_stage("train", params, ray_address, [layout.train, layout.models], planned)
-    write_telemetry(layout, {shard.key for shard, _ in planned}, {run: out["telemetry"] for run, out in results.items()})
+    telemetry = {run: out["telemetry"] for run, out in results.items()}
+    write_telemetry(layout, {shard.key for shard, _ in planned}, telemetry)
     diverged = sorted(run for run, out in results.items() if out["diverged"])
     if diverged:
         print(f"train: diverged (marked in run.json, pipeline continues): {', '.join(diverged)}", flush=True)

@@ -273,10 +273,14 @@ def _base_type(hint: Any) -> type:
 # ------------------------------------------------------------------------------------------ readers
 def select(root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any]) -> list[Path]:
     """The files (of `root`, already verified) whose partition values equal every entry of `where`."""
-    return [f for f in files if all(dataset.partition_values(f.relative_to(root)).get(k) == v for k, v in where.items())]
+    return [
+        f for f in files if all(dataset.partition_values(f.relative_to(root)).get(k) == v for k, v in where.items())
+    ]
 
 
-def read(root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any], columns: Sequence[str] | None = None) -> pa.Table:
+def read(
+    root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any], columns: Sequence[str] | None = None
+) -> pa.Table:
     """The rows of `dataset` in the partition `where`, from the verified `files` of `root`, in the
     dataset's row order. Vector columns come back as `fixed_size_list` (as written)."""
     chosen = select(root, dataset, files, where)
@@ -294,7 +298,9 @@ def read_result_tables(folder: Path) -> dict[str, pa.Table]:
     return {path.stem: pq.read_table(path) for path in verified_files(folder, rebuild="`lmgeo aggregate`")}
 
 
-def scan(root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None, vectors: bool = False) -> ds.Dataset:
+def scan(
+    root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None, vectors: bool = False
+) -> ds.Dataset:
     """A lazy Arrow dataset over the verified `files` of `root` with the dataset's scalar columns (and its
     vector columns as `list<float>`, with `vectors`) and its typed partition columns, for DuckDB. Other
     columns are never read, missing columns read as null, narrower types (float32) are cast up. No files

@@ -18,8 +18,9 @@ are left out, each for a reason a test checks:
   a recipe, or editing one, redoes only the shards that use it.
 
 The data contracts enter by value: a stage passes the declared schemas of what it writes
-(`CodeSpec.schemas`), so a contract edit redoes exactly the datasets whose schema changed. The environment that pins the kernels
-(`pipeline.core.determinism`) is part of every version, since it decides the floating-point results.
+(`CodeSpec.schemas`), so a contract edit redoes exactly the datasets whose schema changed. The environment
+that pins the kernels (`pipeline.core.determinism`) is part of every version, since it decides the
+floating-point results.
 
 Modules are found the way a Ray worker finds them: a workspace that holds the packages comes first, then
 the installed packages.

@@ -215,7 +215,9 @@ def verified_files(
 def write_plan(root: Path, planned: Mapping[str, ManifestKey]) -> None:
     """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are)."""
     keys = {shard: asdict(key) for shard, key in sorted(planned.items())}
-    atomic_write(Path(root) / PLAN_FILE, json.dumps({"format": MANIFEST_FORMAT, "shards": keys}, indent=1, sort_keys=True))
+    atomic_write(
+        Path(root) / PLAN_FILE, json.dumps({"format": MANIFEST_FORMAT, "shards": keys}, indent=1, sort_keys=True)
+    )
 
 
 def read_plan(root: Path) -> dict[str, ManifestKey]:
@@ -471,7 +473,9 @@ class ShardWriter:
         self._entered = True
         return self
 
-    def write(self, partition: Mapping[str, str | int], data: pa.Table | pa.RecordBatch, name: str | None = None) -> None:
+    def write(
+        self, partition: Mapping[str, str | int], data: pa.Table | pa.RecordBatch, name: str | None = None
+    ) -> None:
         """Append ``data`` to the shard's file in ``partition`` (named ``part-<slug>.parquet`` unless ``name``)."""
         if not self._entered:
             raise RuntimeError("ShardWriter.write outside its `with` block")
@@ -482,7 +486,9 @@ class ShardWriter:
             temp = _temporary(final)
             schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self._metadata})
             # Dictionary-encoding float vectors only costs: it made extraction writes ~8x slower.
-            scalars = [f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)]
+            scalars = [
+                f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)
+            ]
             self._open[final] = (temp, pq.ParquetWriter(temp, schema, use_dictionary=scalars))
             self._rows[final] = 0
         self._open[final][1].write_table(table)
@@ -537,7 +543,11 @@ class ShardWriter:
         atomic_write(manifest_path(self.root, self.shard), json.dumps(manifest, indent=1, sort_keys=True))
 
     def _entry(self, path: Path) -> dict[str, Any]:
-        entry = {"path": path.relative_to(self.root).as_posix(), "bytes": path.stat().st_size, "sha256": file_sha256(path)}
+        entry = {
+            "path": path.relative_to(self.root).as_posix(),
+            "bytes": path.stat().st_size,
+            "sha256": file_sha256(path),
+        }
         if path in self._rows:
             entry["rows"] = self._rows[path]
         return entry

@@ -121,7 +121,11 @@ def check_model(
         # of Mamba-2 and the hybrids is saved as {"__float__": "Infinity"}).
         config, _ = PretrainedConfig.get_config_dict(str(local) if local is not None else ref, revision=revision)
     except OSError as err:
-        where = f"config.json of {local} is unreadable" if local is not None else "neither a local model directory nor a reachable hub model"
+        where = (
+            f"config.json of {local} is unreadable"
+            if local is not None
+            else "neither a local model directory nor a reachable hub model"
+        )
         raise ModelLoadError(f"{ref!r}: {where}: {err}") from None
     _check_config(config, ref, trust_remote_code)
     skeleton = meta_model(config, trust_remote_code)
@@ -174,10 +178,14 @@ def _check_every_tensor_matched(ref: str, loading: dict[str, Any]) -> None:
     problems = {
         "missing from the checkpoint": loading.get("missing_keys", []),
         "in the checkpoint but not in the model": loading.get("unexpected_keys", []),
-        "of another shape than the model's": [str(m[0]) if isinstance(m, tuple) else str(m) for m in loading.get("mismatched_keys", [])],
+        "of another shape than the model's": [
+            str(m[0]) if isinstance(m, tuple) else str(m) for m in loading.get("mismatched_keys", [])
+        ],
         "not loadable": loading.get("error_msgs", []),
     }
     found = {what: sorted(map(str, names)) for what, names in problems.items() if names}
     if found:
-        detail = "; ".join(f"{len(n)} {what} ({', '.join(n[:6])}{', …' if len(n) > 6 else ''})" for what, n in found.items())
+        detail = "; ".join(
+            f"{len(n)} {what} ({', '.join(n[:6])}{', …' if len(n) > 6 else ''})" for what, n in found.items()
+        )
         raise ModelLoadError(f"{ref}: the checkpoint does not match its config: {detail}")

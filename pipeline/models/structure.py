@@ -92,7 +92,10 @@ class Structure:
     logit_map: LogitMap
 
     def describe(self) -> str:
-        return f"blocks {self.blocks}, final norm {self.final_norm}, head {self.head}, logit map {self.logit_map.describe()}"
+        return (
+            f"blocks {self.blocks}, final norm {self.final_norm}, head {self.head}, "
+            f"logit map {self.logit_map.describe()}"
+        )
 
 
 @dataclass(frozen=True)

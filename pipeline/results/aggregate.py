@@ -63,7 +63,11 @@ class Sources:
 
 
 def load_sources(
-    steps: Path, fits: Path, perturb: Path, models: Path, expected: Mapping[str, Mapping[str, ManifestKey]] | None = None
+    steps: Path,
+    fits: Path,
+    perturb: Path,
+    models: Path,
+    expected: Mapping[str, Mapping[str, ManifestKey]] | None = None,
 ) -> Sources:
     """The verified files under each dataset folder (none where a stage has not run) and the records of
     the finished runs (`run.json` of each final checkpoint, as its manifest lists it).

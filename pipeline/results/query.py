@@ -331,12 +331,15 @@ def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -
     return con
 
 
-def _union(con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, str | None, Any]], with_rev: bool) -> str:
+def _union(
+    con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, str | None, Any]], with_rev: bool
+) -> str:
     """SELECT over the revisions' sources of ``name`` (registered here), united by column name."""
     parts = []
     for i, rev, source in sources:
         con.register(f"_{name}_{i}", source)
-        columns = f"* REPLACE ({table_id_sql('model')} AS model)" if name in DATASETS and "model" in source.schema.names else "*"
+        relabel = name in DATASETS and "model" in source.schema.names
+        columns = f"* REPLACE ({table_id_sql('model')} AS model)" if relabel else "*"
         label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
         parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
     return " UNION ALL BY NAME ".join(parts)
@@ -349,7 +352,8 @@ def _sql_string(text: str) -> str:
 # ----------------------------------------------------------------------------------------- output
 def format_result(table: pa.Table, fmt: Format) -> str:
     if fmt == "json":
-        return json.dumps([{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()], indent=1, default=str)
+        rows = [{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()]
+        return json.dumps(rows, indent=1, default=str)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")

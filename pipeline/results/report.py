@@ -70,7 +70,8 @@ def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     matched = [r for r in study_b.runs_of_kind(tables["recipes"], True) if r["recipe"] != baseline().name]
     if matched:
         out.append("**At equal worst-case nats per step** (the matched-budget ablation, every head step capped at the "
-                   f"same budget; against `{baseline().name}` under the cap):\n\n{study_b.plain_comparison(matched)}")  # fmt: skip
+                   f"same budget; against `{baseline().name}` under the cap):\n\n"
+                   f"{study_b.plain_comparison(matched)}")  # fmt: skip
     return "\n".join(out)
 
 

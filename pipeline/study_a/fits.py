@@ -101,7 +101,9 @@ def fit_layer(
     x, y = x[rows], y[rows]
     anchors = torch.as_tensor(compact[kept_anchors], device=x.device)
     seq_of_row = torch.as_tensor(np.asarray(seq_id)[finite], device=x.device)
-    ids = {name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))}
+    ids = {
+        name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))
+    }
 
     parts: dict[str, list[pa.Table]] = {fn: [] for fn in classes}
     real_neighbours = functools.cache(lambda: _neighbours(x, anchors, seq_of_row, classes, cfg))
@@ -143,7 +145,9 @@ def select_pool(n: int, pool_size: int | None, seed: int) -> np.ndarray:
     return np.sort(np.random.default_rng(seed).choice(n, size=pool_size, replace=False))
 
 
-def fit_transition(h_in: pa.Table, h_out: pa.Table, cfg: AnalysisConfig, device: str | torch.device) -> dict[str, pa.Table]:
+def fit_transition(
+    h_in: pa.Table, h_out: pa.Table, cfg: AnalysisConfig, device: str | torch.device
+) -> dict[str, pa.Table]:
     """The fit table of every configured class on one layer transition, for the real pairs and every null
     sample of `cfg.nulls`, from the activation rows of `h_l` and `h_{l+1}`
     (`pipeline.core.contracts.ACTIVATIONS`, in row order): pool, anchors, neighbours, fits, geometry."""
@@ -202,7 +206,9 @@ def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Tensor | None, n_no
     return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, torch.cat(ranks), torch.cat(copies))
 
 
-def _neighbours(x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig) -> Tensor | None:
+def _neighbours(
+    x: Tensor, anchors: Tensor, seq_of_row: Tensor, classes: list[str], cfg: AnalysisConfig
+) -> Tensor | None:
     if not any(FIT_CLASSES[fn].local for fn in classes):
         return None
     seq = seq_of_row if cfg.exclude_same_sequence else None

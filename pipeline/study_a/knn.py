@@ -173,7 +173,9 @@ class _Search:
             index[a] = self._whole_pool(anchors[a])
         return index
 
-    def _settle(self, anchors: Tensor, cand_i: Tensor, centre: Tensor, lower: Tensor, upper: Tensor, bound: Tensor) -> Tensor:
+    def _settle(
+        self, anchors: Tensor, cand_i: Tensor, centre: Tensor, lower: Tensor, upper: Tensor, bound: Tensor
+    ) -> Tensor:
         """The k nearest candidates, in ascending pool index. Only the chain holding the k-th candidate (in
         float32 order) is split by the k-th place: its members that can be among the k nearest (lower end ≤
         `bound`) get exact distances; every other candidate is in or out with its whole chain."""
@@ -192,7 +194,8 @@ class _Search:
         member |= contested & ~in_contest[:, None]  # a k-th candidate alone in its chain: in
         rows = in_contest.nonzero()[:, 0]
         if rows.numel():
-            member[rows] |= self._contest(anchors[rows], cand_i[rows], contested[rows], self.k - member[rows].sum(dim=1))
+            places = self.k - member[rows].sum(dim=1)
+            member[rows] |= self._contest(anchors[rows], cand_i[rows], contested[rows], places)
         # In ascending pool index; an anchor with fewer than k eligible rows gets -1 for the rest.
         n_pool = self.pool.shape[0]
         found = _sorted_rows(cand_i.masked_fill(~member, n_pool))[:, : self.k]
@@ -206,7 +209,8 @@ class _Search:
         key = torch.full(cand_i.shape, torch.inf, dtype=torch.float64, device=cand_i.device)
         flat = contested.view(-1).nonzero()[:, 0]
         rows = anchors.index_select(0, flat // cand_i.shape[1])
-        key.view(-1).index_copy_(0, flat, _exact(self.pool, self.distance, rows, cand_i.reshape(-1).index_select(0, flat)))
+        distances = _exact(self.pool, self.distance, rows, cand_i.reshape(-1).index_select(0, flat))
+        key.view(-1).index_copy_(0, flat, distances)
         by_index = cand_i.masked_fill(~contested, self.pool.shape[0]).argsort(dim=1)
         order = by_index.gather(1, key.gather(1, by_index).argsort(dim=1, stable=True))
         won = torch.arange(cand_i.shape[1], device=cand_i.device)[None, :] < places[:, None]
@@ -285,7 +289,8 @@ def _exact(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor) -> T
     step = max(1, _CACHED_VALUES // pool.shape[1])
     if len(rows) <= step:
         return _exact_pairs(pool, distance, anchors, rows)
-    return torch.cat([_exact_pairs(pool, distance, a, r) for a, r in zip(anchors.split(step), rows.split(step), strict=True)])
+    chunks = zip(anchors.split(step), rows.split(step), strict=True)
+    return torch.cat([_exact_pairs(pool, distance, a, r) for a, r in chunks])
 
 
 def _exact_pairs(pool: Tensor, distance: Distance, anchors: Tensor, rows: Tensor) -> Tensor:

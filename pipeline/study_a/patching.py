@@ -63,7 +63,9 @@ def kl_per_position(clean: torch.Tensor, patched: torch.Tensor) -> torch.Tensor:
     return terms.sum(-1, dtype=torch.float64).clamp_min(0.0)
 
 
-def _log_probs(model: PreTrainedModel, input_ids: torch.Tensor, keep: int = 0, cache: DynamicCache | None = None) -> torch.Tensor:
+def _log_probs(
+    model: PreTrainedModel, input_ids: torch.Tensor, keep: int = 0, cache: DynamicCache | None = None
+) -> torch.Tensor:
     """Log-probabilities of the last `keep` positions (all when 0); with `cache`, the model continues from
     the positions it holds (and appends the new ones to it)."""
     kwargs: dict[str, Any] = {"use_cache": False} if cache is None else {"cache": cache, "use_cache": True}
@@ -130,7 +132,9 @@ class _CleanCache:
         return _Clean(torch.stack(log_probs)[:, start:], torch.stack(hidden), keys_values)
 
 
-def _cut(per_row: tuple[list[tuple[torch.Tensor, torch.Tensor] | None], ...], start: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+def _cut(
+    per_row: tuple[list[tuple[torch.Tensor, torch.Tensor] | None], ...], start: int
+) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Each block's (keys, values) of positions before `start`, stacked over the rows (None where not kept)."""
     return [
         None if kept is None else tuple(torch.stack([row[block][j][..., :start, :] for row in per_row]) for j in (0, 1))

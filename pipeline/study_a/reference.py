@@ -120,7 +120,9 @@ def reference_rows(
     ]  # fmt: skip
 
 
-def _row(x_a: np.ndarray, y_a: np.ndarray, t_val: np.ndarray, op: np.ndarray, global_basis: np.ndarray | None, p: int) -> Row:
+def _row(
+    x_a: np.ndarray, y_a: np.ndarray, t_val: np.ndarray, op: np.ndarray, global_basis: np.ndarray | None, p: int
+) -> Row:
     full, tok, res = y_a - x_a, t_val - x_a, y_a - t_val
     nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
     u, s, _ = np.linalg.svd(op)

@@ -130,7 +130,9 @@ def _require_close(check: str, what: str, actual: torch.Tensor, expected: torch.
     error = _relative_error(actual, expected)
     tolerance = TOLERANCE.get(expected.dtype, 1e-4)
     if not error <= tolerance:
-        shapes = f" (shapes {tuple(actual.shape)} and {tuple(expected.shape)})" if actual.shape != expected.shape else ""
+        shapes = ""
+        if actual.shape != expected.shape:
+            shapes = f" (shapes {tuple(actual.shape)} and {tuple(expected.shape)})"
         raise VerificationFailed(check, f"{what}: relative difference {error:.3g} > {tolerance:g}{shapes}")
     return error
 
@@ -141,28 +143,39 @@ def _check_blocks_and_chaining(trace: _Trace, n_blocks: int) -> float:
     for kind, calls in (("inputs", trace.inputs), ("outputs", trace.outputs)):
         seen = [index for index, _ in calls]
         if seen != order:
-            raise VerificationFailed("blocks", f"block {kind} were seen in the order {seen[:12]}, not once each in order {order[:12]}")
+            raise VerificationFailed(
+                "blocks", f"block {kind} were seen in the order {seen[:12]}, not once each in order {order[:12]}"
+            )
     shape = trace.inputs[0][1].shape
     for index, h in trace.inputs + trace.outputs:
         if h.shape != shape:
-            raise VerificationFailed("blocks", f"block {index} takes or returns shape {tuple(h.shape)}, not {tuple(shape)}")
+            raise VerificationFailed(
+                "blocks", f"block {index} takes or returns shape {tuple(h.shape)}, not {tuple(shape)}"
+            )
     worst = 0.0
     for layer in range(n_blocks - 1):
         worst = max(worst, _require_close(
-            "chaining", f"block {layer}'s output vs block {layer + 1}'s input", trace.outputs[layer][1], trace.inputs[layer + 1][1],
+            "chaining", f"block {layer}'s output vs block {layer + 1}'s input",
+            trace.outputs[layer][1], trace.inputs[layer + 1][1],
         ))  # fmt: skip
     return worst
 
 
 def _check_last_state(trace: _Trace) -> float:
     if len(trace.norm_inputs) != 1:
-        raise VerificationFailed("last state", f"the final norm ran {len(trace.norm_inputs)} times after the last block, not once")
-    return _require_close("last state", "the final norm's input vs the last block's output", trace.norm_inputs[0], trace.outputs[-1][1])
+        raise VerificationFailed(
+            "last state", f"the final norm ran {len(trace.norm_inputs)} times after the last block, not once"
+        )
+    return _require_close(
+        "last state", "the final norm's input vs the last block's output", trace.norm_inputs[0], trace.outputs[-1][1]
+    )
 
 
 def _check_readout(model: PreTrainedModel, trace: _Trace) -> float:
     rebuilt = logits_from_last_state(model, trace.outputs[-1][1])
-    return _require_close("readout", "final norm + head + logit map on the last state vs the logits", rebuilt, trace.logits)
+    return _require_close(
+        "readout", "final norm + head + logit map on the last state vs the logits", rebuilt, trace.logits
+    )
 
 
 def _check_extraction(model: PreTrainedModel, ids: torch.Tensor, trace: _Trace) -> float:
@@ -197,4 +210,6 @@ def _check_patching(model: PreTrainedModel, ids: torch.Tensor, trace: _Trace) ->
         model(input_ids=ids, use_cache=False)
     if len(received) != 1:
         raise VerificationFailed("patching", f"what follows block {layer} ran {len(received)} times after it")
-    return _require_close("patching", f"what follows block {layer} received vs the patched output", received[0], patched)
+    return _require_close(
+        "patching", f"what follows block {layer} received vs the patched output", received[0], patched
+    )

@@ -25,7 +25,11 @@ RETOKENIZE_SLACK = 4
 
 
 def retokenize(
-    tokens: np.ndarray, decode: Callable[[list[int]], str], encode: Callable[[str], list[int]], n_sequences: int, seq_len: int
+    tokens: np.ndarray,
+    decode: Callable[[list[int]], str],
+    encode: Callable[[str], list[int]],
+    n_sequences: int,
+    seq_len: int,
 ) -> np.ndarray:
     """Eval windows for a model with its own tokenizer: the text of our leading eval tokens (`decode`),
     encoded by its tokenizer (`encode`), cut into windows as `eval_windows` does."""

@@ -102,10 +102,11 @@ def _patch(null: str) -> str:
 CLAIMS: tuple[Claim, ...] = (
     _geometric("cos_full_tok_near_1", "the full update is aligned with its tokenwise part (median cos_full_tok)",
                ("cos_full_tok",), 0.05, "near 1"),
-    _geometric("angle_res_tok_large", "the residual lies at a large angle to the tokenwise part (median angle_res_tok, °)",
-               ("angle_res_tok",), 5.0, "often > 60°"),
+    _geometric("angle_res_tok_large", "the residual lies at a large angle to the tokenwise part "
+               "(median angle_res_tok, °)", ("angle_res_tok",), 5.0, "often > 60°"),
     _geometric("proj_res_below_full", "the residual projects less than the full update on the dominant local "
-               "tokenwise subspace (median proj_full − proj_res)", ("proj_full", "proj_res"), 0.05, "significantly lower"),
+               "tokenwise subspace (median proj_full − proj_res)", ("proj_full", "proj_res"), 0.05,
+               "significantly lower"),
     _geometric("proj_res_global_below_full", "the same on the layer's global tokenwise subspace "
                "(median proj_full_global − proj_res_global)", ("proj_full_global", "proj_res_global"), 0.05,
                "significantly lower"),
@@ -119,7 +120,8 @@ CLAIMS: tuple[Claim, ...] = (
           0.1, "(not reported)"),
     Claim("residual_outweighs_null", "removing the real residual moves the output more than removing a null "
           "residual of the same norm: median log(kl / kl_null), against 0",
-          {null: Test(_median_log_ratio("kl", _patch(null)), None, ("kl", _patch(null))) for null in ("random", "other")},
+          {null: Test(_median_log_ratio("kl", _patch(null)), None, ("kl", _patch(null)))
+           for null in ("random", "other")},
           math.log(1.25), "the residual is functionally decisive"),
     Claim("local_beats_global", "local tokenwise maps explain more than one global affine map, out of sample: "
           "median rel_err(global_linear, left out) − rel_err(class), against 0",
@@ -213,7 +215,8 @@ def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) ->
                     effects.setdefault((s.subject, s.fn), []).append((s.layer, rep))
             for (subject, fn), reps in sorted(effects.items()):
                 for layer in sorted({layer for layer, _ in reps}):
-                    rows.append(_row(subject, fn, claim, null, "layer", layer, [r for lay, r in reps if lay == layer], ci, 1))
+                    at_layer = [r for lay, r in reps if lay == layer]
+                    rows.append(_row(subject, fn, claim, null, "layer", layer, at_layer, ci, 1))
                 rows.append(_row(subject, fn, claim, null, "stratified", None, [r for _, r in reps], ci,
                                  len({lay for lay, _ in reps})))
     return pa.Table.from_pylist(rows, schema=CLAIM_TESTS_SCHEMA)
@@ -237,7 +240,8 @@ def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int 
         "n_models": len(reps) // n_layers, "n_layers": n_layers, "n": sum(r.n for r in reps),
         "statistic": mean([r.statistic for r in reps]), "null_statistic": mean([r.null for r in reps]),
         "effect": mean([r.effect for r in reps]), "ci_low": float(low), "ci_high": float(high),
-        "margin": claim.margin, "verdict": verdict(mean([r.effect for r in reps]), float(low), float(high), claim.margin),
+        "margin": claim.margin,
+        "verdict": verdict(mean([r.effect for r in reps]), float(low), float(high), claim.margin),
     }  # fmt: skip
 
 
@@ -286,7 +290,8 @@ def summarise(tests: Sequence[dict[str, object]]) -> list[ClaimSummary]:
             by_class.setdefault(str(r["fn"]), []).append(str(r["verdict"]))
         # The deciding test: the weakest verdict, then the lowest interval (a missing one counts as lowest).
         weakest = min(rows, key=lambda r: (_STRENGTH[str(r["verdict"])], _finite_or_low(r["ci_low"])))
-        out.append(ClaimSummary(subject, claim, {fn: combined_verdict(vs) for fn, vs in sorted(by_class.items())}, weakest))
+        verdicts = {fn: combined_verdict(vs) for fn, vs in sorted(by_class.items())}
+        out.append(ClaimSummary(subject, claim, verdicts, weakest))
     return out
 
 

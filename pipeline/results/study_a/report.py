@@ -29,7 +29,8 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
     head = ("**Study A: the seed's claims on the trained models**, each against its null over layers and seeds "
             "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
             "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
-            "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A below.\n")  # fmt: skip
+            "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A "
+            "below.\n")  # fmt: skip
     table = markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
     return f"{head}\n{table}\n{_plain_claims(trained)}"
 
@@ -110,11 +111,11 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
             row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
         rows.append(row)
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
-            "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose neighbourhood "
-            "cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left out of every "
-            "statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); the bound follows "
-            "from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. Per layer: "
-            "`lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
+            "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose "
+            "neighbourhood cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left "
+            "out of every statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); "
+            "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
+            "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
     header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
         f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
     return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)

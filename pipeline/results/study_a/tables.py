@@ -105,7 +105,8 @@ def angles_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
             SELECT model, fn, least(floor(angle_res_tok / {ANGLE_BIN_DEG}), {bins - 1})::BIGINT AS b, count(*) AS c
             FROM real WHERE angle_res_tok IS NOT NULL GROUP BY ALL
         )
-        SELECT g.model, g.fn, (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
+        SELECT g.model, g.fn,
+               (g.b * {ANGLE_BIN_DEG})::DOUBLE AS bin_lo, ((g.b + 1) * {ANGLE_BIN_DEG})::DOUBLE AS bin_hi,
                coalesce(c.c, 0) AS count,
                coalesce(c.c, 0) / sum(coalesce(c.c, 0)) OVER (PARTITION BY g.model, g.fn) AS fraction
         FROM grid g LEFT JOIN counts c USING (model, fn, b)
@@ -155,7 +156,8 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
         ORDER BY model, layer, fn, sample, seq_id, pos
     """).fetchnumpy()  # fmt: skip
     groups: dict[tuple[str, int, str, str], dict[str, np.ndarray]] = {}
-    keys = list(zip(table["model"].tolist(), table["layer"].tolist(), table["fn"].tolist(), table["sample"].tolist(), strict=True))
+    key_columns = [table[name].tolist() for name in ("model", "layer", "fn", "sample")]
+    keys = list(zip(*key_columns, strict=True))
     anchor = table["seq_id"].astype(np.int64) * 2**32 + table["pos"]
     for key, (start, stop) in _runs(keys).items():
         groups[key] = {"anchor": anchor[start:stop], **{c: _floats(table[c][start:stop]) for c in columns}}

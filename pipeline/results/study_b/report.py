@@ -43,7 +43,8 @@ def comparison_summary(recipes: list[Row]) -> str:
             f"difference these seeds detect with power {POWER:g}.\n")  # fmt: skip
     base = {r["arch"]: r["test_loss_mean"] for r in recipes if r["recipe"] == reference}
     body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
-             interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4), num(base.get(r["arch"]), 4),
+             interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
+             num(base.get(r["arch"]), 4),
              "–" if r["diff_vs_muon"] is None else interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
              num(r["p_vs_muon_holm"], 2), num(r["detectable_diff"], 2), _reading(r)] for r in rows]  # fmt: skip
     header = ["arch", "recipe", "seeds", "test loss [95% CI]", f"{reference}'s", f"Δ vs {reference} [95% CI]",
@@ -97,7 +98,8 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
         return out[0] + "\nStudy B was not run: there are no training logs.\n"
     out.append(_protocol(runs, recipes, tuning))
     out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_vs_muon",
-                            "Final test loss minus muon's on the same seed: seeds (dots), mean and 95% t-interval."))  # fmt: skip
+                            "Final test loss minus muon's on the same seed: seeds (dots), mean and 95% "
+                            "t-interval."))  # fmt: skip
     out.append(figures.show(fig.val_loss(curves, runs), "study_b_val_loss",
                             "Validation loss over training, per recipe (mean over seeds)."))  # fmt: skip
     out.append("### Head step geometry\n")
@@ -105,7 +107,8 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
     out.append(_study_b_claims(tables["claims"]))
     out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
-                            "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random unit rows)."))  # fmt: skip
+                            "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random "
+                            "unit rows)."))  # fmt: skip
     out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True), figures))
     return "\n".join(part for part in out if part)
 
@@ -137,7 +140,8 @@ def _matched_budget(runs: list[Row], recipes: list[Row], figures: Figures) -> st
     out.append(markdown_table(header, body))
     out.append(plain_comparison([r for r in recipes if r["recipe"] != reference]))
     out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_matched_vs_muon",
-                            f"Matched budget: final test loss minus {reference}'s under the same cap, same seed."))  # fmt: skip
+                            f"Matched budget: final test loss minus {reference}'s under the same cap, "
+                            "same seed."))  # fmt: skip
     return "\n".join(out)
 
 
@@ -231,10 +235,11 @@ def _geometry_table(runs: list[Row]) -> str:
             for (arch, recipe), rs in _by_arch_recipe(runs).items()]  # fmt: skip
     header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its batch", "cos(ΔW, −G)", "descent / hilbert's",
               "equi_ratio", "random rows"]  # fmt: skip
-    note = ("Medians over logged steps, then seeds. *d_H on its batch*: the largest change of a token's log-probability "
-            "the head step made on the batch it was computed from; *descent / hilbert's*: −⟨G, ΔW⟩ per unit diameter "
-            "relative to the `hilbert` step (SPEC §3.3); *equi_ratio*: min/max row distance of ΔW on a fixed row "
-            f"sample, against random unit rows (no configuration exceeds {num(median([r['median_equi_ratio_bound'] for r in runs]))}).\n")  # fmt: skip
+    equi_bound = num(median([r["median_equi_ratio_bound"] for r in runs]))
+    note = ("Medians over logged steps, then seeds. *d_H on its batch*: the largest change of a token's "
+            "log-probability the head step made on the batch it was computed from; *descent / hilbert's*: −⟨G, ΔW⟩ "
+            "per unit diameter relative to the `hilbert` step (SPEC §3.3); *equi_ratio*: min/max row distance of ΔW "
+            f"on a fixed row sample, against random unit rows (no configuration exceeds {equi_bound}).\n")  # fmt: skip
     return markdown_table(header, rows) + "\n" + note
 
 
@@ -256,5 +261,6 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
     rows = [[f"`{r['run']}`", r["head_step"] or "–", num(r["final_test_loss"], 4), num(r["final_val_loss"], 4),
              num(step_times.get(r["run"])), num(r["median_hilbert_bound"]), num(r["max_tightness"]),
              "sampled (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs]  # fmt: skip
-    header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness", "diameter"]
+    header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness",
+              "diameter"]  # fmt: skip
     return "## Appendix: per run\n\n" + markdown_table(header, rows)

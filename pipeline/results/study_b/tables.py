@@ -60,7 +60,9 @@ def runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
         SELECT coalesce(j.run, l.run) AS run,
                coalesce(j.arch, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 1)) AS arch,
                coalesce(j.recipe, regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 2)) AS recipe,
-               coalesce(j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)) AS seed,
+               coalesce(
+                   j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)
+               ) AS seed,
                regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 4) <> '' AS matched,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
@@ -99,8 +101,9 @@ def curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 
 RECIPES_SCHEMA = pa.schema(
-    [("arch", pa.string()), ("recipe", pa.string()), ("matched", pa.bool_()), ("n_runs", pa.int64()), ("n_seeds", pa.int64()),
-     ("n_diverged", pa.int64()), ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
+    [("arch", pa.string()), ("recipe", pa.string()), ("matched", pa.bool_()), ("n_runs", pa.int64()),
+     ("n_seeds", pa.int64()), ("n_diverged", pa.int64()),
+     ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
      ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
      ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
      ("n_paired", pa.int64()),
@@ -124,7 +127,8 @@ def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
     test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
     out = []
-    for (matched, arch, recipe), rows in sorted(by_group.items(), key=lambda item: (*item[0][:2], RECIPES.order(item[0][2]))):
+    groups = sorted(by_group.items(), key=lambda item: (*item[0][:2], RECIPES.order(item[0][2])))
+    for (matched, arch, recipe), rows in groups:
         loss = mean_interval(list(test[(matched, arch, recipe)].values()), cfg.ci)
         muon = (matched, arch, reference)
         compared = recipe != reference and muon in test
@@ -160,7 +164,9 @@ def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
     }  # fmt: skip
 
 
-def _cap_effect(test: dict[tuple[bool, str, str], dict[int, float]], key: tuple[bool, str, str], ci: float) -> dict[str, Any]:
+def _cap_effect(
+    test: dict[tuple[bool, str, str], dict[int, float]], key: tuple[bool, str, str], ci: float
+) -> dict[str, Any]:
     """For matched-budget runs: what the cap did, their test loss minus the same recipe's default runs' on
     the same seeds (paired t-interval); None for default runs."""
     matched, arch, recipe = key
@@ -180,7 +186,9 @@ def _planning(diff: Any) -> dict[str, Any]:
     return {
         "detectable_diff": none_if_nan(detectable_difference(diff.sd, diff.n, SIGNIFICANCE, POWER)),
         "seeds_to_resolve": seeds_needed(RESOLVE_NATS, diff.sd, SIGNIFICANCE, POWER),
-        "seeds_for_observed": seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if math.isfinite(diff.mean) else None,
+        "seeds_for_observed": (
+            seeds_needed(diff.mean, diff.sd, SIGNIFICANCE, POWER) if math.isfinite(diff.mean) else None
+        ),
     }
 
 
@@ -259,7 +267,8 @@ def _claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
         worst = max(ratios) if ratios else None
         rows.append(_claim("B", arch, "all", "bound_holds", worst, 1.0,
                            worst is not None and worst <= 1 + BOUND_TOLERANCE,
-                           f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact diameters"))  # fmt: skip
+                           f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact "
+                           "diameters"))  # fmt: skip
         equi = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio")
         random_rows = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio_random")
         if equi is not None and random_rows is not None:
@@ -274,7 +283,8 @@ def _claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
             continue
         p = r["p_vs_muon_holm"]
         detail = (f"paired Δ {_fmt(r['diff_vs_muon'])} nats [{_fmt(r['diff_ci_low'])}, {_fmt(r['diff_ci_high'])}], "
-                  + (f"p {_fmt(r['p_vs_muon'])}, Holm {_fmt(p)}" if p is not None else f"n={r['n_paired']}: too few seeds to test"))  # fmt: skip
+                  + (f"p {_fmt(r['p_vs_muon'])}, Holm {_fmt(p)}" if p is not None
+                     else f"n={r['n_paired']}: too few seeds to test"))  # fmt: skip
         row = _claim("B", r["arch"], r["recipe"], "beats_muon", r["diff_vs_muon"], 0.0,
                      p is not None and r["diff_vs_muon"] < 0 and p < SIGNIFICANCE, detail)  # fmt: skip
         if p is None:

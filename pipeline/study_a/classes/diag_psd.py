@@ -37,7 +37,9 @@ def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) ->
     return fit_diag_psd(xn, yn, cfg.ridge).update(x_a, cfg.p)
 
 
-def reference(xn: np.ndarray, yn: np.ndarray, xa: np.ndarray, cfg: AnalysisConfig, _: RefContext) -> tuple[np.ndarray, np.ndarray]:
+def reference(
+    xn: np.ndarray, yn: np.ndarray, xa: np.ndarray, cfg: AnalysisConfig, _: RefContext
+) -> tuple[np.ndarray, np.ndarray]:
     """One ridge regression per coordinate, clamped at 0: (T(x_a), J − I)."""
     coords = range(xn.shape[1])
     diag = np.array([max(0.0, ridge_lstsq(xn[:, [c]], yn[:, [c]], cfg.ridge)[0][0, 0]) for c in coords])

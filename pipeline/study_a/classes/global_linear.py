@@ -47,7 +47,9 @@ def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, first: int) 
     return fit_global_linear(x, y, cfg.ridge).update(x, y, anchors, cfg.p)
 
 
-def reference(x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefContext) -> tuple[np.ndarray, np.ndarray]:
+def reference(
+    x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefContext
+) -> tuple[np.ndarray, np.ndarray]:
     """Least squares with an intercept on the pool without row `a`: (T_{−a}(x_a), J − I of the full fit)."""
     others = np.arange(len(x)) != a
     coef = ridge_lstsq(x[others], y[others], cfg.ridge, intercept=True)[0]
@@ -55,4 +57,7 @@ def reference(x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefC
     return coef[:-1].T @ x[a] + coef[-1], full[:-1].T - np.eye(x.shape[1])
 
 
-CLASS = FitClass("global_linear", local=False, fit=fit, reference=reference, summary="one affine map for the whole layer, left out at each anchor")
+CLASS = FitClass(
+    "global_linear", local=False, fit=fit, reference=reference,
+    summary="one affine map for the whole layer, left out at each anchor",
+)

@@ -18,7 +18,9 @@ def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, first: int) 
     return Update(torch.zeros_like(x[anchors]), Columns(x.new_zeros((1, x.shape[1], cfg.p)), none))
 
 
-def reference(x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefContext) -> tuple[np.ndarray, np.ndarray]:
+def reference(
+    x: np.ndarray, y: np.ndarray, a: int, cfg: AnalysisConfig, _: RefContext
+) -> tuple[np.ndarray, np.ndarray]:
     del y, cfg
     return x[a].copy(), np.zeros((x.shape[1], x.shape[1]))
 

@@ -8,8 +8,9 @@ per anchor neighbourhood.
 Fitting is variable projection: for given `(W₁, b₁)` the output layer `(W₂, b₂)` minimising `f` is a ridge
 regression in closed form, so only `(W₁, b₁)` are optimised, by Adam (lr 1e-2) on `f` with the output layer
 solved at every step (its gradient there is the partial one, the output layer being optimal). `W₁ ~ N(0,
-1/d)` (drawn on the CPU from `seed` and the anchor's index, so every device and chunking starts alike), `b₁ = 0`. Anchors are independent
-problems: Adam is element-wise, so one optimiser on the summed objective is exactly one per anchor.
+1/d)` (drawn on the CPU from `seed` and the anchor's index, so every device and chunking starts alike),
+`b₁ = 0`. Anchors are independent problems: Adam is element-wise, so one optimiser on the summed objective
+is exactly one per anchor.
 
 Convergence criterion (stated, and recorded per anchor as `converged`): the objective fell by less than
 `mlp_tol` (relative) over the last `WINDOW` steps. Training stops when every anchor meets it, or after
@@ -145,7 +146,8 @@ def reference(
     def output(h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # ridge regression with an intercept
         design = torch.cat([h, torch.ones(len(h), 1, dtype=torch.float64)], dim=1)
         penalty = np.sqrt(cfg.ridge * len(h) * d) * torch.eye(cfg.mlp_hidden, cfg.mlp_hidden + 1, dtype=torch.float64)
-        coef = torch.linalg.lstsq(torch.cat([design, penalty]), torch.cat([(yt - xt) / tau, torch.zeros(cfg.mlp_hidden, d, dtype=torch.float64)])).solution
+        target = torch.cat([(yt - xt) / tau, torch.zeros(cfg.mlp_hidden, d, dtype=torch.float64)])
+        coef = torch.linalg.lstsq(torch.cat([design, penalty]), target).solution
         return coef[:-1].T, coef[-1]
 
     opt = torch.optim.Adam([w1, b1], lr=LEARNING_RATE)
