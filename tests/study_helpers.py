@@ -22,7 +22,9 @@ def sh(*cmd: str, cwd: Path, check: bool = True, env: dict[str, str] | None = No
     full = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "RAY_ADDRESS": "", **(env or {})}
     done = subprocess.run(cmd, cwd=cwd, env=full, capture_output=True, text=True, timeout=900)
     if check and done.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+        raise AssertionError(
+            f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
+        )
     return done
 
 

@@ -70,7 +70,8 @@ def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
         "step": step, "tokens": step * 256, "lr": np.full(n_steps, 1e-3), "train_loss": 4.0 - step / n_steps,
         "val_loss": nullable(val), "head_diam": nullable(bound),
         "head_diam_sampled": pa.array(np.where(geo, sampled, False), mask=~geo),
-        "head_update_rms": nullable(np.where(geo, 0.01, np.nan)), "head_update_spectral": pa.nulls(n_steps, pa.float64()),
+        "head_update_rms": nullable(np.where(geo, 0.01, np.nan)),
+        "head_update_spectral": pa.nulls(n_steps, pa.float64()),
         "hilbert_realized": nullable(np.where(geo, realized, np.nan)), "hilbert_bound": nullable(bound),
         "equi_ratio": nullable(np.where(geo, EQUI_RATIO.get(recipe, 0.2), np.nan)),
         "equi_ratio_random": nullable(np.where(geo, EQUI_RATIO_RANDOM, np.nan)),
@@ -81,7 +82,8 @@ def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
 def diverged_steps(run: str) -> pa.Table:
     """The run diverges: its last logged step has NaN/Inf losses and geometry."""
     table = steps_table(run)
-    bad = pa.table({c: pa.array([math.inf if c == "train_loss" else math.nan]) if table.schema.field(c).type == pa.float64()
+    bad = pa.table({c: pa.array([math.inf if c == "train_loss" else math.nan])
+                    if table.schema.field(c).type == pa.float64()
                     else table[c].slice(STEPS - 1) for c in table.column_names})  # fmt: skip
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
@@ -149,7 +151,8 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                 n = cols["rel_err"].size
                 seq = np.arange(n, dtype=np.int32)
                 table = pa.table({
-                    "sample": ["real"] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq, "k": np.full(n, 4, np.int32),
+                    "sample": ["real"] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
+                    "k": np.full(n, 4, np.int32),
                     **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
                     "degenerate": np.zeros(n, bool), "subspace_tied": np.zeros(n, bool),
                     "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
@@ -267,7 +270,9 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert r["head_diam_sampled"] is True
     assert r["median_equi_ratio"] == pytest.approx(EQUI_RATIO["hilbert"])
     crashed = runs["gpt2-rownorm-s0"]
-    assert (crashed["finished"], crashed["recipe"], crashed["seed"], crashed["final_val_loss"]) == (False, "rownorm", 0, None)
+    assert (crashed["finished"], crashed["recipe"], crashed["seed"], crashed["final_val_loss"]) == (
+        False, "rownorm", 0, None
+    )
     diverged = runs["gpt2-sign-s0"]
     assert diverged["diverged"] is True
     # Its NaN/Inf last step is missing, not a value: summaries are those of the finite steps.
@@ -367,7 +372,9 @@ def test_long_curves_are_thinned_but_keep_evals_and_last_step(tmp_path: Path) ->
 # ------------------------------------------------------------------------------------------ Study A
 def test_geometry_per_layer_matches_numpy(tables: dict[str, pa.Table]) -> None:
     geo = tables["geometry"]
-    assert sorted({r["model"] for r in geo.to_pylist()}) == ["gpt2-muon-s0@final", "gpt2-muon-s0@init", "org/tiny-mamba"]
+    assert sorted({r["model"] for r in geo.to_pylist()}) == [
+        "gpt2-muon-s0@final", "gpt2-muon-s0@init", "org/tiny-mamba"
+    ]
     for model in MODELS:
         label = model.replace(".final", "@final").replace(".init", "@init").replace("--", "/")
         for layer in REL_ERR:
@@ -500,7 +507,8 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
                                                                                 "hilbert_equi": -0.45}}}  # fmt: skip
     assert m["study_a"] == {}  # the tiny study has no null samples: no claim is tested
     for name in TABLES:
-        assert pq.read_table(outs[0] / "tables" / f"{name}.parquet").equals(pq.read_table(outs[1] / "tables" / f"{name}.parquet"))
+        first, second = (pq.read_table(o / "tables" / f"{name}.parquet") for o in outs)
+        assert first.equals(second)
     assert sorted(p.name for p in outs[0].iterdir()) == ["metrics.json", "tables"]
 
 

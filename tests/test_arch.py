@@ -189,7 +189,9 @@ def test_weights_changed_after_planning_and_a_missing_tokenizer_name_the_model_f
     layout, params = Layout(tmp_path), Params()
     folder = _save(build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0), tmp_path / "models" / "ext")
     external = AnalysedModel("./models/ext", "./models/ext", None, None, "digest-at-planning")
-    with pytest.raises(InputError, match=f"^./models/ext \\({folder}\\): its files changed after the stage was planned"):
+    with pytest.raises(
+        InputError, match=f"^./models/ext \\({folder}\\): its files changed after the stage was planned"
+    ):
         verify_weights(layout, params, external)
     # (transformers builds an empty tokenizer from a model folder without one, or fails to: either is refused)
     refused = "(no usable tokenizer beside the model|its tokenizer encodes text to no tokens)"

@@ -52,7 +52,8 @@ def quick_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "bench", "--quick", "--out", str(out), "--params", str(REPO / "params.yaml")],
+        [sys.executable, "-m", "stages.cli", "bench", "--quick", "--out", str(out),
+         "--params", str(REPO / "params.yaml")],
         cwd=out, env=env, capture_output=True, text=True, timeout=400, check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -108,7 +109,9 @@ def test_quick_bench_markdown_has_the_ratio_table(quick_bench):
 # ------------------------------------------------------------------------------------- helpers
 def test_interleaves_cases_after_an_untimed_warmup_alternating_the_order():
     calls = []
-    timings = interleaved({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, repeats=3, warmup=1)
+    timings = interleaved(
+        {"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, repeats=3, warmup=1
+    )
     assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"]
     assert [len(t) for t in timings.times.values()] == [3, 3]
     assert timings.results == {"a": [1, 1, 1], "b": [2, 2, 2]}
@@ -185,7 +188,9 @@ def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
     cfg = AnalysisConfig(k=8, anchors=5, rank=2, p=2)
     anchors = choose_anchors(60, 5, seed=0)
     table = fit_layer(states[0], states[1], seq, seq, seq, anchors, ["lowrank"], cfg)[0]["lowrank"]
-    rows = reference_rows(states[0].astype(np.float64), states[1].astype(np.float64), seq, anchors, FIT_CLASSES["lowrank"], cfg)
+    rows = reference_rows(
+        states[0].astype(np.float64), states[1].astype(np.float64), seq, anchors, FIT_CLASSES["lowrank"], cfg
+    )
     same = compare_with_reference(table, rows)
     assert same["max_abs_diff"] < 1e-4 and same["null_mismatches"] == 0
     rows[2]["rel_err"] += 0.5

@@ -150,7 +150,8 @@ def test_the_headline_of_a_claim_is_its_weakest_test():
     assert s.verdict == "mixed: 1 supported, 1 inconclusive" and s.score == 0.5
     assert (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "gaussian")
     (s,) = summarise(tests[:3])
-    assert s.verdict == SUPPORTED and s.score == 1.0 and (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "shuffled")
+    assert s.verdict == SUPPORTED and s.score == 1.0
+    assert (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "shuffled")
 
 
 def test_derangement_moves_every_anchor():
@@ -164,7 +165,9 @@ def test_null_patches_have_the_residuals_norm():
     rng = np.random.default_rng(5)
     clean = rng.normal(size=(6, 4))
     patched = clean - rng.normal(size=(6, 4))
-    column = pa.FixedSizeListArray.from_arrays(pa.array(patched.astype(np.float32).ravel()), 4, mask=pa.array([False] * 5 + [True]))
+    column = pa.FixedSizeListArray.from_arrays(
+        pa.array(patched.astype(np.float32).ravel()), 4, mask=pa.array([False] * 5 + [True])
+    )
     patches = null_patches(column, clean, rng)
     assert patches.valid.tolist() == [True] * 5 + [False]
     size = np.linalg.norm(clean[:5] - patches.real, axis=1)

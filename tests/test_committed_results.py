@@ -39,7 +39,9 @@ def test_the_committed_lock_holds_the_current_code_and_params() -> None:
     for stage, entry in lock.items():
         for dep in entry.get("deps", []):
             path = REPO / dep["path"]
-            if dep["path"].endswith(".py") and (not path.is_file() or hashlib.md5(path.read_bytes()).hexdigest() != dep["md5"]):
+            if dep["path"].endswith(".py") and (
+                not path.is_file() or hashlib.md5(path.read_bytes()).hexdigest() != dep["md5"]
+            ):
                 stale.append(f"{stage}: {dep['path']}")
         for key, value in entry.get("params", {}).get("params.yaml", {}).items():
             if _lookup(params, key) != value:

@@ -277,7 +277,8 @@ def test_two_runs_write_byte_identical_outputs(tmp_path):
     for out in ("one", "two"):
         run_prepare(cfg, tmp_path, out=out)
     files = sorted(p.relative_to(tmp_path / "one") for p in (tmp_path / "one").rglob("*") if p.is_file())
-    assert {"tokens/train.parquet", "tokens/val.parquet", "tokens/test.parquet", "tokens/meta.json"} <= {str(f) for f in files}
+    expected = {"tokens/train.parquet", "tokens/val.parquet", "tokens/test.parquet", "tokens/meta.json"}
+    assert expected <= {str(f) for f in files}
     for name in files:
         assert (tmp_path / "one" / name).read_bytes() == (tmp_path / "two" / name).read_bytes(), name
 

@@ -183,7 +183,8 @@ def threads_in_task() -> int:
 @pytest.mark.parametrize("cpus", [1, 2])
 def test_every_task_runs_with_the_thread_count_of_its_resources(ray_local, cpus: int) -> None:
     shards = [Shard(f"t{i}", threads_in_task) for i in range(2)]
-    assert set(run_shards(shards, TaskResources(num_cpus=cpus), max_in_flight=2, max_retries=0, label="t").values()) == {cpus}
+    threads = run_shards(shards, TaskResources(num_cpus=cpus), max_in_flight=2, max_retries=0, label="t")
+    assert set(threads.values()) == {cpus}
 
 
 @pytest.mark.slow  # the session's embedded Ray
@@ -197,7 +198,8 @@ def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) ->
     other = Shard("stale", square, (3,), code=(spec, "0.1.0+0000000000000000"))
     with pytest.raises(ShardFailed) as failure:
         run_shards([other], ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
-    assert isinstance(failure.value.cause, CodeMismatch) and "planned version 0.1.0+0000000000000000" in str(failure.value)
+    assert isinstance(failure.value.cause, CodeMismatch)
+    assert "planned version 0.1.0+0000000000000000" in str(failure.value)
 
 
 @pytest.mark.slow  # the session's embedded Ray

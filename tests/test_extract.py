@@ -40,7 +40,9 @@ def _hooked_forward(model, input_ids):
     inputs, outputs = [], []
     handles = []
     for block in blocks_of(model):
-        handles.append(block.register_forward_pre_hook(lambda m, a, k: inputs.append(block_input(a, k)), with_kwargs=True))
+        handles.append(
+            block.register_forward_pre_hook(lambda m, a, k: inputs.append(block_input(a, k)), with_kwargs=True)
+        )
         handles.append(block.register_forward_hook(lambda m, a, o: outputs.append(block_output(o))))
     try:
         with torch.no_grad():

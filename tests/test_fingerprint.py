@@ -75,7 +75,8 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
     spec = train.code_spec(Layout(REPO), "hilbert", "neox")
     names = {entry.name for entry in closure([spec.module, *spec.members, *fingerprint.ALWAYS])}
     assert {"stages.train", "pipeline.study_b.train", "pipeline.study_b.recipes.hilbert",
-            "pipeline.study_b.recipes.base", "pipeline.models.families.neox", "pipeline.core.determinism"} <= names  # fmt: skip
+            "pipeline.study_b.recipes.base", "pipeline.models.families.neox",
+            "pipeline.core.determinism"} <= names  # fmt: skip
     others = {f"pipeline.study_b.recipes.{r}" for r in RECIPES if r != "hilbert"} | {
         "pipeline.models.families.gpt2", "pipeline.models.families.mamba"}
     assert not names & others
@@ -120,7 +121,8 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
         # configuration: values reach shards through their params hash, not through the code version
-        ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2)] = 32", "k: Annotated[int, Field(ge=2)] = 16", set()),
+        ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2)] = 32", "k: Annotated[int, Field(ge=2)] = 16",
+         set()),
     ],
 )
 def test_an_edit_changes_exactly_the_shards_that_run_it(workspace: Path, relative, old, new, expected) -> None:

@@ -115,7 +115,8 @@ def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
     chunked = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
     for name in chunked.column_names:
         got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
-        if name in ("sample", "degenerate", "converged", "subspace_tied", "seq_id", "pos", "token_id", "k", "input_rank"):
+        if name in ("sample", "degenerate", "converged", "subspace_tied", "seq_id", "pos", "token_id", "k",
+                    "input_rank"):
             assert got == want, name
         else:
             assert [g is None for g in got] == [w is None for w in want], name

@@ -29,7 +29,8 @@ def test_default_params_are_valid():
         ({"train": {"steps": "3"}}, "train.steps: Input should be a valid integer"),
         ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
         ({"prepare": {"val_fraction": 1.5}}, "prepare.val_fraction"),
-        ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}}, "val_fraction + test_fraction must leave a train split"),
+        ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}},
+         "val_fraction + test_fraction must leave a train split"),
         ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
         ({"train": {"matched_budget": {"tau": 0, "seeds": [0]}}}, "train.matched_budget.tau"),
         ({"train": {"matched_budget": {"tau": 0.5, "seeds": []}}}, "matched_budget.seeds"),
@@ -48,7 +49,8 @@ def test_default_params_are_valid():
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
         # Values a task would crash on are refused here, before a stage deletes anything.
         ({"train": {"seeds": [18446744073709551616]}}, "train.seeds.0: Input should be less than or equal to"),
-        ({"analysis": {"exclude_same_sequence": True, "eval_sequences": 2, "k": 100, "anchors": 10}, "prepare": {"seq_len": 64}},
+        ({"analysis": {"exclude_same_sequence": True, "eval_sequences": 2, "k": 100, "anchors": 10},
+          "prepare": {"seq_len": 64}},
          "too few neighbours once an anchor's own sequence"),
     ],
 )

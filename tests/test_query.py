@@ -45,9 +45,12 @@ def files_under(*roots: Path) -> set[Path]:
 def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
     runs = query_table("SELECT run, final_val_loss FROM runs WHERE recipe = 'hilbert' ORDER BY run", None, workspace)
     assert runs.to_pylist()[0] == {"run": "gpt2-hilbert-s0", "final_val_loss": 2.5}
-    fits = query_table("SELECT model, count(*) AS n FROM fits WHERE fn = 'lowrank' GROUP BY model ORDER BY model", [], workspace)
+    fits = query_table(
+        "SELECT model, count(*) AS n FROM fits WHERE fn = 'lowrank' GROUP BY model ORDER BY model", [], workspace
+    )
     assert fits.to_pylist() == [
-        {"model": "gpt2-muon-s0@final", "n": 11}, {"model": "gpt2-muon-s0@init", "n": 11}, {"model": "org/tiny-mamba", "n": 11}
+        {"model": "gpt2-muon-s0@final", "n": 11}, {"model": "gpt2-muon-s0@init", "n": 11},
+        {"model": "org/tiny-mamba", "n": 11},
     ]  # labels as in the tables; the file no manifest lists is not read
     joined = query_table(
         "SELECT count(*) AS n FROM fits JOIN perturb USING (model, layer, fn, seq_id, pos)", None, workspace
@@ -55,7 +58,8 @@ def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
     assert joined["n"].to_pylist() == [66]
     columns = query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()
     assert "patched" not in columns and {"model", "layer", "fn", "rel_err"} <= set(columns)
-    assert query_table("SELECT count(*) AS n FROM activations", None, workspace)["n"].to_pylist() == [0]  # absent: empty
+    activations = query_table("SELECT count(*) AS n FROM activations", None, workspace)
+    assert activations["n"].to_pylist() == [0]  # absent: empty
 
 
 def test_output_formats(workspace: Path) -> None:
@@ -108,7 +112,8 @@ def test_file_access_is_disabled_inside_duckdb(sql: str, workspace: Path) -> Non
 
 def test_read_only_statements_pass_the_check() -> None:
     for sql in ("SELECT 1", "WITH a AS (SELECT 1) SELECT * FROM a", "FROM runs", "DESCRIBE runs", "SHOW TABLES",
-                "SUMMARIZE runs", "EXPLAIN SELECT 1", "EXPLAIN ANALYZE SELECT 1", "PRAGMA table_info('runs')"):  # fmt: skip
+                "SUMMARIZE runs", "EXPLAIN SELECT 1", "EXPLAIN ANALYZE SELECT 1",
+                "PRAGMA table_info('runs')"):  # fmt: skip
         assert check_read_only(sql)
 
 
@@ -164,7 +169,9 @@ def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_several_revisions_are_united_with_a_rev_column(versioned_repo: Path) -> None:
     runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], versioned_repo)
     assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]
-    fits = query_table("SELECT rev, model, count(*) AS n FROM fits GROUP BY ALL ORDER BY n", ["HEAD~1", "HEAD"], versioned_repo)
+    fits = query_table(
+        "SELECT rev, model, count(*) AS n FROM fits GROUP BY ALL ORDER BY n", ["HEAD~1", "HEAD"], versioned_repo
+    )
     assert fits.to_pylist() == [
         {"rev": "HEAD~1", "model": "gpt2-muon-s0@final", "n": 2}, {"rev": "HEAD", "model": "gpt2-muon-s0@final", "n": 3}
     ]
@@ -188,7 +195,9 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
 ) -> None:
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
-    with pytest.raises(QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"):
+    with pytest.raises(
+        QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"
+    ):
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
 
 
@@ -210,7 +219,9 @@ def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_te
     git(repo, "commit", "-qm", "corrupt")
     with pytest.raises(QueryError) as err:
         query_table("SELECT count(*) FROM fits", ["HEAD"], repo)
-    assert str(err.value) == "revision 'HEAD': cannot read params.yaml: params.yaml: expected a mapping of sections at the top level"
+    assert str(err.value) == (
+        "revision 'HEAD': cannot read params.yaml: params.yaml: expected a mapping of sections at the top level"
+    )
     (repo / "params.yaml").write_text("analysis: {k: 8}\n")
     git(repo, "commit", "-qam", "params")
     with pytest.raises(QueryError) as err:

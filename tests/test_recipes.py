@@ -133,7 +133,9 @@ def gradients(seed: int) -> list[torch.Tensor]:
 KNOBS = LMOKnobs(equi_iters=3, equi_alignment=0.5)
 
 
-def lmo_step(recipe: str, grad: torch.Tensor, eta: float, knobs: LMOKnobs = KNOBS, seed: int = 0) -> tuple[torch.Tensor, optim.HeadLMO]:
+def lmo_step(
+    recipe: str, grad: torch.Tensor, eta: float, knobs: LMOKnobs = KNOBS, seed: int = 0
+) -> tuple[torch.Tensor, optim.HeadLMO]:
     """ΔW of one HeadLMO step (from zero momentum) on a parameter whose gradient is `grad`."""
     w = torch.nn.Parameter(torch.randn_like(grad))
     before = w.detach().clone()
@@ -267,8 +269,9 @@ def diameter_lmo_optimum(grad: np.ndarray, eta: float = 1.0, restarts: int = 4) 
     rng = np.random.default_rng(0)
     best = math.inf
     for _ in range(restarts):
-        found = minimize(lambda f: float(grad.ravel() @ f), 0.01 * rng.standard_normal(grad.size), jac=lambda f: grad.ravel(),
-                         constraints=constraints, method="SLSQP", options={"maxiter": 2000, "ftol": 1e-12})  # fmt: skip
+        found = minimize(lambda f: float(grad.ravel() @ f), 0.01 * rng.standard_normal(grad.size),
+                         jac=lambda f: grad.ravel(), constraints=constraints, method="SLSQP",
+                         options={"maxiter": 2000, "ftol": 1e-12})  # fmt: skip
         if found.success and gaps(found.x).min() >= -1e-7:
             best = min(best, found.fun)
     return best
@@ -327,7 +330,8 @@ def test_head_alignment_is_one_for_the_hilbert_step_and_bounded_by_jung() -> Non
     assert best == pytest.approx(1 / JUNG(3), rel=1e-9)
     for seed in range(5):
         step = torch.randn(4, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        assert abs(head_alignment(simplex, step, hilbert.diam(step).value)["head_alignment_hilbert"]) <= 1 / JUNG(3) + 1e-9
+        alignment = head_alignment(simplex, step, hilbert.diam(step).value)["head_alignment_hilbert"]
+        assert abs(alignment) <= 1 / JUNG(3) + 1e-9
 
 
 def test_sign_step_entries_are_plus_minus_eta_over_width() -> None:
@@ -394,7 +398,9 @@ def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float, w
     """No covered token's log-probability moves by more than tau, weight decay included: the head is
     first spread far apart (a trained head's rows are), where the decay alone would exceed tau."""
     tau = 0.4
-    cfg = train_cfg(weight_decay=weight_decay, recipe_overrides={recipe: RecipeConfig(tau=tau, radius_quantile=quantile)})
+    cfg = train_cfg(
+        weight_decay=weight_decay, recipe_overrides={recipe: RecipeConfig(tau=tau, radius_quantile=quantile)}
+    )
     model = neox()
     head = head_of(model)
     with torch.no_grad():
@@ -543,7 +549,9 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
     sign = optim.resolve_head_step("sign", cfg)
     assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
     equi = optim.resolve_head_step("hilbert_equi", cfg)
-    assert (equi.lr, equi.knobs, equi.schedule) == (RECIPES["hilbert_equi"].default_step.tau, LMOKnobs(2, 0.7), cfg.schedule)
+    assert (equi.lr, equi.knobs, equi.schedule) == (
+        RECIPES["hilbert_equi"].default_step.tau, LMOKnobs(2, 0.7), cfg.schedule
+    )
     assert optim.resolve_head_step("muon", cfg).lr == RECIPES["muon"].default_step.head_lr
     no_default = dataclasses.replace(RECIPES["muon"], default_step=HeadStepDefault())
     monkeypatch.setitem(RECIPES._members, "muon", no_default)

@@ -14,13 +14,16 @@ from tools.rehearsal import Measured, Node, Slice, Study, extrapolate, render_ma
 
 @pytest.mark.slow  # extract, fit and perturb on a slice
 def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypatch):
-    monkeypatch.setitem(rehearsal.SEED_CONFIGS, "gpt2", lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256))
+    monkeypatch.setitem(
+        rehearsal.SEED_CONFIGS, "gpt2", lambda: GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=256)
+    )
     measured = rehearsal.rehearse("gpt2", Slice(n_seq=2, seq_len=16))
     assert (measured.width, measured.n_blocks, measured.k, measured.fit_anchors) == (32, 2, 32, 4)
     assert measured.pool == 64  # 32 extracted tokens, topped up to 2d
     assert set(measured.fit_s_per_anchor) == {"diag_psd", "lowrank", "orthogonal", "mlp"}
     assert set(measured.fit_s_per_layer) == {"identity", "global_linear"}
-    assert 0 < measured.perturb_copies <= 6 * 3 and measured.perturb_copies % 3 == 0  # one anchor per class (unless degenerate), three copies
+    # one anchor per class (unless degenerate), three copies
+    assert 0 < measured.perturb_copies <= 6 * 3 and measured.perturb_copies % 3 == 0
     assert min(measured.extract_s_per_token, measured.fit_local_s_per_anchor, measured.perturb_s_per_copy) > 0
 
 
@@ -33,13 +36,16 @@ def _measured(**changes) -> Measured:
     return replace(base, **changes)
 
 
-STUDY = Study(("distilbert/distilgpt2", "someone/unknown"), eval_sequences=8, seq_len=64, anchors=10, k=768, samples=3, classes=6)
+STUDY = Study(
+    ("distilbert/distilgpt2", "someone/unknown"), eval_sequences=8, seq_len=64, anchors=10, k=768, samples=3, classes=6
+)
 
 
 def test_extraction_scales_by_forward_flops_and_tokens():
     """DistilGPT2 is GPT-2 with 6 of its 12 blocks: (2·(82M params)) / (2·(124M params)) per token."""
     (row,) = extrapolate([_measured(fit_local_s_per_anchor=0.0)], STUDY, Node())
-    flops = {name: rehearsal._shape(make())["flops"] for name, make in (("d", rehearsal._distilgpt2), ("g", rehearsal._gpt2_small))}
+    makers = (("d", rehearsal._distilgpt2), ("g", rehearsal._gpt2_small))
+    flops = {name: rehearsal._shape(make())["flops"] for name, make in makers}
     assert row["extract core-h"] * 3600 == pytest.approx(8 * 64 * 0.01 * flops["d"] / flops["g"])
     assert row["fit core-h"] == 0 and row["perturb core-h"] == 0
 

@@ -37,7 +37,9 @@ from pipeline.results.study_b import figures as fig_b
 from stages.layout import Layout
 from stages.report import collect_provenance
 
-PROVENANCE = {"git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}}
+PROVENANCE = {
+    "git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}
+}
 MAX_LINES = 300  # issue 14: the default study's report reads in a minute
 MAX_METRICS = 50  # issue 14: `dvc exp show` fits a screen
 
@@ -105,8 +107,11 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
         assert all(re.match(r"\*\*(supported|not supported|inconclusive|mixed: [^*]+)\*\* · ", c) for c in cells), row
     for arch in DEFAULT_TRAIN_ARCHS:
         recipe_rows = [line for line in summary.splitlines() if line.startswith(f"| {arch} | `")]
-        assert [re.match(r"\| \w+ \| `(\w+)`", r)[1] for r in recipe_rows] == [r for r in DEFAULT_RECIPES if r != "muon"]
-        assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows)
+        assert [re.match(r"\| \w+ \| `(\w+)`", r)[1] for r in recipe_rows] == [
+            r for r in DEFAULT_RECIPES if r != "muon"
+        ]
+        assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r)
+                   for r in recipe_rows)
 
 
 def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -> None:
@@ -118,12 +123,14 @@ def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -
     strength = {"not supported": 0, "inconclusive": 1, "supported": 2}
     for arch_i, arch in enumerate(sorted(DEFAULT_ARCHS)):
         for claim in CLAIM_NAMES:
-            rows = [t for t in tests if t["scope"] == "stratified" and t["subject"] == f"{arch}@final" and t["claim"] == claim]
+            rows = [t for t in tests
+                    if t["scope"] == "stratified" and t["subject"] == f"{arch}@final" and t["claim"] == claim]
             worst = min(strength[t["verdict"]] for t in rows)
             decisive = min((t for t in rows if strength[t["verdict"]] == worst), key=lambda t: t["ci_low"])
             row = next(line for line in summary.splitlines() if line.startswith(f"| `{claim}`"))
             cell = row.strip("|").split(" | ")[1 + arch_i]
-            assert f"({decisive['fn']}, " in cell and f"→ {decisive['effect']:.2g} [{decisive['ci_low']:.2g}, " in cell, cell
+            assert f"({decisive['fn']}, " in cell, cell
+            assert f"→ {decisive['effect']:.2g} [{decisive['ci_low']:.2g}, " in cell, cell
 
 
 def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
@@ -136,7 +143,8 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
     assert len(leaves(m)) <= MAX_METRICS
     assert set(m["study_a"]) == set(DEFAULT_ARCHS)
     assert all(set(claims) == set(CLAIM_NAMES) - set(HEADLINE_EXCLUDED) for claims in m["study_a"].values())
-    assert all(set(v) == {"effect", "verdict"} and -1 <= v["verdict"] <= 1 for a in m["study_a"].values() for v in a.values())
+    assert all(set(v) == {"effect", "verdict"} and -1 <= v["verdict"] <= 1
+               for a in m["study_a"].values() for v in a.values())
     recipes = pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist()
     assert set(m["study_b"]) == set(DEFAULT_TRAIN_ARCHS)
     for r in recipes:
@@ -199,12 +207,15 @@ def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
 def test_the_html_page_is_self_contained_and_holds_the_same_content(default_study) -> None:
     text, out, rendered = default_study
     page = out.with_suffix(".html").read_text()
-    assert not re.search(r"""(src|href)=["']?(https?:|//|figures/)""", page) and "<link" not in page and "<script" not in page
+    assert not re.search(r"""(src|href)=["']?(https?:|//|figures/)""", page)
+    assert "<link" not in page and "<script" not in page
     images = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
     assert len(images) == len(rendered.figures)
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
     assert page.count("<h2>") == len(headings(text)) and "<h2>Summary</h2>" in page
-    assert page.count("<tr>") == sum(1 for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---"))
+    assert page.count("<tr>") == sum(
+        1 for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---")
+    )
 
 
 CHROMIUM = next(filter(None, (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -275,11 +286,16 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     text, _, _ = render(tmp_path, write_tiny_study)
     summary = section(text, "## Summary")
     # test loss = val + 0.05: mean of 2.55, 2.65, 2.70 with its t-interval; paired Δ to muon's 3.05, 3.15, 3.35
-    assert "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 | lower than muon |" in summary
+    assert (
+        "| gpt2 | `hilbert` | 3 | 2.633 [2.505, 2.762] | 3.183 | -0.55 [-0.696, -0.404] | 0.0082 | 0.28 "
+        "| lower than muon |"
+    ) in summary
     assert "| gpt2 | `adamw` | 1 | 3.45 | 3.183 | 0.4 | – | – | not tested: 1 paired seeds, a test needs 3 |" in summary
     assert "| gpt2 | `sign` | 0 | – | 3.183 | – | – | – | every run diverged |" in summary
     assert "- Lower test loss than `muon`: `hilbert` (gpt2)." in summary
-    assert "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)." in summary
+    assert (
+        "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)."
+    ) in summary
     assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
     protocol = section(text, "### Protocol")
     assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget ablation at the end" in protocol
@@ -296,7 +312,8 @@ def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
     assert "not measured: Study A was not run (no fits), so the data says nothing" in text
     assert "Study B was not run (no training logs)" in text
     assert linked_figures(text, out) == [] and rendered.figures == {}
-    assert not list((tmp_path / "reports" / "figures").glob("*.png")) and "<img" not in out.with_suffix(".html").read_text()
+    assert not list((tmp_path / "reports" / "figures").glob("*.png"))
+    assert "<img" not in out.with_suffix(".html").read_text()
 
 
 def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: Path) -> None:
@@ -343,7 +360,9 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
         return done.stdout.strip()
 
     git("init", "-q")
-    (tmp_path / "dvc.lock").write_text("schema: '2.0'\nstages:\n  prepare:\n    outs:\n    - path: data/tokens\n      md5: abc.dir\n")
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  prepare:\n    outs:\n    - path: data/tokens\n      md5: abc.dir\n"
+    )
     git("add", "dvc.lock")
     git("commit", "-qm", "x")
     params = Params.model_validate({"train": {"seeds": [0, 1, 2]}})
@@ -367,7 +386,8 @@ def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
     out = tmp_path / "reports" / "report.md"
     provenance = {"git": {"revision": "abc", "uncommitted_changes": True}, "seeds": {"train": [0, 1]},
-                  "data_checksums": {"params.yaml": "sha256:1", "stage outputs (dvc.lock)": {"data/tokens": "md5:2"}}}  # fmt: skip
+                  "data_checksums": {"params.yaml": "sha256:1",
+                                     "stage outputs (dvc.lock)": {"data/tokens": "md5:2"}}}  # fmt: skip
     render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", provenance)
     assert section(out.read_text(), "## Provenance").strip().splitlines() == [
         "- **git**: revision `abc`, uncommitted_changes `True`",
@@ -387,7 +407,9 @@ def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
     render(tmp_path, write_tiny_study)
     stale = tmp_path / "reports" / "figures" / "old_figure.png"
     stale.write_bytes(b"x")
-    render_report(tmp_path / "reports" / "tables", tmp_path / "reports" / "report.md", tmp_path / "reports" / "figures", {})
+    render_report(
+        tmp_path / "reports" / "tables", tmp_path / "reports" / "report.md", tmp_path / "reports" / "figures", {}
+    )
     assert not stale.exists() and (tmp_path / "reports" / "figures" / "study_b_vs_muon.png").is_file()
 
 

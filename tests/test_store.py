@@ -337,7 +337,8 @@ def test_a_manifest_without_its_fields_is_named_not_a_key_error(tmp_path: Path, 
     assert resume(tmp_path, {"s": 0, "other": 1}) == ["s"]
     manifest.write_text(json.dumps(record))
     prune_shards(tmp_path, {"s", "other"})
-    assert not manifest.exists() and {p.name for p in verified_files(tmp_path)} == {f"part-{shard_slug('other')}.parquet"}
+    assert not manifest.exists()
+    assert {p.name for p in verified_files(tmp_path)} == {f"part-{shard_slug('other')}.parquet"}
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:
@@ -374,7 +375,9 @@ def test_a_reader_takes_only_the_planned_shards_with_their_keys(tmp_path: Path) 
     assert {p.name for p in verified_files(tmp_path, {"planned": KEY})} == {f"part-{shard_slug('planned')}.parquet"}
     stale = ManifestKey(KEY.inputs, "p2", KEY.code_version)
     planned = store.manifest_path(tmp_path, "planned")
-    with pytest.raises(StaleShardError, match=re.escape(f"shard 'planned' is stale (its params hash in {planned} differ")):
+    with pytest.raises(
+        StaleShardError, match=re.escape(f"shard 'planned' is stale (its params hash in {planned} differ")
+    ):
         verified_files(tmp_path, {"planned": stale}, rebuild="`lmgeo extract`")
     missing = store.manifest_path(tmp_path, "missing")
     with pytest.raises(StaleShardError, match=re.escape(f"'missing' is missing (no {missing}); run `lmgeo extract`")):

@@ -22,7 +22,8 @@ VOCAB, SEQ = 64, 16
 @pytest.fixture(scope="module")
 def tokens() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    return {split: rng.integers(0, VOCAB, n).astype(np.int32) for split, n in (("train", 4000), ("val", 800), ("test", 800))}
+    sizes = (("train", 4000), ("val", 800), ("test", 800))
+    return {split: rng.integers(0, VOCAB, n).astype(np.int32) for split, n in sizes}
 
 
 def run(tokens, recipe: str, with_test: bool = True, matched: bool = False, **overrides):

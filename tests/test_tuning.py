@@ -223,7 +223,8 @@ def test_the_document_marks_the_choice_diverged_runs_and_bracketing() -> None:
 
 def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
     choice = tuning.Choice("head_lr", 0.2, 3.0)
-    other = [dict(r, arch="gpt2") for r in rows("sign", [("head_lr", 0.1, 0, 3.3), ("head_lr", 0.2, 0, 3.4), ("head_lr", 0.4, 0, 3.6)])]
+    steps = [("head_lr", 0.1, 0, 3.3), ("head_lr", 0.2, 0, 3.4), ("head_lr", 0.4, 0, 3.6)]
+    other = [dict(r, arch="gpt2") for r in rows("sign", steps)]
     summary = transfer_summary(other, {"sign": choice}, ["gpt2"])
     assert summary == "gpt2: the choice is also the best of ×½, ×1, ×2 for 0 of 1 recipes (not for sign)"
     assert transfer_summary([], {"sign": choice}, []) is None

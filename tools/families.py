@@ -134,7 +134,10 @@ def tiny_config(model_type: str, base=None):
     from transformers import AutoConfig
 
     default = base if base is not None else AutoConfig.for_model(model_type)
-    kept = {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")} if base is not None else {}
+    kept = (
+        {k: v for k, v in base.to_dict().items() if k not in ("model_type", "transformers_version")}
+        if base is not None else {}
+    )
     settings = kept | _shrunk(default)
     for name in _sub_config_names(default):
         nested = getattr(default, name)
@@ -169,7 +172,8 @@ def _shrunk(config) -> dict[str, Any]:
         if key in values or key in aliases:
             settings[key] = [tiny] * tiny_depth if per_layer(values.get(key)) else tiny
     if "qk_rope_head_dim" in values:  # multi-head latent attention: rotary on the rope part only
-        settings |= {"head_dim": TINY_EXTRA["qk_rope_head_dim"], "qk_head_dim": TINY_EXTRA["qk_rope_head_dim"] + TINY_EXTRA["qk_nope_head_dim"]}
+        rope, nope = TINY_EXTRA["qk_rope_head_dim"], TINY_EXTRA["qk_nope_head_dim"]
+        settings |= {"head_dim": rope, "qk_head_dim": rope + nope}
     for key, value in TOKEN_IDS.items():
         if values.get(key) is not None:
             settings[key] = value
@@ -277,7 +281,9 @@ def patch_and_check(model, states: list[np.ndarray]) -> str:
         true = states[layer + 1][rows, positions]
         kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, true, batch_size=2)
         if not (np.all(kl < 1e-6) and np.all(kl_seq < 1e-6)):
-            raise AssertionError(f"layer {layer}: patching the true output changed the distribution (KL {kl.max():.3g})")
+            raise AssertionError(
+                f"layer {layer}: patching the true output changed the distribution (KL {kl.max():.3g})"
+            )
         moved = true + rng.normal(0, 1, true.shape).astype(np.float32) * np.abs(true).mean()
         kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, moved, batch_size=2)
         if not (np.isfinite(kl).all() and np.isfinite(kl_seq).all()):
@@ -319,7 +325,8 @@ def render_markdown(rows: list[Coverage], command: str, versions: dict[str, str]
         "",
         "Refused, by cause:",
         "",
-        *(f"- {cause} ({len(types)}): {', '.join(types)}" for cause, types in sorted(causes.items(), key=lambda c: -len(c[1]))),
+        *(f"- {cause} ({len(types)}): {', '.join(types)}"
+          for cause, types in sorted(causes.items(), key=lambda c: -len(c[1]))),
         "",
         "A *tiny config* or *build* failure is the shrinker's limit, not a verdict on the family: check a real "
         "checkpoint with `lmgeo check-model PATH_OR_ID`.",

@@ -195,7 +195,8 @@ def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: 
     pool64 = torch.as_tensor(x, dtype=torch.float64, device=device)
     searched = torch.as_tensor(choose_anchors(n, 64, seed), device=device)
     _, knn_s, _ = _timed(lambda: nearest_neighbours(pool64, searched, cfg.k))
-    measured.pool, measured.k, measured.knn_s_per_anchor, measured.fit_anchors = n, cfg.k, knn_s / len(searched), len(anchors)
+    measured.pool, measured.k, measured.knn_s_per_anchor = n, cfg.k, knn_s / len(searched)
+    measured.fit_anchors = len(anchors)
 
     def fit(classes: list[str]) -> tuple[dict[str, Any], float]:
         result, seconds, peak = _timed(lambda: fit_layer(x, y, seq, pos, np.zeros(n), anchors, classes, cfg, device))
@@ -215,7 +216,10 @@ def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: 
     return tables
 
 
-def _perturb(measured: Measured, model, tokens: np.ndarray, layer: int, y: np.ndarray, tables: dict[str, Any], size: Slice, seed: int) -> None:
+def _perturb(
+    measured: Measured, model, tokens: np.ndarray, layer: int, y: np.ndarray, tables: dict[str, Any], size: Slice,
+    seed: int,
+) -> None:
     """The perturb stage's patched copies for `perturb_anchors` anchors of every class (the fit and two
     null patches each), in one call as the stage makes it; seconds per patched copy."""
     from pipeline.study_a.nulls import null_patches
@@ -230,8 +234,11 @@ def _perturb(measured: Measured, model, tokens: np.ndarray, layer: int, y: np.nd
         patches = null_patches(fits["patched"], clean[rows, pos], rng)
         parts += [(rows[patches.valid], pos[patches.valid], v) for v in (patches.real, patches.random, patches.other)]
     rows, pos, vectors = (np.concatenate(p) for p in zip(*parts, strict=True))
-    _, seconds, peak = _timed(lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size))
-    measured.perturb_s_per_copy, measured.perturb_copies, measured.perturb_peak_gib = seconds / len(rows), len(rows), peak
+    _, seconds, peak = _timed(
+        lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size)
+    )
+    measured.perturb_s_per_copy, measured.perturb_copies = seconds / len(rows), len(rows)
+    measured.perturb_peak_gib = peak
 
 
 def rehearse_all(names: list[str], size: Slice, device: str = "cpu", threads: int = 1) -> list[Measured]:
@@ -258,7 +265,9 @@ def _neox(d: int, layers: int, heads: int):
 def _mamba(d: int, layers: int):
     from transformers import MambaConfig
 
-    return MambaConfig(vocab_size=50280, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2, tie_word_embeddings=True)
+    return MambaConfig(
+        vocab_size=50280, hidden_size=d, num_hidden_layers=layers, state_size=16, expand=2, tie_word_embeddings=True
+    )
 
 
 def _distilgpt2():
@@ -432,22 +441,26 @@ def render_markdown(
         "",
         "## Measured per-unit costs",
         "",
-        "| model | params | d | blocks | weights GiB | verify s | extract s/token | extract peak GiB | kNN s/anchor (pool, k) | fit s/anchor, local classes (anchors) | fit s/layer, layer-wide classes | fit peak GiB | perturb s/copy | perturb peak GiB |",
+        "| model | params | d | blocks | weights GiB | verify s | extract s/token | extract peak GiB "
+        "| kNN s/anchor (pool, k) | fit s/anchor, local classes (anchors) | fit s/layer, layer-wide classes "
+        "| fit peak GiB | perturb s/copy | perturb peak GiB |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
-            f"| {r.model} | {r.n_params / 1e6:.0f}M | {r.width} | {r.n_blocks} | {_g(r.weights_gib)} | {_g(r.verify_s)} | "
-            f"{_g(r.extract_s_per_token)} | {_g(r.extract_peak_gib)} | {_g(r.knn_s_per_anchor)} ({r.pool}, {r.k}) | "
-            f"{_g(r.fit_local_s_per_anchor)} ({r.fit_anchors}) | {_g(sum(r.fit_s_per_layer.values()))} | {_g(r.fit_peak_gib)} | {_g(r.perturb_s_per_copy)} ({r.perturb_copies} copies) | "
-            f"{_g(r.perturb_peak_gib)} |"
+            f"| {r.model} | {r.n_params / 1e6:.0f}M | {r.width} | {r.n_blocks} | {_g(r.weights_gib)} | "
+            f"{_g(r.verify_s)} | {_g(r.extract_s_per_token)} | {_g(r.extract_peak_gib)} | "
+            f"{_g(r.knn_s_per_anchor)} ({r.pool}, {r.k}) | {_g(r.fit_local_s_per_anchor)} ({r.fit_anchors}) | "
+            f"{_g(sum(r.fit_s_per_layer.values()))} | {_g(r.fit_peak_gib)} | "
+            f"{_g(r.perturb_s_per_copy)} ({r.perturb_copies} copies) | {_g(r.perturb_peak_gib)} |"
         )
     lines += [
         "",
         "Fit seconds by class, each alone: per anchor for the local classes (each with its own neighbour search "
         "and rank check, which the stage shares), per layer for the layer-wide ones:",
         "",
-        "| model | " + " | ".join(f"{c} s/anchor" for c in local) + " | " + " | ".join(f"{c} s/layer" for c in layer_wide) + " |",
+        "| model | " + " | ".join(f"{c} s/anchor" for c in local) + " | "
+        + " | ".join(f"{c} s/layer" for c in layer_wide) + " |",
         "|---|" + "---|" * (len(local) + len(layer_wide)),
         *(
             f"| {r.model} | " + " | ".join(_g(r.fit_s_per_anchor[c]) for c in local) + " | "
@@ -475,14 +488,16 @@ def render_markdown(
         "the `mamba-ssm` kernels on the node (transformers' fallback is a sequential scan, about 10× slower); "
         "stages run one after another, and Ray's overhead and reading Parquet are not counted.",
         "",
-        "| model | rehearsed as | params | d | layers | extract core-h | fit core-h | perturb core-h | one GPU node, h |",
+        "| model | rehearsed as | params | d | layers | extract core-h | fit core-h | perturb core-h "
+        "| one GPU node, h |",
         "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['model']} | {r['rehearsed as']} | {r['params'] / 1e6:.0f}M | {r['d']} | {r['layers']} | "
             f"{_g(r['extract core-h'])} | {_g(r['fit core-h'])} | {_g(r['perturb core-h'])} | {_g(r['GPU-node h'])} |"
             for r in rows
         ),
-        f"| **total** | | | | | {_g(sum(r['extract core-h'] for r in rows))} | {_g(sum(r['fit core-h'] for r in rows))} | "
+        f"| **total** | | | | | {_g(sum(r['extract core-h'] for r in rows))} | "
+        f"{_g(sum(r['fit core-h'] for r in rows))} | "
         f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_g(sum(r['GPU-node h'] for r in rows))}** |",
         "",
         *_FINDINGS,

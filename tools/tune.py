@@ -71,7 +71,10 @@ def run(
     started = time.perf_counter()
     defaults = {r: tuning.round_sig(tuning.default_value(r, base)) for r in recipes}
     rows = execute([t for r in recipes for t in tuning.trials_for(r, arch, tuning.first_round(r, base), seeds)])
-    refine = [t for r in recipes for t in tuning.trials_for(r, arch, tuning.refinement(tuning.table_of(rows, r, arch)), seeds)]  # fmt: skip
+    refine = [
+        t for r in recipes
+        for t in tuning.trials_for(r, arch, tuning.refinement(tuning.table_of(rows, r, arch)), seeds)
+    ]  # fmt: skip
     rows += execute(refine)
     choices = {r: tuning.choose(tuning.table_of(rows, r, arch)) for r in recipes}
     others = [a for a in params.train.archs if a != arch]
@@ -79,7 +82,9 @@ def run(
         t for a in others for r, c in choices.items() if c is not None
         for t in tuning.trials_for(r, a, tuning.transfer_values(c), seeds)
     ])  # fmt: skip
-    rows = sorted(rows + transfer, key=lambda r: (r["arch"] != arch, r["arch"], recipes.index(r["recipe"]), r["value"], r["seed"]))  # fmt: skip
+    rows = sorted(rows + transfer, key=lambda r: (
+        r["arch"] != arch, r["arch"], recipes.index(r["recipe"]), r["value"], r["seed"]
+    ))  # fmt: skip
     protocol = tuning.protocol(params, base, arch, seeds, defaults, others, time.perf_counter() - started, vocab_size)
     protocol["transfer"] = tuning.transfer_summary(rows, choices, others)
     _write(out, protocol, rows, choices)
@@ -95,7 +100,9 @@ def _check_choices(arch: str, recipes: list[str]) -> None:
     from pipeline.study_b.recipes import RECIPES
 
     if arch not in FAMILIES or not FAMILIES[arch].trainable:
-        raise InputError(f"tune: unknown arch {arch!r}; expected one of {', '.join(f.name for f in FAMILIES if f.trainable)}")
+        raise InputError(
+            f"tune: unknown arch {arch!r}; expected one of {', '.join(f.name for f in FAMILIES if f.trainable)}"
+        )
     unknown = [r for r in recipes if r not in RECIPES]
     if unknown or len(set(recipes)) != len(recipes):
         raise InputError(f"tune: recipes must be distinct names from {', '.join(RECIPES.names())}; got {recipes}")

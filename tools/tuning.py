@@ -256,7 +256,8 @@ def transfer_summary(rows: list[dict], choices: dict[str, Choice | None], others
                  and best_step(table_of(rows, r, arch)).value == c.value]  # fmt: skip
         tried = [r for r, c in choices.items() if c is not None]
         parts.append(f"{arch}: the choice is also the best of ×½, ×1, ×2 for {len(holds)} of {len(tried)} recipes"
-                     + (f" (not for {', '.join(r for r in tried if r not in holds)})" if len(holds) < len(tried) else ""))  # fmt: skip
+                     + (f" (not for {', '.join(r for r in tried if r not in holds)})"
+                        if len(holds) < len(tried) else ""))  # fmt: skip
     return "; ".join(parts)
 
 
@@ -351,7 +352,8 @@ def _choice_rows(p: dict, rows: list[dict], choices: dict[str, Choice | None]) -
             lines.append(f"| `{recipe}` | — | every step diverged | — | — | {before_cell} |")
         else:
             edge = "yes" if bracketed(table_of(rows, recipe, p["arch"]), choice) else "no"
-            lines.append(f"| `{recipe}` | `{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | {edge} | {before_cell} |")
+            lines.append(f"| `{recipe}` | `{choice.knob}` | {choice.value:g} | {choice.mean_val_loss:.4f} | "
+                         f"{edge} | {before_cell} |")
     return lines
 
 
@@ -373,7 +375,8 @@ def _trial_rows(p: dict, rows: list[dict], choices: dict[str, Choice | None]) ->
             choice = choices[recipe]
             mark = "✔" if choice is not None and (choice.knob, choice.value) == (knob, value) else ""
             cells = " | ".join(_loss_cell(by_seed.get(s)) for s in seeds)
-            lines.append(f"| {arch} | `{recipe}` | `{knob}` | {value:g} | {cells} | {_mean_cell(scores[(recipe, value)])} | {mark} |")
+            lines.append(f"| {arch} | `{recipe}` | `{knob}` | {value:g} | {cells} | "
+                         f"{_mean_cell(scores[(recipe, value)])} | {mark} |")
     return lines
 
 
@@ -387,7 +390,8 @@ def _by_step(rows: list[dict], arch: str) -> dict[tuple[str, str, float], dict[i
 
 
 def _scores(rows: list[dict], recipes: list[str], arch: str) -> dict[tuple[str, float], StepScore]:
-    return {(r, s.value): s for r in recipes if table_of(rows, r, arch).num_rows for s in step_scores(table_of(rows, r, arch))}
+    return {(r, s.value): s for r in recipes if table_of(rows, r, arch).num_rows
+            for s in step_scores(table_of(rows, r, arch))}
 
 
 def _mean_cell(score: StepScore) -> str:

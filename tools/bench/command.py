@@ -54,7 +54,9 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
     threads = {stage: params.ray.resources_for(stage).threads for stage in ("extract", "fit", "perturb", "train")}
     runner = run_here if quick else run_fresh  # peak-memory measurements always get fresh processes
     sections = {
-        "extraction": lambda: extraction_section(sizes.extraction, params.analysis.batch_size, threads["extract"], runner),
+        "extraction": lambda: extraction_section(
+            sizes.extraction, params.analysis.batch_size, threads["extract"], runner
+        ),
         "fits": lambda: [runner(fits_vs_reference, threads["fit"], scale=s, cfg=params.analysis) for s in sizes.fits],
         "knn_memory": lambda: knn_section(sizes.knn, params.analysis.k, threads["fit"]),
         # One thread: the bar compares with FAISS on one thread (SPEC §7), as a fit task runs.
@@ -193,7 +195,9 @@ def warm_worker(seconds: float) -> int:
 def _read_fits(layout: Layout) -> dict[str, Any]:
     import pyarrow.parquet as pq
 
-    return {path.relative_to(layout.fits).parent.as_posix(): pq.read_table(path) for path in verified_files(layout.fits)}
+    return {
+        path.relative_to(layout.fits).parent.as_posix(): pq.read_table(path) for path in verified_files(layout.fits)
+    }
 
 
 def _same_tables(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -207,7 +211,9 @@ def gpu(params: Params, sizes: BenchSizes, threads: int) -> dict[str, Any]:
     if not torch.cuda.is_available():
         return {"available": False, "reason": "No CUDA device on this machine: the GPU benchmarks did not run."}
     try:
-        result = run_fresh(gpu_benchmarks, threads, sizes=sizes, cfg=params.analysis, batch_size=params.analysis.batch_size)
+        result = run_fresh(
+            gpu_benchmarks, threads, sizes=sizes, cfg=params.analysis, batch_size=params.analysis.batch_size
+        )
     except Exception as err:  # noqa: BLE001 - reported in bench.md, next to the CPU results that did run
         return {"available": True, "error": f"{type(err).__name__}: {err}"}
     return {"available": True, **result}

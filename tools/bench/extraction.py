@@ -101,11 +101,14 @@ def extraction_peak_rss(size: ExtractionSize, n_seq: int, batch_size: int, threa
     return {"tokens": int(tokens.size), "rss_after_setup_bytes": after_setup, "peak_rss_bytes": peak_rss_bytes()}
 
 
-def extraction_section(size: ExtractionSize, batch_size: int, threads: int, runner: Runner = run_fresh) -> dict[str, Any]:
+def extraction_section(
+    size: ExtractionSize, batch_size: int, threads: int, runner: Runner = run_fresh
+) -> dict[str, Any]:
     section = runner(extraction_throughput, threads, size=size, batch_size=batch_size)
     runs = [run_fresh(extraction_peak_rss, threads, size=size, n_seq=n, batch_size=batch_size) for n in size.rss_n_seq]
     growth = runs[1]["peak_rss_bytes"] / runs[0]["peak_rss_bytes"]
     section["peak_rss"] = runs
     section["bars"].append(bar("extraction: peak RSS, 4× the tokens", growth, "<=", 1.3,
-                               note=f"{runs[0]['tokens']} → {runs[1]['tokens']} tokens, whole process, nothing subtracted"))
+                               note=f"{runs[0]['tokens']} → {runs[1]['tokens']} tokens, whole process, "
+                                    "nothing subtracted"))
     return section

@@ -116,7 +116,8 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """`bench.md` from the JSON-ready report: how to read it, the ratio table, details, profiles."""
-    lines = [f"# lmgeo benchmarks{' (quick smoke run: sizes too small to mean anything)' if report['quick'] else ''}", ""]
+    quick = " (quick smoke run: sizes too small to mean anything)" if report["quick"] else ""
+    lines = [f"# lmgeo benchmarks{quick}", ""]
     lines += [f"Command: `{report['command']}` — started {report['started_utc']}, took {report['wall_s']:.0f} s.", ""]
     lines += ["## How to read this", "", _HOW_TO_READ, "## Ratios", ""]
     lines += _table(["benchmark", "measured", "bar", "verdict", "note"], [
@@ -222,8 +223,9 @@ def _patching_md(section: dict[str, Any]) -> list[str]:
               "family whose cache cannot be cut, and the suffix before the cache); `full` is a whole forward with a "
               "hook."), ""]
     lines += _table(["mode", "seconds (median)"], [[m, _num(t["median_s"])] for m, t in section["timings"].items()])
-    lines += ["", (f"`suffix` ran the `{'`, `'.join(section['paths'])}` path, {_num(section['over_recompute'])}× as fast as "
-                   "`recompute`. Largest relative KL difference to `full`: "
+    lines += ["", (f"`suffix` ran the `{'`, `'.join(section['paths'])}` path, "
+                   f"{_num(section['over_recompute'])}× as fast as `recompute`. "
+                   "Largest relative KL difference to `full`: "
                    f"{_num(section['max_relative_kl_difference'])}."), ""]
     return lines
 
@@ -237,7 +239,8 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
              "from rounds over every recipe (order reversed every other round); each bar from its own pair "
              "interleaved A B B A, three times as many steps, so the two sides of a ratio always run next to "
              "each other."), "",
-             (f"Head-step FLOPs are analytic (each recipe's `head_flops` in `tools/bench/recipe_costs.py`), at V = {f['vocab']}, d = {f['width']}, "
+             (f"Head-step FLOPs are analytic (each recipe's `head_flops` in `tools/bench/recipe_costs.py`), at "
+             f"V = {f['vocab']}, d = {f['width']}, "
              "counted from the code; NS(V, d) = 5·(4·m²·M + 2·m³) with m = min(V, d), M = max(V, d) is "
              "torch.optim.Muon's 5-step quintic Newton–Schulz. The backward pass producing the gradient is "
              "common to all recipes and not counted."), ""]
@@ -262,7 +265,8 @@ def _fanout_md(section: dict[str, Any]) -> list[str]:
              f"activations (d = {s['d']}, {s['n_seq']} × {s['seq_len']} tokens, {s['anchors']} anchors), "
              "through `run_shards`, with an embedded Ray started by `ray.init(num_cpus=N)` for each N and "
              "shut down after. Timed: `run_shards` only, after every worker has imported the fit code."), ""]
-    lines += _table(["workers", "seconds per run"], [[n, ", ".join(_num(t) for t in ts)] for n, ts in section["seconds"].items()])
+    lines += _table(["workers", "seconds per run"],
+                    [[n, ", ".join(_num(t) for t in ts)] for n, ts in section["seconds"].items()])
     load = section["load_average"]
     lines += ["", (f"Outputs identical across every run: {'yes' if section['same_outputs'] else '**no**'}. "
               f"Load average (1 min) before / after this section: {load['before'][0]:.2f} / {load['after'][0]:.2f} "
@@ -282,7 +286,8 @@ def _gpu_md(section: dict[str, Any]) -> list[str]:
         [c, _num(e["tokens_per_s"][c], 4), _num(e["tflops"][c])] for c in e["tokens_per_s"]])
     lines += ["", f"Extract path / bare forward throughput: {_num(e['throughput_ratio'])}×.", ""]
     lines += _table(["kNN pool", "d", "anchors", "seconds", "TFLOP/s (fp64 distances)", "working memory"], [
-        [str(r["pool"]), str(r["d"]), str(r["anchors"]), _num(r["seconds"]), _num(r["tflops_fp64"]), _mib(r["working_bytes"])]
+        [str(r["pool"]), str(r["d"]), str(r["anchors"]), _num(r["seconds"]), _num(r["tflops_fp64"]),
+         _mib(r["working_bytes"])]
         for r in k["runs"]])
     lines += ["", f"kNN memory accounting: {k['memory_accounting']}.", ""]
     lines += _table(["fit class", f"fit_layer s on the GPU ({section['fits']['scale']['label']})"],

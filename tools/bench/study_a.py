@@ -32,7 +32,8 @@ def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dic
         rng = np.random.default_rng(7)
         pool32 = rng.normal(size=(size.pool, size.d)).astype(np.float32)
         anchors = choose_anchors(size.pool, size.anchors, seed=0)
-        pool32_t, pool64_t, anchors_t = torch.from_numpy(pool32), torch.from_numpy(pool32.astype(np.float64)), torch.from_numpy(anchors)
+        pool32_t, pool64_t = torch.from_numpy(pool32), torch.from_numpy(pool32.astype(np.float64))
+        anchors_t = torch.from_numpy(anchors)
 
         def theirs() -> np.ndarray:
             index = faiss.IndexFlatL2(size.d)
@@ -41,17 +42,20 @@ def knn_vs_faiss(sizes: tuple[KnnVsFaissSize, ...], k: int, threads: int) -> dic
             return np.array([[j for j in row if j != a][:k] for row, a in zip(found, anchors, strict=True)])
 
         cases = {"lmgeo": lambda: nearest_neighbours(pool32_t, anchors_t, k).numpy(),
-                 "lmgeo_float64": lambda: nearest_neighbours(pool64_t, anchors_t, k).numpy(), "faiss": theirs}  # fmt: skip
+                 "lmgeo_float64": lambda: nearest_neighbours(pool64_t, anchors_t, k).numpy(),
+                 "faiss": theirs}  # fmt: skip
         timings = interleaved(cases, size.repeats)
         found = cases["lmgeo"]()
         same = float(np.mean([set(a) == set(b) for a, b in zip(found, theirs(), strict=True)]))
         identical = bool(np.array_equal(found, cases["lmgeo_float64"]()))
         speedup, speedup64 = timings.ratio("faiss", "lmgeo"), timings.ratio("faiss", "lmgeo_float64")
         out["runs"].append({"size": asdict(size), "speedup": speedup, "speedup_float64": speedup64,
-                            "same_neighbours": same, "float64_identical": identical, "timings": timings.summary()})  # fmt: skip
-        out["bars"].append(bar(f"kNN vs FAISS IndexFlatL2, pool {size.pool} × d {size.d}, {size.anchors} anchors (speed-up)",
-                               speedup, ">=", 1.0, note=f"same neighbour sets for {same:.1%} of anchors; the float64 "
-                               f"pool of the same values: {speedup64:.2f}×", extra_ok=same == 1.0 and identical))  # fmt: skip
+                            "same_neighbours": same, "float64_identical": identical,
+                            "timings": timings.summary()})  # fmt: skip
+        label = f"kNN vs FAISS IndexFlatL2, pool {size.pool} × d {size.d}, {size.anchors} anchors (speed-up)"
+        out["bars"].append(bar(label, speedup, ">=", 1.0, note=f"same neighbour sets for {same:.1%} of anchors; the "
+                               f"float64 pool of the same values: {speedup64:.2f}×",
+                               extra_ok=same == 1.0 and identical))  # fmt: skip
     return out
 
 
@@ -85,13 +89,15 @@ def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
     worst = 0.0
     for mode in ("suffix", "recompute"):
         for got, want in zip(timings.results[mode][-1], timings.results["full"][-1], strict=True):
-            worst = max([worst] + [float(np.max(np.abs(g - w) / np.maximum(w, 1e-6))) for g, w in zip(got, want, strict=True)])
+            errors = [float(np.max(np.abs(g - w) / np.maximum(w, 1e-6))) for g, w in zip(got, want, strict=True)]
+            worst = max([worst] + errors)
     speedup, over_recompute = timings.ratio("full", "suffix"), timings.ratio("recompute", "suffix")
     paths = sorted({suffix_path(model, layer)[0] for layer in range(size.n_layers)})
     return {
         "size": asdict(size), "speedup": speedup, "over_recompute": over_recompute, "paths": paths,
         "max_relative_kl_difference": worst, "timings": timings.summary(),
-        "bars": [bar(f"patching: suffix vs full forward, {size.arch} {size.n_layers} blocks (speed-up)", speedup, ">=", 1.5,
+        "bars": [bar(f"patching: suffix vs full forward, {size.arch} {size.n_layers} blocks (speed-up)",
+                     speedup, ">=", 1.5,
                      note=f"KLs agree to {worst:.1e} (relative); {over_recompute:.2f}× the recomputing suffix; "
                           f"path {', '.join(paths)}", extra_ok=worst <= 1e-3)],
     }  # fmt: skip
