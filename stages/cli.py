@@ -44,10 +44,6 @@ def main_options(
     ] = False,
 ) -> None:
     """Geometry of updates in language models: DVC stages dispatching Ray tasks."""
-    # Before any command imports torch or NumPy: the kernels they load decide the last bits of results.
-    from pipeline.core.determinism import pin_this_process
-
-    pin_this_process(threads=1)
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]
 RayAddressOpt = Annotated[
@@ -122,6 +118,11 @@ def _stage_command(stage: str, summary: str) -> None:
         params: ParamsOpt = Path("params.yaml"),
         ray_address: RayAddressOpt = None,
     ) -> None:
+        # Before the stage imports torch or NumPy: the kernels they load decide the last bits of its results
+        # (the tools keep the machine's own: the bench measures it).
+        from pipeline.core.determinism import pin_this_process
+
+        pin_this_process(threads=1)
         _run_stage(stage, params, ray_address)
 
     command.__doc__ = summary

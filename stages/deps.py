@@ -30,14 +30,16 @@ def code_deps(stage: str, workspace: Path) -> list[str]:
     )
 
 
-# Besides the code: what decides the results too (the params, the stage graph, the pinned packages).
-DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt")
+# Besides the code: what decides the results too (the params, the stage graph, the pinned packages, the
+# tuning record the report states).
+DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", "docs/tuning.json")
 
 
 def result_inputs(workspace: Path) -> list[str]:
-    """Every file that decides the pipeline's results: each stage's code, and `DECIDING_FILES`. The report's
-    provenance says whether they were committed, and the committed results are checked against them."""
-    code = {dep for stage in STAGES for dep in code_deps(stage, workspace)}
+    """Every file that may decide the pipeline's results, conservatively: all of the library's and the
+    stages' sources (not only those a code version holds), and `DECIDING_FILES`. The report's provenance
+    says whether they were committed, and the committed results are checked against them."""
+    code = {path.relative_to(workspace).as_posix() for root in CODE_ROOTS for path in (workspace / root).rglob("*.py")}
     return sorted(code | set(DECIDING_FILES))
 
 

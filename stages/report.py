@@ -27,13 +27,11 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
     outputs = provenance.locked_outputs(lock.read_text()) if lock.is_file() else {}
     if outputs:
         checksums["stage outputs (dvc.lock)"] = outputs
-    from pipeline.core.determinism import pinned_environment
     from stages.deps import result_inputs
 
     return {
         "git": provenance.git_state(layout.root, result_inputs(layout.root)),
-        # The kernels every task ran with (SPEC §1): results are identical on machines with the same pins.
-        "kernels": {name: os.environ.get(name, "unset") for name in pinned_environment(1) if "THREADS" not in name},
+        "kernels": kernels(),
         "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
         "seeds": {
             "prepare": params.prepare.seed, "train": list(params.train.seeds),
@@ -55,6 +53,24 @@ def median_step_times(layout: Layout) -> dict[str, float]:
         if times:
             found[path.stem] = statistics.median(times)
     return found
+
+
+def kernels() -> dict[str, str]:
+    """The kernels this process runs, as the libraries report them, and the pins every task ran under
+    (SPEC §1: results are identical where these agree, and on one CPU vendor)."""
+    import faiss
+    import torch
+
+    from pipeline.core.determinism import pinned_environment
+    from pipeline.core.provenance import cpu_model
+
+    pins = {name: os.environ.get(name, "unset") for name in pinned_environment(1) if "THREADS" not in name}
+    return {
+        "cpu": cpu_model(),
+        "torch": torch.backends.cpu.get_cpu_capability(),
+        "faiss": faiss.SIMDConfig.get_level_name(),
+        "pins": ", ".join(f"{name}={value}" for name, value in pins.items()),
+    }
 
 
 def tuning_record(layout: Layout) -> dict[str, Any] | None:

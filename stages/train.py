@@ -81,7 +81,9 @@ def plan(params: Params, layout: Layout) -> Plan:
     """One shard per run, keyed by what that run reads: the tokens, its own settings (`for_run`: not the
     grid, other recipes' step sizes or other runs' budget) and the code of its recipe and family."""
     from pipeline.core.contracts import parse_run_id
+    from pipeline.text.corpus import load_meta
 
+    load_meta(layout.tokens)  # refuses a missing or unreadable one, naming `lmgeo prepare`
     tokens = {"tokens": file_sha256(layout.tokens / "meta.json")}
     seq_len = params.prepare.seq_len
     planned = []

@@ -26,7 +26,9 @@ def in_git_checkout() -> bool:
 
 @pytest.mark.skipif(not in_git_checkout(), reason="needs the project's git history")
 def test_the_committed_report_names_a_clean_revision_with_heads_code_and_params() -> None:
-    recorded = json.loads((REPO / "reports" / PROVENANCE).read_text())["git"]
+    path = REPO / "reports" / PROVENANCE
+    assert path.is_file(), f"no {path}: run `dvc repro` on the committed tree and commit its outputs"
+    recorded = json.loads(path.read_text())["git"]
     assert committed_results_problems(REPO, recorded, result_inputs(REPO)) == []
 
 

@@ -235,7 +235,9 @@ def test_the_matched_budget_runs_are_the_grid_again_on_its_seeds_and_study_as_ow
                                      "neox-hilbert-s1", "neox-muon-s1-matched", "neox-hilbert-s1-matched"]  # fmt: skip
     matched = parse_run_id("neox-hilbert-s1-matched")
     assert matched.matched and matched.run_id == "neox-hilbert-s1-matched"
-    assert params.train.head_budget(matched) == 0.5 and params.train.head_budget(parse_run_id("neox-muon-s1")) is None
+    from pipeline.study_b.train import head_budget
+
+    assert head_budget(params.train, matched) == 0.5 and head_budget(params.train, parse_run_id("neox-muon-s1")) is None
     assert "neox-muon-s1-matched" not in params.analysed_runs()  # Study A analyses the recipes as tuned
 
 

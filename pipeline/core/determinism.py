@@ -7,8 +7,11 @@ code and params then train different models on two machines (measured: the defau
 losses move in the fourth digit between torch's AVX2 and AVX-512 kernels on one machine). Every lmgeo
 process and Ray task runs with the AVX2 kernels of each library (every x86-64 server CPU since 2013 has
 AVX2) and with its task's thread count for every threading layer, so its results are the same bytes on
-any such machine, whatever the outer environment says. Other architectures (aarch64) have other kernels:
-there results agree within SPEC's stated tolerance, not bit for bit; so do GPUs.
+any such machine of the same vendor, whatever the outer environment says. One switch is not vendor-neutral:
+MKL honours its AVX2 reproducibility mode on Intel CPUs only (on AMD it reports `CNR:AUTO`; only the ~5×
+slower `COMPATIBLE` mode would hold there), so torch's float32 GEMMs may differ in the last bits between an
+Intel and an AMD machine. Other architectures (aarch64) have other kernels: there results agree within
+SPEC's stated tolerance, not bit for bit; so do GPUs. The report's provenance records the kernels that ran.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ X86_KERNELS = {
     "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility (torch's BLAS and LAPACK)
     "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (torch's mkldnn kernels)
     "OPENBLAS_CORETYPE": "Haswell",  # NumPy's and SciPy's OpenBLAS
-    "FAISS_OPT_LEVEL": "avx2",  # the kNN's float32 candidate pass
+    "FAISS_SIMD_LEVEL": "AVX2",  # the kNN's float32 candidate pass (faiss ≥ 1.12 dispatches at run time)
 }
 # cuBLAS: deterministic reductions (torch.use_deterministic_algorithms asks for this workspace).
 CUDA = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
@@ -50,3 +53,5 @@ def pin_torch(threads: int) -> None:
 
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
+    # Deterministic mode also fills every new empty tensor with NaN; correct code never reads those values.
+    torch.utils.deterministic.fill_uninitialized_memory = False

@@ -7,20 +7,20 @@ between modules can never leave a shard's key stale. What is hashed is each file
 docstrings: comments, formatting and docstrings change no output and redo no shard. Three kinds of module
 are left out, each for a reason a test checks:
 
-- configuration modules (`*/config.py`, `pipeline/params.py`) define values only, and every value that
-  reaches a shard is in its params hash;
+- configuration modules (`*/config.py`, `pipeline/params.py`) define values and their validation only
+  (a value's logic that a task uses, like `TrainConfig.for_run`, reaches it through the params hash);
 - infrastructure (`INFRASTRUCTURE`: progress lines, the Ray loop, code versions, provenance, the stage
   runtime and paths) cannot change a number, and none of it is reachable from the science packages
-  (`NUMERIC_PACKAGES`); the declarations the science does reach (`DECLARATIONS`: exception types, the
-  registry type, the data contracts) hold no numerics;
+  (`NUMERIC_PACKAGES`);
 - registry indexes (`INDEXES`) only list their members, one module each, named as the member. A shard's
   code holds the members it uses (`members`: its run's recipe and family, the classes it fits), so adding
   a recipe, or editing one, redoes only the shards that use it.
 
-The data contracts enter by value: a stage passes the declared schemas of what it writes
-(`CodeSpec.schemas`), so a contract edit redoes exactly the datasets whose schema changed. The environment
-that pins the kernels (`pipeline.core.determinism`) is part of every version, since it decides the
-floating-point results.
+The datasets' declarations enter by value: a stage passes the declared schemas of what it writes
+(`CodeSpec.schemas`), and the declarations themselves (`NAME = Dataset(...)`) are left out of the hashed
+contracts module, so a schema edit redoes exactly the datasets whose schema changed, while an edit of the
+contracts' code (id codecs, readers) redoes everything that uses it. The environment that pins the kernels
+(`pipeline.core.determinism`) is part of every version, since it decides the floating-point results.
 
 Modules are found the way a Ray worker finds them: a workspace that holds the packages comes first, then
 the installed packages.
@@ -41,7 +41,7 @@ from typing import Literal
 
 PROJECT_PACKAGES = ("pipeline", "stages")
 # Modules that cannot change a number, so no code version holds them (tests/test_fingerprint.py checks that
-# the science packages never reach INFRASTRUCTURE, and what DECLARATIONS may define).
+# the science packages never reach them).
 INFRASTRUCTURE = (
     "pipeline.core.progress",
     "pipeline.core.execution",
@@ -51,10 +51,10 @@ INFRASTRUCTURE = (
     "stages.sharded",
     "stages.layout",
 )
-# Reached by the science, but holding no numerics: exception types, the registry type, and the data
-# contracts, whose schemas enter a code version by value (`CodeSpec.schemas`).
-DECLARATIONS = ("pipeline.core.errors", "pipeline.core.registry", "pipeline.core.contracts")
-EXCLUDED = INFRASTRUCTURE + DECLARATIONS
+# A dataset's declaration (`NAME = Dataset(...)`, in the data contracts) enters a code version by value,
+# through the declared schemas of what a stage writes (`CodeSpec.schemas`); the rest of the contracts module
+# (id codecs, readers) is hashed like any code.
+DECLARATION = "Dataset"
 NUMERIC_PACKAGES = ("pipeline.models", "pipeline.text", "pipeline.study_a", "pipeline.study_b")
 # Registry index → its members, the modules `<index>.<name>`; an index holds nothing but the list.
 INDEXES = ("pipeline.study_b.recipes", "pipeline.study_a.classes", "pipeline.models.families")
@@ -111,7 +111,6 @@ def closure(
     followed (the registries a validator loads to check a name are not the stage's code).
     """
     named = [modules] if isinstance(modules, str) else list(modules)
-    registered = {member for index in INDEXES for member in index_members(index, roots)}
     found: dict[str, Path] = {}
     pending = [(name, False) for name in named]
     while pending:
@@ -119,9 +118,9 @@ def closure(
         if from_config and not is_config_module(name):
             continue
         for candidate in [*_packages_of(name), name]:
-            if candidate in found or candidate in EXCLUDED or (is_config_module(candidate) and not with_config):
+            if candidate in found or candidate in INFRASTRUCTURE or (is_config_module(candidate) and not with_config):
                 continue
-            if members == "chosen" and candidate not in named and (candidate in INDEXES or candidate in registered):
+            if members == "chosen" and candidate in INDEXES and candidate not in named:
                 continue
             path = resolve(candidate, roots)
             if path is None:
@@ -164,22 +163,22 @@ def code_version(spec: CodeSpec | str, roots: Sequence[Path] = ()) -> str:
     return f"{_package_version()}+{digest.hexdigest()[:16]}"
 
 
-def member_module(index: str, name: str) -> str:
-    """The module of registry member `name` of `index` (one module per member, named as the member)."""
-    if index not in INDEXES:
-        raise ValueError(f"{index!r} is not a registry index; indexes: {', '.join(INDEXES)}")
-    return f"{index}.{name}"
-
-
 def _update(digest: hashlib._Hash, name: str, text: str) -> None:
     for part in (name.encode(), text.encode()):
         digest.update(len(part).to_bytes(8, "little") + part)
 
 
 def normalised_source(path: Path) -> str:
-    """The file's syntax tree without docstrings, as text: equal for sources that differ only in
-    comments, formatting or docstrings."""
-    return ast.dump(_without_docstrings(path), include_attributes=False)
+    """The file's syntax tree without docstrings and dataset declarations, as text: equal for sources that
+    differ only in comments, formatting, docstrings or the declared datasets (which enter by value)."""
+    tree = _without_docstrings(path)
+    tree.body = [node for node in tree.body if not _is_declaration(node)]
+    return ast.dump(tree, include_attributes=False)
+
+
+def _is_declaration(node: ast.stmt) -> bool:
+    call = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+    return isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == DECLARATION
 
 
 def has_code(path: Path) -> bool:
@@ -219,7 +218,9 @@ def _imported(module: str, path: Path) -> Iterator[str]:
     for node in _runtime_nodes(_parse(path.read_bytes())):
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            raise ValueError(f"{path}: a relative import; code versions follow absolute imports only")
+        elif isinstance(node, ast.ImportFrom) and node.module:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         else:
             continue

@@ -21,10 +21,12 @@ class UnsupportedArchitecture(InputError):
 
 
 def registered_family(model_type: str | None) -> ModelFamily | None:
-    for family in FAMILIES:
-        if family.model_type == model_type:
-            return family
-    return None
+    """The one family registered for `model_type` (a run's key holds its own family's code only, so two
+    families of one model type would change a run's structure and groups without its key)."""
+    found = [family for family in FAMILIES if family.model_type == model_type]
+    if len(found) > 1:
+        raise ValueError(f"model_type {model_type!r} is registered by {len(found)} families: {found}")
+    return found[0] if found else None
 
 
 def family_of(model: PreTrainedModel) -> ModelFamily:

@@ -112,21 +112,12 @@ class TrainConfig(Section):
             run_id(a, r, s, matched=True) for a in self.archs for r in self.recipes for s in matched
         ]
 
-    def head_budget(self, spec: RunSpec) -> float | None:
-        """The cap (nats) of `spec`'s head steps: the matched budget's tau for a matched run, else none."""
-        if not spec.matched:
-            return None
-        if self.matched_budget is None:
-            raise ValueError(f"{spec.run_id} is a matched-budget run, but train.matched_budget is not set")
-        return self.matched_budget.tau
-
     def for_run(self, spec: RunSpec) -> TrainConfig:
         """The settings run `spec` reads, and nothing else: the grid narrowed to the run, its own recipe's
         overrides, the matched budget only for a matched run. A run's shard is keyed by these, so a change
         elsewhere in the section (another recipe's step size, the budget) redoes no other run."""
         own = {spec.recipe: self.recipe_overrides[spec.recipe]} if spec.recipe in self.recipe_overrides else {}
-        budget = None
-        if spec.matched:
-            budget = MatchedBudget(tau=self.head_budget(spec), seeds=[spec.seed])  # type: ignore[arg-type]
+        matched = spec.matched and self.matched_budget is not None
+        budget = self.matched_budget.model_copy(update={"seeds": [spec.seed]}) if matched else None
         return self.model_copy(update={"archs": [spec.arch], "recipes": [spec.recipe], "seeds": [spec.seed],
                                        "recipe_overrides": own, "matched_budget": budget})  # fmt: skip

@@ -139,6 +139,15 @@ def head_alignment(grad: torch.Tensor, delta: torch.Tensor, diameter: float) -> 
     }
 
 
+def head_budget(cfg: TrainConfig, spec: RunSpec) -> float | None:
+    """The cap (nats) of `spec`'s head steps: the matched budget's tau for a matched run, else none."""
+    if not spec.matched:
+        return None
+    if cfg.matched_budget is None:
+        raise ValueError(f"{spec.run_id} is a matched-budget run, but train.matched_budget is not set")
+    return cfg.matched_budget.tau
+
+
 def train_run(
     spec: RunSpec,
     cfg: TrainConfig,
@@ -161,7 +170,7 @@ def train_run(
 
     model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
     head = head_of(model)
-    head_budget_tau = cfg.head_budget(spec)
+    head_budget_tau = head_budget(cfg, spec)
     optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed, head_budget_tau=head_budget_tau)
     head_inputs = HeadInputs(head)
     forward = torch.compile(model) if (cfg.compile and cuda) else model
