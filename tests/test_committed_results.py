@@ -10,8 +10,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
+from pipeline.core.config import parse_yaml
 from pipeline.core.provenance import committed_results_problems, git_state
 from stages.deps import result_inputs
 from stages.report import PROVENANCE
@@ -35,8 +35,9 @@ def test_the_committed_report_names_a_clean_revision_with_heads_code_and_params(
 def test_the_committed_lock_holds_the_current_code_and_params() -> None:
     """What `dvc status` would say of the code and params deps: every one that dvc.lock records is the file
     or value in the tree now."""
-    lock = yaml.safe_load((REPO / "dvc.lock").read_text())["stages"]
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    # Read as lmgeo reads params (YAML 1.1 would take DVC's `1e-06` for a string).
+    lock = parse_yaml((REPO / "dvc.lock").read_text())["stages"]
+    params = parse_yaml((REPO / "params.yaml").read_text())
     stale = []
     for stage, entry in lock.items():
         for dep in entry.get("deps", []):
