@@ -68,7 +68,10 @@ STUDY = {
     # A head step that overflows the logits at step 2: non-finite loss, a diverged run.
     "train.recipe_overrides": '{"hilbert":{"head_lr":1.0e38}}',
     "analysis.classes": '["diag_psd","identity","mlp"]',
-    "analysis.mlp_steps": "600",  # an mlp fit shard lasts seconds: long enough to be killed mid-way
+    # An mlp fit shard lasts seconds, long enough to be killed mid-way: every one of its steps runs (a
+    # tolerance no anchor meets), so how long it lasts does not hang on how fast the fit converges.
+    "analysis.mlp_steps": "3000",
+    "analysis.mlp_tol": "1.0e-12",
 }
 FIT_SHARDS = 2  # one per layer: a fit task searches a layer's neighbours once for every class
 FIT_ORDER = ["model", "layer", "fn", "seq_id", "pos"]
@@ -132,24 +135,28 @@ def test_killed_fit_worker_is_retried_and_the_result_is_unchanged(extracted, ref
 
 # --------------------------------------------------------------------- 2. killed driver, then re-run
 def test_killed_driver_leaves_no_ray_processes_and_the_rerun_resumes(extracted, reference, tmp_path):
-    workspace = copy_workspace(extracted, tmp_path / "ws")
-    fits = workspace / "data" / "fits"
-    driver = start_stage(workspace, "fit", tmp_path / "fit.log")
-    try:
-        wait_for(lambda: manifest_times(fits), 120, "a first complete fit shard")
-        family = kill_group(driver)
-    finally:
-        stop(driver)
-    assert any(title(p).startswith("ray::") or "raylet" in title(p) for p in family), "Ray never ran under the driver"
-    try:
-        wait_for(lambda: not alive(family), 30, "the killed driver's Ray processes to exit")
-    finally:
-        leaked = alive(family)
-        kill_all(leaked)
-    assert not leaked, f"Ray processes outlived their driver: {[title(p) for p in leaked]}"
-
-    done_before = manifest_times(fits)
-    assert 0 < len(done_before) < FIT_SHARDS, "the kill must land between the first and the last shard"
+    # The kill races the second shard (both run in one task, a second or two apart): on a loaded machine it
+    # can land after both, so the case is tried afresh up to three times until it lands between them.
+    for attempt in range(3):
+        workspace = copy_workspace(extracted, tmp_path / f"ws{attempt}")
+        fits = workspace / "data" / "fits"
+        driver = start_stage(workspace, "fit", tmp_path / f"fit{attempt}.log")
+        try:
+            wait_for(lambda: manifest_times(fits), 120, "a first complete fit shard")
+            family = kill_group(driver)
+        finally:
+            stop(driver)
+        assert any(title(p).startswith("ray::") or "raylet" in title(p) for p in family), "Ray never ran"
+        try:
+            wait_for(lambda: not alive(family), 30, "the killed driver's Ray processes to exit")
+        finally:
+            leaked = alive(family)
+            kill_all(leaked)
+        assert not leaked, f"Ray processes outlived their driver: {[title(p) for p in leaked]}"
+        done_before = manifest_times(fits)
+        if len(done_before) < FIT_SHARDS:
+            break
+    assert 0 < len(done_before) < FIT_SHARDS, "in three tries the kill never landed between the two shards"
     rerun = lmgeo(workspace, "fit")
     n = len(done_before)
     assert f"fit: {n}/{FIT_SHARDS} shards complete, {FIT_SHARDS - n} to do" in rerun.stdout, rerun.stdout
