@@ -212,21 +212,35 @@ def test_the_html_page_is_self_contained_and_holds_the_same_content(default_stud
     images = re.findall(r'<img src="data:image/png;base64,([^"]+)"', page)
     assert len(images) == len(rendered.figures)
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
-    assert page.count("<h2>") == len(headings(text)) and "<h2>Summary</h2>" in page
+    assert len(re.findall(r"<h2 id=", page)) == len(headings(text)) and '<h2 id="summary">Summary</h2>' in page
+    # The contents line links every section, by the anchor the page gives its heading.
+    anchors = re.findall(r'<h2 id="([^"]+)">', page)
+    assert re.findall(r'<a href="#([^"]+)">', page)[: len(anchors)] == anchors
+    # A multi-column figure has its one-column variant for narrow screens, its labels inside it too.
+    assert rendered.narrow and page.count("<picture>") == len(rendered.narrow)
+    assert all(p["inside"] for panels in rendered.narrow.values() for p in panels)
     assert page.count("<tr>") == sum(
         1 for line in text.splitlines() if line.startswith("| ") and not line.startswith("|---")
     )
 
 
+SCREEN_HEIGHT = 900  # one screen of a laptop
+PHONE, LAPTOP = 390, 1400  # CSS pixels
 CHROMIUM = next(filter(None, (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))), None)
-# Written into a copy of the page once it has loaded: each image's decoded width, and any error raised.
+# Written into a copy of the page once it has loaded: each image's decoded and rendered width, the first
+# figure's top, the page's and the viewport's width, and any error raised.
 PROBE = """<script>
 window.__errors = [];
 window.addEventListener("error", e => window.__errors.push(String(e.message || (e.target && e.target.src))), true);
 window.addEventListener("load", () => {
+  const images = [...document.images];
   const out = document.createElement("pre");
   out.id = "probe";
-  out.textContent = JSON.stringify({widths: [...document.images].map(i => i.naturalWidth), errors: window.__errors});
+  out.textContent = JSON.stringify({
+    widths: images.map(i => i.naturalWidth), rendered: images.map(i => i.getBoundingClientRect().width),
+    first_figure_top: images.length ? images[0].getBoundingClientRect().top + window.scrollY : null,
+    viewport: document.documentElement.clientWidth, page: document.documentElement.scrollWidth,
+    errors: window.__errors});
   document.body.appendChild(out);
 });
 </script>"""
@@ -238,12 +252,13 @@ def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
 
 
-def browse(page: Path) -> tuple[list[str], dict]:
-    """Console messages of `page` as loaded, and the probe's findings on a copy of it."""
-    console = [line for line in chromium(page, "--dump-dom").stderr.splitlines() if ":CONSOLE" in line]
+def browse(page: Path, width: int = 1400) -> tuple[list[str], dict]:
+    """Console messages of `page` as loaded, and the probe's findings on a copy of it, in a window `width` wide."""
+    size = f"--window-size={width},{SCREEN_HEIGHT}"
+    console = [line for line in chromium(page, "--dump-dom", size).stderr.splitlines() if ":CONSOLE" in line]
     probed = page.with_name(f"{page.stem}.probe.html")
     probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE, 1))
-    dom = chromium(probed, "--dump-dom").stdout
+    dom = chromium(probed, "--dump-dom", size).stdout
     found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.DOTALL)
     assert found, "the page never finished loading"
     return console, json.loads(found[1].replace("&quot;", '"').replace("&amp;", "&"))
@@ -260,18 +275,24 @@ def need_chromium() -> None:
 
 
 @pytest.mark.slow
-def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(default_study, tmp_path: Path) -> None:
+@pytest.mark.parametrize("width", [PHONE, LAPTOP])
+def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(default_study, tmp_path: Path,
+                                                                          width: int) -> None:
     need_chromium()
     _, out, rendered = default_study
     page = tmp_path / "report.html"
     shutil.copy(out.with_suffix(".html"), page)  # alone in a folder: nothing it could fetch beside it
-    console, probe = browse(page)
+    console, probe = browse(page, width)
     assert console == [] and probe["errors"] == []
     assert len(probe["widths"]) == len(rendered.figures) and all(w > 0 for w in probe["widths"]), probe
-    shot = tmp_path / "report.png"
-    chromium(page, f"--screenshot={shot}", "--window-size=1280,2400", "--hide-scrollbars")
-    assert mpimg.imread(shot).shape[:2] == (2400, 1280)
-    print(f"screenshot of report.html: {shot}")
+    # Nothing wider than the screen: every figure fits it, and the page does not scroll sideways.
+    assert max(probe["rendered"]) <= probe["viewport"] and probe["page"] <= probe["viewport"], probe
+    shot = tmp_path / f"report-{width}.png"
+    chromium(page, f"--screenshot={shot}", f"--window-size={width},{3 * SCREEN_HEIGHT}", "--hide-scrollbars")
+    assert mpimg.imread(shot).shape[:2] == (3 * SCREEN_HEIGHT, width)
+    print(f"screenshot of report.html at {width} px: {shot}")
+    if width == PHONE:
+        return
 
     # The same checks catch a broken page: a console error and an image that does not decode.
     broken = tmp_path / "broken.html"

@@ -120,17 +120,44 @@ def label_axes(ax: Axes, title: str, x: str, quantity: Axis) -> None:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
 
 
+NARROW = ".narrow"  # a figure's one-column variant for phone-width screens: `<name>.narrow.png`
+
+
+def stack_panels(figure: Figure) -> bool:
+    """Lay the figure's panels out in one column at one panel's width, in reading order, so that at phone
+    width its labels are drawn at the size they have on a wide screen; False (figure unchanged) where it has
+    one column already."""
+    from matplotlib.gridspec import GridSpec
+
+    panels = [ax for ax in figure.axes if ax.get_subplotspec() is not None]
+    rows, cols = panels[0].get_subplotspec().get_gridspec().get_geometry() if panels else (1, 1)
+    if cols == 1:
+        return False
+    width, height = figure.get_size_inches()
+    column = GridSpec(len(panels), 1, figure=figure)
+    for i, ax in enumerate(panels):
+        ax.set_subplotspec(column[i, 0])
+    figure.set_size_inches(width / cols, height / rows * len(panels))
+    return True
+
+
 class Figures:
-    """Saves figures, keeps the labels each one was drawn with, and returns the Markdown that shows it."""
+    """Saves figures (and the one-column variant of a multi-column one, which the HTML page shows on
+    narrow screens), keeps the labels each one was drawn with, and returns the Markdown that shows it."""
 
     def __init__(self, directory: Path, link_prefix: Path) -> None:
         self.directory = directory
         self.link_prefix = link_prefix
         self.labels: dict[str, list[dict[str, Any]]] = {}
+        self.narrow_labels: dict[str, list[dict[str, Any]]] = {}  # of the one-column variants
 
     def show(self, figure: Figure | None, name: str, caption: str) -> str:
+        """Save `figure` as `name` and return its Markdown: the image, then `caption` (what to see in it)."""
         if figure is None:
             return ""
         self.labels[name] = axis_labels(figure)
         figure.savefig(self.directory / f"{name}.png", dpi=100, metadata={"Software": None})
+        if stack_panels(figure):
+            self.narrow_labels[name] = axis_labels(figure)
+            figure.savefig(self.directory / f"{name}{NARROW}.png", dpi=100, metadata={"Software": None})
         return f"![{caption}]({(self.link_prefix / f'{name}.png').as_posix()})\n\n*{caption}*\n"

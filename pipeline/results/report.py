@@ -20,7 +20,7 @@ from typing import Any
 from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
 from pipeline.results.common import Figures, Tables
-from pipeline.results.html import to_html
+from pipeline.results.html import heading_anchor, to_html
 from pipeline.results.study_a import report as study_a
 from pipeline.results.study_a.claims import ClaimSummary, summarise
 from pipeline.results.study_b import report as study_b
@@ -30,10 +30,12 @@ from pipeline.study_b.baseline import baseline
 @dataclass(frozen=True)
 class Rendered:
     """What was written: the report's line count, and per figure the labels of its panels as drawn
-    (`common.axis_labels`), for the caller to print and the tests to check."""
+    (`common.axis_labels`), for the caller to print and the tests to check; `narrow`: the same for the
+    one-column variants of multi-column figures."""
 
     lines: int
     figures: dict[str, list[dict[str, Any]]]
+    narrow: dict[str, list[dict[str, Any]]]
 
 
 def render_report(
@@ -49,17 +51,32 @@ def render_report(
         stale.unlink()
     figures = Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
     claims = summarise(tables["claim_tests"])
-    text = "\n".join([
-        "# lmgeo report\n",
+    sections = [
         _summary(tables, claims),
         study_b.section(tables, figures, tuning),
         study_a.section(tables, claims, figures),
         study_b.appendix(tables, step_times or {}),
         _provenance(provenance),
-    ])  # fmt: skip
+    ]
+    title = "# lmgeo report\n"
+    text = "\n".join([title, _contents(title, sections), *sections])
     atomic_write(out_md, text)
     atomic_write(out_md.with_suffix(".html"), to_html(text, out_md.parent, title="lmgeo report"))
-    return Rendered(text.count("\n"), figures.labels)
+    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels)
+
+
+def _contents(title: str, sections: list[str]) -> str:
+    """One line of links to the sections' headings (`##`), by the anchors GitHub and `html.to_html` give
+    them (counted over every heading, as both count repeats)."""
+    taken: set[str] = set()
+    links = []
+    for line in "\n".join([title, *sections]).splitlines():
+        level, _, heading = line.partition(" ")
+        if heading and set(level) == {"#"}:
+            anchor = heading_anchor(heading, taken)
+            if level == "##":
+                links.append(f"[{heading.strip()}](#{anchor})")
+    return "**Contents:** " + " · ".join(links) + "\n"
 
 
 # ----------------------------------------------------------------------------------------- summary
