@@ -21,6 +21,7 @@ from markdown_it.token import Token
 from pipeline.results.common import NARROW
 
 NARROW_SCREEN = "(max-width: 700px)"
+VIEWPORT = '<meta name="viewport" content="width=device-width, initial-scale=1">'  # phones lay out at their width
 STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1200px; margin: 2em auto; padding: 0 1em; line-height: 1.45; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.85em; display: block; overflow-x: auto; }
@@ -59,9 +60,8 @@ def to_html(markdown: str, base: Path, title: str) -> str:
             if child.type == "image":
                 _embed(child, base / str(child.attrGet("src")))
     body = md.renderer.render(tokens, md.options, {})
-    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n'
-            f'<meta name="viewport" content="width=device-width, initial-scale=1">\n<title>{html.escape(title)}</title>\n'
-            f"<style>{STYLE}</style>\n</head>\n<body>\n{body}</body>\n</html>\n")  # fmt: skip
+    head = f'<meta charset="utf-8">\n{VIEWPORT}\n<title>{html.escape(title)}</title>\n<style>{STYLE}</style>'
+    return f'<!DOCTYPE html>\n<html lang="en">\n<head>\n{head}\n</head>\n<body>\n{body}</body>\n</html>\n'
 
 
 def _embed(image: Token, path: Path) -> None:
