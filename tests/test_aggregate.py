@@ -39,8 +39,9 @@ FINAL_VAL = {
 #   above, it is its uncapped self, so at 0.4 the cap binds for muon only.
 SWEEP_TAUS = (0.1, 0.2, 0.4, 0.8, 1.6)
 HILBERT_GAIN = (0.1, 0.12, 0.08)
-SWEEP_UNCAPPED = {(r, s): FINAL_VAL[f"gpt2-{'hilbert' if r == 'hilbert' else 'muon'}-s{s}"] + (0.3 if r == "rownorm" else 0)
-                  for r in ("muon", "rownorm", "hilbert") for s in range(3)}  # fmt: skip
+SWEEP_UNCAPPED = {
+    (r, s): FINAL_VAL[f"gpt2-{'hilbert' if r == 'hilbert' else 'muon'}-s{s}"] + (0.3 if r == "rownorm" else 0)
+    for r in ("muon", "rownorm", "hilbert") for s in range(3)}  # fmt: skip
 
 
 def sweep_binds(recipe: str, tau: float) -> bool:
@@ -113,7 +114,8 @@ def write_run(data_dir: Path, run: str, val: float) -> None:
     steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
     spec = parse_run_id(run)
     if spec.cap is not None:  # a capped sweep run: every step scaled where the cap binds, none elsewhere
-        steps = steps.append_column("head_step_scale", pa.array(np.full(len(steps), 0.5 if sweep_binds(spec.recipe, spec.cap) else 1.0)))
+        scale = 0.5 if sweep_binds(spec.recipe, spec.cap) else 1.0
+        steps = steps.append_column("head_step_scale", pa.array(np.full(len(steps), scale)))
     write_steps(data_dir, run, steps)
     arch, recipe, head_budget_tau = spec.arch, spec.recipe, spec.cap
     record = {

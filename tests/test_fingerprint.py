@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.contracts import parse_run_id
 from pipeline.core import fingerprint
+from pipeline.core.contracts import parse_run_id
 from pipeline.core.fingerprint import INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
 from pipeline.params import Params, load_params
 from stages import aggregate, extract, fit, perturb, train

@@ -33,7 +33,8 @@ def run(tokens, recipe: str, with_test: bool = True, cap: float | None = None, *
     cfg = TrainConfig(model=TINY, steps=6, batch_size=4, eval_batches=1, test_batches=2, probe_sequences=2,
                       geometry_interval=2, equi_sample_rows=32, device="cpu", **overrides)  # fmt: skip
     record, steps = train_run(
-        RunSpec("neox", recipe, 0, cap is not None, cap), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x", lambda *_: None,
+        RunSpec("neox", recipe, 0, cap is not None, cap), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x",
+        lambda *_: None,
         test_tokens=tokens["test"] if with_test else None,
     )
     return cfg, record, steps.to_pylist()

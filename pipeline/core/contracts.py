@@ -238,8 +238,8 @@ TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parque
 SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations", "claims",
-                 "claim_tests")
+RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
+                 "claims", "claim_tests")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

@@ -144,8 +144,9 @@ def loss_vs_budget(recipes: Sequence[Row]) -> Figure | None:
         for recipe in _recipes([r for r in swept if r["arch"] == arch]):
             mine = [r for r in swept if (r["arch"], r["recipe"]) == (arch, recipe)]
             line = sorted((r for r in mine if r["head_budget_tau"] is not None), key=lambda r: r["head_budget_tau"])
-            ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line], yerr=_interval_arms(line), color=_recipe_color(recipe), label=recipe, marker="o", markersize=3,
-                        linewidth=1.3, capsize=2)  # fmt: skip
+            ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line],
+                        yerr=_interval_arms(line), color=_recipe_color(recipe), label=recipe, marker="o",
+                        markersize=3, linewidth=1.3, capsize=2)  # fmt: skip
             for r in (r for r in mine if r["head_budget_tau"] is None):
                 ax.plot([uncapped_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
         ax.axvline(math.sqrt(budgets[-1] * uncapped_x), color="gray", linewidth=0.8, linestyle=":")

@@ -137,7 +137,6 @@ def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], fi
                "(`matched`), its rows in `recipes` (`head_budget_tau`), its envelope in `envelope`.\n")  # fmt: skip
     out.append(_budget_matrix(recipes, budgets, reference))
     out.append(_envelope_table(envelope, reference))
-    out.append(sweep_summary(recipes, envelope))
     out.append(figures.show(fig.loss_vs_budget(recipes), "study_b_loss_vs_budget",
                             "Matched-budget sweep: final test loss against the head budget (log axis), mean and 95% "
                             "t-interval over seeds per recipe; the square at the right is each recipe's uncapped "
@@ -211,16 +210,22 @@ def sweep_summary(recipes: list[Row], envelope: list[Row]) -> str:
     if one_side:
         lines.append("- The cap binds for one side only (the comparison then mixes step size and direction): "
                      + ", ".join(one_side) + ".")  # fmt: skip
-    for arch in sorted({r["arch"] for r in envelope}):
-        rows = [r for r in envelope if r["arch"] == arch and r["recipe"] != reference and r["diff_vs_muon"] is not None]
-        muon = next((r for r in envelope if r["arch"] == arch and r["recipe"] == reference), None)
-        if muon and rows:
-            won = [f"`{r['recipe']}` (budget {num(r['best_tau'])}, Δ {interval(r['diff_vs_muon'], r['diff_ci_low'], r['diff_ci_high'])})"
-                   for r in rows if _resolved(r)]  # fmt: skip
-            lines.append(f"- Envelope ({arch}, each recipe at its best budget; `{reference}` at "
-                         f"{num(muon['best_tau'])}, test loss {num(muon['test_loss_mean'], 4)}): "
-                         + ("resolved from it: " + ", ".join(won) if won else "no recipe resolved from it") + ".")
+    lines += [line for arch in sorted({r["arch"] for r in envelope}) if (line := _envelope_sentence(envelope, arch))]
     return "\n".join(lines) + "\n"
+
+
+def _envelope_sentence(envelope: list[Row], arch: str) -> str | None:
+    """The envelope in words: muon at its best budget, and each recipe resolved from it at its own."""
+    reference = baseline().name
+    rows = [r for r in envelope if r["arch"] == arch and r["recipe"] != reference and r["diff_vs_muon"] is not None]
+    muon = next((r for r in envelope if r["arch"] == arch and r["recipe"] == reference), None)
+    if not (muon and rows):
+        return None
+    resolved = [f"`{r['recipe']}` at budget {num(r['best_tau'])} {'lower' if r['diff_vs_muon'] < 0 else 'higher'} "
+                f"by {interval(abs(r['diff_vs_muon']), *_abs_interval(r))}" for r in rows if _resolved(r)]  # fmt: skip
+    return (f"- Envelope ({arch}, each recipe at its best budget on val; `{reference}` at {num(muon['best_tau'])}, "
+            f"test loss {num(muon['test_loss_mean'], 4)}): "
+            + ("; ".join(resolved) if resolved else f"no recipe resolved from `{reference}`") + ".")  # fmt: skip
 
 
 def _abs_interval(r: Row) -> tuple[float, float]:
@@ -333,7 +338,11 @@ _HOLDS = {True: "holds", False: "does not hold", None: "not measured"}
 def _study_b_claims(claims: list[Row]) -> str:
     """The bound and the equidistance claims in words (the comparison with muon is in the summary)."""
     rows = [c for c in claims if c["study"] == "B" and c["claim"] != "beats_muon"]
-    return "".join(f"- `{c['claim']}` ({c['subject']}): **{_HOLDS[c['holds']]}**: {c['detail']}.\n" for c in rows)
+    plain = [f"- `hilbert_equi`'s update rows are **not measurably more equidistant than random unit rows** "
+             f"({c['subject']}): the interval of the difference includes 0 or lies below it.\n"
+             for c in rows if c["claim"] == "equi_spreads_rows" and c["holds"] is False]  # fmt: skip
+    stated = [f"- `{c['claim']}` ({c['subject']}): **{_HOLDS[c['holds']]}**: {c['detail']}.\n" for c in rows]
+    return "".join(stated + plain)
 
 
 def appendix(tables: Tables, step_times: dict[str, float]) -> str:
@@ -348,5 +357,6 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
     header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness",
               "diameter"]  # fmt: skip
     sweep = len(runs_of_kind(tables["runs"], True))
-    more = f"\nThe matched-budget sweep's {sweep} runs: `lmgeo query \"SELECT * FROM runs WHERE matched\"`.\n" if sweep else ""
+    query = '`lmgeo query "SELECT * FROM runs WHERE matched"`'
+    more = f"\nThe matched-budget sweep's {sweep} runs: {query}.\n" if sweep else ""
     return "## Appendix: per run\n\n" + markdown_table(header, rows) + more

@@ -205,7 +205,8 @@ def envelope_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.T
     for r in swept:
         if r["head_budget_tau"] is not None:
             here = best.get((r["arch"], r["recipe"]))
-            if here is None or (r["val_loss_mean"], r["head_budget_tau"]) < (here["val_loss_mean"], here["head_budget_tau"]):
+            ranked = (r["val_loss_mean"], r["head_budget_tau"])
+            if here is None or ranked < (here["val_loss_mean"], here["head_budget_tau"]):
                 best[(r["arch"], r["recipe"])] = r
     uncapped = {(r["arch"], r["recipe"]): r["test_loss_mean"] for r in swept if r["head_budget_tau"] is None}
 
@@ -216,7 +217,8 @@ def envelope_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.T
     out = []
     for (arch, recipe), row in sorted(best.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
         muon = (arch, baseline().name)
-        paired = paired_difference(losses(arch, recipe), losses(*muon), cfg.ci) if recipe != muon[1] and muon in best else None
+        compared = recipe != muon[1] and muon in best
+        paired = paired_difference(losses(arch, recipe), losses(*muon), cfg.ci) if compared else None
         diff = paired.diff if paired else None
         out.append({
             "arch": arch, "recipe": recipe, "best_tau": row["head_budget_tau"],
@@ -414,5 +416,6 @@ def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
         if r["recipe"] == baseline().name:
             arch |= measured({"muon_test_loss_envelope": r["test_loss_mean"]})
         else:
-            arch["diff_vs_muon_envelope"] = arch.get("diff_vs_muon_envelope", {}) | measured({r["recipe"]: r["diff_vs_muon"]})
+            envelope = arch.setdefault("diff_vs_muon_envelope", {})
+            envelope |= measured({r["recipe"]: r["diff_vs_muon"]})
     return study_b
