@@ -433,3 +433,10 @@ def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size(
              "steps": tuning["protocol"]["steps"], "n_params": n} for n in (tuned, 2 * tuned)]  # fmt: skip
     assert "not re-tuned" in _tuning_statement(tuning, runs[1:])
     assert "not re-tuned" not in _tuning_statement(tuning, runs[:1])
+
+
+def test_the_sweep_says_when_its_runs_are_shorter_than_the_comparison() -> None:
+    from pipeline.results.study_b.report import _shorter_note
+
+    assert "**The sweep's runs take 60 steps, the comparison above 200**" in _shorter_note([60], [200])
+    assert _shorter_note([200], [200]) == ""

@@ -109,14 +109,17 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
                             "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random "
                             "unit rows)."))  # fmt: skip
+    study_steps = sorted({r["steps"] for r in runs if r["steps"]})
     out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True),
-                               tables["envelope"], figures))  # fmt: skip
+                               tables["envelope"], figures, study_steps))  # fmt: skip
     return "\n".join(part for part in out if part)
 
 
-def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], figures: Figures) -> str:
+def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], figures: Figures,
+                    study_steps: list[int]) -> str:  # fmt: skip
     """The matched-budget sweep: every recipe again at each budget, against `muon` under the same cap; the
-    share of steps each cap scaled and what it cost; each recipe at its best budget (the envelope)."""
+    share of steps each cap scaled and what it cost; each recipe at its best budget (the envelope).
+    `study_steps`: the default runs' steps, to say when the sweep's runs are shorter."""
     out = ["### Step size vs direction: the matched-budget sweep\n"]
     if not runs:
         return out[0] + ("Not in this study (`train.matched_budget` is null): recipes differ in step size as well "
@@ -134,7 +137,8 @@ def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], fi
                "under the same cap on the same seeds (paired t-interval; Holm over the arch's recipes at that "
                "budget); † marks a budget where the cap binds for one side only. *Cap's effect*: the capped run's "
                "test loss minus the uncapped sweep run's, same seed. The sweep's runs are in table `runs` "
-               "(`matched`), its rows in `recipes` (`head_budget_tau`), its envelope in `envelope`.\n")  # fmt: skip
+               "(`matched`), its rows in `recipes` (`head_budget_tau`), its envelope in `envelope`."
+               + _shorter_note(steps, study_steps) + "\n")  # fmt: skip
     out.append(_budget_matrix(recipes, budgets, reference))
     out.append(_envelope_table(envelope, reference))
     out.append(figures.show(fig.loss_vs_budget(recipes), "study_b_loss_vs_budget",
@@ -142,6 +146,14 @@ def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], fi
                             "t-interval over seeds per recipe; the square at the right is each recipe's uncapped "
                             "run at the same steps."))  # fmt: skip
     return "\n".join(part for part in out if part)
+
+
+def _shorter_note(sweep_steps: list[int], study_steps: list[int]) -> str:
+    if not study_steps or sweep_steps == study_steps or not sweep_steps:
+        return ""
+    return (f" **The sweep's runs take {', '.join(map(str, sweep_steps))} steps, the comparison above "
+            f"{', '.join(map(str, study_steps))}** (to keep the study's time; `presets/sweep.yaml` runs the full "
+            "horizon): its losses are those of shorter runs, and its uncapped references are as short.")
 
 
 def _budget_matrix(recipes: list[Row], budgets: list[float], reference: str) -> str:
