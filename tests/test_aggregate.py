@@ -12,13 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.core.contracts import FIT_METRICS, parse_run_id
+from pipeline.core.contracts import FIT_METRICS, parse_run_id, run_id
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
 from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
-from pipeline.results.stats import spearman_by_layer
+from pipeline.results.stats import holm, mean_interval, spearman_by_layer
 from pipeline.results.study_a.claims import CLAIMS
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
 
@@ -32,10 +32,31 @@ FINAL_VAL = {
     "gpt2-hilbert-s0": 2.5, "gpt2-hilbert-s1": 2.6, "gpt2-hilbert-s2": 2.65,
     "gpt2-hilbert_equi-s0": 2.55, "gpt2-adamw-s0": 3.4, "gpt2-sign-s0": math.nan,
 }  # fmt: skip
-# The matched-budget runs: the cap costs muon 0.2 nats on every seed and leaves hilbert as it was.
-MATCHED_TAU = 0.5
-MATCHED_VAL = {f"gpt2-muon-s{s}-matched": FINAL_VAL[f"gpt2-muon-s{s}"] + 0.2 for s in range(3)} | {
-    f"gpt2-hilbert-s{s}-matched": FINAL_VAL[f"gpt2-hilbert-s{s}"] for s in range(3)}
+# The matched-budget sweep, planted (uncapped runs as the default runs; rownorm 0.3 above muon):
+# - the cap binds for muon and rownorm at tau <= 0.4 (every step scaled) and costs muon 0.2 nats there;
+#   rownorm is then *equal* to muon on every seed (two directions equal under the cap);
+# - the cap binds for hilbert at tau <= 0.2 only, where it beats the capped muon by 0.1 (seed jitter);
+#   above, it is its uncapped self, so at 0.4 the cap binds for muon only.
+SWEEP_TAUS = (0.1, 0.2, 0.4, 0.8, 1.6)
+HILBERT_GAIN = (0.1, 0.12, 0.08)
+SWEEP_UNCAPPED = {
+    (r, s): FINAL_VAL[f"gpt2-{'hilbert' if r == 'hilbert' else 'muon'}-s{s}"] + (0.3 if r == "rownorm" else 0)
+    for r in ("muon", "rownorm", "hilbert") for s in range(3)}  # fmt: skip
+
+
+def sweep_binds(recipe: str, tau: float) -> bool:
+    return tau <= (0.2 if recipe == "hilbert" else 0.4)
+
+
+def sweep_val(recipe: str, seed: int, tau: float | None) -> float:
+    if tau is None or not sweep_binds(recipe, tau):
+        return SWEEP_UNCAPPED[(recipe, seed)]
+    capped_muon = SWEEP_UNCAPPED[("muon", seed)] + 0.2
+    return capped_muon - HILBERT_GAIN[seed] if recipe == "hilbert" else capped_muon
+
+
+MATCHED_VAL = {run_id("gpt2", r, s, matched=True, cap=tau): sweep_val(r, s, tau)
+               for r in ("muon", "rownorm", "hilbert") for s in range(3) for tau in (None, *SWEEP_TAUS)}  # fmt: skip
 TEST_OFFSET = 0.05
 EQUI_RATIO = {"hilbert": 0.4, "hilbert_equi": 0.6}
 EQUI_RATIO_RANDOM = 0.55
@@ -89,12 +110,14 @@ def diverged_steps(run: str) -> pa.Table:
 
 
 def write_run(data_dir: Path, run: str, val: float) -> None:
-    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7. A matched-budget
-    run is capped at MATCHED_TAU."""
+    """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7."""
     steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
-    write_steps(data_dir, run, steps)
     spec = parse_run_id(run)
-    arch, recipe, head_budget_tau = spec.arch, spec.recipe, MATCHED_TAU if spec.matched else None
+    if spec.cap is not None:  # a capped sweep run: every step scaled where the cap binds, none elsewhere
+        scale = 0.5 if sweep_binds(spec.recipe, spec.cap) else 1.0
+        steps = steps.append_column("head_step_scale", pa.array(np.full(len(steps), scale)))
+    write_steps(data_dir, run, steps)
+    arch, recipe, head_budget_tau = spec.arch, spec.recipe, spec.cap
     record = {
         "run": run, "arch": arch, "recipe": recipe, "seed": spec.seed, "steps": STEPS,
         "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
@@ -306,7 +329,6 @@ def test_recipes_table_compares_test_loss_with_muon_on_the_same_seeds(tables: di
 
 def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> None:
     """Two recipes, each 4 seeds paired with muon: the adjusted p-values are Holm's of the two raw ones."""
-    from pipeline.results.stats import holm
 
     losses = {"muon": [3.0, 3.1, 3.2, 3.3], "hilbert": [2.9, 3.05, 3.12, 3.21], "sign": [3.05, 3.12, 3.26, 3.31]}
     for recipe, values in losses.items():
@@ -329,24 +351,43 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
     assert by["hilbert"]["head_budget_tau"] == 0.3
 
 
-def test_matched_runs_are_compared_with_matched_muon_and_with_their_own_default_runs(tmp_path: Path) -> None:
+def test_the_sweep_compares_each_budget_with_muon_under_the_same_cap(tmp_path: Path) -> None:
     write_study_b(tmp_path, matched=True)
     tables = build_tables(sources(tmp_path), CFG)
     runs = {r["run"]: r for r in tables["runs"].to_pylist()}
-    assert runs["gpt2-muon-s0-matched"]["matched"] and not runs["gpt2-muon-s0"]["matched"]
-    assert runs["gpt2-muon-s0-matched"]["seed"] == 0 and runs["gpt2-muon-s0-matched"]["head_budget_tau"] == MATCHED_TAU
-    recipes = {(r["recipe"], r["matched"]): r for r in tables["recipes"].to_pylist()}
-    # default rows: as without matched runs (hilbert − muon, planted), and no cap effect
-    assert recipes[("hilbert", False)]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
-    assert recipes[("hilbert", False)]["cap_effect"] is None
-    # matched rows: against the matched muon (0.2 worse), and the cap's effect against the default runs
-    assert recipes[("hilbert", True)]["diff_vs_muon"] == pytest.approx(np.mean([-0.7, -0.7, -0.85]))
-    assert recipes[("hilbert", True)]["cap_effect"] == pytest.approx(0.0, abs=1e-12)
-    assert recipes[("muon", True)]["cap_effect"] == pytest.approx(0.2)
-    assert recipes[("muon", True)]["cap_effect_ci_low"] == pytest.approx(0.2)  # the same 0.2 on every seed
+    assert runs["gpt2-muon-s0-cap0.4"]["matched"] and not runs["gpt2-muon-s0"]["matched"]
+    assert (runs["gpt2-muon-s0-cap0.4"]["seed"], runs["gpt2-muon-s0-cap0.4"]["head_budget_tau"]) == (0, 0.4)
+    assert runs["gpt2-muon-s0-uncapped"]["matched"] and runs["gpt2-muon-s0-uncapped"]["head_budget_tau"] is None
+    recipes = {(r["recipe"], r["matched"], r["head_budget_tau"]): r for r in tables["recipes"].to_pylist()}
+    assert {tau for (_, matched, tau) in recipes if matched and tau} == set(SWEEP_TAUS)
+    # default rows: as without the sweep (hilbert − muon, planted), no cap, no cap effect
+    assert recipes[("hilbert", False, None)]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
+    assert recipes[("hilbert", False, None)]["cap_effect"] is None
+    for tau in SWEEP_TAUS:
+        muon, rownorm, hilbert = (recipes[(r, True, tau)] for r in ("muon", "rownorm", "hilbert"))
+        assert muon["frac_steps_capped"] == (1.0 if sweep_binds("muon", tau) else 0.0)
+        assert hilbert["cap_binds"] is sweep_binds("hilbert", tau)
+        # the cap's effect, against the sweep's uncapped runs of the same seeds
+        assert muon["cap_effect"] == pytest.approx(0.2 if sweep_binds("muon", tau) else 0.0, abs=1e-12)
+        if sweep_binds("rownorm", tau):  # equal to muon under the cap: Δ = 0 exactly, a zero-width interval
+            assert (rownorm["diff_vs_muon"], rownorm["diff_ci_low"], rownorm["diff_ci_high"]) == (0.0, 0.0, 0.0)
+        expected = -np.mean(HILBERT_GAIN) if sweep_binds("hilbert", tau) else np.mean(
+            [sweep_val("hilbert", s, tau) - sweep_val("muon", s, tau) for s in range(3)])
+        assert hilbert["diff_vs_muon"] == pytest.approx(expected)
+    # Holm within one budget: hilbert's and rownorm's comparisons at 0.1, not across budgets
+    at = [recipes[(r, True, 0.1)]["p_vs_muon"] for r in ("hilbert", "rownorm")]
+    family = [math.nan if p is None else p for p in at]
+    assert recipes[("hilbert", True, 0.1)]["p_vs_muon_holm"] == pytest.approx(holm(family)[0])
+    # the envelope: each recipe at its best budget on val (ties: the smaller), compared on test at the best
+    envelope = {r["recipe"]: r for r in tables["envelope"].to_pylist()}
+    assert {r: e["best_tau"] for r, e in envelope.items()} == {"muon": 0.8, "rownorm": 0.1, "hilbert": 0.4}
+    assert envelope["hilbert"]["n_budgets"] == len(SWEEP_TAUS)
+    assert envelope["hilbert"]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
+    assert envelope["rownorm"]["diff_vs_muon"] == pytest.approx(0.2)
+    assert envelope["hilbert"]["uncapped_test_loss"] == pytest.approx(np.mean([2.5, 2.6, 2.65]) + TEST_OFFSET)
     headline = metrics(tables)["study_b"]["gpt2"]
-    assert headline["diff_vs_muon_matched"]["hilbert"] == pytest.approx(np.mean([-0.7, -0.7, -0.85]))
-    assert headline["muon_test_loss_matched"] == pytest.approx(headline["muon_test_loss"] + 0.2)
+    assert headline["diff_vs_muon_envelope"]["hilbert"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
+    assert headline["muon_test_loss_envelope"] == pytest.approx(envelope["muon"]["test_loss_mean"], rel=1e-5)
     beats = [c for c in tables["claims"].to_pylist() if c["claim"] == "beats_muon"]
     assert [c["subject"] for c in beats if c["fn"] == "hilbert"] == ["gpt2"]  # the default runs' claim only
 
@@ -489,7 +530,30 @@ def test_study_b_claims(tables: dict[str, pa.Table]) -> None:
     assert claims[("hilbert", "beats_muon")]["holds"] is True
     assert claims[("adamw", "beats_muon")]["holds"] is None  # one seed: not tested
     spread = claims[("hilbert_equi", "equi_spreads_rows")]
-    assert spread["value"] == pytest.approx(EQUI_RATIO["hilbert_equi"] / EQUI_RATIO_RANDOM) and spread["holds"]
+    assert spread["value"] == pytest.approx(EQUI_RATIO["hilbert_equi"] - EQUI_RATIO_RANDOM)
+    assert spread["holds"] is None  # one seed: no interval, no verdict
+
+
+@pytest.mark.parametrize(("excess", "holds"), [((0.05, 0.06, 0.04), True), ((0.01, -0.012, 0.0), False)])
+def test_the_spread_claim_is_an_interval_against_random_rows(tmp_path: Path, excess: tuple, holds: bool) -> None:
+    """Planted: hilbert_equi's rows spread `excess` above random unit rows per seed (the random draw varies
+    from step to step); measurably more equidistant only when the interval over seeds lies above 0."""
+    rng = np.random.default_rng(0)
+    for seed, gain in enumerate(excess):
+        run = f"gpt2-hilbert_equi-s{seed}"
+        table = steps_table(run)
+        logged = np.isfinite(np.asarray(table["head_diam"].to_numpy(zero_copy_only=False), dtype=float))
+        draws = EQUI_RATIO_RANDOM + rng.normal(0, 0.01, len(table))
+        draws = draws - draws[logged].mean() + EQUI_RATIO_RANDOM  # each run's random rows average 0.55
+        table = table.set_column(table.schema.get_field_index("equi_ratio"), "equi_ratio",
+                                 pa.array(np.where(logged, draws + gain, np.nan), mask=~logged))
+        table = table.set_column(table.schema.get_field_index("equi_ratio_random"), "equi_ratio_random",
+                                 pa.array(np.where(logged, draws, np.nan), mask=~logged))
+        write_steps(tmp_path, run, table)
+    claim = rows(build_tables(sources(tmp_path), CFG)["claims"], claim="equi_spreads_rows")[0]
+    assert claim["value"] == pytest.approx(np.mean(excess)) and claim["holds"] is holds
+    planted = mean_interval(list(excess), CFG.ci)
+    assert f"[{planted.low:.3g}, {planted.high:.3g}]" in claim["detail"]
 
 
 # ------------------------------------------------------------------------------------------ outputs

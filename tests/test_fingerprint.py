@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from pipeline.core import fingerprint
+from pipeline.core.contracts import parse_run_id
 from pipeline.core.fingerprint import INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
 from pipeline.params import Params, load_params
 from stages import aggregate, extract, fit, perturb, train
@@ -173,7 +174,7 @@ def run_keys(params: Params, workspace: Path) -> dict[str, tuple[str, str]]:
 def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
     params = load_params(REPO / "params.yaml")
     before = run_keys(params, workspace)
-    matched = {run for run in before if run.endswith("-matched")}
+    matched = {run for run in before if parse_run_id(run).matched}
     assert matched and len(matched) < len(before)
 
     def keys_after(train_update: dict) -> set[str]:
@@ -181,11 +182,15 @@ def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
         assert after.keys() == before.keys()
         return {run for run in before if after[run] != before[run]}
 
-    budget = params.train.matched_budget.model_copy(update={"tau": 0.8})
-    assert keys_after({"matched_budget": budget}) == matched
+    sweep = params.train.matched_budget
+    assert keys_after({"matched_budget": sweep.model_copy(update={"steps": sweep.steps + 1})}) == matched
+    # another budget list: the runs of the budgets kept keep their keys
+    fewer = run_keys(params.model_copy(update={"train": params.train.model_copy(
+        update={"matched_budget": sweep.model_copy(update={"taus": sweep.taus[1:]})})}), workspace)
+    assert fewer.keys() < before.keys() and all(fewer[run] == before[run] for run in fewer)
     hilbert = {"hilbert": params.train.recipe_overrides.get("hilbert") or _override(tau=0.3)}
     assert keys_after({"recipe_overrides": hilbert}) == {run for run in before if "-hilbert-" in run}
-    assert keys_after({"steps": params.train.steps + 1}) == set(before)
+    assert keys_after({"steps": params.train.steps + 1}) == set(before) - matched  # the sweep has its own steps
 
 
 def _override(**values: float):

@@ -32,8 +32,9 @@ def test_default_params_are_valid():
         ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}},
          "val_fraction + test_fraction must leave a train split"),
         ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
-        ({"train": {"matched_budget": {"tau": 0, "seeds": [0]}}}, "train.matched_budget.tau"),
-        ({"train": {"matched_budget": {"tau": 0.5, "seeds": []}}}, "matched_budget.seeds"),
+        ({"train": {"matched_budget": {"taus": [0.1, 0], "seeds": [0]}}}, "train.matched_budget.taus.1"),
+        ({"train": {"matched_budget": {"taus": [0.5], "seeds": []}}}, "matched_budget.seeds"),
+        ({"train": {"matched_budget": {"taus": [0.5, 0.5], "seeds": [0]}}}, "matched_budget.taus"),
         ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1: unknown recipe 'lion'; registered: adamw, muon"),
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1: unknown function class 'kernel'"),
         # registered names are checked wherever a section holds one (pipeline.params walks the sections)
@@ -206,8 +207,14 @@ def test_the_ablation_presets_set_what_they_say():
     def preset(name):
         return apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / name)))
 
-    # the default study's matched budget is `hilbert`'s tuned tau; the centred rows take rownorm's tuned row norm η
-    assert load_params(REPO / "params.yaml").train.matched_budget.tau == RECIPES["hilbert"].default_step.tau
+    # the default study's sweep: >= 5 budgets spanning `hilbert`'s tuned tau, shorter than the study's runs; the
+    # full sweep at the study's horizon on more seeds; the centred rows take rownorm's tuned row norm η
+    default = load_params(REPO / "params.yaml").train
+    sweep = default.matched_budget
+    assert len(sweep.taus) >= 5 and min(sweep.taus) < RECIPES["hilbert"].default_step.tau < max(sweep.taus)
+    assert sweep.steps < default.steps
+    full = preset("sweep.yaml").train.matched_budget
+    assert set(sweep.taus) < set(full.taus) and set(sweep.seeds) < set(full.seeds) and full.steps is None
     centring = preset("centring.yaml").train
     assert centring.recipe_overrides["hilbert"].head_lr == pytest.approx(2 * RECIPES["rownorm"].default_step.head_lr)
 
@@ -223,26 +230,47 @@ def test_a_preset_value_reads_back_through_dvcs_grammar():
     assert parse_override_value("analysis.external_models", printed) == value
 
 
-def test_the_matched_budget_runs_are_the_grid_again_on_its_seeds_and_study_as_own_runs_go_first():
+def test_the_matched_budget_sweep_is_the_grid_again_per_seed_and_budget_and_study_as_own_runs_go_first():
     from pipeline.core.contracts import parse_run_id
-
-    params = parse_params({
-        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1],
-                  "matched_budget": {"tau": 0.5, "seeds": [1]}},
-        "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
-    })  # fmt: skip
-    assert params.trained_runs() == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-hilbert-s0",
-                                     "neox-hilbert-s1", "neox-muon-s1-matched", "neox-hilbert-s1-matched"]  # fmt: skip
-    matched = parse_run_id("neox-hilbert-s1-matched")
-    assert matched.matched and matched.run_id == "neox-hilbert-s1-matched"
     from pipeline.study_b.train import head_budget
 
-    assert head_budget(params.train, matched) == 0.5 and head_budget(params.train, parse_run_id("neox-muon-s1")) is None
-    assert "neox-muon-s1-matched" not in params.analysed_runs()  # Study A analyses the recipes as tuned
+    taus = [0.1, 0.2, 0.4, 0.8, 1.6]
+    params = parse_params({
+        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1], "steps": 50,
+                  "matched_budget": {"taus": taus, "seeds": [1, 2], "steps": 20}},
+        "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
+    })  # fmt: skip
+    runs = params.trained_runs()
+    assert runs[:5] == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-hilbert-s0", "neox-hilbert-s1"]
+    sweep = [parse_run_id(r) for r in runs[5:]]
+    assert runs[5:8] == ["neox-muon-s1-uncapped", "neox-muon-s1-cap0.1", "neox-muon-s1-cap0.2"]
+    # every recipe x sweep seed x (uncapped + each budget), each once, every one a matched run of the sweep's steps
+    assert len(set(runs[5:])) == len(runs[5:]) == 2 * 2 * (1 + len(taus))
+    assert {(s.recipe, s.seed, s.cap) for s in sweep} == {
+        (r, seed, c) for r in ("muon", "hilbert") for seed in (1, 2) for c in (None, *taus)}
+    assert all(s.matched and params.train.for_run(s).steps == 20 for s in sweep)
+    assert params.train.for_run(parse_run_id("neox-muon-s0")).steps == 50
+    for spec in sweep:
+        assert parse_run_id(spec.run_id) == spec
+        assert head_budget(params.train.for_run(spec), spec) == spec.cap  # None: the uncapped reference
+    assert head_budget(params.train, parse_run_id("neox-muon-s1")) is None
+    with pytest.raises(ValueError, match="lacks it"):
+        head_budget(params.train, parse_run_id("neox-muon-s1-cap0.3"))
+    assert not set(params.analysed_runs()) & set(runs[5:])  # Study A analyses the recipes as tuned
+
+
+@pytest.mark.parametrize("tau", [0.1, 1.6, 2.0, 1e-05, 3e-7, 12.5])
+def test_a_budget_reads_back_from_its_run_id_without_an_exponent(tau: float) -> None:
+    from pipeline.core.contracts import parse_run_id, run_id
+
+    run = run_id("neox", "hilbert_equi", 3, matched=True, cap=tau)
+    assert "e" not in run.split("-cap")[1] and parse_run_id(run).cap == tau
+    with pytest.raises(ValueError, match="only a run of the matched-budget sweep"):
+        run_id("neox", "muon", 0, cap=tau)
 
 
 def test_an_override_inside_a_null_section_creates_it():
     from pipeline.params import Params, apply_overrides
 
-    params = apply_overrides(Params(), {"train.matched_budget.tau": "0.4", "train.matched_budget.seeds": "[0]"})
-    assert params.train.matched_budget.tau == 0.4 and params.train.matched_budget.seeds == [0]
+    params = apply_overrides(Params(), {"train.matched_budget.taus": "[0.4]", "train.matched_budget.seeds": "[0]"})
+    assert params.train.matched_budget.taus == [0.4] and params.train.matched_budget.seeds == [0]

@@ -319,11 +319,12 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     ) in summary
     assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
     protocol = section(text, "### Protocol")
-    assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget ablation at the end" in protocol
+    assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget sweep at the end" in protocol
     assert "No record of the head step-size sweep" in protocol
     runs = next(line for line in protocol.splitlines() if line.startswith("- **Runs.**"))
     assert "diverged (left out of the means): `gpt2-sign-s0` (step 7)" in runs and "`gpt2-rownorm-s0`" in runs
-    assert "`equi_spreads_rows` (gpt2): **holds**: median equi_ratio hilbert_equi 0.6 vs random unit rows 0.55" in text
+    spread = "`equi_spreads_rows` (gpt2): **not measured**: equi_ratio − random unit rows' 0.05 [n/a, n/a] over 1 seeds"
+    assert spread in text
     assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 0% | 2 pool tokens, 1 anchors |" in section(text, "### Models")
 
 
@@ -344,17 +345,27 @@ def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: 
     assert "Not at the tuned step here: `muon` (head_lr=0.02, tuned head_lr=0.03)." in text
 
 
-def test_the_matched_budget_ablation_has_its_own_section_apart_from_the_comparison(tmp_path: Path) -> None:
+def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_budgets(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda data: write_study_b(data, matched=True))
-    section = text[text.index("### Step size vs direction: the matched-budget ablation"):text.index("## Study A")]
-    assert "tau = 0.5 nats" in section and "seeds 0, 1, 2" in section
+    section = text[text.index("### Step size vs direction: the matched-budget sweep"):text.index("## Study A")]
+    assert "tau ∈ {0.1, 0.2, 0.4, 0.8, 1.6} nats" in section and "seeds 0, 1, 2 for 20 steps" in section
+    assert "| arch | recipe | tau 0.1 | tau 0.2 | tau 0.4 | tau 0.8 | tau 1.6 |" in section
+    rownorm = next(line for line in section.splitlines() if line.startswith("| gpt2 | `rownorm`"))
+    assert rownorm.startswith("| gpt2 | `rownorm` | 0 [0, 0] | 0 [0, 0] | 0 [0, 0] |")  # equal to muon under the cap
     hilbert = next(line for line in section.splitlines() if line.startswith("| gpt2 | `hilbert`"))
-    assert "-0.75 [" in hilbert and "| 0 [" in hilbert  # Δ vs the matched muon; the cap changed nothing
-    assert "study_b_matched_vs_muon" in rendered.figures
+    assert "| -0.1 [" in hilbert and "†" in hilbert.split("|")[5]  # at 0.4 the cap binds for muon only
+    assert "study_b_loss_vs_budget" in rendered.figures
+    assert rendered.figures["study_b_loss_vs_budget"][0]["x"] == "head budget tau (worst-case nats per step)"
     summary = text[: text.index("## Study B")]
-    assert "-matched" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs only
+    assert "-cap" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs' table only
     at_equal_budget = summary[summary.index("**At equal worst-case nats per step**"):]
-    assert "- Lower test loss than `muon`: `hilbert` (gpt2)." in at_equal_budget
+    assert "at budget 0.1 (gpt2), `hilbert` beats `muon` by 0.1 [" in at_equal_budget
+    assert "at budget 0.2 (gpt2), `hilbert` beats `muon`" in at_equal_budget
+    assert "one side only" in at_equal_budget and "`muon` at 0.4" in at_equal_budget
+    assert "Envelope (gpt2, each recipe at its best budget on val; `muon` at 0.8" in at_equal_budget
+    assert "`hilbert` at budget 0.4 lower by 0.55 [" in at_equal_budget
+    assert "`gpt2-muon-s0-cap0.1`" not in text  # the sweep's runs are left to `lmgeo query`
+    assert "The matched-budget sweep's 54 runs" in text
 
 
 def test_a_study_without_the_matched_budget_ablation_says_so(tmp_path: Path) -> None:
@@ -443,3 +454,10 @@ def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size(
              "steps": tuning["protocol"]["steps"], "n_params": n} for n in (tuned, 2 * tuned)]  # fmt: skip
     assert "not re-tuned" in _tuning_statement(tuning, runs[1:])
     assert "not re-tuned" not in _tuning_statement(tuning, runs[:1])
+
+
+def test_the_sweep_says_when_its_runs_are_shorter_than_the_comparison() -> None:
+    from pipeline.results.study_b.report import _shorter_note
+
+    assert "**The sweep's runs take 60 steps, the comparison above 200**" in _shorter_note([60], [200])
+    assert _shorter_note([200], [200]) == ""

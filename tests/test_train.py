@@ -26,11 +26,15 @@ def tokens() -> dict[str, np.ndarray]:
     return {split: rng.integers(0, VOCAB, n).astype(np.int32) for split, n in sizes}
 
 
-def run(tokens, recipe: str, with_test: bool = True, matched: bool = False, **overrides):
+def run(tokens, recipe: str, with_test: bool = True, cap: float | None = None, **overrides):
+    """A tiny run; with `cap`, a capped run of a matched-budget sweep at that budget."""
+    if cap is not None:
+        overrides["matched_budget"] = MatchedBudget(taus=[cap], seeds=[0])
     cfg = TrainConfig(model=TINY, steps=6, batch_size=4, eval_batches=1, test_batches=2, probe_sequences=2,
                       geometry_interval=2, equi_sample_rows=32, device="cpu", **overrides)  # fmt: skip
     record, steps = train_run(
-        RunSpec("neox", recipe, 0, matched), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x", lambda *_: None,
+        RunSpec("neox", recipe, 0, cap is not None, cap), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x",
+        lambda *_: None,
         test_tokens=tokens["test"] if with_test else None,
     )
     return cfg, record, steps.to_pylist()
@@ -61,7 +65,7 @@ def test_geometry_rows_carry_alignment_and_the_spread_references(tokens, recipe:
         assert -1 <= r["head_alignment"] <= 1
         assert abs(r["head_alignment_hilbert"]) <= math.sqrt(2 * TINY.d_model / (TINY.d_model + 1)) + 1e-9
         assert r["hilbert_realized_train"] <= r["head_diam"] * 1e3  # finite, measured
-        assert r["equi_ratio_random"] == hilbert.equi_ratio_random(32, TINY.d_model)
+        assert r["equi_ratio_random"] == hilbert.equi_ratio_random(32, TINY.d_model, seed=r["step"])  # a fresh draw
         assert r["equi_ratio_bound"] == hilbert.equi_ratio_bound(32, TINY.d_model)
         assert r["head_step_scale"] is None  # no head budget in this run
     assert all(r["head_alignment"] is None for r in steps if r["hilbert_bound"] is None)
@@ -78,9 +82,33 @@ def test_runs_without_test_tokens_never_measure_test(tokens) -> None:
 
 
 def test_a_matched_run_is_capped_at_the_budget_and_records_it_every_step(tokens) -> None:
-    _, record, steps = run(tokens, "adamw", matched=True, matched_budget=MatchedBudget(tau=0.01, seeds=[0]))
-    assert record.run == "neox-adamw-s0-matched" and record.head_budget_tau == 0.01
+    _, record, steps = run(tokens, "adamw", cap=0.01)
+    assert record.run == "neox-adamw-s0-cap0.01" and record.head_budget_tau == 0.01
     assert all(0 < r["head_step_scale"] <= 1 for r in steps)
     assert min(r["head_step_scale"] for r in steps) < 1
     for r in geometry_rows(steps):
         assert r["hilbert_realized_train"] <= 0.01 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("recipe", ["muon", "hilbert"])
+def test_a_step_already_under_the_cap_is_unchanged_by_it_bit_for_bit(tokens, recipe: str) -> None:
+    _, free, free_steps = run(tokens, recipe)
+    _, capped, capped_steps = run(tokens, recipe, cap=1e3)  # far above any step of these runs
+    assert all(r["head_step_scale"] == 1.0 for r in capped_steps)  # the cap never bound...
+    assert [r["train_loss"] for r in capped_steps] == [r["train_loss"] for r in free_steps]  # ...nor changed a bit
+    assert capped.final_test_loss == free.final_test_loss
+
+
+def test_under_a_cap_that_binds_both_rownorm_trains_the_model_hilbert_does(tokens) -> None:
+    """Cross-entropy head gradients have rows summing to zero, so `hilbert`'s direction is `rownorm`'s halved
+    minus a common row shift; the cap (on diam, blind to shifts) scales both to the same rows, and softmax
+    is blind to the shift: the same losses up to float rounding (SPEC §3.2)."""
+    hilbert_tau = {"hilbert": RecipeConfig(tau=1.0)}
+    _, rownorm, rownorm_steps = run(tokens, "rownorm", cap=0.02)
+    _, hilbert_run, hilbert_steps = run(tokens, "hilbert", cap=0.02, recipe_overrides=hilbert_tau)
+    assert max(r["head_step_scale"] for r in rownorm_steps + hilbert_steps) < 1  # the cap binds every step of both
+    gaps = [abs(a["train_loss"] - b["train_loss"]) for a, b in zip(rownorm_steps, hilbert_steps, strict=True)]
+    assert max(gaps) < 1e-5
+    assert rownorm.final_test_loss == pytest.approx(hilbert_run.final_test_loss, abs=1e-5)
+    _, free_rownorm, _ = run(tokens, "rownorm")  # uncapped, at rownorm's own step: another model
+    assert abs(free_rownorm.final_test_loss - rownorm.final_test_loss) > 1e-3

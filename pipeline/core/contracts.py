@@ -6,8 +6,10 @@ workspace is the glue's knowledge (`stages/layout.py`), so every reader takes th
 Readers see only the files of complete, verified shards (`pipeline.core.store`), never a stray file.
 
 Ids:
-- a run is `<arch>-<recipe>-s<seed>`, or `<arch>-<recipe>-s<seed>-matched` for a run of the matched-budget
-  ablation (`run_id`, `parse_run_id`); names are `[a-z0-9_.]`, `-` only separates;
+- a run is `<arch>-<recipe>-s<seed>`; a run of the matched-budget sweep is `<arch>-<recipe>-s<seed>-cap<tau>`
+  (its head step capped at `tau` nats, written positionally: `0.4`, never `4e-01`) or
+  `<arch>-<recipe>-s<seed>-uncapped` (the sweep's reference at the sweep's steps) (`run_id`, `parse_run_id`);
+  names are `[a-z0-9_.]`, `-` only separates;
 - a model is `<run>@init` / `<run>@final` in tables and `<run>.init` / `<run>.final` in partition paths;
   an external model is its hub id or workspace path (without `./`) in tables and the same with `/` → `--`
   in paths (`path_id`, `table_id`, and `table_id_sql` for the same inverse inside DuckDB).
@@ -16,6 +18,7 @@ Ids:
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import re
 import types
 import typing
@@ -32,9 +35,10 @@ from pipeline.core.errors import InputError
 
 # ------------------------------------------------------------------------------------------- run ids
 _NAME = r"[a-z0-9_.]+"
-MATCHED = "-matched"  # the suffix of a matched-budget run (SPEC §3.2)
-_RUN = rf"({_NAME})-({_NAME})-s([0-9]+)({MATCHED})?"
-RUN_ID_PATTERN = rf"^{_RUN}$"  # groups: arch, recipe, seed, the matched suffix (empty when absent)
+CAPPED, UNCAPPED = "-cap", "-uncapped"  # the suffixes of a matched-budget sweep run (SPEC §3.2)
+_RUN = rf"({_NAME})-({_NAME})-s([0-9]+)({CAPPED}([0-9]+(?:\.[0-9]+)?)|{UNCAPPED})?"
+# groups: arch, recipe, seed, the sweep suffix (empty when absent), the cap in nats (empty when uncapped)
+RUN_ID_PATTERN = rf"^{_RUN}$"
 CHECKPOINTS = ("init", "final")
 
 
@@ -43,25 +47,34 @@ class RunSpec:
     arch: str
     recipe: str
     seed: int
-    matched: bool = False  # a run of the matched-budget ablation: its head step capped (`train.matched_budget`)
+    matched: bool = False  # a run of the matched-budget sweep (`train.matched_budget`)
+    cap: float | None = None  # its head budget in nats; None for the sweep's uncapped reference
 
     @property
     def run_id(self) -> str:
-        return run_id(self.arch, self.recipe, self.seed, self.matched)
+        return run_id(self.arch, self.recipe, self.seed, self.matched, self.cap)
 
 
-def run_id(arch: str, recipe: str, seed: int, matched: bool = False) -> str:
-    run = f"{arch}-{recipe}-s{seed}{MATCHED if matched else ''}"
+def run_id(arch: str, recipe: str, seed: int, matched: bool = False, cap: float | None = None) -> str:
+    if cap is not None and not matched:
+        raise ValueError("only a run of the matched-budget sweep has a cap")
+    suffix = "" if not matched else UNCAPPED if cap is None else CAPPED + _positional(cap)
+    run = f"{arch}-{recipe}-s{seed}{suffix}"
     if not re.match(RUN_ID_PATTERN, run):
-        raise ValueError(f"{run!r} is not a valid run id (names are [a-z0-9_.], seeds non-negative)")
+        raise ValueError(f"{run!r} is not a valid run id (names are [a-z0-9_.], seeds and caps non-negative)")
     return run
 
 
 def parse_run_id(run: str) -> RunSpec:
     match = re.match(RUN_ID_PATTERN, run)
     if not match:
-        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>[{MATCHED}]`")
-    return RunSpec(match[1], match[2], int(match[3]), bool(match[4]))
+        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>[{CAPPED}<tau>|{UNCAPPED}]`")
+    return RunSpec(match[1], match[2], int(match[3]), bool(match[4]), float(match[5]) if match[5] else None)
+
+
+def _positional(value: float) -> str:
+    """The shortest decimal that reads back as `value`, without an exponent (whose `-` would split an id)."""
+    return format(decimal.Decimal(repr(float(value))), "f")
 
 
 # ----------------------------------------------------------------------------------------- model ids
@@ -225,8 +238,8 @@ TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parque
 SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "geometry", "geometry_pooled", "angles", "correlations", "claims",
-                 "claim_tests")
+RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
+                 "claims", "claim_tests")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

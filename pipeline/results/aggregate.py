@@ -5,7 +5,8 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
 
 - ``out_dir/tables/<name>.parquet`` for every name in ``RESULT_TABLES`` (always all of them; a study that was not
   run gives empty tables with the documented columns):
-  ``runs``, ``curves``, ``recipes``, ``geometry`` (per model, layer, class and sample: real or null),
+  ``runs``, ``curves``, ``recipes`` (with a row per budget of the matched-budget sweep), ``envelope`` (each
+  recipe at its best budget of the sweep), ``geometry`` (per model, layer, class and sample: real or null),
   ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
   layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
   ``pipeline.results.study_a.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
@@ -15,8 +16,9 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
 
       {"study_b": {<arch>: {"muon_test_loss": mean over seeds,
                             "diff_vs_muon": {<recipe>: paired mean difference of the final test loss},
-                            "muon_test_loss_matched", "diff_vs_muon_matched": the same for the
-                                                     matched-budget runs, when the study has them}},
+                            "muon_test_loss_envelope", "diff_vs_muon_envelope": the same for the
+                                     matched-budget sweep's envelope (each recipe at its best budget,
+                                     table ``envelope``), when the study has the sweep}},
        "study_a": {<subject>: {<claim>: {"effect": the deciding test's stratified effect against its null,
                                          "verdict": +1 supported, 0 inconclusive, -1 not supported,
                                                     averaged over classes}}}}
@@ -108,14 +110,16 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
     _register_sources(con, sources)
     runs = study_b.runs_table(con)
     recipes = study_b.recipes_table(runs, cfg)
+    envelope = study_b.envelope_table(runs, recipes, cfg)
     study_a.create_anchor_view(con)
     geometry = study_a.geometry_table(con)
     con.register("geometry", geometry)
     pooled = study_a.geometry_pooled_table(con)
     return {
-        "runs": runs, "curves": study_b.curves_table(con), "recipes": recipes, "geometry": geometry,
+        "runs": runs, "curves": study_b.curves_table(con), "recipes": recipes, "envelope": envelope,
+        "geometry": geometry,
         "geometry_pooled": pooled, "angles": study_a.angles_table(con),
-        "correlations": study_a.correlations_table(con, cfg), "claims": study_b.claims_table(runs, recipes),
+        "correlations": study_a.correlations_table(con, cfg), "claims": study_b.claims_table(runs, recipes, cfg),
         "claim_tests": study_a.claim_tests_table(con, cfg),
     }  # fmt: skip
 

@@ -84,11 +84,10 @@ def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
     out = ["## Summary\n"]
     out.append(study_a.claims_summary(claims, bool(tables["geometry"])))
     out.append(study_b.comparison_summary(study_b.runs_of_kind(tables["recipes"])))
-    matched = [r for r in study_b.runs_of_kind(tables["recipes"], True) if r["recipe"] != baseline().name]
-    if matched:
-        out.append("**At equal worst-case nats per step** (the matched-budget ablation, every head step capped at the "
-                   f"same budget; against `{baseline().name}` under the cap):\n\n"
-                   f"{study_b.plain_comparison(matched)}")  # fmt: skip
+    if tables["envelope"]:
+        sweep = study_b.sweep_summary(study_b.runs_of_kind(tables["recipes"], True), tables["envelope"])
+        out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step capped at the "
+                   f"same budget, against `{baseline().name}` under that cap):\n\n{sweep}")  # fmt: skip
     return "\n".join(out)
 
 

@@ -55,15 +55,20 @@ class RecipeConfig(Section):
 
 
 class MatchedBudget(Section):
-    """The matched-budget ablation (SPEC §3.2): every recipe trained again on `seeds` with its realised head
-    step (decay included) scaled down where needed so that diam(ΔW) ≤ tau_t / r_t, r_t = max ‖h‖ over the
-    batch and tau_t = `tau` on the head's schedule; these runs are `<arch>-<recipe>-s<seed>-matched`."""
+    """The matched-budget sweep (SPEC §3.2): every recipe trained again on `seeds` at every budget of `taus`,
+    its realised head step (decay included) scaled down where needed so that diam(ΔW) ≤ tau_t / r_t,
+    r_t = max ‖h‖ over the batch and tau_t = tau on the head's schedule (runs
+    `<arch>-<recipe>-s<seed>-cap<tau>`), and once uncapped as the sweep's reference (`...-uncapped`).
+    Every sweep run takes `steps` steps (left out: `train.steps`), so the cap's effect compares equal
+    horizons even when the sweep is shorter than the study's runs."""
 
-    tau: PositiveFloat
+    taus: list[PositiveFloat]
     seeds: list[Seed]
+    steps: PositiveInt | None = None
 
     @model_validator(mode="after")
-    def _seeds(self) -> MatchedBudget:
+    def _lists(self) -> MatchedBudget:
+        unique_non_empty("matched_budget.taus", self.taus)
         unique_non_empty("matched_budget.seeds", self.seeds)
         return self
 
@@ -104,20 +109,27 @@ class TrainConfig(Section):
         return self
 
     def runs(self) -> list[str]:
-        """Run ids of the grid, then of the matched-budget runs, in a stable order."""
+        """Run ids of the grid, then of the matched-budget sweep (per run: uncapped, then each budget), in a
+        stable order."""
         from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
 
-        matched = self.matched_budget.seeds if self.matched_budget else []
+        sweep = self.matched_budget
+        caps = [None, *sweep.taus] if sweep else []
+        seeds = sweep.seeds if sweep else []
         return [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds] + [
-            run_id(a, r, s, matched=True) for a in self.archs for r in self.recipes for s in matched
+            run_id(a, r, s, matched=True, cap=c) for a in self.archs for r in self.recipes for s in seeds for c in caps
         ]
 
     def for_run(self, spec: RunSpec) -> TrainConfig:
         """The settings run `spec` reads, and nothing else: the grid narrowed to the run, its own recipe's
-        overrides, the matched budget only for a matched run. A run's shard is keyed by these, so a change
-        elsewhere in the section (another recipe's step size, the budget) redoes no other run."""
+        overrides, and for a sweep run the sweep's steps and its own cap (the uncapped reference: no budget).
+        A run's shard is keyed by these, so a change elsewhere in the section (another recipe's step size,
+        another budget) redoes no other run."""
         own = {spec.recipe: self.recipe_overrides[spec.recipe]} if spec.recipe in self.recipe_overrides else {}
-        matched = spec.matched and self.matched_budget is not None
-        budget = self.matched_budget.model_copy(update={"seeds": [spec.seed]}) if matched else None
+        sweep = self.matched_budget if spec.matched else None
+        steps = sweep.steps or self.steps if sweep else self.steps
+        capped = sweep is not None and spec.cap is not None
+        budget = sweep.model_copy(update={"taus": [spec.cap], "seeds": [spec.seed]}) if capped else None
         return self.model_copy(update={"archs": [spec.arch], "recipes": [spec.recipe], "seeds": [spec.seed],
-                                       "recipe_overrides": own, "matched_budget": budget})  # fmt: skip
+                                       "recipe_overrides": own, "matched_budget": budget,
+                                       "steps": steps})  # fmt: skip

@@ -140,12 +140,13 @@ def head_alignment(grad: torch.Tensor, delta: torch.Tensor, diameter: float) -> 
 
 
 def head_budget(cfg: TrainConfig, spec: RunSpec) -> float | None:
-    """The cap (nats) of `spec`'s head steps: the matched budget's tau for a matched run, else none."""
-    if not spec.matched:
+    """The cap (nats) of `spec`'s head steps: its own budget for a capped run of the matched-budget sweep,
+    else none."""
+    if spec.cap is None:
         return None
-    if cfg.matched_budget is None:
-        raise ValueError(f"{spec.run_id} is a matched-budget run, but train.matched_budget is not set")
-    return cfg.matched_budget.tau
+    if cfg.matched_budget is None or spec.cap not in cfg.matched_budget.taus:
+        raise ValueError(f"{spec.run_id} is capped at {spec.cap:g} nats, but train.matched_budget.taus lacks it")
+    return spec.cap
 
 
 def train_run(
@@ -180,11 +181,9 @@ def train_run(
     probe = val_windows.fixed(cfg.probe_sequences)
     gen = torch.Generator().manual_seed(spec.seed)
     equi_rows = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[: cfg.equi_sample_rows]
-    # The spread of random unit rows on a sample of the same shape, and the most any rows can have.
-    spread_references = {
-        "equi_ratio_random": hilbert.equi_ratio_random(len(equi_rows), cfg.model.d_model),
-        "equi_ratio_bound": hilbert.equi_ratio_bound(len(equi_rows), cfg.model.d_model),
-    }
+    # The most any rows of the sample's shape can spread; random unit rows of that shape are drawn afresh
+    # at every geometry step (seeded by the step), so their spread is a distribution, not one draw.
+    spread_bound = hilbert.equi_ratio_bound(len(equi_rows), cfg.model.d_model)
     radius_quantile = optimizer.radius_quantile
 
     save_checkpoint(model, "init", {"run": spec.run_id, "checkpoint": "init", "step": 0})
@@ -216,7 +215,10 @@ def train_run(
                "train_loss": train_loss, "head_step_scale": optimizer.last_head_scale}
         if geometry_step:
             delta = head.weight.detach() - w_before
-            row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | spread_references
+            row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | {
+                "equi_ratio_random": hilbert.equi_ratio_random(len(equi_rows), cfg.model.d_model, seed=step),
+                "equi_ratio_bound": spread_bound,
+            }
         if step % cfg.eval_interval == 0 or step == cfg.steps:
             val_loss = evaluate(model, val_batches, autocast)
             row["val_loss"] = val_loss

@@ -123,3 +123,42 @@ def _median_curve(curves: Sequence[Row], quantity: Axis) -> tuple[list[int], lis
             by_step.setdefault(c["step"], []).append(v)
     steps = sorted(by_step)
     return steps, [float(np.median(by_step[s])) for s in steps]
+
+
+BUDGET = "head budget tau (worst-case nats per step)"
+TEST_LOSS = Axis("test_loss_mean", "final test loss (nats)")
+
+
+def loss_vs_budget(recipes: Sequence[Row]) -> Figure | None:
+    """Does the verdict depend on the budget? Per arch, the matched-budget sweep's test loss against the
+    budget (log axis): a line per recipe with its mean and t-interval over seeds, and its uncapped sweep run
+    (same steps) as a square to the right of the largest budget."""
+    swept = [r for r in recipes if r["matched"] and r["test_loss_mean"] is not None]
+    budgets = sorted({r["head_budget_tau"] for r in swept if r["head_budget_tau"] is not None})
+    archs = _archs(swept)
+    if not budgets or not archs:
+        return None
+    uncapped_x = budgets[-1] * 2  # beyond every budget, one octave to the right
+    fig, axes = panel_grid(1, len(archs), width=5.2, height=3.8)
+    for ax, arch in zip(axes[0], archs, strict=True):
+        for recipe in _recipes([r for r in swept if r["arch"] == arch]):
+            mine = [r for r in swept if (r["arch"], r["recipe"]) == (arch, recipe)]
+            line = sorted((r for r in mine if r["head_budget_tau"] is not None), key=lambda r: r["head_budget_tau"])
+            ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line],
+                        yerr=_interval_arms(line), color=_recipe_color(recipe), label=recipe, marker="o",
+                        markersize=3, linewidth=1.3, capsize=2)  # fmt: skip
+            for r in (r for r in mine if r["head_budget_tau"] is None):
+                ax.plot([uncapped_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
+        ax.axvline(math.sqrt(budgets[-1] * uncapped_x), color="gray", linewidth=0.8, linestyle=":")
+        ax.set_xscale("log")
+        ax.set_xticks([*budgets, uncapped_x], [*(f"{b:g}" for b in budgets), "none"])
+        ax.minorticks_off()
+        label_axes(ax, arch, BUDGET, TEST_LOSS)
+    return fig
+
+
+def _interval_arms(rows: Sequence[Row]) -> list[list[float]]:
+    """Error-bar arms of the test loss's t-interval (none where a single seed gives no interval)."""
+    low = [r["test_loss_mean"] - r["test_loss_ci_low"] if r["test_loss_ci_low"] is not None else 0.0 for r in rows]
+    high = [r["test_loss_ci_high"] - r["test_loss_mean"] if r["test_loss_ci_high"] is not None else 0.0 for r in rows]
+    return [low, high]

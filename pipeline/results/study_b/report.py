@@ -12,7 +12,7 @@ import numpy as np
 
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num, percent
 from pipeline.results.study_b import figures as fig
-from pipeline.results.study_b.tables import POWER, RESOLVE_NATS, SIGNIFICANCE
+from pipeline.results.study_b.tables import BINDING_SHARE, POWER, RESOLVE_NATS, SIGNIFICANCE
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 
@@ -109,40 +109,141 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
                             "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
                             "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random "
                             "unit rows)."))  # fmt: skip
-    out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True), figures))
+    study_steps = sorted({r["steps"] for r in runs if r["steps"]})
+    out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True),
+                               tables["envelope"], figures, study_steps))  # fmt: skip
     return "\n".join(part for part in out if part)
 
 
-def _matched_budget(runs: list[Row], recipes: list[Row], figures: Figures) -> str:
-    """The matched-budget ablation: every recipe again with its head step capped at the same worst-case
-    Hilbert budget, against `muon` under the same cap, and what the cap did to each recipe."""
-    out = ["### Step size vs direction: the matched-budget ablation\n"]
+def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], figures: Figures,
+                    study_steps: list[int]) -> str:  # fmt: skip
+    """The matched-budget sweep: every recipe again at each budget, against `muon` under the same cap; the
+    share of steps each cap scaled and what it cost; each recipe at its best budget (the envelope).
+    `study_steps`: the default runs' steps, to say when the sweep's runs are shorter."""
+    out = ["### Step size vs direction: the matched-budget sweep\n"]
     if not runs:
         return out[0] + ("Not in this study (`train.matched_budget` is null): recipes differ in step size as well "
                          "as direction.\n")  # fmt: skip
     reference = baseline().name
-    budgets = sorted({r["head_budget_tau"] for r in runs if r["head_budget_tau"] is not None})
+    budgets = sorted({r["head_budget_tau"] for r in recipes if r["head_budget_tau"] is not None})
     seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
-    out.append(f"Every recipe trained again on seeds {', '.join(map(str, seeds))} with its head step (decay included) "
-               f"scaled down where needed so that diam(ΔW) ≤ tau_t / r_t, tau = {', '.join(map(num, budgets))} nats "
-               f"on the head's schedule, r_t = max ‖h‖ over the batch: recipes compare at equal worst-case nats per "
-               f"step, and where the cap binds only the direction differs. Δ is against `{reference}` under the same "
-               "cap on the same seeds (paired t-interval; Holm over the arch's recipes); *cap's effect*: the matched "
-               "run's test loss minus the same recipe's default run on the same seed.\n")  # fmt: skip
-    capped = {key: median([r["frac_steps_capped"] for r in rs]) for key, rs in _by_arch_recipe(runs).items()}
-    body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"], percent(capped.get((r["arch"], r["recipe"]))),
+    steps = sorted({r["steps"] for r in runs if r["steps"]})
+    out.append(f"Every recipe trained again on seeds {', '.join(map(str, seeds))} for {', '.join(map(str, steps))} "
+               f"steps at each budget tau ∈ {{{', '.join(map(num, budgets))}}} nats, its head step (decay included) "
+               "scaled down where needed so that diam(ΔW) ≤ tau_t / r_t (tau on the head's schedule, r_t = max ‖h‖ "
+               "over the batch), and once uncapped at the same steps as the sweep's reference. Where the cap binds "
+               f"(it scales ≥ {percent(BINDING_SHARE)} of a recipe's steps) the budget, not the recipe's own step "
+               f"size, sets how far the head moves, and only the direction differs. Δ is against `{reference}` "
+               "under the same cap on the same seeds (paired t-interval; Holm over the arch's recipes at that "
+               "budget); † marks a budget where the cap binds for one side only. *Cap's effect*: the capped run's "
+               "test loss minus the uncapped sweep run's, same seed. The sweep's runs are in table `runs` "
+               "(`matched`), its rows in `recipes` (`head_budget_tau`), its envelope in `envelope`."
+               + _shorter_note(steps, study_steps) + "\n")  # fmt: skip
+    out.append(_budget_matrix(recipes, budgets, reference))
+    out.append(_envelope_table(envelope, reference))
+    out.append(figures.show(fig.loss_vs_budget(recipes), "study_b_loss_vs_budget",
+                            "Matched-budget sweep: final test loss against the head budget (log axis), mean and 95% "
+                            "t-interval over seeds per recipe; the square at the right is each recipe's uncapped "
+                            "run at the same steps."))  # fmt: skip
+    return "\n".join(part for part in out if part)
+
+
+def _shorter_note(sweep_steps: list[int], study_steps: list[int]) -> str:
+    if not study_steps or sweep_steps == study_steps or not sweep_steps:
+        return ""
+    return (f" **The sweep's runs take {', '.join(map(str, sweep_steps))} steps, the comparison above "
+            f"{', '.join(map(str, study_steps))}** (to keep the study's time; `presets/sweep.yaml` runs the full "
+            "horizon): its losses are those of shorter runs, and its uncapped references are as short.")
+
+
+def _budget_matrix(recipes: list[Row], budgets: list[float], reference: str) -> str:
+    """Recipes × budgets: Δ vs muon under the same cap, and the share of steps capped / the cap's effect."""
+    cell = {(r["arch"], r["recipe"], r["head_budget_tau"]): r for r in recipes}
+    muon_binds = {(r["arch"], r["head_budget_tau"]): r["cap_binds"] for r in recipes if r["recipe"] == reference}
+    delta_rows, cap_rows = [], []
+    for arch, recipe in sorted({(r["arch"], r["recipe"]) for r in recipes}, key=lambda k: (k[0], RECIPES.order(k[1]))):
+        here = [cell.get((arch, recipe, b)) for b in budgets]
+        label = [arch, f"`{recipe}`"]
+        if recipe != reference:
+            delta_rows.append(label + [_delta_cell(r, muon_binds.get((arch, r["head_budget_tau"]))) if r else "–"
+                                       for r in here])  # fmt: skip
+        cap_rows.append(label + [f"{percent(r['frac_steps_capped'])} / {num(r['cap_effect'])}" if r else "–"
+                                 for r in here])  # fmt: skip
+    header = ["arch", "recipe", *(f"tau {num(b)}" for b in budgets)]
+    return (f"Δ vs `{reference}` under the same cap (nats, [95% CI]):\n\n{markdown_table(header, delta_rows)}\n"
+            f"Share of steps capped / cap's effect (nats):\n\n{markdown_table(header, cap_rows)}")  # fmt: skip
+
+
+def _delta_cell(r: Row, muon_binds: bool | None) -> str:
+    if r["diff_vs_muon"] is None:
+        return "–"
+    one_side = "" if bool(r["cap_binds"]) == bool(muon_binds) or not (r["cap_binds"] or muon_binds) else " †"
+    return interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]) + one_side
+
+
+def _envelope_table(envelope: list[Row], reference: str) -> str:
+    rows = [[r["arch"], f"`{r['recipe']}`", num(r["best_tau"]),
              interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
+             num(r["uncapped_test_loss"], 4),
              "–" if r["diff_vs_muon"] is None else interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
-             num(r["p_vs_muon_holm"], 2), _reading(r) if r["recipe"] != reference else "–",
-             interval(r["cap_effect"], r["cap_effect_ci_low"], r["cap_effect_ci_high"])] for r in recipes]  # fmt: skip
-    header = ["arch", "recipe", "seeds", "steps capped", "test loss [95% CI]", f"Δ vs {reference} [95% CI]",
-              "Holm p", "reading", "cap's effect [95% CI]"]  # fmt: skip
-    out.append(markdown_table(header, body))
-    out.append(plain_comparison([r for r in recipes if r["recipe"] != reference]))
-    out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_matched_vs_muon",
-                            f"Matched budget: final test loss minus {reference}'s under the same cap, "
-                            "same seed."))  # fmt: skip
-    return "\n".join(out)
+             num(r["p_vs_muon_holm"], 2)] for r in envelope]  # fmt: skip
+    header = ["arch", "recipe", "best budget", "test loss there [95% CI]", "uncapped", f"Δ vs {reference} at its best",
+              "Holm p"]  # fmt: skip
+    return ("The envelope, each recipe at its best budget (chosen on the mean final val loss, read on test), the "
+            f"fair overall comparison of directions:\n\n{markdown_table(header, rows)}")
+
+
+def _resolved(r: Row) -> bool:
+    """A difference the seeds resolve: the interval excludes 0, and the Holm-adjusted test agrees where the
+    seeds are enough to test."""
+    low, high, p = r["diff_ci_low"], r["diff_ci_high"], r["p_vs_muon_holm"]
+    excludes_zero = low is not None and high is not None and (low > 0 or high < 0)
+    return excludes_zero and (p is None or p < SIGNIFICANCE)
+
+
+def sweep_summary(recipes: list[Row], envelope: list[Row]) -> str:
+    """The sweep in words, naming the budget of every claim: resolved differences where the cap binds for
+    both sides, the budgets where it binds for one side only, and the envelope."""
+    reference = baseline().name
+    capped = [r for r in recipes if r["head_budget_tau"] is not None]
+    muon_binds = {(r["arch"], r["head_budget_tau"]): bool(r["cap_binds"]) for r in capped if r["recipe"] == reference}
+    both, one_side = [], []
+    for r in (r for r in capped if r["recipe"] != reference and r["diff_vs_muon"] is not None):
+        other = muon_binds.get((r["arch"], r["head_budget_tau"]), False)
+        where = f"at budget {num(r['head_budget_tau'])} ({r['arch']})"
+        if r["cap_binds"] and other and _resolved(r):
+            verb = "beats" if r["diff_vs_muon"] < 0 else "loses to"
+            both.append(f"{where}, `{r['recipe']}` {verb} `{reference}` by "
+                        f"{interval(abs(r['diff_vs_muon']), *_abs_interval(r))} nats")  # fmt: skip
+        elif bool(r["cap_binds"]) != other:
+            one_side.append(f"`{r['recipe'] if r['cap_binds'] else reference}` at {num(r['head_budget_tau'])}")
+    lines = ["- Where the cap binds for both sides: " + ("; ".join(both) + "." if both else
+             f"no recipe is resolved from `{reference}` at any budget with these seeds.")]  # fmt: skip
+    if one_side:
+        lines.append("- The cap binds for one side only (the comparison then mixes step size and direction): "
+                     + ", ".join(one_side) + ".")  # fmt: skip
+    lines += [line for arch in sorted({r["arch"] for r in envelope}) if (line := _envelope_sentence(envelope, arch))]
+    return "\n".join(lines) + "\n"
+
+
+def _envelope_sentence(envelope: list[Row], arch: str) -> str | None:
+    """The envelope in words: muon at its best budget, and each recipe resolved from it at its own."""
+    reference = baseline().name
+    rows = [r for r in envelope if r["arch"] == arch and r["recipe"] != reference and r["diff_vs_muon"] is not None]
+    muon = next((r for r in envelope if r["arch"] == arch and r["recipe"] == reference), None)
+    if not (muon and rows):
+        return None
+    resolved = [f"`{r['recipe']}` at budget {num(r['best_tau'])} {'lower' if r['diff_vs_muon'] < 0 else 'higher'} "
+                f"by {interval(abs(r['diff_vs_muon']), *_abs_interval(r))}" for r in rows if _resolved(r)]  # fmt: skip
+    return (f"- Envelope ({arch}, each recipe at its best budget on val; `{reference}` at {num(muon['best_tau'])}, "
+            f"test loss {num(muon['test_loss_mean'], 4)}): "
+            + ("; ".join(resolved) if resolved else f"no recipe resolved from `{reference}`") + ".")  # fmt: skip
+
+
+def _abs_interval(r: Row) -> tuple[float, float]:
+    """The interval of |Δ| for a Δ of known sign."""
+    low, high = r["diff_ci_low"], r["diff_ci_high"]
+    return (low, high) if r["diff_vs_muon"] >= 0 else (-high, -low)
 
 
 def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
@@ -158,8 +259,8 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
         _power_statement(recipes),
         _tuning_statement(tuning, runs),
         ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
-         "well as direction (`hilbert_bound` below); the matched-budget ablation at the end of this section "
-         "compares them at equal worst-case nats per step."),
+         "well as direction (`hilbert_bound` below); the matched-budget sweep at the end of this section "
+         "compares them at equal worst-case nats per step, budget by budget."),
         _problem_runs(runs),
     ]  # fmt: skip
     return "\n".join(line for line in lines if line) + "\n"
@@ -249,13 +350,17 @@ _HOLDS = {True: "holds", False: "does not hold", None: "not measured"}
 def _study_b_claims(claims: list[Row]) -> str:
     """The bound and the equidistance claims in words (the comparison with muon is in the summary)."""
     rows = [c for c in claims if c["study"] == "B" and c["claim"] != "beats_muon"]
-    return "".join(f"- `{c['claim']}` ({c['subject']}): **{_HOLDS[c['holds']]}**: {c['detail']}.\n" for c in rows)
+    plain = [f"- `hilbert_equi`'s update rows are **not measurably more equidistant than random unit rows** "
+             f"({c['subject']}): the interval of the difference includes 0 or lies below it.\n"
+             for c in rows if c["claim"] == "equi_spreads_rows" and c["holds"] is False]  # fmt: skip
+    stated = [f"- `{c['claim']}` ({c['subject']}): **{_HOLDS[c['holds']]}**: {c['detail']}.\n" for c in rows]
+    return "".join(stated + plain)
 
 
 def appendix(tables: Tables, step_times: dict[str, float]) -> str:
     """The per-run table; `step_times` (run → median wall-clock seconds per step, from the stage's telemetry,
     never a result) where measured."""
-    runs = tables["runs"]
+    runs = runs_of_kind(tables["runs"])
     if not runs:
         return ""
     rows = [[f"`{r['run']}`", r["head_step"] or "–", num(r["final_test_loss"], 4), num(r["final_val_loss"], 4),
@@ -263,4 +368,7 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
              "sampled (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs]  # fmt: skip
     header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness",
               "diameter"]  # fmt: skip
-    return "## Appendix: per run\n\n" + markdown_table(header, rows)
+    sweep = len(runs_of_kind(tables["runs"], True))
+    query = '`lmgeo query "SELECT * FROM runs WHERE matched"`'
+    more = f"\nThe matched-budget sweep's {sweep} runs: {query}.\n" if sweep else ""
+    return "## Appendix: per run\n\n" + markdown_table(header, rows) + more

@@ -47,6 +47,7 @@ def runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                    median(head_diam) AS median_head_diam,
                    median(equi_ratio) AS median_equi_ratio,
                    median(equi_ratio_random) AS median_equi_ratio_random,
+                   avg(equi_ratio - equi_ratio_random) AS mean_equi_ratio_excess,
                    median(equi_ratio_bound) AS median_equi_ratio_bound,
                    median(head_alignment) AS median_head_alignment,
                    median(head_alignment_hilbert) AS median_head_alignment_hilbert,
@@ -64,13 +65,17 @@ def runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                    j.seed, TRY_CAST(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 3) AS BIGINT)
                ) AS seed,
                regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 4) <> '' AS matched,
+               coalesce(
+                   j.head_budget_tau,
+                   TRY_CAST(nullif(regexp_extract(coalesce(j.run, l.run), '{RUN_ID_PATTERN}', 5), '') AS DOUBLE)
+               ) AS head_budget_tau,
                j.run IS NOT NULL AS finished,
                j.diverged, j.diverged_at_step, j.steps, j.steps_done, j.tokens,
-               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step, j.head_budget_tau,
+               j.final_train_loss, j.final_val_loss, j.final_test_loss, j.head_step,
                j.n_params, j.params_hash,
                l.* EXCLUDE (run)
         FROM run_json j FULL OUTER JOIN logged l ON j.run = l.run
-        ORDER BY matched, arch, recipe, seed, run
+        ORDER BY matched, arch, recipe, seed, head_budget_tau NULLS FIRST, run
     """).to_arrow_table()  # fmt: skip
 
 
@@ -101,11 +106,12 @@ def curves_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
 
 
 RECIPES_SCHEMA = pa.schema(
-    [("arch", pa.string()), ("recipe", pa.string()), ("matched", pa.bool_()), ("n_runs", pa.int64()),
-     ("n_seeds", pa.int64()), ("n_diverged", pa.int64()),
+    [("arch", pa.string()), ("recipe", pa.string()), ("matched", pa.bool_()), ("head_budget_tau", pa.float64()),
+     ("n_runs", pa.int64()), ("n_seeds", pa.int64()), ("n_diverged", pa.int64()),
      ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
      ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
-     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()), ("head_budget_tau", pa.float64()),
+     ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()),
+     ("median_hilbert_bound", pa.float64()), ("frac_steps_capped", pa.float64()), ("cap_binds", pa.bool_()),
      ("n_paired", pa.int64()),
      ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
      ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
@@ -113,36 +119,58 @@ RECIPES_SCHEMA = pa.schema(
      ("cap_effect", pa.float64()), ("cap_effect_ci_low", pa.float64()), ("cap_effect_ci_high", pa.float64())]
 )  # fmt: skip
 
+# A cap *binds* for a recipe at a budget when it scales down at least this share of the recipe's head steps:
+# only then does the budget, not the recipe's own step size, set how far its head moves (SPEC §3.2).
+BINDING_SHARE = 0.5
+
+# (matched, head_budget_tau, arch, recipe): the default runs (False, None, ...), the sweep's uncapped
+# reference (True, None, ...) and each of its budgets (True, tau, ...).
+GroupKey = tuple[bool, float | None, str, str]
+
+
+def _group_key(row: dict[str, Any]) -> GroupKey:
+    return row["matched"], row["head_budget_tau"], row["arch"], row["recipe"]
+
+
+def _display_order(key: GroupKey) -> tuple[Any, ...]:
+    matched, tau, arch, recipe = key
+    return arch, matched, tau is not None, tau or 0.0, RECIPES.order(recipe)
+
 
 def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
-    """Per arch × recipe, for the default runs and apart for the matched-budget runs: final test loss over
-    seeds with its t-interval (diverged runs counted, not averaged), and the paired comparison with `muon`
-    of the same kind on the same seeds (same init, same data order): the mean difference with its
-    t-interval, the paired t-test p-value and its Holm adjustment over the arch's recipes, the difference
-    these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed difference would need."""
-    by_group: dict[tuple[bool, str, str], list[dict[str, Any]]] = {}
+    """Per arch × recipe, for the default runs and apart for each kind of matched-budget run (uncapped, and
+    each budget): final test loss over seeds with its t-interval (diverged runs counted, not averaged), and
+    the paired comparison with `muon` of the same kind and budget on the same seeds (same init, same data
+    order): the mean difference with its t-interval, the paired t-test p-value and its Holm adjustment over
+    the arch's recipes at that budget, the difference these seeds detect with POWER, and the seeds
+    RESOLVE_NATS and the observed difference would need. A capped row also carries the share of steps the
+    cap scaled and the cap's effect (against the sweep's uncapped runs of the same recipe and seeds)."""
+    by_group: dict[GroupKey, list[dict[str, Any]]] = {}
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
-            by_group.setdefault((row["matched"], row["arch"], row["recipe"]), []).append(row)
+            by_group.setdefault(_group_key(row), []).append(row)
     test = {key: _by_seed(rows, "final_test_loss") for key, rows in by_group.items()}
     reference = baseline().name
     out = []
-    groups = sorted(by_group.items(), key=lambda item: (*item[0][:2], RECIPES.order(item[0][2])))
-    for (matched, arch, recipe), rows in groups:
-        loss = mean_interval(list(test[(matched, arch, recipe)].values()), cfg.ci)
-        muon = (matched, arch, reference)
+    for key in sorted(by_group, key=_display_order):
+        rows = by_group[key]
+        matched, tau, arch, recipe = key
+        loss = mean_interval(list(test[key].values()), cfg.ci)
+        muon = (matched, tau, arch, reference)
         compared = recipe != reference and muon in test
-        paired = paired_difference(test[(matched, arch, recipe)], test[muon], cfg.ci) if compared else None
+        paired = paired_difference(test[key], test[muon], cfg.ci) if compared else None
         diff = paired.diff if paired else None
+        capped = _mean([r["frac_steps_capped"] for r in rows]) if tau is not None else None
         out.append({
-            "arch": arch, "recipe": recipe, "matched": matched, "n_runs": len(rows), "n_seeds": loss.n,
-            "n_diverged": sum(bool(r["diverged"]) for r in rows),
+            "arch": arch, "recipe": recipe, "matched": matched, "head_budget_tau": tau, "n_runs": len(rows),
+            "n_seeds": loss.n, "n_diverged": sum(bool(r["diverged"]) for r in rows),
             "test_loss_mean": none_if_nan(loss.mean), "test_loss_sd": none_if_nan(loss.sd),
             "test_loss_ci_low": none_if_nan(loss.low), "test_loss_ci_high": none_if_nan(loss.high),
             "val_loss_mean": none_if_nan(mean_interval(list(_by_seed(rows, "final_val_loss").values())).mean),
             "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
             "head_step": _single([r["head_step"] for r in rows]),
-            "head_budget_tau": _single([r["head_budget_tau"] for r in rows]),
+            "median_hilbert_bound": _median([r["median_hilbert_bound"] for r in rows]),
+            "frac_steps_capped": capped, "cap_binds": None if capped is None else capped >= BINDING_SHARE,
             "n_paired": diff.n if diff else None,
             "diff_vs_muon": none_if_nan(diff.mean) if diff else None,
             "diff_sd": none_if_nan(diff.sd) if diff else None,
@@ -150,10 +178,63 @@ def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "diff_ci_high": none_if_nan(diff.high) if diff else None,
             "p_vs_muon": _testable(paired),
             **_planning(diff),
-            **_cap_effect(test, (matched, arch, recipe), cfg.ci),
+            **_cap_effect(test, key, cfg.ci),
         })  # fmt: skip
-    _holm_per_arch(out)
+    _holm(out, ("arch", "matched", "head_budget_tau"), "p_vs_muon", "p_vs_muon_holm")
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
+
+
+ENVELOPE_SCHEMA = pa.schema(
+    [("arch", pa.string()), ("recipe", pa.string()), ("best_tau", pa.float64()), ("n_budgets", pa.int64()),
+     ("val_loss_mean", pa.float64()), ("n_seeds", pa.int64()), ("test_loss_mean", pa.float64()),
+     ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("uncapped_test_loss", pa.float64()),
+     ("muon_best_tau", pa.float64()), ("n_paired", pa.int64()), ("diff_vs_muon", pa.float64()),
+     ("diff_ci_low", pa.float64()), ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()),
+     ("p_vs_muon_holm", pa.float64())]
+)  # fmt: skip
+
+
+def envelope_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.Table:
+    """The matched-budget sweep's fair overall comparison: per arch × recipe, its best budget, chosen on the
+    mean final *val* loss (the protocol's tuning split; ties: the smaller budget), its test loss there, and
+    the paired difference to `muon` at muon's own best budget on the same seeds (Holm over the arch's
+    recipes)."""
+    per_run = [r for r in runs.to_pylist() if r["matched"] and r["head_budget_tau"] is not None]
+    swept = [r for r in recipes.to_pylist() if r["matched"] and r["val_loss_mean"] is not None]
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in swept:
+        if r["head_budget_tau"] is not None:
+            here = best.get((r["arch"], r["recipe"]))
+            ranked = (r["val_loss_mean"], r["head_budget_tau"])
+            if here is None or ranked < (here["val_loss_mean"], here["head_budget_tau"]):
+                best[(r["arch"], r["recipe"])] = r
+    uncapped = {(r["arch"], r["recipe"]): r["test_loss_mean"] for r in swept if r["head_budget_tau"] is None}
+
+    def losses(arch: str, recipe: str) -> dict[int, float]:
+        tau = best[(arch, recipe)]["head_budget_tau"]
+        return _by_seed([r for r in per_run if _group_key(r) == (True, tau, arch, recipe)], "final_test_loss")
+
+    out = []
+    for (arch, recipe), row in sorted(best.items(), key=lambda item: (item[0][0], RECIPES.order(item[0][1]))):
+        muon = (arch, baseline().name)
+        compared = recipe != muon[1] and muon in best
+        paired = paired_difference(losses(arch, recipe), losses(*muon), cfg.ci) if compared else None
+        diff = paired.diff if paired else None
+        out.append({
+            "arch": arch, "recipe": recipe, "best_tau": row["head_budget_tau"],
+            "n_budgets": sum(1 for r in swept if (r["arch"], r["recipe"]) == (arch, recipe) and r["head_budget_tau"]),
+            "val_loss_mean": row["val_loss_mean"], "n_seeds": row["n_seeds"], "test_loss_mean": row["test_loss_mean"],
+            "test_loss_ci_low": row["test_loss_ci_low"], "test_loss_ci_high": row["test_loss_ci_high"],
+            "uncapped_test_loss": uncapped.get((arch, recipe)),
+            "muon_best_tau": best[muon]["head_budget_tau"] if muon in best else None,
+            "n_paired": diff.n if diff else None,
+            "diff_vs_muon": none_if_nan(diff.mean) if diff else None,
+            "diff_ci_low": none_if_nan(diff.low) if diff else None,
+            "diff_ci_high": none_if_nan(diff.high) if diff else None,
+            "p_vs_muon": _testable(paired),
+        })  # fmt: skip
+    _holm(out, ("arch",), "p_vs_muon", "p_vs_muon_holm")
+    return pa.Table.from_pylist(out, schema=ENVELOPE_SCHEMA)
 
 
 def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
@@ -164,16 +245,14 @@ def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
     }  # fmt: skip
 
 
-def _cap_effect(
-    test: dict[tuple[bool, str, str], dict[int, float]], key: tuple[bool, str, str], ci: float
-) -> dict[str, Any]:
-    """For matched-budget runs: what the cap did, their test loss minus the same recipe's default runs' on
-    the same seeds (paired t-interval); None for default runs."""
-    matched, arch, recipe = key
-    default = test.get((False, arch, recipe))
-    if not matched or not default:
+def _cap_effect(test: dict[GroupKey, dict[int, float]], key: GroupKey, ci: float) -> dict[str, Any]:
+    """For capped runs of the sweep: what the cap did, their test loss minus the same recipe's uncapped sweep
+    runs' (same steps) on the same seeds (paired t-interval); None for any other row."""
+    matched, tau, arch, recipe = key
+    uncapped = test.get((True, None, arch, recipe))
+    if not matched or tau is None or not uncapped:
         return {"cap_effect": None, "cap_effect_ci_low": None, "cap_effect_ci_high": None}
-    diff = paired_difference(test[key], default, ci).diff
+    diff = paired_difference(test[key], uncapped, ci).diff
     return {"cap_effect": none_if_nan(diff.mean), "cap_effect_ci_low": none_if_nan(diff.low),
             "cap_effect_ci_high": none_if_nan(diff.high)}  # fmt: skip
 
@@ -199,14 +278,23 @@ def _testable(paired: Any) -> float | None:
     return none_if_nan(paired.p)
 
 
-def _holm_per_arch(rows: list[dict[str, Any]]) -> None:
-    """`p_vs_muon_holm`: the arch's family of comparisons with `muon` (default or matched runs), adjusted
-    together."""
-    for family_key in {(r["arch"], r["matched"]) for r in rows}:
-        family = [r for r in rows if (r["arch"], r["matched"]) == family_key]
-        adjusted = holm([math.nan if r["p_vs_muon"] is None else r["p_vs_muon"] for r in family])
-        for r, p in zip(family, adjusted, strict=True):
-            r["p_vs_muon_holm"] = none_if_nan(p)
+def _holm(rows: list[dict[str, Any]], family: tuple[str, ...], p: str, adjusted: str) -> None:
+    """`adjusted`: the p-values `p` of the rows that agree on the `family` columns, Holm-adjusted together
+    (for the recipes table: the arch's comparisons with `muon` of one kind of run at one budget)."""
+    for family_key in {tuple(r[c] for c in family) for r in rows}:
+        members = [r for r in rows if tuple(r[c] for c in family) == family_key]
+        for r, value in zip(members, holm([math.nan if r[p] is None else r[p] for r in members]), strict=True):
+            r[adjusted] = none_if_nan(value)
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    vals = _finite(values)
+    return float(vals.mean()) if vals.size else None
+
+
+def _median(values: Sequence[float | None]) -> float | None:
+    vals = _finite(values)
+    return float(np.median(vals)) if vals.size else None
 
 
 def _finite(values: Sequence[float | None]) -> np.ndarray:
@@ -232,8 +320,9 @@ CLAIM_TEXT = {
     "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
     "beats_muon": f"final test loss below muon's on the same seeds: paired t-test, Holm-adjusted over the arch's "
     f"recipes, p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} paired seeds)",
-    "equi_spreads_rows": "hilbert_equi spreads head-update rows at least as evenly as random unit rows on the same "
-    "row sample (median equi_ratio / median equi_ratio_random ≥ 1)",
+    "equi_spreads_rows": "hilbert_equi spreads head-update rows more evenly than random unit rows on the same "
+    "row sample: equi_ratio minus a fresh random draw's, averaged over a run's logged steps, t-interval over "
+    "seeds above 0",
 }  # fmt: skip
 
 
@@ -247,16 +336,12 @@ def _claim(study: str, subject: str, fn: str, claim: str, value: float | None, t
     }  # fmt: skip
 
 
-def _ratio(num: float | None, den: float | None) -> float | None:
-    return num / den if num is not None and den else None
-
-
-def claims_table(runs: pa.Table, recipes: pa.Table) -> pa.Table:
+def claims_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.Table:
     """Study B's claims (the bound, the spread of `hilbert_equi`'s rows, beating `muon`), one row per subject."""
-    return pa.Table.from_pylist(_claims(runs, recipes), schema=CLAIMS_SCHEMA)
+    return pa.Table.from_pylist(_claims(runs, recipes, cfg.ci), schema=CLAIMS_SCHEMA)
 
 
-def _claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
+def _claims(runs: pa.Table, recipes: pa.Table, ci: float) -> list[dict[str, Any]]:
     rows = []
     by_arch: dict[str, list[dict[str, Any]]] = {}
     for r in runs.to_pylist():
@@ -269,15 +354,9 @@ def _claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
                            worst is not None and worst <= 1 + BOUND_TOLERANCE,
                            f"max realized/bound {_fmt(worst)} over {len(ratios)} runs with exact "
                            "diameters"))  # fmt: skip
-        equi = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio")
-        random_rows = _median_of(arch_runs, "hilbert_equi", "median_equi_ratio_random")
-        if equi is not None and random_rows is not None:
-            spread = _ratio(equi, random_rows)
-            plain = _median_of(arch_runs, "hilbert", "median_equi_ratio")
-            rows.append(_claim("B", arch, "hilbert_equi", "equi_spreads_rows", spread, 1.0,
-                               spread is not None and spread >= 1,
-                               f"median equi_ratio hilbert_equi {_fmt(equi)} vs random unit rows {_fmt(random_rows)}"
-                               f" (hilbert {_fmt(plain)})"))  # fmt: skip
+        spread = _spread_claim(arch, arch_runs, ci)
+        if spread:
+            rows.append(spread)
     for r in recipes.to_pylist():
         if r["recipe"] == baseline().name or r["diff_vs_muon"] is None or r["matched"]:
             continue
@@ -293,6 +372,23 @@ def _claims(runs: pa.Table, recipes: pa.Table) -> list[dict[str, Any]]:
     return rows
 
 
+def _spread_claim(arch: str, runs: list[dict[str, Any]], ci: float) -> dict[str, Any] | None:
+    """`equi_spreads_rows` as an interval: per `hilbert_equi` run, its rows' equi_ratio minus that of random
+    unit rows drawn afresh at each logged step (same shape), averaged over the steps; the t-interval of that
+    excess over seeds must lie above 0 (`hilbert`'s, as a reference, in the detail)."""
+    excess = mean_interval(_finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert_equi"]), ci)
+    if excess.n == 0:
+        return None
+    plain = mean_interval(_finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert"]), ci)
+    equi = _median_of(runs, "hilbert_equi", "median_equi_ratio")
+    random_rows = _median_of(runs, "hilbert_equi", "median_equi_ratio_random")
+    holds = None if not math.isfinite(excess.low) else excess.low > 0
+    return _claim("B", arch, "hilbert_equi", "equi_spreads_rows", none_if_nan(excess.mean), 0.0, holds,
+                  f"equi_ratio − random unit rows' {_fmt(excess.mean)} [{_fmt(excess.low)}, {_fmt(excess.high)}] "
+                  f"over {excess.n} seeds (medians {_fmt(equi)} vs {_fmt(random_rows)}; hilbert "
+                  f"{_fmt(plain.mean)} [{_fmt(plain.low)}, {_fmt(plain.high)}])")  # fmt: skip
+
+
 def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | None:
     vals = _finite([r[column] for r in runs if r["recipe"] == recipe])
     return float(np.median(vals)) if vals.size else None
@@ -304,15 +400,22 @@ def _fmt(x: float | None) -> str:
 
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
     """Study B's part of the DVC metrics (`pipeline.results.aggregate`): per compared arch, `muon`'s test loss
-    and each recipe's paired difference to it, default and matched-budget runs apart."""
+    and each recipe's paired difference to it on the default runs, and the same for the matched-budget
+    sweep's envelope (each recipe at its best budget)."""
     study_b: dict[str, dict[str, Any]] = {}
-    rows = tables["recipes"].to_pylist()
+    rows = [r for r in tables["recipes"].to_pylist() if not r["matched"]]
     compared = {r["arch"] for r in rows if r["recipe"] != baseline().name}  # not Study A's muon-only archs
     for r in (r for r in rows if r["arch"] in compared):
         arch = study_b.setdefault(r["arch"], {"diff_vs_muon": {}})
         if r["recipe"] == baseline().name:
-            arch |= measured({"muon_test_loss" + ("_matched" if r["matched"] else ""): r["test_loss_mean"]})
+            arch |= measured({"muon_test_loss": r["test_loss_mean"]})
         else:
-            key = "diff_vs_muon_matched" if r["matched"] else "diff_vs_muon"
-            arch[key] = arch.get(key, {}) | measured({r["recipe"]: r["diff_vs_muon"]})
+            arch["diff_vs_muon"] |= measured({r["recipe"]: r["diff_vs_muon"]})
+    for r in (r for r in tables["envelope"].to_pylist() if r["arch"] in study_b):
+        arch = study_b[r["arch"]]
+        if r["recipe"] == baseline().name:
+            arch |= measured({"muon_test_loss_envelope": r["test_loss_mean"]})
+        else:
+            envelope = arch.setdefault("diff_vs_muon_envelope", {})
+            envelope |= measured({r["recipe"]: r["diff_vs_muon"]})
     return study_b
