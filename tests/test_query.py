@@ -279,11 +279,10 @@ def test_the_readmes_best_recipe_query_ranks_as_the_report_does(workspace: Path,
     reversed, where a ranking over both would mix them."""
     import shlex
 
+    import pyarrow.compute as pc
     from test_e2e import readme_commands
 
     from pipeline.results.study_b.tables import recipes_table
-
-    import pyarrow.compute as pc
 
     runs = query_table("SELECT * FROM runs", None, workspace)
     other = runs
