@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from reliability_helpers import lmgeo, preset_overrides, write_params
-from study_helpers import fails
+from test_integrity import fails
 
 from pipeline.core.errors import InputError
 from pipeline.params import apply_overrides, load_params

@@ -196,7 +196,7 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
     with pytest.raises(
-        QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"
+        QueryError, match=r"neither the local DVC cache nor the default remote .*`dvc push`.*`git checkout HEAD~1 && dvc repro`"
     ):
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
 
@@ -354,3 +354,28 @@ def test_a_command_typed_in_a_subfolder_finds_the_workspace(tmp_path: Path, monk
     (tmp_path / "docs" / "deep").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "docs" / "deep")
     assert Layout.enclosing().root == tmp_path.resolve()
+
+
+@pytest.mark.slow  # git clone and DVC's push and pull
+def test_the_committed_default_remote_brings_an_old_revision_to_a_fresh_clone(tmp_path: Path) -> None:
+    """With the repository's `.dvc/config`, results pushed from one checkout are queried at `--rev HEAD~1`
+    in a fresh clone beside it, with no `dvc remote add`."""
+    import shutil
+
+    from dvc.repo import Repo
+    from study_helpers import REPO
+
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    git(origin, "init", "-q")
+    Repo.init(str(origin)).close()
+    shutil.copy(REPO / ".dvc" / "config", origin / ".dvc" / "config")
+    commit_version(origin, 1)
+    commit_version(origin, 2)
+    with Repo(str(origin)) as repo:
+        repo.push(all_commits=True)
+    assert (tmp_path / "lmgeo-remote").is_dir()  # beside the checkout, as the README says
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
+    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], clone)
+    assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]

@@ -260,12 +260,28 @@ def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str
         return _snapshot(workspace, rev, sources)
     named = {DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)}
     wanted = ["tables", "params", *sorted(named), *(["tokenizer"] if _mentions(sql, "tokens") else [])]
-    copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted])
+    # params.yaml is git's: DVC fetches only the rest
+    copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted], [sources[w] for w in wanted if w != "params"])
     return _snapshot(copy, rev, {w: sources[w] for w in wanted})
 
 
-def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
-    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
+def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str], outputs: Sequence[str]) -> Path:
+    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC: from the local
+    cache, or else with the DVC ``outputs`` among them fetched into it from the default remote first (as
+    `dvc fetch` would)."""
+    try:
+        return _copy(workspace, rev, dest, wanted)
+    except _NotCached as missing:
+        if not _fetch(workspace, rev, outputs):
+            raise missing from None
+        return _copy(workspace, rev, dest, wanted)
+
+
+class _NotCached(QueryError):
+    """A revision's results are in neither the local DVC cache nor (yet) fetched from the remote."""
+
+
+def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
     from dvc_data.index.index import DataIndexError
@@ -287,11 +303,25 @@ def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> P
     return dest
 
 
+def _fetch(workspace: Path, rev: str, outputs: Sequence[str]) -> bool:
+    """Whether DVC fetched ``outputs`` as ``rev`` tracks them from the default remote into the cache (none
+    configured, unreachable, or without them: no)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(workspace)) as repo:
+            return repo.fetch(targets=list(outputs), revs=[rev], workspace=False) > 0  # relative to the repo
+    except (DvcException, OSError):
+        return False
+
+
 def _not_local(rev: str, err: BaseException) -> QueryError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return QueryError(
-        f"revision {rev!r}: its results are not in the local DVC cache ({type(err).__name__}: {first_line}); "
-        f"fetch them with `dvc pull` (from the remote) or rebuild them with `git checkout {rev} && dvc repro`"
+    return _NotCached(
+        f"revision {rev!r}: its results are in neither the local DVC cache nor the default remote "
+        f"({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`), or rebuild "
+        f"them with `git checkout {rev} && dvc repro`"
     )
 
 
