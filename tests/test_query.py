@@ -196,7 +196,8 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
     with pytest.raises(
-        QueryError, match=r"neither the local DVC cache nor the default remote .*`dvc push`.*`git checkout HEAD~1 && dvc repro`"
+        QueryError,
+        match=r"neither the local DVC cache nor the default remote .*`dvc push`.*`git checkout HEAD~1 && dvc repro`",
     ):
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
 
