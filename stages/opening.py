@@ -21,22 +21,18 @@ def check_external_models(params: Params, layout: Layout) -> None:
             check_external_model(params, layout, model)
 
 
-def check_external_model(params: Params, layout: Layout, model: AnalysedModel) -> None:
-    """Its tokenizer, and a local model itself, loaded on the CPU and verified, its width against
-    `analysis.k` (before any extraction: the fits would refuse it only after); a hub model is verified in
-    the task that opens it (the nodes have the network, the driver may not)."""
-    from pipeline.models.structure import text_config
+def check_external_model(params: Params, layout: Layout, model: AnalysedModel) -> Any:
+    """Its tokenizer, and a local model itself, loaded on the CPU and verified (a hub model is verified in the
+    task that opens it: the nodes have the network, the driver may not); the verified model, or None."""
     from pipeline.study_a.verify import verify_model
-    from stages.fit import check_identifiable
 
     model_tokenizer(layout, params, model)
     source = model_source(layout, params, model.ref, model.revision)
-    if Path(source).is_dir():
-        net = _load(layout, source, params, model.revision)
-        verify_model(net)
-        width = getattr(text_config(net), "hidden_size", None)
-        if isinstance(width, int):
-            check_identifiable(params.analysis, model_label(model.ref, source), width)
+    if not Path(source).is_dir():
+        return None
+    net = _load(layout, source, params, model.revision)
+    verify_model(net)
+    return net
 
 
 def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:

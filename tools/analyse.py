@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -32,11 +33,11 @@ def run(params: Params, ray_address: str | None = None, *, model_dir: Path, out:
     out = out or Path(f"analyse-{model.name}")
     if not model.is_dir():
         raise InputError(f"{model_dir}: not a folder; give a model folder saved with `save_pretrained`")
-    study = one_model_study(params, model)
     out.mkdir(parents=True, exist_ok=True)
+    study = one_model_study(params, Path(os.path.relpath(model, out.resolve())))
     with contextlib.chdir(out):
         layout = Layout.here()
-        check(study, layout, model)
+        check(study, layout)
         (layout.root / "params.yaml").write_text(yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
         started = time.monotonic()
         for number, stage in enumerate(STAGES, start=1):
@@ -50,8 +51,9 @@ def run(params: Params, ray_address: str | None = None, *, model_dir: Path, out:
 
 
 def one_model_study(params: Params, model: Path) -> Params:
-    """`params` with the model as the only one analysed: no trained run; the folder named on the command
-    line may lie outside the workspace (naming it is the consent `security.allow_outside_paths` asks for)."""
+    """`params` with the model (relative to the workspace, so that no result holds a machine's absolute path)
+    as the only one analysed, and no trained run; the folder named on the command line may lie outside the
+    workspace (naming it is the consent `security.allow_outside_paths` asks for)."""
     return apply_overrides(params, {
         "analysis.runs": "null",
         "analysis.external_models": json.dumps([{"id": str(model)}]),
@@ -59,13 +61,20 @@ def one_model_study(params: Params, model: Path) -> Params:
     })  # fmt: skip
 
 
-def check(params: Params, layout: Layout, model: Path) -> None:
-    """Everything that would stop the analysis later, before the first stage: the model's structure, its
-    tokenizer and its width against `analysis.k` (`stages.opening.check_external_model`)."""
+def check(params: Params, layout: Layout) -> None:
+    """Everything that would stop the analysis later, before the first stage: the model's structure and its
+    tokenizer (`stages.opening.check_external_model`), and its width against `analysis.k` (which the fit
+    stage would only find after the extraction)."""
+    from pipeline.models.structure import text_config
     from stages.analysis_set import external_model
+    from stages.fit import check_identifiable
     from stages.opening import check_external_model
 
-    check_external_model(params, layout, external_model(params, layout, str(model), None))
+    (ref,) = params.analysis.external_models
+    net = check_external_model(params, layout, external_model(params, layout, ref.id, None))
+    width = getattr(text_config(net), "hidden_size", None)
+    if isinstance(width, int):
+        check_identifiable(params.analysis, ref.id, width)
 
 
 def write_tables(params: Params, layout: Layout) -> None:
