@@ -93,10 +93,13 @@ class Params(Section):
         return self
 
     def analysed_runs(self) -> list[str]:
-        """The runs Study A analyses: the grid `analysis.runs` names (train's values where it names none)."""
+        """The runs Study A analyses: the grid `analysis.runs` names (train's values where it names none; none
+        when `analysis.runs` is null)."""
         from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
 
         chosen, grid = self.analysis.runs, self.train
+        if chosen is None:
+            return []
         return [
             run_id(arch, recipe, seed)
             for arch in chosen.archs or grid.archs
@@ -181,7 +184,8 @@ def registered_names(value: Any, annotation: Any = None, path: KeyPath = ()) -> 
 def _untrainable(params: Params) -> Iterator[str]:
     families = _registries()["family"]
     trainable = ", ".join(_trainable_families())
-    for section, archs in (("train", params.train.archs), ("analysis.runs", params.analysis.runs.archs or [])):
+    analysed = params.analysis.runs.archs if params.analysis.runs is not None else None
+    for section, archs in (("train", params.train.archs), ("analysis.runs", analysed or [])):
         for index, arch in enumerate(archs):
             if not families[arch].trainable:
                 yield f"{section}.archs.{index}: {arch!r} is analysed only, not trained; trainable: {trainable}"

@@ -1,5 +1,5 @@
-"""`lmgeo`: one command per DVC stage, plus `query` and the tools' commands (`bench`, `tune`, `check-model`,
-`families`, `rehearse`, `preset`), whose modules live in `tools/`.
+"""`lmgeo`: one command per DVC stage, plus `query` and the tools' commands (`analyse`, `bench`, `tune`,
+`check-model`, `families`, `rehearse`, `preset`), whose modules live in `tools/`.
 
 This module imports only typer and the params models, so `lmgeo --help` and every subcommand's
 `--help` answer without importing torch or ray; each command imports its stage or tool module when it runs.
@@ -143,7 +143,7 @@ _stage_command("report", "Render reports/report.md, report.html and the figures 
 def query(
     sql: Annotated[str, typer.Argument(help="a read-only SQL statement")],
     rev: Annotated[
-        Optional[list[str]], typer.Option("--rev", help="git revision or DVC experiment (repeatable)")
+        Optional[list[str]], typer.Option("--rev", help="git revision, DVC experiment or `workspace` (repeatable)")
     ] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | csv | json")] = "table",
     timeout: Annotated[
@@ -158,13 +158,30 @@ def query(
     from pipeline.results.query import QueryError, run_query
     from stages.layout import Layout
 
-    layout = Layout.here()
+    layout = Layout.enclosing()
     try:
         typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, timeout))
     except QueryError as err:
         fail(str(err))
     except KeyboardInterrupt:
         interrupted()
+
+
+@app.command()
+def analyse(
+    model_dir: Annotated[Path, typer.Argument(help="a local Hugging Face model folder (save_pretrained)")],
+    out: Annotated[
+        Optional[Path], typer.Option("--out", help="the workspace to write (default: analyse-<folder name>)")
+    ] = None,
+    params: ParamsOpt = Path("params.yaml"),
+    ray_address: RayAddressOpt = None,
+) -> None:
+    """Study A on one model folder (any verified family), no training: extract, fit, perturb, and a report
+    of its own in --out."""
+    from pipeline.core.determinism import pin_this_process
+
+    pin_this_process(threads=1)  # as a stage: the same kernels, so the same numbers as `dvc repro`
+    _run_stage("analyse", params, ray_address, module_name="tools.analyse", model_dir=model_dir, out=out)
 
 
 @app.command()

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+WORKSPACE_FILES = ("dvc.yaml", "params.yaml")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -18,6 +20,14 @@ class Layout:
     @classmethod
     def here(cls) -> Layout:
         return cls(Path.cwd().resolve())
+
+    @classmethod
+    def enclosing(cls) -> Layout:
+        """The workspace this folder is in: the nearest folder up from here holding `dvc.yaml` or
+        `params.yaml` (here when there is none), so that a command a user types in `docs/` reads the study."""
+        here = Path.cwd().resolve()
+        found = (folder for folder in (here, *here.parents) if any((folder / f).is_file() for f in WORKSPACE_FILES))
+        return cls(next(found, here))
 
     @property
     def tokens(self) -> Path:
@@ -68,8 +78,9 @@ class Layout:
         return self.models / run_id / checkpoint
 
     def query_sources(self) -> dict[str, str]:
-        """Workspace-relative paths `lmgeo query` reads: the params, the result tables and each sharded
-        dataset (by its contract's name)."""
-        relative = {"params": self.root / "params.yaml", "tables": self.tables, "steps": self.train,
+        """Workspace-relative paths `lmgeo query` reads: the params, the result tables, the prepared
+        tokenizer (the `tokens` table) and each sharded dataset (by its contract's name)."""
+        relative = {"params": self.root / "params.yaml", "tables": self.tables, "tokenizer": self.tokenizer,
+                    "steps": self.train,
                     "activations": self.activations, "fits": self.fits, "perturb": self.perturb}  # fmt: skip
         return {name: path.relative_to(self.root).as_posix() for name, path in relative.items()}

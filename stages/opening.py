@@ -15,17 +15,24 @@ from stages.layout import Layout
 
 
 def check_external_models(params: Params, layout: Layout) -> None:
-    """Fail in the driver, before any task starts, on an external model that cannot be analysed: its
-    tokenizer, and a local model itself, loaded on the CPU and verified (a hub model is verified in the
-    task that opens it: the nodes have the network, the driver may not)."""
-    from pipeline.study_a.verify import verify_model
-
+    """Fail in the driver, before any task starts, on an external model that cannot be analysed."""
     for model in analysed_models(params, layout):
         if not model.trained:
-            model_tokenizer(layout, params, model)
-            source = model_source(layout, params, model.ref, model.revision)
-            if Path(source).is_dir():
-                verify_model(_load(layout, source, params, model.revision))
+            check_external_model(params, layout, model)
+
+
+def check_external_model(params: Params, layout: Layout, model: AnalysedModel) -> Any:
+    """Its tokenizer, and a local model itself, loaded on the CPU and verified (a hub model is verified in the
+    task that opens it: the nodes have the network, the driver may not); the verified model, or None."""
+    from pipeline.study_a.verify import verify_model
+
+    model_tokenizer(layout, params, model)
+    source = model_source(layout, params, model.ref, model.revision)
+    if not Path(source).is_dir():
+        return None
+    net = _load(layout, source, params, model.revision)
+    verify_model(net)
+    return net
 
 
 def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:

@@ -274,3 +274,13 @@ def test_an_override_inside_a_null_section_creates_it():
 
     params = apply_overrides(Params(), {"train.matched_budget.taus": "[0.4]", "train.matched_budget.seeds": "[0]"})
     assert params.train.matched_budget.taus == [0.4] and params.train.matched_budget.seeds == [0]
+
+
+def test_analysis_runs_null_analyses_no_trained_run_and_leaves_trainings_grid_alone():
+    """`lmgeo analyse` sets `analysis.runs: null`: Study A then holds only the external models."""
+    from pipeline.params import apply_overrides
+
+    default = load_params()
+    none = apply_overrides(default, {"analysis.runs": "null"})
+    assert none.analysis.runs is None and none.analysed_runs() == []
+    assert none.trained_runs() == default.train.runs() and default.analysed_runs()

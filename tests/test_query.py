@@ -196,7 +196,8 @@ def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_t
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
     with pytest.raises(
-        QueryError, match=r"not in the local DVC cache .*`dvc pull`.*`git checkout HEAD~1 && dvc repro`"
+        QueryError,
+        match=r"neither the local DVC cache nor the default remote .*`dvc push`.*`git checkout HEAD~1 && dvc repro`",
     ):
         query_table("SELECT * FROM runs", ["HEAD~1"], clone)
 
@@ -270,3 +271,112 @@ def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: P
         ctrl_c.cancel()
     assert time.monotonic() - started < 30
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler is back
+
+
+# ------------------------------------------------------------------------------ what a user asks
+def test_the_readmes_best_recipe_query_ranks_as_the_report_does(workspace: Path, tmp_path: Path) -> None:
+    """The README's "which recipe is best" line gives, per architecture, the order of the report's comparison
+    (the `recipes` table's mean test loss of the default runs), on two architectures whose order is
+    reversed, where a ranking over both would mix them."""
+    import shlex
+
+    import pyarrow.compute as pc
+    from test_e2e import readme_commands
+
+    from pipeline.results.study_b.tables import recipes_table
+
+    runs = query_table("SELECT * FROM runs", None, workspace)
+    other = runs
+    for name, column in {"arch": pa.array(["neox"] * runs.num_rows, runs.schema.field("arch").type),
+                         "run": pc.replace_substring(runs["run"], "gpt2-", "neox-"),
+                         "final_test_loss": pc.subtract(10.0, runs["final_test_loss"])}.items():  # fmt: skip
+        other = other.set_column(runs.schema.get_field_index(name), runs.schema.field(name), column)
+    both = pa.concat_tables([runs, other])
+    with ShardWriter(tmp_path / "reports" / "tables", "tables", KEY) as writer:
+        writer.write({}, both, name="runs.parquet")
+        writer.write({}, recipes_table(both, CFG), name="recipes.parquet")
+    line = next(c for c in readme_commands("lmgeo query") if "avg(final_test_loss)" in c)
+    answer = query_table(shlex.split(line)[2], None, tmp_path).to_pylist()
+    report = query_table("SELECT arch, recipe, test_loss_mean FROM recipes WHERE NOT matched", None, tmp_path)
+    ranking: dict[str, list[str]] = {}
+    unmeasured_last = lambda r: (r["test_loss_mean"] is None, r["test_loss_mean"] or 0.0, r["recipe"])  # noqa: E731
+    for row in sorted(report.to_pylist(), key=unmeasured_last):
+        ranking.setdefault(row["arch"], []).append(row["recipe"])
+    assert len(ranking) == 2 and len(ranking["gpt2"]) > 2 and ranking["gpt2"] != ranking["neox"], ranking
+    by_arch: dict[str, list[str]] = {}
+    for row in answer:
+        by_arch.setdefault(row["arch"], []).append(row["recipe"])
+    assert by_arch == ranking
+    measured = [r["test_loss"] for r in answer if r["test_loss"] is not None]
+    assert len(set(measured)) == len(measured)  # no ties: the order of equals would decide
+
+
+def test_model_ids_are_split_into_arch_seed_and_checkpoint(workspace: Path) -> None:
+    rows = query_table(
+        "SELECT DISTINCT model, arch, seed, checkpoint FROM fits ORDER BY model", None, workspace
+    ).to_pylist()
+    assert rows == [
+        {"model": "gpt2-muon-s0@final", "arch": "gpt2", "seed": 0, "checkpoint": "final"},
+        {"model": "gpt2-muon-s0@init", "arch": "gpt2", "seed": 0, "checkpoint": "init"},
+        {"model": "org/tiny-mamba", "arch": None, "seed": None, "checkpoint": None},  # external: not a run
+    ]
+    geometry = query_table("SELECT DISTINCT model, arch, checkpoint FROM geometry WHERE arch = 'gpt2'", None, workspace)
+    assert geometry.num_rows > 0 and set(geometry["checkpoint"].to_pylist()) <= {"init", "final"}
+
+
+def test_the_tokens_table_maps_ids_to_the_prepared_tokenizers_strings(workspace: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from tokenizers import Tokenizer, models
+
+    ws = tmp_path / "ws"
+    shutil.copytree(workspace / "reports", ws / "reports")
+    (ws / "data" / "tokenizer").mkdir(parents=True)
+    vocabulary = {"<unk>": 0, "the": 1, "king": 2, "queen": 3}
+    Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>")).save(str(ws / "data" / "tokenizer" / "tokenizer.json"))
+    rows = query_table("SELECT token_id, token FROM tokens ORDER BY token_id", None, ws).to_pylist()
+    assert rows == [{"token_id": i, "token": text} for text, i in vocabulary.items()]
+
+
+def test_a_workspace_without_results_says_how_to_make_them(tmp_path: Path) -> None:
+    (tmp_path / "params.yaml").write_text("analysis: {k: 8}\n")
+    with pytest.raises(QueryError, match=r"^no results yet: run `dvc repro`$"):
+        query_table("SELECT * FROM runs", None, tmp_path)
+    assert query_table("SELECT key FROM params", None, tmp_path)["key"].to_pylist() == ["analysis.k"]
+
+
+def test_the_revision_workspace_is_the_working_tree(versioned_repo: Path) -> None:
+    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD", "workspace"], versioned_repo)
+    assert runs.to_pylist() == [{"rev": "workspace", "run": "dirty"}, {"rev": "HEAD", "run": "v2"}]
+
+
+def test_a_command_typed_in_a_subfolder_finds_the_workspace(tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "dvc.yaml").write_text("stages: {}\n")
+    (tmp_path / "docs" / "deep").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "docs" / "deep")
+    assert Layout.enclosing().root == tmp_path.resolve()
+
+
+@pytest.mark.slow  # git clone and DVC's push and pull
+def test_the_committed_default_remote_brings_an_old_revision_to_a_fresh_clone(tmp_path: Path) -> None:
+    """With the repository's `.dvc/config`, results pushed from one checkout are queried at `--rev HEAD~1`
+    in a fresh clone beside it, with no `dvc remote add`."""
+    import shutil
+
+    from dvc.repo import Repo
+    from study_helpers import REPO
+
+    origin = tmp_path / "origin"
+    origin.mkdir()
+    git(origin, "init", "-q")
+    Repo.init(str(origin)).close()
+    shutil.copy(REPO / ".dvc" / "config", origin / ".dvc" / "config")
+    commit_version(origin, 1)
+    commit_version(origin, 2)
+    with Repo(str(origin)) as repo:
+        repo.push(all_commits=True)
+    assert (tmp_path / "lmgeo-remote").is_dir()  # beside the checkout, as the README says
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
+    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], clone)
+    assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]

@@ -43,8 +43,10 @@ import pyarrow.dataset as ds
 
 from pipeline.core.contracts import (
     ACTIVATIONS,
+    CHECKPOINTS,
     FITS,
     PERTURB,
+    RUN_ID_PATTERN,
     STEPS,
     Dataset,
     read_result_tables,
@@ -63,6 +65,14 @@ DATASETS: dict[str, tuple[Dataset, bool]] = {
     "activation_vectors": (ACTIVATIONS, True),
     "fit_vectors": (FITS, True),
 }
+# The revision name DVC gives the working tree (`dvc exp show`, `dvc metrics diff`): read in place.
+WORKSPACE = "workspace"
+# A trained model's table id, `<arch>-<recipe>-s<seed>[-matched]@<checkpoint>`: RE2 groups 1 (arch), 3 (seed), 5
+# (checkpoint) become columns of every table and view with a `model` column; NULL for an external model.
+_MODEL_ID = f"{RUN_ID_PATTERN.removesuffix('$')}@({'|'.join(CHECKPOINTS)})$"
+MODEL_PARTS = {"arch": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', 1), '')",
+               "seed": f"TRY_CAST(regexp_extract(model, '{_MODEL_ID}', 3) AS INTEGER)",
+               "checkpoint": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', 5), '')"}  # fmt: skip
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
@@ -91,8 +101,9 @@ def query_table(
     sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], timeout_s: float | None = None
 ) -> pa.Table:
     """Run one read-only statement over the working tree (no ``revs``) or over the given revisions.
-    ``sources`` maps ``tables`` and each dataset name to its workspace-relative folder; a statement still
-    running after ``timeout_s`` is interrupted."""
+    ``sources`` maps ``tables``, ``params``, ``tokenizer`` and each dataset name to its workspace-relative
+    path; the revision ``workspace`` is the working tree. A statement still running after ``timeout_s`` is
+    interrupted."""
     statement = check_read_only(sql)
     # Outside the workspace, private, emptied afterwards: DuckDB may read its own temp folder even with
     # external access off, so it must never be one a workspace (or a symlink in it) controls.
@@ -100,9 +111,7 @@ def query_table(
         if revs:
             snapshots = []
             for i, rev in enumerate(revs):
-                wanted = ["tables", "params"] + sorted({DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)})
-                copy = _checkout(workspace, rev, Path(tmp) / str(i), [sources[w] for w in wanted])
-                snapshots.append(_snapshot(copy, rev, {w: sources[w] for w in wanted}))
+                snapshots.append(_revision(sql, workspace, rev, Path(tmp) / str(i), sources))
                 ctrl_c.check()
         else:
             snapshots = [_snapshot(workspace, None, sources)]
@@ -110,7 +119,8 @@ def query_table(
         con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
         ctrl_c.check()
         try:
-            return _run_interruptibly(con, statement, timeout_s, ctrl_c)
+            no_results = not any(s.has_results for s in snapshots)
+            return _run_interruptibly(con, statement, timeout_s, ctrl_c, no_results)
         finally:
             # After an interrupt DuckDB can still count the stopped call as running and refuse to close;
             # the in-memory database goes with the process either way.
@@ -152,7 +162,7 @@ def _ctrl_c_deferred() -> Iterator[_CtrlC]:
 
 
 def _run_interruptibly(
-    con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None, ctrl_c: _CtrlC
+    con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None, ctrl_c: _CtrlC, no_results: bool
 ) -> pa.Table:
     """Run the statement in a thread, so the main thread can stop it (DuckDB does not see Python's signals
     while it computes in another thread) by `con.interrupt()`: at the deadline, or on Ctrl-C."""
@@ -184,8 +194,16 @@ def _run_interruptibly(
             stop()
             raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
     if "error" in outcome:
-        raise QueryError(f"query failed: {outcome['error']}{_hint(outcome['error'])}")
+        raise _failure(outcome["error"], no_results)
     return outcome["table"]
+
+
+def _failure(err: duckdb.Error, no_results: bool) -> QueryError:
+    """A table the SQL names is missing because nothing has run yet (a fresh clone): say how to make the
+    results, rather than DuckDB's "did you mean duckdb_constraints?"."""
+    if no_results and "does not exist" in str(err):
+        return QueryError("no results yet: run `dvc repro`")
+    return QueryError(f"query failed: {err}{_hint(err)}")
 
 
 def _hint(err: duckdb.Error) -> str:
@@ -232,10 +250,38 @@ class _Snapshot:
     rev: str | None
     tables: dict[str, pa.Table]
     datasets: dict[str, ds.Dataset]
+    has_results: bool  # result tables or a dataset folder: something a stage wrote
 
 
-def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
-    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC."""
+def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str, str]) -> _Snapshot:
+    """The data of ``rev``: the working tree itself for ``workspace``, else a copy made by DVC of the tables,
+    the params, and what the SQL names of the datasets and the tokenizer (``tokens``)."""
+    if rev == WORKSPACE:
+        return _snapshot(workspace, rev, sources)
+    named = {DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)}
+    wanted = ["tables", "params", *sorted(named), *(["tokenizer"] if _mentions(sql, "tokens") else [])]
+    # params.yaml is git's: DVC fetches only the rest
+    copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted], [sources[w] for w in wanted if w != "params"])
+    return _snapshot(copy, rev, {w: sources[w] for w in wanted})
+
+
+def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str], outputs: Sequence[str]) -> Path:
+    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC: from the local
+    cache, or else with the DVC ``outputs`` among them fetched into it from the default remote first (as
+    `dvc fetch` would)."""
+    try:
+        return _copy(workspace, rev, dest, wanted)
+    except _NotCached as missing:
+        if not _fetch(workspace, rev, outputs):
+            raise missing from None
+        return _copy(workspace, rev, dest, wanted)
+
+
+class _NotCached(QueryError):
+    """A revision's results are in neither the local DVC cache nor (yet) fetched from the remote."""
+
+
+def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
     from dvc_data.index.index import DataIndexError
@@ -257,11 +303,25 @@ def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> P
     return dest
 
 
+def _fetch(workspace: Path, rev: str, outputs: Sequence[str]) -> bool:
+    """Whether DVC fetched ``outputs`` as ``rev`` tracks them from the default remote into the cache (none
+    configured, unreachable, or without them: no)."""
+    from dvc.exceptions import DvcException
+    from dvc.repo import Repo
+
+    try:
+        with Repo(str(workspace)) as repo:
+            return repo.fetch(targets=list(outputs), revs=[rev], workspace=False) > 0  # relative to the repo
+    except (DvcException, OSError):
+        return False
+
+
 def _not_local(rev: str, err: BaseException) -> QueryError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return QueryError(
-        f"revision {rev!r}: its results are not in the local DVC cache ({type(err).__name__}: {first_line}); "
-        f"fetch them with `dvc pull` (from the remote) or rebuild them with `git checkout {rev} && dvc repro`"
+    return _NotCached(
+        f"revision {rev!r}: its results are in neither the local DVC cache nor the default remote "
+        f"({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`), or rebuild "
+        f"them with `git checkout {rev} && dvc repro`"
     )
 
 
@@ -284,6 +344,9 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
     except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
         raise QueryError(f"{where}: cannot read {sources['tables']}: {cause(err)}") from None
     tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
+    vocabulary = root / sources.get("tokenizer", "") / "tokenizer.json"
+    if "tokenizer" in sources and vocabulary.is_file():
+        tables["tokens"] = _tokens_table(vocabulary)
     if (root / sources["params"]).is_file():
         try:
             tables["params"] = _params_table(root / sources["params"])
@@ -299,7 +362,8 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
-    return _Snapshot(rev, tables, datasets)
+    written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
+    return _Snapshot(rev, tables, datasets, written)
 
 
 def _params_table(path: Path) -> pa.Table:
@@ -311,6 +375,20 @@ def _params_table(path: Path) -> pa.Table:
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     flat = flatten_overrides(raw)
     return pa.table({"key": list(flat), "value": list(flat.values())})
+
+
+def _tokens_table(path: Path) -> pa.Table:
+    """The prepared tokenizer's vocabulary: `token_id`, `token` (the text it decodes to) and `piece` (its entry
+    in the vocabulary, e.g. `Ġthe` for a byte-level BPE's " the")."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    ids = range(tokenizer.get_vocab_size(with_added_tokens=True))
+    return pa.table({
+        "token_id": pa.array(ids, pa.int32()),
+        "token": [tokenizer.decode([i], skip_special_tokens=False) for i in ids],
+        "piece": [tokenizer.id_to_token(i) for i in ids],
+    })  # fmt: skip
 
 
 def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -> duckdb.DuckDBPyConnection:
@@ -342,7 +420,12 @@ def _union(
         columns = f"* REPLACE ({table_id_sql('model')} AS model)" if relabel else "*"
         label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
         parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
-    return " UNION ALL BY NAME ".join(parts)
+    union = " UNION ALL BY NAME ".join(parts)
+    names = set().union(*(source.schema.names for _, _, source in sources))
+    parts_of_model = [f"{sql} AS {column}" for column, sql in MODEL_PARTS.items() if column not in names]
+    if "model" not in names or not parts_of_model:
+        return union
+    return f"SELECT *, {', '.join(parts_of_model)} FROM ({union})"
 
 
 def _sql_string(text: str) -> str:

@@ -46,7 +46,8 @@ class RunSelection(Section):
 
 
 class AnalysisConfig(Section):
-    runs: RunSelection = RunSelection()
+    # null: no trained run, only `external_models` (`lmgeo analyse`, Study A on one model without training)
+    runs: RunSelection | None = RunSelection()
     checkpoints: list[Literal["init", "final"]] = ["init", "final"]
     external_models: list[ExternalModel] = []
     eval_sequences: PositiveInt = 32  # sequences of prepare.seq_len tokens from the val split

@@ -26,7 +26,7 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
         if any((s, claim.name) in at for s in subjects):
             cells = [_claim_cell(at.get((s, claim.name))) for s in subjects]
             rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
-    head = ("**Study A: the seed's claims on the trained models**, each against its null over layers and seeds "
+    head = ("**Study A: the seed's claims on the analysed models**, each against its null over layers and seeds "
             "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
             "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
             "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A "
@@ -74,9 +74,10 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
         "margin; **not supported**: CI below the margin; **inconclusive**: otherwise.\n"
     )  # fmt: skip
     out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
-    if claims:
+    checkpoints = [c for c in claims if c.subject.endswith(("@init", "@final"))]  # an external model has neither
+    if checkpoints:
         out.append("### Init vs trained\n")
-        out.append(_init_vs_final(claims))
+        out.append(_init_vs_final(checkpoints))
     out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
                             "Verdict of each claim per layer (colour: +1 supported, −1 not supported, averaged over "
                             "classes; each class combined over its nulls)."))  # fmt: skip
@@ -144,7 +145,7 @@ def _init_vs_final(claims: list[ClaimSummary]) -> str:
     bases = sorted({c.subject.rsplit("@", 1)[0] for c in claims})
     rows = []
     for claim in CLAIMS:
-        trained = [at.get((f"{b}@final", claim.name)) or at.get((b, claim.name)) for b in bases]
+        trained = [at.get((f"{b}@final", claim.name)) for b in bases]
         cells = [_trained_vs_init(t, at.get((f"{b}@init", claim.name))) for b, t in zip(bases, trained, strict=True)]
         if any(cell != "–" for cell in cells):
             rows.append([f"`{claim.name}`", *cells])
