@@ -59,9 +59,7 @@ def kl_per_position(clean: torch.Tensor, patched: torch.Tensor) -> torch.Tensor:
     below zero for identical distributions; KL is non-negative, so those are clamped.
     """
     p = clean.exp()
-    # In place on the one (copies, positions, V) temporary: the KL, not the suffix's blocks, was half the
-    # perturb stage's time at the bench's sizes (`lmgeo bench`, patching's FLOP/s row).
-    terms = (clean - patched).mul_(p).masked_fill_(p == 0, 0.0)
+    terms = torch.where(p > 0, p * (clean - patched), torch.zeros_like(p))
     return terms.sum(-1, dtype=torch.float64).clamp_min(0.0)
 
 
