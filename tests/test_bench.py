@@ -220,3 +220,25 @@ def test_suffix_flops_count_the_weight_products_torch_counts_and_every_causal_at
     want = sum(2 * (per_token_one_block + vocab * d) + 4 * d * (t + 1)
                for first in (5, 9) for t in range(first, seq_len))
     assert suffix_flops(model, 1, np.array([5, 9]), seq_len) == want
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_bench_only_refuses_an_unknown_section_naming_the_choices(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "stages.cli", "bench", "--only", "extraction", "--only", "fitz", "--out", str(tmp_path),
+         "--params", str(REPO / "params.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("lmgeo: error:") == 1 and "--only fitz" in done.stderr
+    assert "choose from extraction, fits," in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_collect_bars_takes_the_sections_that_ran():
+    """`lmgeo bench --only` leaves the other sections out of the report; their bars are not looked for."""
+    from tools.bench.command import collect_bars
+
+    report = {"patching": {"bars": [bar("p", 1.0, ">=", 0.5)], "speedup": 2.0},
+              "recipes": {"bars": [], "profile": {"r": ["line"]}}}  # fmt: skip
+    collected = collect_bars(report)
+    assert [b.name for b in collected["ratios"]] == ["p"] and collected["profiles"] == {"r": ["line"]}

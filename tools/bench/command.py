@@ -72,7 +72,7 @@ def run(params: Params, *, quick: bool, out_dir: Path, only: list[str] | None = 
         "gpu": lambda: gpu(params, sizes, threads["extract"]),
     }
     assert tuple(sections) == SECTIONS, "SECTIONS lists every section, in order"
-    for name in only or SECTIONS:
+    for name in [name for name in SECTIONS if only is None or name in only]:
         measure = sections[name]
         section_start = time.time()
         print(f"bench: {name} …", flush=True)
