@@ -3,8 +3,8 @@
 import torch
 from torch import Tensor
 
-from pipeline.study_b.hilbert import center_rows, center_rows_
-from pipeline.study_b.lmo import unit_rows_
+from pipeline.study_b.hilbert import center_rows
+from pipeline.study_b.lmo import unit_rows
 from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 
@@ -13,7 +13,7 @@ def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
     common shift that row-normalisation reintroduced; diam is shift-invariant, so the bound still holds
     exactly (up to float32 rounding, ~1e-7 relative)."""
     del knobs, gen
-    return center_rows_(unit_rows_(center_rows(m))).mul_(0.5)  # in place on the one temporary
+    return 0.5 * center_rows(unit_rows(center_rows(m)))
 
 
 RECIPE = HeadRecipe(
