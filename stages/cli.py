@@ -188,12 +188,19 @@ def analyse(
 def bench(
     quick: Annotated[bool, typer.Option("--quick", help="a smoke run: tiny sizes, checks only that it runs")] = False,
     out_dir: Annotated[Path, typer.Option("--out", help="where bench.json and bench.md go")] = Path("reports"),
+    only: Annotated[
+        Optional[list[str]], typer.Option("--only", help="this section only (repeatable), e.g. extraction, recipes")
+    ] = None,
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Benchmarks: ratios measured side by side in one run (SPEC §7)."""
+    from tools.bench.command import SECTIONS
     from tools.bench.command import run as run_bench
 
-    run_bench(_load(params), quick=quick, out_dir=out_dir)
+    unknown = sorted(set(only or ()) - set(SECTIONS))
+    if unknown:
+        fail(f"--only {', '.join(unknown)}: no such bench section; choose from {', '.join(SECTIONS)}")
+    run_bench(_load(params), quick=quick, out_dir=out_dir, only=only)
 
 
 @app.command()

@@ -197,3 +197,48 @@ def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
     rows[3]["proj_res"] = None
     changed = compare_with_reference(table, rows)
     assert changed["max_abs_diff"] == pytest.approx(0.5, abs=1e-4) and changed["null_mismatches"] == 1
+
+
+def test_suffix_flops_count_the_weight_products_torch_counts_and_every_causal_attention_pair():
+    """`suffix_flops` against torch's FLOP counter on a forward (the blocks' and head's products; the counter
+    does not see fused attention) plus the attention pairs counted one query at a time."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.models.config import ModelSize
+    from pipeline.models.registry import build_model
+    from tools.bench.study_a import suffix_flops
+
+    d, n_blocks, vocab, seq_len = 32, 3, 97, 16
+    model = build_model("neox", ModelSize(d_model=d, n_layers=n_blocks, n_heads=4), vocab, seq_len, seed=0).eval()
+    with FlopCounterMode(display=False) as counter, torch.inference_mode():
+        model(input_ids=torch.randint(0, vocab, (2, seq_len)), use_cache=False)
+    products = sum(counter.get_flop_counts()["Global"].values())
+    attention = 2 * sum(4 * d * n_blocks * (t + 1) for t in range(seq_len))
+    assert suffix_flops(model, n_blocks, np.zeros(2, dtype=int), seq_len) == products + attention
+    # From positions 5 and 9 on, one block: the head on every suffix position, one block's products and pairs
+    per_token_one_block = sum(p.numel() for p in model.gpt_neox.layers[-1].parameters() if p.ndim >= 2)
+    want = sum(2 * (per_token_one_block + vocab * d) + 4 * d * (t + 1)
+               for first in (5, 9) for t in range(first, seq_len))
+    assert suffix_flops(model, 1, np.array([5, 9]), seq_len) == want
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_bench_only_refuses_an_unknown_section_naming_the_choices(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "stages.cli", "bench", "--only", "extraction", "--only", "fitz", "--out", str(tmp_path),
+         "--params", str(REPO / "params.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("lmgeo: error:") == 1 and "--only fitz" in done.stderr
+    assert "choose from extraction, fits," in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_collect_bars_takes_the_sections_that_ran():
+    """`lmgeo bench --only` leaves the other sections out of the report; their bars are not looked for."""
+    from tools.bench.command import collect_bars
+
+    report = {"patching": {"bars": [bar("p", 1.0, ">=", 0.5)], "speedup": 2.0},
+              "recipes": {"bars": [], "profile": {"r": ["line"]}}}  # fmt: skip
+    collected = collect_bars(report)
+    assert [b.name for b in collected["ratios"]] == ["p"] and collected["profiles"] == {"r": ["line"]}

@@ -195,6 +195,30 @@ def test_an_exception_while_writing_leaves_nothing(tmp_path: Path) -> None:
     assert not shard_complete(tmp_path, "s", KEY)
 
 
+def test_a_write_that_fails_on_the_writer_thread_aborts_the_shard(tmp_path: Path) -> None:
+    """Writes run on a background thread: a failed one (here a batch whose schema differs from its
+    file's) still raises in the caller, and the shard is discarded as after the caller's own exception."""
+    bad = rows(1).append_column("extra", pa.array(range(4), pa.int32()))
+    with pytest.raises(ValueError, match="schema"), ShardWriter(tmp_path, "s", KEY) as writer:
+        writer.write({"model": "m", "layer": 0}, rows(0))
+        writer.write({"model": "m", "layer": 0}, bad)
+        writer.write({"model": "m", "layer": 1}, rows(0))
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    assert not shard_complete(tmp_path, "s", KEY)
+
+
+def test_queued_writes_land_in_order_whatever_the_queue_depth(tmp_path: Path, monkeypatch) -> None:
+    """More batches than `WRITES_IN_FLIGHT` to one file: every row, in the order written."""
+    monkeypatch.setattr(ShardWriter, "WRITES_IN_FLIGHT", 2)
+    with ShardWriter(tmp_path, "s", KEY) as writer:
+        for seq in range(7):
+            writer.write({"model": "m", "layer": 0}, rows(seq))
+    table = pq.read_table(verified_files(tmp_path)[0])
+    assert table["seq_id"].to_pylist() == [seq for seq in range(7) for _ in range(4)]
+    want = np.concatenate([arrow_to_vectors(rows(seq)["h"]) for seq in range(7)])
+    assert np.array_equal(arrow_to_vectors(table["h"]), want)
+
+
 def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None:
     write_shard(tmp_path, "s", layers=(0, 1))
     write_shard(tmp_path, "other", layers=(0,))

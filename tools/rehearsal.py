@@ -360,13 +360,42 @@ def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict
         copies = layers * study.anchors * study.classes * study.copies
         perturb = copies * ref.perturb_s_per_copy * fwd * study.seq_len / Slice().seq_len
         cpu_rate = ref_flops / ref.extract_s_per_token  # FLOP/s of a forward on one core here
-        gpu_hours = ((extract + perturb) * cpu_rate / node.forward_flops + fit / node.fit_speedup) / 3600
+        node_s = {"extract": extract * cpu_rate / node.forward_flops, "fit": fit / node.fit_speedup,
+                  "perturb": perturb * cpu_rate / node.forward_flops}  # fmt: skip
         rows.append({
             "model": hub_id, "rehearsed as": rehearsed, "params": shape["n_params"], "d": d, "layers": layers,
             "extract core-h": extract / 3600, "fit core-h": fit / 3600, "perturb core-h": perturb / 3600,
-            "GPU-node h": gpu_hours,
+            **{f"{stage} node-h": seconds / 3600 for stage, seconds in node_s.items()},
+            "GPU-node h": sum(node_s.values()) / 3600,
         })  # fmt: skip
     return rows
+
+
+STAGES = ("extract", "fit", "perturb")
+
+
+def stage_shares(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Each stage's share of the study's total, in core-hours here (`core-h`) and on one GPU node (`node-h`)."""
+    shares = {}
+    for unit in ("core-h", "node-h"):
+        totals = {stage: sum(r[f"{stage} {unit}"] for r in rows) for stage in STAGES}
+        whole = sum(totals.values())
+        shares[unit] = {stage: total / whole if whole else math.nan for stage, total in totals.items()}
+    return shares
+
+
+def _shares_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The per-stage shares and the stage that dominates, as a table."""
+    if not rows:
+        return []
+    lines = ["Where the time goes (share of the total; the stage that dominates in bold):", "",
+             "| cost | " + " | ".join(STAGES) + " | dominates |", "|---|" + "---|" * (len(STAGES) + 1)]  # fmt: skip
+    for unit, label in (("core-h", "core-hours here"), ("node-h", "one GPU node, hours")):
+        share = stage_shares(rows)[unit]
+        top = max(STAGES, key=lambda stage: share[stage])
+        cells = [f"**{share[s]:.0%}**" if s == top else f"{share[s]:.0%}" for s in STAGES]
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | **{top}** |")
+    return [*lines, ""]
 
 
 # ------------------------------------------------------------------------------------------ the report
@@ -500,6 +529,7 @@ def render_markdown(
         f"{_g(sum(r['fit core-h'] for r in rows))} | "
         f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_g(sum(r['GPU-node h'] for r in rows))}** |",
         "",
+        *_shares_lines(rows),
         *_FINDINGS,
     ]
     return "\n".join(lines)

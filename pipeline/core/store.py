@@ -25,7 +25,9 @@ import os
 import re
 import shutil
 import time
+from collections import deque
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -445,12 +447,17 @@ class ShardWriter:
     """Writes one shard of the dataset under ``root``; use as a context manager.
 
     Entering removes whatever an earlier attempt left of this shard. ``write`` streams record batches
-    into one temporary Parquet file per partition (memory is bounded by the batch); ``directory`` gives a
-    temporary folder to fill (a checkpoint). A clean exit fsyncs and renames everything into place and
-    then writes the manifest; an exception deletes everything of the shard and writes no manifest.
-    ``metadata`` goes into every Parquet file's key-value metadata, with the shard key, params hash and
-    code version.
+    into one temporary Parquet file per partition; the encoding and writing run on a background thread,
+    in order, off the caller's critical path (a forward overlaps the previous batch's write), with at most
+    ``WRITES_IN_FLIGHT`` batches queued so memory is bounded by them. ``directory`` gives a temporary
+    folder to fill (a checkpoint). A clean exit waits for the writes, fsyncs and hashes the files (in
+    parallel: the fsyncs share the journal's commits), renames everything into place and then writes the
+    manifest; an exception (the caller's or a write's) deletes everything of the shard and writes no
+    manifest. ``metadata`` goes into every Parquet file's key-value metadata, with the shard key, params
+    hash and code version.
     """
+
+    WRITES_IN_FLIGHT = 8
 
     def __init__(self, root: Path, shard: str, key: ManifestKey, metadata: dict[str, str] | None = None) -> None:
         self.root = Path(root)
@@ -466,18 +473,20 @@ class ShardWriter:
         self._open: dict[Path, tuple[Path, pq.ParquetWriter]] = {}  # final path -> (temp path, writer)
         self._rows: dict[Path, int] = {}
         self._folders: dict[Path, Path] = {}  # final folder -> filled temporary folder
-        self._entered = False
+        self._writes: ThreadPoolExecutor | None = None  # one thread: the writes run in the order given
+        self._in_flight: deque[Future[None]] = deque()
 
     def __enter__(self) -> ShardWriter:
         remove_shard(self.root, self.shard)
-        self._entered = True
+        self._writes = ThreadPoolExecutor(1, thread_name_prefix="lmgeo-shard-writer")
         return self
 
     def write(
         self, partition: Mapping[str, str | int], data: pa.Table | pa.RecordBatch, name: str | None = None
     ) -> None:
-        """Append ``data`` to the shard's file in ``partition`` (named ``part-<slug>.parquet`` unless ``name``)."""
-        if not self._entered:
+        """Append ``data`` to the shard's file in ``partition`` (named ``part-<slug>.parquet`` unless ``name``).
+        Returns once the write is queued; a failed write raises here, at a later ``write``, or on exit."""
+        if self._writes is None:
             raise RuntimeError("ShardWriter.write outside its `with` block")
         table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
         final = self.root / partition_dir(partition) / (name or f"part-{self._slug}.parquet")
@@ -491,13 +500,15 @@ class ShardWriter:
             ]
             self._open[final] = (temp, pq.ParquetWriter(temp, schema, use_dictionary=scalars))
             self._rows[final] = 0
-        self._open[final][1].write_table(table)
         self._rows[final] += table.num_rows
+        while len(self._in_flight) >= self.WRITES_IN_FLIGHT:
+            self._in_flight.popleft().result()
+        self._in_flight.append(self._writes.submit(self._open[final][1].write_table, table))
 
     @contextmanager
     def directory(self, relative: str) -> Iterator[Path]:
         """A temporary folder to fill; it becomes ``root/relative`` when the shard commits."""
-        if not self._entered:
+        if self._writes is None:
             raise RuntimeError("ShardWriter.directory outside its `with` block")
         final = self.root / relative
         temp = _temporary(final)
@@ -522,37 +533,45 @@ class ShardWriter:
             self._abort()
             raise
 
+    def _stop_writes(self) -> None:
+        """Wait for the queued writes (cancelling those not started when aborting) and end the thread."""
+        if self._writes is not None:
+            self._writes.shutdown(wait=True, cancel_futures=True)
+            self._writes = None
+
     def _commit(self) -> None:
-        for temp, writer in self._open.values():
+        while self._in_flight:
+            self._in_flight.popleft().result()  # the first failed write, if any, aborts the shard
+        self._stop_writes()
+        for _, writer in self._open.values():
             writer.close()
-            _fsync_file(temp)
-        for temp in self._folders.values():
-            for file in _walk_files(temp):
-                _fsync_file(file)
+        # Every file as (temporary path, final path); a filled folder's files keep their relative paths.
+        files = {temp: final for final, (temp, _) in self._open.items()} | {
+            file: final / file.relative_to(temp) for final, temp in self._folders.items() for file in _walk_files(temp)
+        }
+        with ThreadPoolExecutor(min(8, len(files) or 1)) as pool:
+            synced = dict(zip(files.values(), pool.map(_synced_size_and_sha256, files), strict=True))
         renames = {final: temp for final, (temp, _) in self._open.items()} | self._folders
         for final, temp in renames.items():
             _remove(final)  # a leftover of a killed attempt; os.replace cannot replace a folder
             os.replace(temp, final)
-        for directory in {final.parent for final in renames}:
-            _fsync_dir(directory)
-        files = sorted(f for final in renames for f in ([final] if final.is_file() else _walk_files(final)))
+        with ThreadPoolExecutor(min(8, len(renames) or 1)) as pool:
+            list(pool.map(_fsync_dir, {final.parent for final in renames}))
         self._open.clear()
         self._folders.clear()
         manifest = {"format": MANIFEST_FORMAT, "shard": self.shard, **asdict(self.key),
-                    "files": [self._entry(path) for path in files]}  # fmt: skip
+                    "files": [self._entry(path, *synced[path]) for path in sorted(synced)]}  # fmt: skip
         atomic_write(manifest_path(self.root, self.shard), json.dumps(manifest, indent=1, sort_keys=True))
 
-    def _entry(self, path: Path) -> dict[str, Any]:
-        entry = {
-            "path": path.relative_to(self.root).as_posix(),
-            "bytes": path.stat().st_size,
-            "sha256": file_sha256(path),
-        }
+    def _entry(self, path: Path, size: int, sha256: str) -> dict[str, Any]:
+        entry: dict[str, Any] = {"path": path.relative_to(self.root).as_posix(), "bytes": size, "sha256": sha256}
         if path in self._rows:
             entry["rows"] = self._rows[path]
         return entry
 
     def _abort(self) -> None:
+        self._in_flight.clear()
+        self._stop_writes()
         for _, writer in self._open.values():
             try:
                 writer.close()
@@ -565,6 +584,12 @@ class ShardWriter:
         self._open.clear()
         self._folders.clear()
         remove_shard(self.root, self.shard)
+
+
+def _synced_size_and_sha256(path: Path) -> tuple[int, str]:
+    """Flush a written file to disk; its size and sha256 (read back, as a reader will)."""
+    _fsync_file(path)
+    return path.stat().st_size, file_sha256(path)
 
 
 # ------------------------------------------------------------------------------- atomic writes

@@ -22,9 +22,24 @@ from torch.optim._muon import (
 CHUNK_ROWS = 512
 
 
+def _row_norms(m: Tensor) -> Tensor:
+    return m.norm(dim=1, keepdim=True).clamp_min_(torch.finfo(m.dtype).tiny)
+
+
 def unit_rows(m: Tensor) -> Tensor:
     """Rows scaled to norm 1; zero rows stay zero (still feasible: inside every ball)."""
-    return m / m.norm(dim=1, keepdim=True).clamp_min(torch.finfo(m.dtype).tiny)
+    return m / _row_norms(m)
+
+
+def unit_rows_(m: Tensor) -> Tensor:
+    """`unit_rows` in place. At the head's size (V × d) a fresh temporary costs ~10× an in-place pass over
+    it (page faults of a new mapping), so the LMOs reuse their own temporaries."""
+    return m.div_(_row_norms(m))
+
+
+def row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """(n, 1) inner products of the rows of `a` and `b`, without an (n, d) temporary (a batched matmul)."""
+    return torch.bmm(a[:, None, :], b[:, :, None])[:, 0]
 
 
 def orthogonalise(m: Tensor) -> Tensor:
@@ -32,22 +47,27 @@ def orthogonalise(m: Tensor) -> Tensor:
     return ortho.to(m.dtype)
 
 
-def tangent_rows(u: Tensor, axes: Tensor) -> Tensor:
-    """Each row of `u` with its component along the same row of the unit `axes` removed, normalised."""
-    return unit_rows(u - (u * axes).sum(dim=1, keepdim=True) * axes)
+def tangent_rows(u: Tensor, axes: Tensor, dots: Tensor | None = None) -> Tensor:
+    """Each row of `u` with its component along the same row of the unit `axes` removed, normalised;
+    `dots` is `row_dots(u, axes)` where the caller has it."""
+    along = row_dots(u, axes) if dots is None else dots
+    return unit_rows_(torch.addcmul(u, along, axes, value=-1.0))
 
 
-def on_cone(axes: Tensor, tangents: Tensor, cos_min: float) -> Tensor:
-    """The points of the cones' boundaries `⟨u_i, a_i⟩ = cos_min` in the unit `tangents` directions."""
-    return cos_min * axes + math.sqrt(1 - cos_min * cos_min) * tangents
+def on_cone_(tangents: Tensor, axes: Tensor, cos_min: float) -> Tensor:
+    """In place on the unit `tangents`: the points of the cones' boundaries `⟨u_i, a_i⟩ = cos_min` in
+    their directions. Returns `tangents`."""
+    return tangents.mul_(math.sqrt(1 - cos_min * cos_min)).add_(axes, alpha=cos_min)
 
 
 def into_cones_(u: Tensor, axes: Tensor, cos_min: float) -> Tensor:
     """In place: unit rows `u` moved, where needed, onto the boundary of the cone `⟨u_i, a_i⟩ ≥ cos_min`
     around their axis, along the great circle through the axis (the nearest point of the cone on the
     sphere). Returns `u`."""
-    outside = torch.nonzero((u * axes).sum(dim=1) < cos_min).flatten()
-    u[outside] = on_cone(axes[outside], tangent_rows(u[outside], axes[outside]), cos_min)
+    dots = row_dots(u, axes)
+    outside = torch.nonzero(dots[:, 0] < cos_min).flatten()
+    axes_out = axes[outside]
+    u[outside] = on_cone_(tangent_rows(u[outside], axes_out, dots[outside]), axes_out, cos_min)
     return u
 
 
@@ -70,7 +90,7 @@ def sketch_projection(width: int, like: Tensor, seed: int = 0) -> Tensor | None:
 
 def sketch(u: Tensor, projection: Tensor | None) -> Tensor:
     """The rows as compared by the candidate search: themselves, or projected and renormalised."""
-    return u if projection is None else unit_rows(u @ projection)
+    return u if projection is None else unit_rows_(u @ projection)
 
 
 def nearest_candidates(s: Tensor, k: int, seed: int = 0, bucket_rows: int = BUCKET_ROWS) -> Tensor:

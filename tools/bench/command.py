@@ -41,7 +41,12 @@ ACTIVATION_SHARD, ACTIVATION_KEY = f"{FANOUT_MODEL}/seq=0", ManifestKey({"tokens
 FANOUT_WORKERS = (1, 2)
 
 
-def run(params: Params, *, quick: bool, out_dir: Path) -> None:
+# Every section, in the order they run and are reported; `lmgeo bench --only NAME` runs a subset.
+SECTIONS = ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout", "gpu")
+
+
+def run(params: Params, *, quick: bool, out_dir: Path, only: list[str] | None = None) -> None:
+    """Every section (or those in `only`, names from `SECTIONS`), and the report written to `out_dir`."""
     sizes = QUICK if quick else FULL
     started = time.time()
     report: dict[str, Any] = {
@@ -66,7 +71,9 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
         "fanout": lambda: fanout(params, sizes.fanout),
         "gpu": lambda: gpu(params, sizes, threads["extract"]),
     }
-    for name, measure in sections.items():
+    assert tuple(sections) == SECTIONS, "SECTIONS lists every section, in order"
+    for name in [name for name in SECTIONS if only is None or name in only]:
+        measure = sections[name]
         section_start = time.time()
         print(f"bench: {name} …", flush=True)
         report[name] = measure()
@@ -79,7 +86,7 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
 def collect_bars(report: dict[str, Any]) -> dict[str, Any]:
     """Move every section's `bars` and `profile` to the top-level `ratios` table and `profiles`."""
     report["ratios"], report["profiles"] = [], {}
-    parts = [section for name in ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout")
+    parts = [section for name in SECTIONS if name in report and name != "gpu"
              for section in (report[name] if isinstance(report[name], list) else [report[name]])]
     for section in parts:
         report["ratios"] += section.pop("bars")

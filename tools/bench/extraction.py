@@ -74,7 +74,7 @@ def extraction_throughput(size: ExtractionSize, batch_size: int, threads: int) -
         }
         timings = interleaved(cases, size.repeats)
         ratio = 1 / timings.ratio("extract_path", "bare_forward")  # throughput ratio
-        verdict = bar("extraction: extract path / bare HF forward (tokens/s)", ratio, ">=", 0.8)
+        verdict = bar("extraction: extract path / bare HF forward (tokens/s)", ratio, ">=", 0.9)
         profile = [] if verdict.passed else profile_top(cases["extract_path"])
     n_tokens = tokens.size
     return {
@@ -101,14 +101,21 @@ def extraction_peak_rss(size: ExtractionSize, n_seq: int, batch_size: int, threa
     return {"tokens": int(tokens.size), "rss_after_setup_bytes": after_setup, "peak_rss_bytes": peak_rss_bytes()}
 
 
+RSS_REPEATS = 2
+
+
 def extraction_section(
     size: ExtractionSize, batch_size: int, threads: int, runner: Runner = run_fresh
 ) -> dict[str, Any]:
     section = runner(extraction_throughput, threads, size=size, batch_size=batch_size)
-    runs = [run_fresh(extraction_peak_rss, threads, size=size, n_seq=n, batch_size=batch_size) for n in size.rss_n_seq]
+    # Each size's peak is the highest of `RSS_REPEATS` fresh processes: the allocator's layout makes one
+    # process's peak vary by ~15% at these sizes (measured: 641–727 MiB for the same 2 batches).
+    runs = [max((run_fresh(extraction_peak_rss, threads, size=size, n_seq=n * batch_size, batch_size=batch_size)
+                 for _ in range(RSS_REPEATS)), key=lambda run: run["peak_rss_bytes"])
+            for n in size.rss_batches]  # fmt: skip
     growth = runs[1]["peak_rss_bytes"] / runs[0]["peak_rss_bytes"]
     section["peak_rss"] = runs
-    section["bars"].append(bar("extraction: peak RSS, 4× the tokens", growth, "<=", 1.3,
+    section["bars"].append(bar("extraction: peak RSS, 4× the tokens", growth, "<=", 1.15,
                                note=f"{runs[0]['tokens']} → {runs[1]['tokens']} tokens, whole process, "
                                     "nothing subtracted"))
     return section

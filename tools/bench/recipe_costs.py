@@ -54,6 +54,6 @@ COSTS: dict[str, RecipeCost] = {
     "hilbert": RecipeCost(lambda vocab, width, equi_iters: 15.0 * vocab * width, step_time_bar=("muon", 1.1)),
     # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is as
     # large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2 scale,
-    # where the model dwarfs it, ~1.3× `muon_head`'s (`lmgeo bench`).
+    # where the model dwarfs it, ~1.2× `muon_head`'s (`lmgeo bench`; docs/benchmarks.md).
     "hilbert_equi": RecipeCost(hilbert_equi_flops, step_time_bar=("muon_head", 2.5), head_step_bar=("muon_head", 1.5)),
 }

@@ -52,12 +52,15 @@ KNOWN_LEVERS = {
         "2·V²·min(d, 64) FLOPs plus a top-k over V² similarities (a sketch of width 64 above d = 64), and "
         "`equi_iters` passes over V × 8 candidates; `muon_head` pays one Newton–Schulz, 5·(4·V·d² + 2·d³) in "
         "bfloat16. At small d the V² search dominates; levers: fewer candidates, a narrower sketch, or "
-        "`equi_iters = 0` (random tangents only, no search)."
+        "`equi_iters = 0` (random tangents only, no search). Already applied: every V × d step is in place "
+        "on the direction's own temporaries (a fresh V × d tensor costs ~10× an in-place pass over it on "
+        "CPU: the page faults of a new mapping) and the row inner products are batched matmuls."
     ),
     "recipes: hilbert /": (
         "`hilbert_direction` is element-wise (two centrings and a row normalisation, ≈ 15·V·d FLOPs "
         "against AdamW's ≈ 11·V·d); a miss here points at memory traffic (each centring and "
-        "`_unit_rows` materialises a V × d temporary) or at load on the machine."
+        "`unit_rows` materialises a V × d temporary: `hilbert_equi` works in place, `unit_rows_` and "
+        "`center_rows_`) or at load on the machine."
     ),
     "kNN vs FAISS": (
         "Both sides run FAISS's own float32 search; ours asks for `k + slack` candidates and adds the rounding "
@@ -65,6 +68,15 @@ KNOWN_LEVERS = {
         "small pool points at the fixed per-call cost of those few dozen tensor operations (a few hundred µs); "
         "at a large one, at the row norms of the pool and the exact distances (more contested candidates when "
         "distances crowd)."
+    ),
+    "patching: suffix's achieved FLOP/s": (
+        "The suffix runs few positions per call (a group of copies from its earliest anchor on, batches of "
+        "`copies × (T − start)` tokens), so its matrix products are smaller than a forward's over whole "
+        "sequences; what is not the model's FLOPs at all is the KL over the vocabulary at every suffix position "
+        "(`kl_per_position`: an exp, a difference, a product and a mask per logit, memory-bound: about half "
+        "of the suffix's time in a cProfile at the bench's sizes, V = 2048, d = 64), the log-softmax of both "
+        "passes, and copying the clean keys and values into each group's cache. Levers: the clean pass's "
+        "probabilities once per sequence instead of once per group, and larger groups where anchors are close."
     ),
     "patching: suffix": (
         "The suffix runs blocks l+1..L−1 and the head on the positions from each group's earliest anchor on "
@@ -125,9 +137,10 @@ def render_markdown(report: dict[str, Any]) -> str:
          "met" if b["passed"] else "**missed**", b["note"]] for b in report["ratios"]])
     missed = [b for b in report["ratios"] if not b["passed"]]
     lines += ["", f"{len(report['ratios']) - len(missed)} of {len(report['ratios'])} bars met.", ""]
-    lines += _extraction_md(report["extraction"]) + _fits_md(report["fits"]) + _knn_md(report["knn_memory"])
-    lines += _faiss_md(report["knn_vs_faiss"]) + _patching_md(report["patching"])
-    lines += _recipes_md(report["recipes"]) + _fanout_md(report["fanout"]) + _gpu_md(report["gpu"])
+    sections = {"extraction": _extraction_md, "fits": _fits_md, "knn_memory": _knn_md, "knn_vs_faiss": _faiss_md,
+                "patching": _patching_md, "recipes": _recipes_md, "fanout": _fanout_md, "gpu": _gpu_md}
+    for name, section_md in sections.items():
+        lines += section_md(report[name]) if name in report else []  # `lmgeo bench --only` runs a subset
     if missed:
         lines += ["## Missed bars: profiles and levers", ""]
         explained: set[str] = set()
@@ -227,6 +240,12 @@ def _patching_md(section: dict[str, Any]) -> list[str]:
                    f"{_num(section['over_recompute'])}× as fast as `recompute`. "
                    "Largest relative KL difference to `full`: "
                    f"{_num(section['max_relative_kl_difference'])}."), ""]
+    f = section["flops"]
+    lines += [(f"Achieved FLOP/s: `suffix` {_num(f['suffix_per_s'] / 1e9)} GFLOP/s on its useful FLOPs (each "
+               "sequence's clean pass, and blocks l+1.. and the head from each anchor on), the bare forward "
+               f"(`bare`: the model's forward with its head on every copy's sequence, same batches) "
+               f"{_num(f['bare_forward_per_s'] / 1e9)} GFLOP/s; FLOPs counted by `suffix_flops` (2 per "
+               "multiply-add of the weight matrices and the head, 4·d per causal attention pair)."), ""]
     return lines
 
 

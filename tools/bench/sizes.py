@@ -29,7 +29,11 @@ class ExtractionSize:
     vocab: int
     seq_len: int
     n_seq: int  # sequences per timed repetition: one extract shard
-    rss_n_seq: tuple[int, int]  # token counts 4× apart, for peak memory
+    # Batches of sequences for peak memory, 4× apart: whole batches, so that the two runs differ in the
+    # number of batches only (a run of one partial batch would compare batch sizes, not token counts), and
+    # at least two, so that both runs include the allocator's reuse of the first batch's freed memory
+    # (glibc raises its mmap threshold after the first frees: the second batch's tensors come from the heap).
+    rss_batches: tuple[int, int]
     repeats: int
 
     def model_size(self) -> ModelSize:
@@ -118,7 +122,7 @@ class BenchSizes:
 FULL = BenchSizes(
     # A mid-size GPT-2: the writer's cost per token grows like (L+1)·d, the forward's like L·(12d² + 2Td),
     # so the ratio improves with width; d = 256 is a conservative stand-in for the hub models.
-    extraction=ExtractionSize("gpt2", 256, 4, 4, 8192, 128, 16, (16, 64), 9),
+    extraction=ExtractionSize("gpt2", 256, 4, 4, 8192, 128, 16, (2, 8), 9),
     fits=(
         # The hub models the study is built for (GPT-2 small, Pythia-160m) have d = 768.
         FitScale("d=768 (GPT-2 small width)", 768, 64, 64, 32, 2),
@@ -137,7 +141,7 @@ FULL = BenchSizes(
 
 
 QUICK = BenchSizes(
-    extraction=ExtractionSize("gpt2", 32, 2, 2, 256, 16, 4, (4, 16), 2),
+    extraction=ExtractionSize("gpt2", 32, 2, 2, 256, 16, 4, (2, 8), 2),
     fits=(FitScale("d=16 (smoke)", 16, 8, 16, 4, 1),),
     knn=KnnSize(d=8, chunk=64, anchors=64, pools=(256, 1024)),
     recipes=RecipeSize("neox", 32, 1, 2, 512, 16, 2, 2, flops_vocab=50304, flops_width=768, head_vocab=1024,

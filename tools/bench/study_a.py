@@ -63,7 +63,8 @@ def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
     """`patch_kl_anchors` in `suffix` mode (the default: blocks `l+1..` from the cached keys and values, on the
     positions from the anchor on) against `full` mode, and against `recompute` (the suffix of blocks on every
     position, the path before the cache), on a random-weight model, every layer, 3 patched copies per anchor
-    (a real patch and two nulls share an anchor, as in the perturb stage)."""
+    (a real patch and two nulls share an anchor, as in the perturb stage). And the suffix's achieved FLOP/s
+    against the bare forward's (`model(input_ids)` on the copies' sequences, same batches) on the same slice."""
     import torch
 
     from pipeline.models.config import ModelSize
@@ -78,13 +79,14 @@ def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
     rows = np.repeat(np.repeat(np.arange(size.n_seq), size.anchors_per_seq), 3)
     positions = np.repeat(rng.integers(0, size.seq_len, size=size.n_seq * size.anchors_per_seq), 3)
     vectors = rng.normal(size=(len(rows), size.d_model)).astype(np.float32)
-    cases = {
+    cases: dict[str, Any] = {
         mode: lambda mode=mode: [
             patch_kl_anchors(model, tokens, rows, positions, layer, vectors, size.batch, mode=mode)
             for layer in range(size.n_layers)
         ]
         for mode in ("suffix", "recompute", "full")
     }
+    cases["bare"] = lambda: [bare_forward(model, tokens[rows], size.batch) for _ in range(size.n_layers)]
     timings = interleaved(cases, size.repeats)
     worst = 0.0
     for mode in ("suffix", "recompute"):
@@ -93,11 +95,59 @@ def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
             worst = max([worst] + errors)
     speedup, over_recompute = timings.ratio("full", "suffix"), timings.ratio("recompute", "suffix")
     paths = sorted({suffix_path(model, layer)[0] for layer in range(size.n_layers)})
+    n_blocks = size.n_layers
+    suffix_work = sum(
+        suffix_flops(model, n_blocks, np.zeros(size.n_seq, dtype=int), size.seq_len)  # each sequence's clean pass
+        + suffix_flops(model, n_blocks - 1 - layer, positions, size.seq_len)  # blocks l+1.. from each anchor on
+        for layer in range(n_blocks)
+    )
+    bare_work = n_blocks * suffix_flops(model, n_blocks, np.zeros(len(rows), dtype=int), size.seq_len)
+    # (suffix FLOPs / suffix s) / (bare FLOPs / bare s), from each round's adjacent pair of runs
+    flops_ratio = suffix_work / bare_work * timings.ratio("bare", "suffix")
     return {
         "size": asdict(size), "speedup": speedup, "over_recompute": over_recompute, "paths": paths,
         "max_relative_kl_difference": worst, "timings": timings.summary(),
+        "flops": {"suffix": suffix_work, "bare_forward": bare_work, "ratio": flops_ratio,
+                  "suffix_per_s": suffix_work / timings.median("suffix"),
+                  "bare_forward_per_s": bare_work / timings.median("bare")},
         "bars": [bar(f"patching: suffix vs full forward, {size.arch} {size.n_layers} blocks (speed-up)",
                      speedup, ">=", 1.5,
                      note=f"KLs agree to {worst:.1e} (relative); {over_recompute:.2f}× the recomputing suffix; "
-                          f"path {', '.join(paths)}", extra_ok=worst <= 1e-3)],
+                          f"path {', '.join(paths)}", extra_ok=worst <= 1e-3),
+                 bar(f"patching: suffix's achieved FLOP/s / the bare forward's, {size.arch} {size.n_layers} blocks",
+                     flops_ratio, ">=", SUFFIX_FLOPS_BAR,
+                     note=f"useful FLOPs: each sequence's clean pass and blocks l+1.. and the head from each "
+                          f"anchor on, {suffix_work / bare_work:.2f}× the bare forwards' of every copy")],
     }  # fmt: skip
+
+
+# The suffix runs few positions per call (a group of copies from its earliest anchor on), so its FLOP rate is
+# below a forward's over whole sequences; below half of it, overheads per call (cache copies, the KL over
+# the vocabulary, grouping) rather than the model's FLOPs would dominate the perturb stage.
+SUFFIX_FLOPS_BAR = 0.5
+
+
+def bare_forward(model: Any, tokens: np.ndarray, batch_size: int) -> int:
+    """transformers' forward with its head (logits), no cache, in batches: what a FLOP rate is measured against."""
+    import torch
+
+    with torch.inference_mode():
+        for start in range(0, len(tokens), batch_size):
+            model(input_ids=torch.as_tensor(tokens[start : start + batch_size], dtype=torch.long), use_cache=False)
+    return len(tokens)
+
+
+def suffix_flops(model: Any, blocks_run: int, first: np.ndarray, seq_len: int) -> float:
+    """FLOPs of the last `blocks_run` blocks and the head on positions `first[i]..seq_len − 1` of sequence i,
+    each position attending to itself and every earlier one: 2 per multiply-add of the blocks' weight
+    matrices (every parameter of ≥ 2 dimensions, used once per token) and of the head, and 4·d per
+    (query, key) pair and block (the scores and the weighted sum). For attention blocks (the bench's neox)."""
+    from pipeline.models.registry import blocks_of
+
+    every = list(blocks_of(model))
+    blocks = every[len(every) - blocks_run :]
+    head = model.get_output_embeddings().weight
+    per_token = 2 * sum(p.numel() for block in blocks for p in block.parameters() if p.ndim >= 2) + 2 * head.numel()
+    first = np.asarray(first, dtype=np.float64)
+    pairs = (seq_len * (seq_len + 1) - first * (first + 1)) / 2  # Σ (t + 1) over t = first .. seq_len − 1
+    return float(np.sum((seq_len - first) * per_token + 4 * head.shape[1] * blocks_run * pairs))
