@@ -91,8 +91,8 @@ def plan(params: Params, layout: Layout) -> Plan:
         for start in range(0, len(seqs), per_shard):
             name = f"{model.path_id}/seq={start}"
             args = (params, model, files, sequences, seqs[start : start + per_shard], metadata)
-            planned.append((Shard(name, extract_task, args, code=code, write=write_to(layout.activations, name, key)),
-                            key))  # fmt: skip
+            write = write_to(layout.activations, name, key)
+            planned.append((Shard(name, extract_task, args, code=code, write=write), key))
     return planned
 
 

@@ -46,7 +46,24 @@ def perturb_task(
     return parts
 
 
-def stored_fits(layout: Layout, planned: dict[str, ManifestKey], model: str, layer: int, classes: list[str]):
+def perturb_shard(
+    layout: Layout, params: Params, model: AnalysedModel, layer: int, key: ManifestKey, name: str,
+    reads: dict[str, dict[str, ManifestKey]], code: tuple[CodeSpec, str],
+) -> Shard:
+    """The shard `name`: the task reads the model, its planned fits and activations (`reads`: planned shards
+    of each) and its KLs are written under `layout.perturb`."""
+    stored = functools.partial(partition_input, layout.activations, ACTIVATIONS, reads["activations"], rebuild=EXTRACT)
+    tokens = stored({"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
+    outputs = stored({"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
+    classes = params.analysis.classes
+    fits = Load(f"fits:{name}", functools.partial(stored_fits, layout, reads["fits"], model.path_id, layer, classes))
+    args = (params, model, layer, model_input(layout, params, model), tokens, outputs, fits)
+    return Shard(name, perturb_task, args, code=code, write=write_to(layout.perturb, name, key))
+
+
+def stored_fits(
+    layout: Layout, planned: dict[str, ManifestKey], model: str, layer: int, classes: list[str]
+) -> dict[str, pa.Table]:
     """Each class's patched anchors of the verified fit shard `planned`, read by the driver."""
     files = verified_files(layout.fits, planned, rebuild=FIT)
     columns = ["sample", "seq_id", "pos", "patched"]
@@ -73,14 +90,8 @@ def plan(params: Params, layout: Layout) -> Plan:
             layer = int(name.split("/")[1].removeprefix("layer="))
             inputs = {"fits": dataset_digest(layout.fits, prefix=name), "model": model.digest}
             key = ManifestKey(inputs=inputs, params_hash=patch_params, code_version=code[1])
-            stored = functools.partial(partition_input, layout.activations, ACTIVATIONS, activations, rebuild=EXTRACT)
-            tokens = stored({"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
-            outputs = stored({"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
-            fits = Load(f"fits:{name}", functools.partial(stored_fits, layout, {name: fitted[name]}, model.path_id,
-                                                          layer, a.classes))  # fmt: skip
-            args = (params, model, layer, model_input(layout, params, model), tokens, outputs, fits)
-            planned.append((Shard(name, perturb_task, args, code=code, write=write_to(layout.perturb, name, key)),
-                            key))  # fmt: skip
+            reads = {"fits": {name: fitted[name]}, "activations": activations}
+            planned.append((perturb_shard(layout, params, model, layer, key, name, reads, code), key))
     return planned
 
 

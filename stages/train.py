@@ -126,8 +126,8 @@ def plan(params: Params, layout: Layout) -> Plan:
         code = versioned(code_spec(layout, spec.recipe, spec.arch), layout)
         key = ManifestKey(tokens, stage_params("train", params, seq_len, cfg), code[1])
         args = (run, cfg, seq_len, key.params_hash, tokens_input, tokenizer_input)
-        planned.append((Shard(run, train_task, args, code=code, write=functools.partial(write_run, layout, run, key)),
-                        key))  # fmt: skip
+        write = functools.partial(write_run, layout, run, key)
+        planned.append((Shard(run, train_task, args, code=code, write=write), key))
     return planned
 
 
