@@ -3,17 +3,19 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pipeline.core.contracts import ACTIVATIONS
-from pipeline.core.execution import Shard
+from pipeline.core.execution import Load, Shard
 from pipeline.core.fingerprint import CodeSpec
-from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
+from pipeline.core.store import ManifestKey, ShardParts, file_sha256
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, model_tokenizer
 from stages.layout import Layout
-from stages.opening import check_external_models, open_model
-from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
+from stages.opening import check_external_models, model_input, open_model
+from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned, write_to
 
 
 def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.ndarray:
@@ -33,28 +35,31 @@ def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.n
 
 
 def extract_task(
-    layout: Layout, params: Params, model: AnalysedModel, seq_ids: list[int], key: ManifestKey, shard: str
-) -> int:
+    params: Params, model: AnalysedModel, files: dict[str, bytes] | None, sequences: np.ndarray, seq_ids: list[int],
+    metadata: dict[str, str],
+) -> ShardParts:
+    """Ray task: every layer's states of the model (its `files`) on the eval `sequences` numbered `seq_ids`."""
     from pipeline.study_a.extract import extract_batches
 
-    net, device = open_model(layout, params, model)
-    tokens = eval_sequences(params, layout, model)[seq_ids]
-    metadata = {
+    net, device = open_model(params, model, files)
+    parts = ShardParts(metadata=metadata)
+    for layer, batch in extract_batches(
+        net, sequences[seq_ids], np.asarray(seq_ids, dtype=np.int32), params.analysis.batch_size, device,
+        half=params.analysis.vector_dtype == "float16",
+    ):
+        parts.write({"model": model.path_id, "layer": layer}, batch)
+    return parts
+
+
+def shard_metadata(params: Params, layout: Layout, model: AnalysedModel) -> dict[str, str]:
+    """What every activation file of the model says about where it comes from."""
+    return {
         "model": model.table_id,
         "revision": model.revision or "",
         "dtype": params.analysis.vector_dtype,
         # Workspace-relative, so the same activations have the same bytes in every clone of the workspace.
         "tokenizer": layout.tokenizer.relative_to(layout.root).as_posix() if model.trained else model.ref,
     }
-    rows = 0
-    with ShardWriter(layout.activations, shard, key, metadata=metadata) as writer:
-        for layer, batch in extract_batches(
-            net, tokens, np.asarray(seq_ids, dtype=np.int32), params.analysis.batch_size, device,
-            half=params.analysis.vector_dtype == "float16",
-        ):
-            writer.write({"model": model.path_id, "layer": layer}, batch)
-            rows += batch.num_rows if layer == 0 else 0
-    return rows
 
 
 def shard_key(params: Params, layout: Layout, model: AnalysedModel, code: str) -> ManifestKey:
@@ -79,10 +84,15 @@ def plan(params: Params, layout: Layout) -> Plan:
     planned = []
     for model in analysed_models(params, layout):
         key = shard_key(params, layout, model, code[1])
+        # Read by the driver when the model's first shard is submitted, then shared by its shards.
+        files = model_input(layout, params, model)
+        sequences = Load(f"eval:{model.path_id}", functools.partial(eval_sequences, params, layout, model))
+        metadata = shard_metadata(params, layout, model)
         for start in range(0, len(seqs), per_shard):
             name = f"{model.path_id}/seq={start}"
-            args = (layout, params, model, seqs[start : start + per_shard], key, name)
-            planned.append((Shard(name, extract_task, args, code=code), key))
+            args = (params, model, files, sequences, seqs[start : start + per_shard], metadata)
+            write = write_to(layout.activations, name, key)
+            planned.append((Shard(name, extract_task, args, code=code, write=write), key))
     return planned
 
 

@@ -4,36 +4,55 @@ neighbours once and fits every class on them (and on the null samples), written 
 
 from __future__ import annotations
 
-from pipeline.core.contracts import ACTIVATIONS, FITS, read
+import pyarrow as pa
+
+from pipeline.core.contracts import ACTIVATIONS, FITS
 from pipeline.core.errors import InputError
 from pipeline.core.execution import Shard
 from pipeline.core.fingerprint import CodeSpec
-from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
+from pipeline.core.store import ManifestKey, ShardParts, dataset_digest, verified_files
 from pipeline.params import Params
 from pipeline.study_a.config import AnalysisConfig
 from stages.analysis_set import EXTRACT, activation_shapes, analysed_models
 from stages.layout import Layout
-from stages.sharded import Plan, members, planned_keys, run_sharded_stage, stage_code, stage_params, versioned
+from stages.sharded import (
+    Plan,
+    members,
+    partition_input,
+    planned_keys,
+    run_sharded_stage,
+    stage_code,
+    stage_params,
+    versioned,
+    write_to,
+)
 
 
-def fit_task(
-    layout: Layout, params: Params, model: str, layer: int, key: ManifestKey, shard: str,
-    activations: dict[str, ManifestKey],
-) -> int:
+def fit_task(params: Params, model: str, layer: int, h_in: pa.Table, h_out: pa.Table) -> ShardParts:
+    """Ray task: every class fitted on the transition from layer `layer` (`h_in`) to the next (`h_out`)."""
     import torch
 
     from pipeline.study_a.fits import fit_transition
 
-    files = verified_files(layout.activations, activations, rebuild=EXTRACT)
-    h_in, h_out = (
-        read(layout.activations, ACTIVATIONS, files, {"model": model, "layer": lay}) for lay in (layer, layer + 1)
-    )
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    tables = fit_transition(h_in, h_out, params.analysis, device)
-    with ShardWriter(layout.fits, shard, key, metadata={"model": model}) as writer:
-        for fn, table in tables.items():
-            writer.write({"model": model, "layer": layer, "fn": fn}, table)
-    return sum(table.num_rows for table in tables.values())
+    parts = ShardParts(metadata={"model": model})
+    for fn, table in fit_transition(h_in, h_out, params.analysis, device).items():
+        parts.write({"model": model, "layer": layer, "fn": fn}, table)
+    return parts
+
+
+def fit_shard(
+    layout: Layout, params: Params, model: str, layer: int, key: ManifestKey, name: str,
+    activations: dict[str, ManifestKey], code: tuple[CodeSpec, str] | None = None,
+) -> Shard:
+    """The shard `name`: the task reads layers `layer` and `layer + 1` of the model's `activations` (planned
+    shards) and its fits are written under `layout.fits`."""
+    h_in, h_out = (
+        partition_input(layout.activations, ACTIVATIONS, activations, {"model": model, "layer": at}, rebuild=EXTRACT)
+        for at in (layer, layer + 1)
+    )
+    return Shard(name, fit_task, (params, model, layer, h_in, h_out), code=code,
+                 write=write_to(layout.fits, name, key))  # fmt: skip
 
 
 def code_spec(layout: Layout, classes: list[str]) -> CodeSpec:
@@ -62,8 +81,7 @@ def plan(params: Params, layout: Layout) -> Plan:
         own = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model}/")}
         for layer in range(n_blocks):
             name = f"{model}/layer={layer}"
-            args = (layout, params, model, layer, key, name, own)
-            planned.append((Shard(name, fit_task, args, code=code), key))
+            planned.append((fit_shard(layout, params, model, layer, key, name, own, code), key))
     return planned
 
 

@@ -1,8 +1,8 @@
 """Where each dataset lives inside the workspace (the folder holding dvc.yaml): the one place, with
 `dvc.yaml`, that knows the `data/` and `reports/` paths of SPEC §2.
 
-Ray tasks get the absolute `Layout`, so they never depend on a worker's current directory (on a cluster,
-the workspace must be a path that every node sees).
+Only the driver uses a `Layout`: Ray tasks never touch the workspace (their inputs and outputs travel through
+Ray's object store, SPEC §1).
 """
 
 from __future__ import annotations

@@ -1,14 +1,18 @@
-"""Opening an analysed model in a task: its weights checked against the plan, loaded under the security
-params, and verified (`pipeline.study_a.verify`) before any work. Only the stages that run a model
-(extract, perturb) import this module, so the other stages' code versions do not depend on model code."""
+"""Opening an analysed model in a task: its weights checked against the plan by the driver, which sends
+the model's files to the task (`model_input`; a hub model is downloaded by the task's node), loaded under
+the security params, and verified (`pipeline.study_a.verify`) before any work. Only the stages that run a
+model (extract, perturb) import this module, so the other stages' code versions do not depend on model
+code."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.errors import InputError
-from pipeline.core.store import folder_digest, sha256_cached, verify_shard
+from pipeline.core.execution import Load
+from pipeline.core.store import folder_digest, read_folder, sha256_cached, verify_shard, write_folder
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, model_label, model_source, model_tokenizer
 from stages.layout import Layout
@@ -30,7 +34,7 @@ def check_external_model(params: Params, layout: Layout, model: AnalysedModel) -
     source = model_source(layout, params, model.ref, model.revision)
     if not Path(source).is_dir():
         return None
-    net = _load(layout, source, params, model.revision)
+    net = _load(layout.root, source, params, model.revision)
     verify_model(net)
     return net
 
@@ -55,9 +59,21 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
     return source
 
 
-def open_model(layout: Layout, params: Params, model: AnalysedModel):
-    """The verified model on the task's device (a GPU when Ray gave the task one), under the security
-    params, its structure verified on that device before any work (`pipeline.study_a.verify`).
+def model_input(layout: Layout, params: Params, model: AnalysedModel) -> Load:
+    """A task's input: the model's files (relative path → bytes), read by the driver after checking them
+    against the plan (`verify_weights`); None for a hub model, which the task's node downloads."""
+
+    def read() -> dict[str, bytes] | None:
+        source = Path(verify_weights(layout, params, model))
+        return read_folder(source) if source.is_dir() else None
+
+    return Load(f"model:{model.digest}", read)
+
+
+def open_model(params: Params, model: AnalysedModel, files: dict[str, bytes] | None):
+    """The model (its `files`, or its hub id when None) on the task's device (a GPU when Ray gave the task
+    one), under the security params, its structure verified on that device before any work
+    (`pipeline.study_a.verify`).
 
     The worker keeps the last model it opened: a task runs consecutive shards of one model (its layers and
     classes), which then load it once."""
@@ -66,11 +82,15 @@ def open_model(layout: Layout, params: Params, model: AnalysedModel):
     from pipeline.study_a.verify import verify_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    source = verify_weights(layout, params, model)
-    key = (source, model.digest, str(device), params.security)
+    key = (model.digest, str(device), params.security)
     if _opened.get("key") != key:
         _opened.clear()
-        net = _load(layout, source, params, model.revision).to(device)
+        # A scratch folder of this node is the workspace the model is opened in: the files the driver sent
+        # are written there, and a hub id cannot name a path of the node.
+        with tempfile.TemporaryDirectory(prefix="lmgeo-model-") as scratch:
+            ref = model.ref if files is None else "./model"
+            write_folder(Path(scratch) / "model", files or {})
+            net = _load(Path(scratch), ref, params, model.revision).to(device)
         verify_model(net)
         _opened.update(key=key, net=net)
     return _opened["net"], device
@@ -79,11 +99,11 @@ def open_model(layout: Layout, params: Params, model: AnalysedModel):
 _opened: dict[str, Any] = {}  # this worker's last opened model (one, so memory stays bounded)
 
 
-def _load(layout: Layout, source: str, params: Params, revision: str | None):
+def _load(workspace: Path, source: str, params: Params, revision: str | None):
     from pipeline.models.loading import load_model
 
     s = params.security
     return load_model(
-        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=layout.root,
+        source, revision=revision, trust_remote_code=s.trust_remote_code, workspace=workspace,
         allow_outside_paths=s.allow_outside_paths, max_parameters=s.max_model_parameters,
     )

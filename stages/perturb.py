@@ -5,44 +5,69 @@ that token is replaced by T_i(h_l), and by the two null patches of SPEC §4.5; o
 
 from __future__ import annotations
 
+import functools
+
+import pyarrow as pa
+
 from pipeline.core.contracts import ACTIVATIONS, FITS, PERTURB, read
-from pipeline.core.execution import Shard
+from pipeline.core.execution import Load, Shard
 from pipeline.core.fingerprint import CodeSpec
-from pipeline.core.store import ManifestKey, ShardWriter, dataset_digest, verified_files
+from pipeline.core.store import ManifestKey, ShardParts, dataset_digest, verified_files
 from pipeline.params import Params
 from stages.analysis_set import EXTRACT, FIT, AnalysedModel, analysed_models
 from stages.layout import Layout
-from stages.opening import open_model
-from stages.sharded import Plan, members, planned_keys, run_sharded_stage, stage_code, stage_params, versioned
+from stages.opening import model_input, open_model
+from stages.sharded import (
+    Plan,
+    members,
+    partition_input,
+    planned_keys,
+    run_sharded_stage,
+    stage_code,
+    stage_params,
+    versioned,
+    write_to,
+)
 
 
 def perturb_task(
-    layout: Layout, params: Params, model: AnalysedModel, layer: int, key: ManifestKey, shard: str,
-    inputs: dict[str, dict[str, ManifestKey]],
-) -> int:
+    params: Params, model: AnalysedModel, layer: int, files: dict[str, bytes] | None, tokens: pa.Table,
+    outputs: pa.Table, fits: dict[str, pa.Table],
+) -> ShardParts:
+    """Ray task: the KLs of every class's patches at layer `layer` of the model (its `files`), from the eval
+    `tokens` (layer 0's ids), the layer's `outputs` (h_{l+1}) and each class's `fits`."""
     from pipeline.study_a.perturb import perturb_layer
 
     a = params.analysis
-    fit_files = verified_files(layout.fits, inputs["fits"], rebuild=FIT)
-    stored_files = verified_files(layout.activations, inputs["activations"], rebuild=EXTRACT)
-    tokens = read(
-        layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": 0}, ["seq_id", "token_id"]
-    )
-    outputs = read(
-        layout.activations, ACTIVATIONS, stored_files, {"model": model.path_id, "layer": layer + 1},
-        ["seq_id", "pos", "h"],
-    )
-    fits = {
-        fn: read(layout.fits, FITS, fit_files, {"model": model.path_id, "layer": layer, "fn": fn},
-                 ["sample", "seq_id", "pos", "patched"])
-        for fn in a.classes
-    }  # fmt: skip
-    net, _device = open_model(layout, params, model)
-    tables = perturb_layer(net, tokens, outputs, fits, layer, a.seed, a.batch_size)
-    with ShardWriter(layout.perturb, shard, key, metadata={"model": model.table_id}) as writer:
-        for fn, table in tables.items():
-            writer.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
-    return sum(table.num_rows for table in tables.values())
+    net, _device = open_model(params, model, files)
+    parts = ShardParts(metadata={"model": model.table_id})
+    for fn, table in perturb_layer(net, tokens, outputs, fits, layer, a.seed, a.batch_size).items():
+        parts.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
+    return parts
+
+
+def perturb_shard(
+    layout: Layout, params: Params, model: AnalysedModel, layer: int, key: ManifestKey, name: str,
+    reads: dict[str, dict[str, ManifestKey]], code: tuple[CodeSpec, str],
+) -> Shard:
+    """The shard `name`: the task reads the model, its planned fits and activations (`reads`: planned shards
+    of each) and its KLs are written under `layout.perturb`."""
+    stored = functools.partial(partition_input, layout.activations, ACTIVATIONS, reads["activations"], rebuild=EXTRACT)
+    tokens = stored({"model": model.path_id, "layer": 0}, ["seq_id", "token_id"])
+    outputs = stored({"model": model.path_id, "layer": layer + 1}, ["seq_id", "pos", "h"])
+    classes = params.analysis.classes
+    fits = Load(f"fits:{name}", functools.partial(stored_fits, layout, reads["fits"], model.path_id, layer, classes))
+    args = (params, model, layer, model_input(layout, params, model), tokens, outputs, fits)
+    return Shard(name, perturb_task, args, code=code, write=write_to(layout.perturb, name, key))
+
+
+def stored_fits(
+    layout: Layout, planned: dict[str, ManifestKey], model: str, layer: int, classes: list[str]
+) -> dict[str, pa.Table]:
+    """Each class's patched anchors of the verified fit shard `planned`, read by the driver."""
+    files = verified_files(layout.fits, planned, rebuild=FIT)
+    columns = ["sample", "seq_id", "pos", "patched"]
+    return {fn: read(layout.fits, FITS, files, {"model": model, "layer": layer, "fn": fn}, columns) for fn in classes}
 
 
 def code_spec(layout: Layout) -> CodeSpec:
@@ -66,8 +91,7 @@ def plan(params: Params, layout: Layout) -> Plan:
             inputs = {"fits": dataset_digest(layout.fits, prefix=name), "model": model.digest}
             key = ManifestKey(inputs=inputs, params_hash=patch_params, code_version=code[1])
             reads = {"fits": {name: fitted[name]}, "activations": activations}
-            args = (layout, params, model, layer, key, name, reads)
-            planned.append((Shard(name, perturb_task, args, code=code), key))
+            planned.append((perturb_shard(layout, params, model, layer, key, name, reads, code), key))
     return planned
 
 

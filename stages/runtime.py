@@ -1,9 +1,9 @@
 """Connecting the CLI to Ray: the only place in lmgeo that calls ``ray.init`` (SPEC §1).
 
-Worker processes import ``pipeline`` and ``stages`` the way the driver does: the package is
-installed (editable in a checkout), and Ray also puts the driver's working directory — the workspace
-where DVC runs the stage — on every worker's ``sys.path``. No ``runtime_env`` ``working_dir`` is used:
-uploading the workspace (data included) to a local Ray would be pure overhead.
+Worker processes import ``pipeline`` and ``stages`` as the driver imported them: Ray ships both
+packages to every node (``runtime_env`` ``py_modules``; a node needs the installed dependencies, not the
+checkout), and puts them first on the workers' ``sys.path``. The workspace itself (``data/``) never
+travels that way: tasks get their inputs through the object store (``pipeline.core.execution``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,15 @@ from pipeline.core.errors import InputError
 
 # Environment every task's worker gets, also on cluster nodes that did not inherit the driver's.
 WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+
+
+def worker_runtime_env() -> dict:
+    """What every worker of lmgeo's Ray job gets: the project's packages as the driver imports them (the
+    code version check in each task compares what they hash to with the plan) and `WORKER_ENV`."""
+    import pipeline
+    import stages
+
+    return {"py_modules": [pipeline, stages], "excludes": ["__pycache__"], "env_vars": WORKER_ENV}
 
 
 def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
@@ -65,6 +74,7 @@ def start_ray(cfg: RayConfig, address: str | None = None) -> None:
         num_gpus=cfg.num_gpus if cfg.num_gpus is not None else detect_gpus(),
         include_dashboard=False,
         logging_level=logging.WARNING,
+        runtime_env=worker_runtime_env(),
     )
 
 
@@ -83,7 +93,7 @@ def join_cluster(target: str) -> None:
 
         _enable_token_auth()
     try:
-        ray.init(address=target, logging_level=logging.WARNING, runtime_env={"env_vars": WORKER_ENV})
+        ray.init(address=target, logging_level=logging.WARNING, runtime_env=worker_runtime_env())
     except AuthenticationError as err:
         raise InputError(
             f"cannot join the Ray cluster at {target!r}: {str(err).splitlines()[0]} Give it the cluster's token "

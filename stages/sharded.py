@@ -1,18 +1,28 @@
 """The one loop of every sharded stage: plan (validated), prune what the plan no longer has, skip the
-shards that are complete, fan the rest out as Ray tasks."""
+shards that are complete, fan the rest out as Ray tasks; and how data reaches a task and comes back: the
+driver reads a task's inputs (`Load`s such as `partition_input`) and writes what it returns (`write_to`), so
+tasks never touch the workspace and run on any node of a cluster (SPEC §1)."""
 
 from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from pipeline.core.config import digest
-from pipeline.core.execution import Shard, run_shards
+from pipeline.core.contracts import Dataset, read
+from pipeline.core.execution import Load, Shard, run_shards
 from pipeline.core.fingerprint import CodeSpec, code_version, index_members
-from pipeline.core.store import ManifestKey, prune_shards, shard_complete, write_plan
+from pipeline.core.store import (
+    ManifestKey,
+    ShardParts,
+    prune_shards,
+    shard_complete,
+    verified_files,
+    write_plan,
+)
 from pipeline.params import Params
 from stages.layout import Layout
 
@@ -59,6 +69,28 @@ def versioned(spec: CodeSpec, layout: Layout) -> tuple[CodeSpec, str]:
 @functools.cache
 def _version(spec: CodeSpec, root: Path) -> str:
     return code_version(spec, roots=[root])
+
+
+def partition_input(
+    root: Path, dataset: Dataset, planned: Mapping[str, ManifestKey], where: dict[str, Any],
+    columns: Sequence[str] | None = None, *, rebuild: str,
+) -> Load:
+    """A task's input: the rows of `dataset` in partition `where` (`columns`, or all), from the verified
+    files of the `planned` shards under `root`, read by the driver when it submits the task."""
+    key = f"{root}:{sorted(where.items())}:{columns}"
+    return Load(key, functools.partial(_read_partition, root, dataset, dict(planned), where, columns, rebuild))
+
+
+def _read_partition(
+    root: Path, dataset: Dataset, planned: dict[str, ManifestKey], where: dict[str, Any],
+    columns: Sequence[str] | None, rebuild: str,
+) -> Any:
+    return read(root, dataset, verified_files(root, planned, rebuild=rebuild), where, columns)
+
+
+def write_to(root: Path, shard: str, key: ManifestKey) -> Callable[[ShardParts], None]:
+    """A shard's `write`: the driver commits the parts its task returned under `root`."""
+    return lambda parts: parts.commit(root, shard, key)
 
 
 def run_sharded_stage(

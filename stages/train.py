@@ -1,8 +1,9 @@
 """`lmgeo train`: one Ray task per run (arch × recipe × seed), resumable per run.
 
 A run is one shard in two datasets: its checkpoints `data/models/<run>/{init,final}/` and its log
-`data/train/run=<run>/steps.parquet`. The log commits first and the checkpoints last, so a run is complete
-when both manifests hold its key; anything else left by a killed run is removed and the run redone.
+`data/train/run=<run>/steps.parquet`. The task returns both (checkpoint files as bytes) and the driver
+writes them, the log first and the checkpoints last, so a run is complete when both manifests hold its key;
+anything else left by a killed run is removed and the run redone.
 
 Wall-clock times are not results: the same code and params must give the same bytes on every run, so
 each run's step times go to `telemetry/train/<run>.json` (a DVC output outside the cache, SPEC §1).
@@ -10,12 +11,14 @@ each run's step times go to `telemetry/train/<run>.json` (a DVC output outside t
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
+from typing import Any
 
-from pipeline.core.execution import Shard
+from pipeline.core.execution import Load, Shard
 from pipeline.core.fingerprint import CodeSpec
-from pipeline.core.store import ManifestKey, ShardWriter, file_sha256
+from pipeline.core.store import ManifestKey, ShardParts, file_sha256, read_folder
 from pipeline.params import Params
 from pipeline.study_b.config import TrainConfig
 from stages.layout import Layout
@@ -24,46 +27,73 @@ from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_p
 RUN_JSON = "run.json"
 
 
-def train_task(layout: Layout, run_id: str, cfg: TrainConfig, seq_len: int, key: ManifestKey) -> dict:
-    """Ray task: train one run and write its log, then its checkpoints (each with `run.json`)."""
+def train_task(
+    run_id: str, cfg: TrainConfig, seq_len: int, params_hash: str, tokens: dict[str, Any],
+    tokenizer_files: dict[str, bytes],
+) -> dict:
+    """Ray task: train one run on the `tokens` (each split, and the vocabulary size); returns its log and
+    its checkpoints (each with `run.json` and the tokenizer) for the driver to write."""
+    import tempfile
+    from pathlib import Path
+
     import torch
     from transformers import AutoTokenizer
 
     from pipeline.core.contracts import parse_run_id
     from pipeline.core.progress import Progress, StepClock
+    from pipeline.core.store import write_folder
     from pipeline.study_b.train import train_run
-    from pipeline.text.corpus import load_meta, load_tokens
 
-    tokenizer = AutoTokenizer.from_pretrained(layout.tokenizer)
-    with ShardWriter(layout.models, run_id, key) as checkpoints:
+    with tempfile.TemporaryDirectory(prefix="lmgeo-tokenizer-") as scratch:
+        write_folder(Path(scratch), tokenizer_files)
+        tokenizer = AutoTokenizer.from_pretrained(scratch)
+    checkpoints, log = ShardParts(), ShardParts()
 
-        def save_checkpoint(model: torch.nn.Module, name: str, info: dict) -> None:
-            with checkpoints.directory(f"{run_id}/{name}") as folder:
-                model.save_pretrained(folder, safe_serialization=True)
-                tokenizer.save_pretrained(folder)
-                (folder / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    def save_checkpoint(model: torch.nn.Module, name: str, info: dict) -> None:
+        with checkpoints.directory(f"{run_id}/{name}") as folder:
+            model.save_pretrained(folder, safe_serialization=True)
+            tokenizer.save_pretrained(folder)
+            (folder / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
-        # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.
-        steps_progress = Progress(cfg.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
-        clock = StepClock()
+    # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.
+    steps_progress = Progress(cfg.steps, f"train {run_id}", unit="steps", stream=sys.stdout, min_interval_s=15)
+    clock = StepClock()
 
-        def on_step(step: int, loss: float) -> None:
-            clock.tick()
-            steps_progress.advance(detail=f"loss {loss:.3f}")
+    def on_step(step: int, loss: float) -> None:
+        clock.tick()
+        steps_progress.advance(detail=f"loss {loss:.3f}")
 
-        result, steps = train_run(
-            parse_run_id(run_id), cfg, load_tokens(layout.tokens, "train"), load_tokens(layout.tokens, "val"),
-            vocab_size=load_meta(layout.tokens)["vocab_size"], seq_len=seq_len,
-            params_hash=key.params_hash, save_checkpoint=save_checkpoint,
-            on_step=on_step,
-            test_tokens=load_tokens(layout.tokens, "test"),
-        )
-        steps_progress.close()
-        with ShardWriter(layout.train, run_id, key) as log:
-            log.write({"run": run_id}, steps, name="steps.parquet")
+    result, steps = train_run(
+        parse_run_id(run_id), cfg, tokens["train"], tokens["val"],
+        vocab_size=tokens["vocab_size"], seq_len=seq_len,
+        params_hash=params_hash, save_checkpoint=save_checkpoint,
+        on_step=on_step,
+        test_tokens=tokens["test"],
+    )
+    steps_progress.close()
+    log.write({"run": run_id}, steps, name="steps.parquet")
     telemetry = {"run": run_id, "wall_time_s": round(clock.wall_time_s, 3),
                  "step_time_s": [round(t, 6) for t in clock.step_times]}  # fmt: skip
-    return {"diverged": result.diverged, "final_test_loss": result.final_test_loss, "telemetry": telemetry}
+    return {"diverged": result.diverged, "final_test_loss": result.final_test_loss, "telemetry": telemetry,
+            "log": log, "checkpoints": checkpoints}  # fmt: skip
+
+
+def write_run(layout: Layout, run_id: str, key: ManifestKey, trained: dict) -> dict:
+    """In the driver: a run's log, then its checkpoints (the run's completion marker); returns the rest of
+    what the task returned."""
+    trained = dict(trained)
+    trained.pop("log").commit(layout.train, run_id, key)
+    trained.pop("checkpoints").commit(layout.models, run_id, key)
+    return trained
+
+
+def training_tokens(layout: Layout) -> dict[str, Any]:
+    """What every run trains and evaluates on: each split's token ids and the vocabulary size."""
+    from pipeline.core.contracts import SPLITS
+    from pipeline.text.corpus import load_meta, load_tokens
+
+    return {**{split: load_tokens(layout.tokens, split) for split in SPLITS},
+            "vocab_size": load_meta(layout.tokens)["vocab_size"]}  # fmt: skip
 
 
 def code_spec(layout: Layout, recipe: str, arch: str) -> CodeSpec:
@@ -86,13 +116,18 @@ def plan(params: Params, layout: Layout) -> Plan:
     load_meta(layout.tokens)  # refuses a missing or unreadable one, naming `lmgeo prepare`
     tokens = {"tokens": file_sha256(layout.tokens / "meta.json")}
     seq_len = params.prepare.seq_len
+    # Read by the driver when the first run is submitted, then shared by every run.
+    tokens_input = Load("tokens", functools.partial(training_tokens, layout))
+    tokenizer_input = Load("tokenizer", functools.partial(read_folder, layout.tokenizer))
     planned = []
     for run in params.trained_runs():
         spec = parse_run_id(run)
         cfg = params.train.for_run(spec)
         code = versioned(code_spec(layout, spec.recipe, spec.arch), layout)
         key = ManifestKey(tokens, stage_params("train", params, seq_len, cfg), code[1])
-        planned.append((Shard(run, train_task, (layout, run, cfg, seq_len, key), code=code), key))
+        args = (run, cfg, seq_len, key.params_hash, tokens_input, tokenizer_input)
+        write = functools.partial(write_run, layout, run, key)
+        planned.append((Shard(run, train_task, args, code=code, write=write), key))
     return planned
 
 

@@ -10,13 +10,10 @@ exercised; one against a separately started ``ray start --head`` process joined 
 
 from __future__ import annotations
 
-import contextlib
 import io
 import os
 import re
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,11 +21,11 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray_nodes import free_port, start_node, stop_process_group
 
-import pipeline.core.store
 from pipeline.core.config import RayConfig, TaskResources
 from pipeline.core.errors import InputError
-from pipeline.core.execution import Shard, ShardFailed, run_shards
+from pipeline.core.execution import Load, Shard, ShardFailed, run_shards
 from pipeline.core.progress import Progress
 from stages.runtime import resolve_address, start_ray
 
@@ -72,8 +69,9 @@ def wait_for_file(path: str, timeout_s: float) -> bool:
     return False
 
 
-def pipeline_source() -> str:
-    return pipeline.core.store.__file__
+def shipped_sources() -> list[str]:
+    """The folders on this worker's sys.path that hold lmgeo's packages."""
+    return [folder for folder in sys.path if (Path(folder) / "pipeline").is_dir() or (Path(folder) / "stages").is_dir()]
 
 
 @ray.remote(num_cpus=0)
@@ -274,9 +272,76 @@ def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
 
 
 @pytest.mark.slow  # the session's embedded Ray
-def test_workers_import_this_checkout(ray_local) -> None:
-    result = run_shards([Shard("src", pipeline_source)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")
-    assert Path(result["src"]).resolve() == Path(pipeline.core.store.__file__).resolve()
+def test_workers_get_the_code_ray_ships_from_this_checkout(ray_local) -> None:
+    """Ray ships `pipeline` and `stages` (runtime_env py_modules) onto every worker's sys.path: a node
+    without the checkout imports them from there (tests/test_cluster.py runs the stages on one)."""
+    found = run_shards([Shard("src", shipped_sources)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")["src"]
+    for package in ("pipeline", "stages"):
+        shipped = [Path(f) / package for f in found if "py_modules" in f and (Path(f) / package).is_dir()]
+        assert len(shipped) == 1, found
+        assert _sources(shipped[0]) == _sources(REPO / package)
+
+
+def _sources(package: Path) -> dict[str, bytes]:
+    return {path.relative_to(package).as_posix(): path.read_bytes() for path in sorted(package.rglob("*.py"))}
+
+
+# ------------------------------------------------------------------ data through the object store
+def total(values: list[int]) -> int:
+    return sum(values)
+
+
+def nothing_written_yet(marker: str) -> bool:
+    """In a worker: whether the driver has written the batch's first shard (its `write` makes `marker`)."""
+    return wait_for_file(marker, timeout_s=60)
+
+
+@pytest.mark.slow  # the session's embedded Ray
+def test_an_input_is_read_once_by_the_driver_and_reaches_every_task_that_names_it(ray_local) -> None:
+    reads: list[str] = []
+
+    def read() -> list[int]:
+        reads.append("values")
+        return list(range(10))
+
+    values = Load("values", read)
+    shards = [Shard(f"s{i}", total, (values,)) for i in range(4)] + [Shard("kw", total, kwargs={"values": values})]
+    results = run_shards(shards, ONE_CPU, max_in_flight=8, max_retries=0, label="loads")
+    assert results == {key: 45 for key in ("s0", "s1", "s2", "s3", "kw")}
+    assert reads == ["values"]
+
+
+@pytest.mark.slow  # the session's embedded Ray
+def test_each_shard_of_a_task_is_written_by_the_driver_as_it_arrives(ray_local, tmp_path: Path) -> None:
+    """The second shard of a task waits for the driver to have written the first: only a task that streams
+    its shards' results lets it finish in time (a task returning its batch at the end would wait in vain)."""
+    marker = tmp_path / "first-written"
+    written: list[str] = []
+
+    def write_first(value: int) -> str:
+        marker.touch()
+        written.append("first")
+        return f"wrote {value}"
+
+    shards = [Shard("first", square, (3,), write=write_first), Shard("second", nothing_written_yet, (str(marker),))]
+    results = run_shards(shards, ONE_CPU, max_in_flight=1, max_retries=0, label="stream", shards_per_task=2)
+    assert results == {"first": "wrote 9", "second": True}
+    assert written == ["first"]
+
+
+@pytest.mark.slow
+def test_a_task_whose_worker_dies_mid_batch_is_retried_and_each_shard_written_once(ray_local, tmp_path: Path) -> None:
+    written: list[str] = []
+
+    def record(value: object) -> object:
+        written.append(str(value))
+        return value
+
+    marker = str(tmp_path / "died")
+    shards = [Shard("a", square, (2,), write=record), Shard("b", die_first_time, (marker,), write=record)]
+    results = run_shards(shards, ONE_CPU, max_in_flight=1, max_retries=1, label="retry", shards_per_task=2)
+    assert results == {"a": 4, "b": "survived"}
+    assert written == ["4", "survived"]
 
 
 # ----------------------------------------------------------------------------------- start_ray
@@ -328,9 +393,7 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
     token in ~/.ray/auth_token turns on Ray's token authentication) and `ray start --head`; the driver on
     another account (its own HOME) given `RAY_ADDRESS` and the token as `RAY_AUTH_TOKEN`. Without the
     token: one clear error, at once."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     head_home, driver_home = tmp_path / "head", tmp_path / "driver"
     head_home.mkdir(), driver_home.mkdir()
     plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
@@ -339,40 +402,19 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
     token = subprocess.run([ray_cli, "get-auth-token", "--generate"], env=head_env, capture_output=True, text=True,
                            check=True).stdout.strip()
     log = tmp_path / "ray-head.log"
-    with open(log, "w") as out:
-        head = subprocess.Popen(
-            [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
-             '--resources={"joined_head": 1}', "--include-dashboard=false", "--disable-usage-stats", "--block"],
-            env=head_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+    head = start_node(
+        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
+         '--resources={"joined_head": 1}', "--include-dashboard=false", "--disable-usage-stats", "--block"],
+        head_env, log,
+    )
     try:
-        deadline = time.monotonic() + 120
-        while "Ray runtime started." not in log.read_text():
-            assert head.poll() is None and time.monotonic() < deadline, f"ray start failed:\n{log.read_text()}"
-            time.sleep(0.2)
         assert "Token authentication is enabled" in log.read_text(), log.read_text()
         driver_env = {**plain, "HOME": str(driver_home), "RAY_ADDRESS": f"127.0.0.1:{port}",
                       "RAY_USAGE_STATS_ENABLED": "0"}
         _run_driver("scenario_refused_without_the_token", driver_env)
         _run_driver("scenario_joined_by_address", {**driver_env, "RAY_AUTH_TOKEN": token})
     finally:
-        _stop_process_group(head)
-
-
-def _stop_process_group(proc: subprocess.Popen) -> None:
-    """Stop `ray start --block` and the Ray processes it started (its own session, nobody else's).
-
-    SIGTERM to `ray start` alone drains the node and stops its processes in seconds; the same signal
-    to the whole group makes each process drain on its own (~30 s). SIGKILL then ends any leftover
-    of the group (our own session: `start_new_session=True`).
-    """
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        stop_process_group(head)
 
 
 def scenario_two_node_cluster() -> None:

@@ -93,8 +93,8 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
         # science a stage runs, in the library and in the glue
         ("pipeline/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", FIT),
         ("stages/fit.py", 'device = "cuda" if', 'device = "cuda"  if', set()),  # formatting only
-        ("stages/fit.py", "return sum(table.num_rows for table in tables.values())",
-         "return int(sum(table.num_rows for table in tables.values()))", FIT),  # a stage's own module: all its shards
+        ("stages/fit.py", 'ShardParts(metadata={"model": model})',
+         "ShardParts(metadata=dict(model=model))", FIT),  # a stage's own module: all its shards
         ("pipeline/study_a/patching.py", "clamp_min(0.0)", "clamp_min(0.0) * 1.0", {"perturb"}),
         # one recipe: exactly its runs (and the tables, which describe every recipe)
         ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.50 * center_rows", set()),

@@ -4,16 +4,22 @@ The driver keeps at most ``max_in_flight`` tasks submitted, so a stage with thou
 never holds thousands of refs or results at once. Every task runs through ``run_batch``, in a worker
 whose kernels and thread counts are pinned (``pipeline.core.determinism``; parallelism comes from Ray,
 not from BLAS oversubscription): it checks that the worker runs the code the driver planned with before
-it writes anything, and runs a batch of consecutive small shards, so the fixed cost of a task is paid
-once per batch. This module
-never calls ``ray.init``: the CLI (``stages.runtime.start_ray``) does.
+it computes anything, and runs a batch of consecutive small shards, so the fixed cost of a task is paid
+once per batch.
+
+Data moves through Ray's object store only, so a task never touches the driver's filesystem (SPEC §1): a
+shard's inputs are ``Load`` arguments, read by the driver when the task is submitted and put in the
+object store once for every shard that names them; a task yields each shard's result as soon as it is
+computed (a Ray streaming generator, whose objects the driver owns), and the driver hands it to the
+shard's ``write`` (atomic, with a manifest) before it waits for the next. This module never calls
+``ray.init``: the CLI (``stages.runtime.start_ray``) does.
 """
 
 from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +30,7 @@ from pipeline.core.fingerprint import CodeSpec
 from pipeline.core.progress import Progress
 
 if TYPE_CHECKING:
-    from ray import ObjectRef
+    from ray import ObjectRef, ObjectRefGenerator
     from ray.remote_function import RemoteFunction
 
 # How long one ray.wait blocks: the loop wakes up this often to redraw the progress clock and to let
@@ -33,8 +39,20 @@ WAIT_TIMEOUT_S = 1.0
 
 
 @dataclass(frozen=True)
+class Load:
+    """An input of a task that the driver reads (``read()``) when it submits the task, and passes through
+    Ray's object store: the task receives the value. Shards naming the same ``key`` share one copy, read
+    once while they are submitted one after another (the driver drops it when its last shard is in flight)."""
+
+    key: str
+    read: Callable[[], Any] = field(compare=False)
+
+
+@dataclass(frozen=True)
 class Shard:
-    """One unit of work: ``fn(*args, **kwargs)`` run as a Ray task. ``fn`` must be module-level.
+    """One unit of work: ``fn(*args, **kwargs)`` run as a Ray task, then ``write(result)`` in the driver.
+    ``fn`` must be module-level; ``Load`` arguments (at the top level of ``args`` and ``kwargs``) reach it as
+    the values they read. The shard's result is what ``write`` returns (``fn``'s result without one).
 
     ``code`` is ``(what the version covers, code version)`` when the shard's output is keyed by that
     version: the task refuses to run on a worker whose code has another version.
@@ -45,6 +63,10 @@ class Shard:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     code: tuple[CodeSpec, str] | None = None
+    write: Callable[[Any], Any] | None = None
+
+    def loads(self) -> list[Load]:
+        return [value for value in (*self.args, *self.kwargs.values()) if isinstance(value, Load)]
 
 
 class CodeMismatch(InputError):
@@ -61,38 +83,44 @@ class ShardError(Exception):
 
 @functools.cache
 def _running_code(spec: CodeSpec) -> str:
-    """The code version this worker process runs (its imports do not change while it lives: a Ray
+    """The digest of the code this worker process runs (its imports do not change while it lives: a Ray
     worker serves one job)."""
-    from pipeline.core.fingerprint import code_version
+    from pipeline.core.fingerprint import code_digest
 
-    return code_version(spec)
+    return code_digest(spec)
 
 
 def run_batch(
     threads: int, code: tuple[CodeSpec, str] | None, calls: list[tuple[str, Callable[..., Any], tuple, dict]]
-) -> list[Any]:
+) -> Iterator[Any]:
     """The body of every task, in the worker: one thread count, one code check, then each shard's
-    ``fn(*args, **kwargs)`` in turn (several small shards share one task's fixed cost)."""
+    ``fn(*args, **kwargs)`` in turn (several small shards share one task's fixed cost), its inputs taken from
+    the object store; each result is yielded as soon as it is computed, so the driver writes it at once."""
+    import ray
+
     pin_torch(threads)
     if code is not None:
         spec, planned = code
         running = _running_code(spec)
-        if running != planned:
+        if planned.rpartition("+")[2] != running:  # the package version is the driver's label
             import importlib
 
             where = importlib.import_module(spec.module.split(".")[0]).__file__
             raise ShardError(calls[0][0], CodeMismatch(
-                f"this Ray worker runs {spec.module} at code version {running} (imported from {where}), but the "
-                f"driver planned version {planned}: run lmgeo from the workspace whose code you mean to run, "
-                "with the same installation on every node"
+                f"this Ray worker runs {spec.module} with code digest {running} (imported from {where}), but the "
+                f"driver planned version {planned}: run lmgeo from the workspace whose code you mean to run; "
+                "lmgeo's code reaches the workers from the driver (runtime_env py_modules)"
             ))  # fmt: skip
-    results = []
     for key, fn, args, kwargs in calls:
         try:
-            results.append(fn(*args, **kwargs))
+            yield fn(*_fetched(ray, args), **dict(zip(kwargs, _fetched(ray, kwargs.values()), strict=True)))
         except Exception as err:
             raise ShardError(key, err) from err
-    return results
+
+
+def _fetched(ray: Any, values: Iterable[Any]) -> list[Any]:
+    """The arguments with each object reference (a ``Load``'s value) replaced by its object."""
+    return [ray.get(value) if isinstance(value, ray.ObjectRef) else value for value in values]
 
 
 class ShardFailed(RuntimeError):
@@ -120,9 +148,9 @@ def run_shards(
     shards_per_task: int = 1,
 ) -> dict[str, Any]:
     """Run every shard in Ray tasks of up to ``shards_per_task`` consecutive shards (one for a GPU task,
-    whose worker is replaced after each task to free the device's memory) and return
-    ``{shard.key: result}``. On the first failure the remaining tasks are cancelled and ``ShardFailed``
-    names the shard."""
+    whose worker is replaced after each task to free the device's memory), write each shard's result as
+    it arrives (``Shard.write``) and return ``{shard.key: result}``. On the first failure the remaining
+    tasks are cancelled and ``ShardFailed`` names the shard."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     _check_unique_keys(shards)
@@ -135,19 +163,21 @@ def run_shards(
     _check_feasible(resources, label)
     remote_fn = _as_remote(resources, max_retries)  # one RemoteFunction: Ray exports the code once
     pending: Iterator[list[Shard]] = _batches(shards, 1 if resources.num_gpus > 0 else shards_per_task)
-    in_flight: dict[ObjectRef, list[Shard]] = {}
+    inputs = _Inputs(shards)
+    in_flight: dict[ObjectRefGenerator, list[Shard]] = {}  # a task → its shards not yet collected
     results: dict[str, Any] = {}
     with Progress(len(shards), label) as progress:
         try:
             while True:
-                _fill(in_flight, pending, max_in_flight, remote_fn, resources.threads)
+                _fill(in_flight, pending, max_in_flight, remote_fn, resources.threads, inputs)
                 if not in_flight:
                     return results
                 ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=WAIT_TIMEOUT_S)
-                for ref in ready:
-                    batch = in_flight.pop(ref)
-                    results.update(zip((s.key for s in batch), _collect(batch, ref), strict=True))
-                    progress.advance(len(batch), detail=batch[-1].key)
+                for task in ready:
+                    collected = _collect_next(in_flight, task)
+                    if collected is not None:
+                        results[collected[0]] = collected[1]
+                        progress.advance(detail=collected[0])
                 progress.refresh()
         except BaseException:
             _cancel(in_flight)
@@ -167,12 +197,39 @@ def _batches(shards: Sequence[Shard], size: int) -> Iterator[list[Shard]]:
         yield batch
 
 
+class _Inputs:
+    """The object-store copy of each ``Load`` while a shard not yet submitted still needs it."""
+
+    def __init__(self, shards: Sequence[Shard]) -> None:
+        self._waiting = Counter(load.key for shard in shards for load in shard.loads())
+        self._refs: dict[str, ObjectRef] = {}
+
+    def submitted(self, shard: Shard) -> tuple[tuple, dict]:
+        """The shard's ``args`` and ``kwargs`` with each ``Load`` replaced by its object's reference (a task in
+        flight keeps its objects alive; the driver forgets one once no shard waits for it)."""
+        import ray
+
+        def ref(value: Any) -> Any:
+            if not isinstance(value, Load):
+                return value
+            if value.key not in self._refs:
+                self._refs[value.key] = ray.put(value.read())
+            found = self._refs[value.key]
+            self._waiting[value.key] -= 1
+            if not self._waiting[value.key]:
+                del self._refs[value.key]
+            return found
+
+        return tuple(map(ref, shard.args)), {name: ref(value) for name, value in shard.kwargs.items()}
+
+
 def _fill(
-    in_flight: dict[ObjectRef, list[Shard]],
+    in_flight: dict[ObjectRefGenerator, list[Shard]],
     pending: Iterator[list[Shard]],
     max_in_flight: int,
     remote_fn: RemoteFunction,
     threads: int,
+    inputs: _Inputs,
 ) -> None:
     while len(in_flight) < max_in_flight:
         batch = next(pending, None)
@@ -180,7 +237,7 @@ def _fill(
             return
         # Named after the stage's task (`ray::fit_task` in process lists and the dashboard), not `run_batch`.
         task = remote_fn.options(name=batch[0].fn.__name__)
-        calls = [(s.key, s.fn, s.args, s.kwargs) for s in batch]
+        calls = [(s.key, s.fn, *inputs.submitted(s)) for s in batch]
         in_flight[task.remote(threads, batch[0].code, calls)] = batch
 
 
@@ -190,7 +247,9 @@ def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
     options: dict[str, Any] = {
         "num_cpus": resources.num_cpus,
         "num_gpus": resources.num_gpus,
-        "max_retries": max_retries,  # worker death only: exceptions raised by fn are not retried
+        # Worker death only: exceptions raised by fn are not retried. A retried task yields its shards again
+        # from the first; Ray passes on only those the driver has not received.
+        "max_retries": max_retries,
         # The kernels and thread counts results depend on, whatever the node's environment says.
         "runtime_env": {"env_vars": pinned_environment(resources.threads)},
     }
@@ -202,22 +261,37 @@ def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
     return ray.remote(**options)(run_batch)
 
 
-def _collect(batch: list[Shard], ref: ObjectRef) -> list[Any]:
+def _collect_next(
+    in_flight: dict[ObjectRefGenerator, list[Shard]], task: ObjectRefGenerator
+) -> tuple[str, Any] | None:
+    """``(key, result)`` of the next shard of a ready task, written (``Shard.write``); None when the task
+    has ended."""
     import ray
 
+    shards = in_flight[task]
     try:
-        return ray.get(ref)
+        ref = next(task)
+    except StopIteration:  # every shard collected, or the task ended early (an error raised from its next)
+        del in_flight[task]
+        return None
+    shard = shards.pop(0)
+    if not shards:
+        del in_flight[task]
+    try:
+        value = ray.get(ref)
     except ray.exceptions.RayError as err:
-        raise ShardFailed(batch[0].key, err) from err
+        raise ShardFailed(shard.key, err) from err
+    del ref  # the driver owns the object: dropping it frees the object store before the write
+    return shard.key, (value if shard.write is None else shard.write(value))
 
 
-def _cancel(in_flight: dict[ObjectRef, list[Shard]]) -> None:
+def _cancel(in_flight: dict[ObjectRefGenerator, list[Shard]]) -> None:
     import ray
 
-    for ref in in_flight:
+    for task in in_flight:
         # force: a task that ignores KeyboardInterrupt (e.g. inside a torch kernel) must not keep
         # its CPU/GPU after the stage has failed; its partial output is never marked complete.
-        ray.cancel(ref, force=True)
+        ray.cancel(task, force=True)
     in_flight.clear()
 
 

@@ -152,15 +152,20 @@ def all_members(roots: Sequence[Path] = ()) -> tuple[str, ...]:
 
 
 def code_version(spec: CodeSpec | str, roots: Sequence[Path] = ()) -> str:
-    """`<package version>+<hash>` of the spec's closure, members and schemas: the same on every machine
-    for the same code."""
+    """`<package version>+<code_digest>`: the same on every machine for the same code."""
+    return f"{_package_version()}+{code_digest(spec, roots)}"
+
+
+def code_digest(spec: CodeSpec | str, roots: Sequence[Path] = ()) -> str:
+    """The hash of the spec's closure, members and schemas: what a Ray worker that runs code shipped by the
+    driver checks (a worker node may have another version of lmgeo installed, or none)."""
     spec = CodeSpec(spec) if isinstance(spec, str) else spec
     digest = hashlib.sha256()
     for entry in closure([spec.module, *spec.members, *ALWAYS], roots):
         _update(digest, entry.name, normalised_source(entry.path))
     for schema in spec.schemas:
         _update(digest, "schema", schema)
-    return f"{_package_version()}+{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
 
 
 def _update(digest: hashlib._Hash, name: str, text: str) -> None:

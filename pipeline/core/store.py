@@ -14,6 +14,10 @@ atomically. So:
 
 Every other file the pipeline writes (tables, reports, token files) goes through ``atomic_path`` or
 ``atomic_write``: the one atomic-write helper, with fsync.
+
+Tasks never write to the workspace: a task records a shard's output in ``ShardParts`` (the calls a
+``ShardWriter`` takes), which travels through Ray to the driver, whose ``ShardParts.commit`` writes it
+with a ``ShardWriter`` (SPEC §1).
 """
 
 from __future__ import annotations
@@ -24,12 +28,14 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -590,6 +596,55 @@ def _synced_size_and_sha256(path: Path) -> tuple[int, str]:
     """Flush a written file to disk; its size and sha256 (read back, as a reader will)."""
     _fsync_file(path)
     return path.stat().st_size, file_sha256(path)
+
+
+@dataclass
+class ShardParts:
+    """One shard's output as a task computed it, for the driver to write (``commit``): the calls of a
+    ``ShardWriter`` (``write``, ``directory``), recorded in order, so the files the driver writes have the
+    bytes a ``ShardWriter`` in the task would have written. Picklable: it travels through Ray's object
+    store, so a task needs no filesystem that the driver sees."""
+
+    metadata: dict[str, str] = dataclass_field(default_factory=dict)
+    tables: list[tuple[dict[str, str | int], pa.Table, str | None]] = dataclass_field(default_factory=list)
+    folders: dict[str, dict[str, bytes]] = dataclass_field(default_factory=dict)
+
+    def write(
+        self, partition: Mapping[str, str | int], data: pa.Table | pa.RecordBatch, name: str | None = None
+    ) -> None:
+        """As ``ShardWriter.write``."""
+        table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+        self.tables.append((dict(partition), table, name))
+
+    @contextmanager
+    def directory(self, relative: str) -> Iterator[Path]:
+        """As ``ShardWriter.directory``: a scratch folder of the task's node to fill; its files are kept."""
+        with tempfile.TemporaryDirectory(prefix="lmgeo-shard-") as scratch:
+            yield Path(scratch)
+            self.folders[relative] = read_folder(Path(scratch))
+
+    def commit(self, root: Path, shard: str, key: ManifestKey) -> None:
+        """Write the shard under ``root`` (atomically, its manifest last)."""
+        with ShardWriter(root, shard, key, metadata=self.metadata) as writer:
+            for partition, table, name in self.tables:
+                writer.write(partition, table, name)
+            for relative, files in self.folders.items():
+                with writer.directory(relative) as folder:
+                    write_folder(folder, files)
+
+
+def read_folder(path: Path) -> dict[str, bytes]:
+    """Every file under ``path``: relative POSIX path → content, sorted by path (a folder to send)."""
+    path = Path(path)
+    return {file.relative_to(path).as_posix(): file.read_bytes() for file in sorted(_walk_files(path))}
+
+
+def write_folder(path: Path, files: Mapping[str, bytes]) -> None:
+    """Recreate under ``path`` the files that ``read_folder`` read."""
+    for relative, content in files.items():
+        target = Path(path) / relative
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(content)
 
 
 # ------------------------------------------------------------------------------- atomic writes

@@ -165,12 +165,12 @@ def _run_layout(root: Path, activations: Path) -> Layout:
 def _timed_fit_stage(layout: Layout, params: Params, size: FanoutSize, n_workers: int, max_in_flight: int) -> float:
     import ray
 
-    from pipeline.core.execution import Shard, run_shards
-    from stages.fit import fit_task
+    from pipeline.core.execution import run_shards
+    from stages.fit import fit_shard
 
     key = ManifestKey({"activations": "bench"}, "bench", "bench")
     shards = [
-        Shard(name, fit_task, (layout, params, FANOUT_MODEL, layer, key, name, {ACTIVATION_SHARD: ACTIVATION_KEY}))
+        fit_shard(layout, params, FANOUT_MODEL, layer, key, name, {ACTIVATION_SHARD: ACTIVATION_KEY})
         for layer in range(size.n_layers)
         for name in [f"{FANOUT_MODEL}/layer={layer}"]
     ]

@@ -278,8 +278,9 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
 def _fanout_md(section: dict[str, Any]) -> list[str]:
     s = section["size"]
     lines = ["## Ray fan-out", "",
-             (f"The fit stage's tasks (`stages.fit.fit_task`: read a layer pair, search its neighbours once, fit "
-             f"every class, write), one per layer for {s['n_layers']} layers, classes {', '.join(s['classes'])}, "
+             (f"The fit stage's shards (`stages.fit.fit_shard`: the driver reads a layer pair into Ray's object "
+             "store, the task searches its neighbours once and fits every class, the driver writes), one per "
+             f"layer for {s['n_layers']} layers, classes {', '.join(s['classes'])}, "
              "on synthetic "
              f"activations (d = {s['d']}, {s['n_seq']} × {s['seq_len']} tokens, {s['anchors']} anchors), "
              "through `run_shards`, with an embedded Ray started by `ray.init(num_cpus=N)` for each N and "
