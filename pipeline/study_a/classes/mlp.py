@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import F64, Update, ridge_inverse, top_left_singular
 
@@ -124,8 +124,8 @@ def _met(before: Tensor, now: Tensor, tol: float) -> Tensor:
     return before - now <= tol * now
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    mlp, converged = fit_mlp(xn, yn, cfg.mlp_hidden, cfg.mlp_steps, cfg.mlp_tol, cfg.ridge, cfg.seed, first)
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    mlp, converged = fit_mlp(xn, yn, cfg.mlp_hidden, cfg.mlp_steps, cfg.mlp_tol, cfg.ridge, cfg.seed, context.first)
     return mlp.update(x_a, cfg.p)._replace(converged=converged)
 
 
@@ -178,7 +178,11 @@ def needs_rank(d: int) -> int:
     return d  # fewer independent inputs than dimensions: W₁'s off-span columns keep their random start
 
 
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    return 2 * cfg.mlp_hidden * d + cfg.mlp_hidden + d  # W₁, W₂, b₁, b₂
+
+
 CLASS = FitClass(
-    "mlp", local=True, fit=fit, reference=reference, summary="T(x) = x + MLP(x), one tanh hidden layer", iterative=True,
-    needs_rank=needs_rank,
+    "mlp", local=True, fit=fit, reference=reference, summary="T(x) = x + MLP(x), one tanh hidden layer",
+    parameters=parameters, iterative=True, needs_rank=needs_rank, value_from_span=False,
 )
