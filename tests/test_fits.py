@@ -326,3 +326,91 @@ def test_neighbours_are_searched_once_per_pool(monkeypatch):
         table = tables["lowrank"]
         shuffled.append(table.filter(pa.compute.equal(table["sample"], "shuffled")))
     assert shuffled[0].equals(shuffled[1]) and shuffled[0].equals(shuffled[2])
+
+
+# ------------------------------------------------------------------------- layer-wide fits, locality
+LOCAL = [fn for fn in CLASSES if FIT_CLASSES[fn].local]
+
+
+@pytest.mark.parametrize("fn", LOCAL)
+def test_layer_wide_fit_matches_the_reference_on_the_whole_pool(fn):
+    """`<class>.layer`: the class fitted once on every pair of the pool, evaluated at the same anchors."""
+    rng = np.random.default_rng(12)
+    x, y, seq, pos, tok = random_layer(rng, d=6)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), cfg.anchors, seed=3)
+    tables, _ = fit_layer(x.astype(np.float32), y.astype(np.float32), seq, pos, tok, anchors, [fn], cfg)
+    assert list(tables) == [fn, fn + ".layer"]
+    layer = tables[fn + ".layer"]
+    x32, y32 = x.astype(np.float32).astype(np.float64), y.astype(np.float32).astype(np.float64)
+    assert_rows_match(layer, reference_rows(x32, y32, seq, anchors, FIT_CLASSES[fn], cfg, layer_wide=True))
+    assert layer.column("locality").null_count == layer.num_rows
+    assert set(layer.column("input_rank").to_pylist()) == {6}
+
+
+def test_locality_is_the_kth_neighbour_over_the_median_pair_distance():
+    """Against an independent computation: the reference's sorted distances and NumPy's median over the same
+    seeded pairs; typically below 1 for neighbourhoods much smaller than the pool."""
+    from pipeline.study_a.fits import LOCALITY_PAIRS
+    from pipeline.study_a.reference import ref_distances
+
+    rng = np.random.default_rng(13)
+    x, y, seq, pos, tok = random_layer(rng, n_seq=40, d=5)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), cfg.anchors, seed=3)
+    table, _ = fit_one(x, y, seq, pos, tok, anchors, "diag_psd", cfg)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    first = torch.randint(len(x), (LOCALITY_PAIRS,), generator=generator).numpy()
+    second = (first + torch.randint(1, len(x), (LOCALITY_PAIRS,), generator=generator).numpy()) % len(x)
+    typical = np.quantile(np.linalg.norm(x[first] - x[second], axis=1), 0.5)
+    kth = [np.sort(ref_distances(x, a, "euclidean"))[cfg.k - 1] for a in anchors]
+    np.testing.assert_allclose(table.column("locality").to_numpy(), np.array(kth) / typical, rtol=1e-12)
+    assert np.median(table.column("locality").to_numpy()) < 1
+
+
+@pytest.mark.parametrize("fn", ["diag_psd", "lowrank", "similarity"])
+def test_a_map_that_varies_along_the_manifold_makes_local_beat_layer_wide(fn):
+    """Planted locality: on a 1-D manifold, a map of the class whose parameters vary along it is fitted far
+    better locally than once for the layer; a single global map of the class is fitted as well either way."""
+    rng = np.random.default_rng(14)
+    n, d = 2000, 4
+    t = np.sort(rng.uniform(0, 1, n))
+    x = np.stack([np.cos(3 * t), np.sin(3 * t), t, 1 + 0 * t], axis=1) * 3 + 0.05 * rng.normal(size=(n, d))
+    angle = 2.5 * t  # a rotation (diag: a scale; lowrank: a shear) that turns along the manifold
+    if fn == "diag_psd":
+        varying, fixed = x * (1 + np.stack([np.sin(4 * t)] * d, axis=1)), x * np.array([0.5, 1.5, 1.0, 2.0])
+    elif fn == "lowrank":
+        varying = x + np.stack([np.sin(4 * t) * x[:, 2], 0 * t, 0 * t, 0 * t], axis=1) * 3
+        fixed = x + np.stack([0.7 * x[:, 2], 0 * t, 0 * t, 0 * t], axis=1)
+    else:
+        c, s = np.cos(angle), np.sin(angle)
+        varying = np.stack([c * x[:, 0] - s * x[:, 1], s * x[:, 0] + c * x[:, 1], x[:, 2], x[:, 3]], axis=1)
+        fixed = x @ np.linalg.qr(rng.normal(size=(d, d)))[0].T * 1.3
+    seq = np.arange(n)
+    cfg = AnalysisConfig(k=40, anchors=60, rank=1, p=1, ridge=1e-9)
+    anchors = choose_anchors(n, cfg.anchors, seed=0)
+    medians = {}
+    for name, y in (("varying", varying), ("fixed", fixed)):
+        tables, _ = fit_layer(x, y, seq, seq, seq, anchors, [fn], cfg)
+        medians[name] = [np.median(tables[part].column("rel_err").to_numpy()) for part in (fn, fn + ".layer")]
+    local, layer = medians["varying"]
+    assert local < 0.3 * layer  # locality pays where the map varies
+    local, layer = medians["fixed"]
+    assert layer < 1e-6 and local < 1e-6  # one map: the layer-wide fit is as good as the local one
+
+
+def test_capacity_orders_the_classes():
+    cfg = AnalysisConfig(rank=4, mlp_hidden=8)
+    d = 64
+    capacity = {fn: FIT_CLASSES[fn].parameters(d, cfg) for fn in CLASSES}
+    assert capacity["identity"] == 0 and capacity["diag_psd"] == d
+    assert capacity["orthogonal"] == d * (d - 1) // 2 and capacity["similarity"] == capacity["orthogonal"] + 1
+    # rank-4 d × d matrices: dimension of the manifold, by counting the Jacobian rank of (U, V) ↦ U Vᵀ
+    small, rank = 7, 2
+    u, v = np.random.default_rng(15).normal(size=(2, small, rank))
+    jac = np.concatenate([np.kron(np.eye(small), v), np.kron(u, np.eye(small))], axis=1)
+    lowrank = FIT_CLASSES["lowrank"].parameters(small, AnalysisConfig(rank=rank))
+    assert lowrank == np.linalg.matrix_rank(jac)
+    assert capacity["global_linear"] == d * d + d and capacity["mlp"] == 2 * 8 * d + 8 + d
+    order = sorted(CLASSES, key=lambda fn: capacity[fn])
+    assert order.index("diag_psd") < order.index("lowrank") < order.index("orthogonal") < order.index("global_linear")

@@ -106,7 +106,7 @@ def reference_rows(
     the whole pool instead of each anchor's neighbours (its `.layer` partition)."""
     patched, ops, value, operator = [], [], [], []
     for i, a in enumerate(anchors):
-        context = RefContext(i)
+        context = RefContext(0 if layer_wide else i)  # one layer-wide map: the first anchor's start
         if fit_class.local:
             nb = np.arange(len(x)) if layer_wide else ref_neighbours(
                 x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)  # fmt: skip
