@@ -414,3 +414,13 @@ def test_capacity_orders_the_classes():
     assert capacity["global_linear"] == d * d + d and capacity["mlp"] == 2 * 8 * d + 8 + d
     order = sorted(CLASSES, key=lambda fn: capacity[fn])
     assert order.index("diag_psd") < order.index("lowrank") < order.index("orthogonal") < order.index("global_linear")
+
+
+def test_iterative_classes_are_fitted_on_the_real_pairs_only():
+    rng = np.random.default_rng(16)
+    x, y, seq, pos, tok = random_layer(rng)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(x), 4, 2)
+    tables, _ = fit_layer(x, y, seq, pos, tok, anchors, ["mlp", "diag_psd"], cfg, samples=("real", "shuffled"))
+    assert set(tables["mlp"].column("sample").to_pylist()) == {"real"} == set(tables["mlp.layer"]["sample"].to_pylist())
+    assert set(tables["diag_psd"].column("sample").to_pylist()) == {"real", "shuffled"}

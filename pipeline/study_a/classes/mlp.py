@@ -6,7 +6,7 @@ per anchor neighbourhood.
 `f = mean_{j,c} (residual/τ)² + λ(‖W₁‖² + ‖W₂‖²)`.
 
 Fitting is variable projection: for given `(W₁, b₁)` the output layer `(W₂, b₂)` minimising `f` is a ridge
-regression in closed form, so only `(W₁, b₁)` are optimised, by Adam (lr 1e-2) on `f` with the output layer
+regression in closed form, so only `(W₁, b₁)` are optimised, by Adam (lr 3e-2) on `f` with the output layer
 solved at every step (its gradient there is the partial one, the output layer being optimal), the gradient
 in closed form (`fit_mlp`; the reference takes it by autograd). `W₁ ~ N(0,
 1/d)` (drawn on the CPU from `seed` and the anchor's index, so every device and chunking starts alike),
@@ -31,7 +31,7 @@ from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import F64, Update, ridge_inverse, top_left_singular
 
-LEARNING_RATE = 1e-2
+LEARNING_RATE = 3e-2  # 1e-2 met the criterion ~1.7× later for a 1–3% lower rel_err (default study)
 BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults (the reference runs it)
 WINDOW = 20  # steps over which the relative decrease of the objective is measured
 
