@@ -172,11 +172,14 @@ def bench(
     quick: Annotated[bool, typer.Option("--quick", help="a smoke run: tiny sizes, checks only that it runs")] = False,
     out_dir: Annotated[Path, typer.Option("--out", help="where bench.json and bench.md go")] = Path("reports"),
     params: ParamsOpt = Path("params.yaml"),
+    section: Annotated[
+        list[str] | None, typer.Option("--section", help="run only this section (repeatable; e.g. fits)")
+    ] = None,
 ) -> None:
     """Benchmarks: ratios measured side by side in one run (SPEC §7)."""
     from tools.bench.command import run as run_bench
 
-    run_bench(_load(params), quick=quick, out_dir=out_dir)
+    run_bench(_load(params), quick=quick, out_dir=out_dir, only=tuple(section or ()))
 
 
 @app.command()

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.core.config import TaskResources
+from pipeline.core.errors import InputError
 from pipeline.core.provenance import machine, versions
 from pipeline.core.store import ManifestKey, ShardWriter, verified_files
 from pipeline.params import Params
@@ -41,7 +42,8 @@ ACTIVATION_SHARD, ACTIVATION_KEY = f"{FANOUT_MODEL}/seq=0", ManifestKey({"tokens
 FANOUT_WORKERS = (1, 2)
 
 
-def run(params: Params, *, quick: bool, out_dir: Path) -> None:
+def run(params: Params, *, quick: bool, out_dir: Path, only: tuple[str, ...] = ()) -> None:
+    """Every section, or those named in `only` (a partial report: write it outside `reports/`)."""
     sizes = QUICK if quick else FULL
     started = time.time()
     report: dict[str, Any] = {
@@ -66,7 +68,12 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
         "fanout": lambda: fanout(params, sizes.fanout),
         "gpu": lambda: gpu(params, sizes, threads["extract"]),
     }
+    unknown = sorted(set(only) - set(sections))
+    if unknown:
+        raise InputError(f"unknown bench section {', '.join(unknown)}; choose among {', '.join(sections)}")
     for name, measure in sections.items():
+        if only and name not in only:
+            continue
         section_start = time.time()
         print(f"bench: {name} …", flush=True)
         report[name] = measure()
@@ -79,8 +86,9 @@ def run(params: Params, *, quick: bool, out_dir: Path) -> None:
 def collect_bars(report: dict[str, Any]) -> dict[str, Any]:
     """Move every section's `bars` and `profile` to the top-level `ratios` table and `profiles`."""
     report["ratios"], report["profiles"] = [], {}
-    parts = [section for name in ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout")
-             for section in (report[name] if isinstance(report[name], list) else [report[name]])]
+    names = [name for name in ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout")
+             if name in report]  # fmt: skip
+    parts = [part for name in names for part in (report[name] if isinstance(report[name], list) else [report[name]])]
     for section in parts:
         report["ratios"] += section.pop("bars")
         report["profiles"] |= section.pop("profile", {})
