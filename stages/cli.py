@@ -179,7 +179,10 @@ def bench(
     """Benchmarks: ratios measured side by side in one run (SPEC §7)."""
     from tools.bench.command import run as run_bench
 
-    run_bench(_load(params), quick=quick, out_dir=out_dir, only=tuple(section or ()))
+    try:
+        run_bench(_load(params), quick=quick, out_dir=out_dir, only=tuple(section or ()))
+    except InputError as err:
+        fail(str(err))
 
 
 @app.command()

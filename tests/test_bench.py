@@ -197,3 +197,13 @@ def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
     rows[3]["proj_res"] = None
     changed = compare_with_reference(table, rows)
     assert changed["max_abs_diff"] == pytest.approx(0.5, abs=1e-4) and changed["null_mismatches"] == 1
+
+
+def test_an_unknown_section_is_one_error_line_with_exit_2(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "stages.cli", "bench", "--section", "nope", "--out", str(tmp_path),
+         "--params", str(REPO / "params.yaml")],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith("lmgeo: error: unknown bench section nope; choose among")
