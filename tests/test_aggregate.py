@@ -177,7 +177,7 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                     "sample": ["real"] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
                     "k": np.full(n, 4, np.int32),
                     **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
-                    "degenerate": np.zeros(n, bool), "subspace_tied": np.zeros(n, bool),
+                    "value_identified": np.ones(n, bool), "subspace_tied": np.zeros(n, bool),
                     "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
                     "patched": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 3, np.float32)), 3),
                 })  # fmt: skip
@@ -247,7 +247,7 @@ def write_random_stratum(
                  "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
         parts.append(pa.table({
             "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
-            "k": np.full(n, 96, np.int32), **cols, "degenerate": rng.random(n) < 0.05,
+            "k": np.full(n, 96, np.int32), **cols, "value_identified": rng.random(n) >= 0.05,
             "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
             "n_distinct": np.full(n, 4000, np.int32),
         }))  # fmt: skip

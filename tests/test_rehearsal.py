@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 from transformers import GPT2Config
 
+from pipeline.study_a.classes import FIT_CLASSES
 from tools import rehearsal
 from tools.rehearsal import Measured, Node, Slice, Study, extrapolate, render_markdown
 
@@ -20,10 +21,12 @@ def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypa
     measured = rehearsal.rehearse("gpt2", Slice(n_seq=2, seq_len=16))
     assert (measured.width, measured.n_blocks, measured.k, measured.fit_anchors) == (32, 2, 32, 4)
     assert measured.pool == 64  # 32 extracted tokens, topped up to 2d
-    assert set(measured.fit_s_per_anchor) == {"diag_psd", "lowrank", "orthogonal", "mlp"}
-    assert set(measured.fit_s_per_layer) == {"identity", "global_linear"}
-    # one anchor per class (unless degenerate), three copies
-    assert 0 < measured.perturb_copies <= 6 * 3 and measured.perturb_copies % 3 == 0
+    local = {fn for fn in FIT_CLASSES.names() if FIT_CLASSES[fn].local}
+    assert set(measured.fit_s_per_anchor) == local
+    assert set(measured.fit_s_per_layer) == set(FIT_CLASSES.names()) - local
+    # one anchor per partition (a class, or a local class's layer-wide fit) unless not identified, three copies
+    assert 0 < measured.perturb_copies <= (len(FIT_CLASSES.names()) + len(local)) * 3
+    assert measured.perturb_copies % 3 == 0
     assert min(measured.extract_s_per_token, measured.fit_local_s_per_anchor, measured.perturb_s_per_copy) > 0
 
 

@@ -210,14 +210,19 @@ FIT_METRICS = (
 # Which pool a fit row comes from (SPEC §4.5): the model's own pairs, or a null pool built from them.
 SAMPLES = ("real", "shuffled", "gaussian")
 # Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
-# a layer-wide class), whether the neighbourhood cannot identify the class's map (then every metric and
-# `patched` are null), whether an iterative fit met its convergence criterion (null for a closed form),
+# a layer-wide fit), whether the map's value at the anchor is determined by the data (else the value metrics,
+# `patched` and the KLs are null) and whether the map itself is (else `proj_full`, `proj_res` and
+# `subspace_tied` are null), whether an iterative fit met its convergence criterion (null for a closed form),
 # and whether the p-th singular value of the local operator is tied with the next (top-p is then a choice).
-FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("degenerate", pa.bool_()), pa.field("converged", pa.bool_()),
+FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("value_identified", pa.bool_()),
+             pa.field("operator_identified", pa.bool_()), pa.field("converged", pa.bool_()),
              pa.field("subspace_tied", pa.bool_()))  # fmt: skip
+# The metrics that need only the map's value at the anchor (the rest, `proj_full` and `proj_res`, need the map).
+VALUE_METRICS = tuple(name for name in FIT_METRICS if name not in ("proj_full", "proj_res"))
 FITS = Dataset(
     "fits",
-    fields=(pa.field("sample", pa.string()),) + IDS + (pa.field("k", pa.int32()),)
+    # `locality`: the anchor's k-th neighbour distance over the pool's median pair distance (null layer-wide).
+    fields=(pa.field("sample", pa.string()),) + IDS + (pa.field("k", pa.int32()), pa.field("locality", pa.float64()))
     + _fields(*FIT_METRICS, kind=pa.float64()) + FIT_FLAGS
     + (pa.field("patched", VECTOR), pa.field("n_nonfinite", pa.int32()), pa.field("n_distinct", pa.int32())),
     partitions=MODEL_LAYER + (pa.field("fn", pa.string()),),

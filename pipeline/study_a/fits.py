@@ -9,16 +9,25 @@ Geometry at anchor `i` (`x, y` its `h_l, h_{l+1}`): `Δ_full = y − x`, `Δ_tok
 `r = Δ_full − Δ_tok` (`pipeline.study_a.geometry`). `k` is `cfg.k` on every row, also for the layer-wide
 classes, which ignore it.
 
-Degenerate anchors (SPEC §4.5): a local fit whose neighbours' inputs have a numerical rank below what the
-class needs (`FitClass.needs_rank`), whose neighbours are all exact copies of the anchor's input, or whose
-own solve is not unique (`Update.unidentified`), is not determined by the data. Its metrics and `patched`
-are null (never a rounding artefact), it is flagged `degenerate`, and it takes no part in the layer's
-global subspace.
+Identification (SPEC §4.5, `pipeline.study_a.identification`), per anchor and per quantity, from one
+eigendecomposition of each neighbourhood's input Gram shared by every class: `value_identified` (the
+anchor's input lies in the span of its neighbours' inputs at the data's float32 resolution, so `T_i(x_a)` is
+a fact of the data; else the value metrics and `patched` are null, and the anchor takes no part in the
+layer's global subspace) and `operator_identified` (the neighbours' inputs have the rank the class needs,
+`FitClass.needs_rank`, and the class's own solve is unique, `Update.unidentified`; else `proj_full`,
+`proj_res` and `subspace_tied` are null).
+
+Layer-wide fits of the local classes (partition `fn = "<class>.layer"`): the same class fitted once on every
+pair of the pool (the anchor's own pair among them) and evaluated at the same anchors, identified the same
+way on the pool's inputs: the locality claim compares a class with itself. `locality` is each anchor's
+distance to its k-th neighbour over the median distance between `LOCALITY_PAIRS` seeded random pairs of the
+pool (null for a layer-wide fit).
 
 Null samples (SPEC §4.5): besides the model's own pairs (`real`), the same fits run on `shuffled` pairs
 (`h_{l+1}` permuted across the pool: no relation between a token's input and output) and on a `gaussian`
 pool (as many pairs drawn from the Gaussian with the pool's joint mean and covariance of `(h_l, h_{l+1})`:
 its second moments, nothing more). Their rows carry the ids of the pool row they replace and the same anchors.
+The iterative classes (`mlp`) are fitted on the real pairs only.
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from pipeline.core.contracts import FIT_METRICS, FITS
+from pipeline.core.contracts import FIT_METRICS, FITS, VALUE_METRICS
 from pipeline.core.store import arrow_to_vectors
 from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import Update, as_float64, global_basis, numerical_rank, update_metrics
-from pipeline.study_a.knn import nearest_neighbours
+from pipeline.study_a.geometry import Update, as_float64, global_basis, update_metrics
+from pipeline.study_a.identification import Identification, gram_eigen, identify
+from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 
 
 @dataclass(frozen=True)
@@ -80,7 +91,9 @@ def fit_layer(
     samples: tuple[str, ...] = ("real",),
 ) -> tuple[dict[str, pa.Table], FitInfo]:
     """Fit every class of `classes` at every anchor (pool row indices) of one (model, layer) and measure it,
-    on the real pairs and on each null sample of `samples`: `{fn: table}`, the samples' rows stacked.
+    on the real pairs and on each null sample of `samples` (an iterative class on the real pairs only):
+    `{fn: table}` for every partition of `partitions(classes)` (each local class also fitted once for the
+    layer), the samples' rows stacked.
 
     `X = h_l`, `Y = h_{l+1}`, `(pool, d)`. Pool rows with a non-finite value are dropped from the pool
     and from the anchors, and counted. Each sample has one row per kept anchor, in `anchor_idx` order.
@@ -105,16 +118,18 @@ def fit_layer(
         name: np.asarray(col)[kept_anchors] for name, col in (("seq_id", seq_id), ("pos", pos), ("token_id", token_id))
     }
 
-    parts: dict[str, list[pa.Table]] = {fn: [] for fn in classes}
+    parts: dict[str, list[pa.Table]] = {fn: [] for fn in partitions(classes)}
     real_neighbours = functools.cache(lambda: _neighbours(x, anchors, seq_of_row, classes, cfg))
     for sample in samples:
         xs, ys = null_sample(x, y, sample, cfg.seed)
         # `shuffled` permutes the outputs only: it shares the real inputs' neighbours, searched once whatever
         # the order of the samples; `gaussian` draws new inputs, which need their own.
         neighbours = real_neighbours() if xs is x else _neighbours(xs, anchors, seq_of_row, classes, cfg)
-        pool = _pool(xs, ys, anchors, neighbours, n_nonfinite)
-        for fn in classes:
-            parts[fn].append(_fit_table(sample, ids, cfg, pool, fn))
+        pool = _pool(xs, ys, anchors, neighbours, n_nonfinite, cfg)
+        # An iterative class costs ~100× a closed form: it is fitted on the real pairs only (SPEC §4.5).
+        fitted_here = [fn for fn in classes if sample == "real" or not FIT_CLASSES[fn].iterative]
+        for fn, fitted in fit_classes(pool, fitted_here, cfg).items():
+            parts[fn].append(_fit_table(sample, ids, cfg, pool, fitted))
     info = FitInfo(x.shape[1], x.shape[0], n_nonfinite, len(kept_anchors), len(anchor_idx) - len(kept_anchors))
     return {fn: pa.concat_tables(tables) for fn, tables in parts.items()}, info
 
@@ -178,14 +193,32 @@ class _Pool(NamedTuple):
     neighbours: Tensor | None
     n_nonfinite: int
     n_distinct: int  # distinct input vectors in the pool
-    input_rank: Tensor | None  # (A,) numerical rank of each anchor's neighbour inputs
-    copies: Tensor | None  # (A,) every neighbour's input is an exact copy of the anchor's
+    locality: Tensor | None  # (A,) k-th neighbour distance over the pool's median pair distance
+
+
+class Fitted(NamedTuple):
+    """One class's fit at every anchor of a pool, and what the data determine of it (SPEC §4.5)."""
+
+    update: Update
+    value_identified: Tensor  # (A,)
+    operator_identified: Tensor  # (A,)
+    input_rank: Tensor | None  # (A,) for a fit on neighbours' (or the pool's) inputs; None for a baseline
+    locality: Tensor | None  # (A,) for a fit on each anchor's neighbours
 
 
 # The neighbourhoods of at most this many float64 values are gathered at once ((A, k, d) inputs and outputs,
 # and a class's (A, d, d) operators): memory is bounded by the chunk, not by the number of anchors. At
 # k = d = 2048 that is 8 anchors a chunk; at the tests' sizes, every anchor in one.
 CHUNK_VALUES = 2**25
+# Random pairs of the pool whose median distance is `locality`'s unit (a median of 4096 is within a few
+# percent of the pool's).
+LOCALITY_PAIRS = 4096
+LAYER_SUFFIX = ".layer"  # the partition `fn` of a local class fitted once for the whole layer
+
+
+def partitions(classes: list[str]) -> list[str]:
+    """The `fn` partitions `fit_layer` writes for `classes`: each class, then each local class's layer-wide fit."""
+    return [*classes, *(fn + LAYER_SUFFIX for fn in classes if FIT_CLASSES[fn].local)]
 
 
 def anchor_chunks(n_anchors: int, k: int, d: int) -> list[slice]:
@@ -194,16 +227,23 @@ def anchor_chunks(n_anchors: int, k: int, d: int) -> list[slice]:
     return [slice(start, min(start + size, n_anchors)) for start in range(0, n_anchors, size)]
 
 
-def _pool(x: Tensor, y: Tensor, anchors: Tensor, neighbours: Tensor | None, n_nonfinite: int) -> _Pool:
+def _pool(
+    x: Tensor, y: Tensor, anchors: Tensor, neighbours: Tensor | None, n_nonfinite: int, cfg: AnalysisConfig
+) -> _Pool:
     n_distinct = int(torch.unique(x, dim=0).shape[0])
-    if neighbours is None:
-        return _Pool(x, y, anchors, None, n_nonfinite, n_distinct, None, None)
-    ranks, copies = [], []
-    for chunk in anchor_chunks(len(anchors), neighbours.shape[1], x.shape[1]):
-        xn = x[neighbours[chunk]]
-        ranks.append(numerical_rank(xn))
-        copies.append((xn == x[anchors[chunk]][:, None]).all(dim=2).all(dim=1))
-    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, torch.cat(ranks), torch.cat(copies))
+    locality = None if neighbours is None else _locality(x, anchors, neighbours, cfg)
+    return _Pool(x, y, anchors, neighbours, n_nonfinite, n_distinct, locality)
+
+
+def _locality(x: Tensor, anchors: Tensor, neighbours: Tensor, cfg: AnalysisConfig) -> Tensor:
+    """Each anchor's distance to its k-th neighbour over the median distance of `LOCALITY_PAIRS` seeded random
+    pairs of distinct pool rows, both in `cfg.distance` (NaN where every pair is at distance 0)."""
+    kth = neighbour_distances(x, anchors, neighbours, cfg.distance).amax(dim=1)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    first = torch.randint(len(x), (LOCALITY_PAIRS,), generator=generator)
+    second = (first + torch.randint(1, len(x), (LOCALITY_PAIRS,), generator=generator)) % len(x)
+    typical = neighbour_distances(x, first.to(x.device), second.to(x.device)[:, None], cfg.distance).quantile(0.5)
+    return kth / typical if typical > 0 else torch.full_like(kth, torch.nan)
 
 
 def _neighbours(
@@ -215,24 +255,56 @@ def _neighbours(
     return nearest_neighbours(x, anchors, cfg.k, distance=cfg.distance, seq_id=seq, chunk=cfg.knn_chunk)
 
 
-def fit_update(pool: _Pool, fn: str, cfg: AnalysisConfig) -> tuple[Update, Tensor, Tensor | None]:
-    """`Δ_tok` and the local update subspace at every anchor; whether each anchor is degenerate; the
-    numerical rank of its neighbours' inputs (None for a layer-wide class)."""
-    fit_class = FIT_CLASSES[fn]
-    if not fit_class.local:
-        update = fit_class.fit(pool.x, pool.y, pool.anchors, cfg, 0)
-        return update, torch.zeros(len(pool.anchors), dtype=torch.bool, device=pool.x.device), None
+def fit_classes(pool: _Pool, classes: list[str], cfg: AnalysisConfig) -> dict[str, Fitted]:
+    """Every class of `classes` and every local class's layer-wide fit (`partitions`) at the pool's anchors."""
+    local = [fn for fn in classes if FIT_CLASSES[fn].local]
+    x_a = pool.x[pool.anchors]
+    pool_gram = gram_eigen(pool.x[None])  # shared by the layer-wide fits of the local classes
+    fitted = _local_fits(pool, local, cfg) if local else {}
+    for fn in classes:
+        if not FIT_CLASSES[fn].local:
+            update = FIT_CLASSES[fn].fit(pool.x, pool.y, pool.anchors, cfg, FitContext(0, pool_gram))
+            everywhere = torch.ones(len(pool.anchors), dtype=torch.bool, device=pool.x.device)
+            fitted[fn] = Fitted(update, everywhere, everywhere, None, None)
+    if local:
+        identification = identify(pool.x[None], x_a, pool_gram)
+        rank = identification.input_rank.expand(len(x_a))
+        for fn in local:
+            update = FIT_CLASSES[fn].fit(pool.x[None], pool.y[None], x_a, cfg, FitContext(0, pool_gram))
+            update = update._replace(**{name: getattr(update, name).expand(len(x_a)) for name in _PER_ANCHOR
+                                        if getattr(update, name) is not None})  # fmt: skip
+            fitted[fn + LAYER_SUFFIX] = _identified(fn, update, identification._replace(input_rank=rank), None)
+    return {fn: fitted[fn] for fn in partitions(classes)}
+
+
+_PER_ANCHOR = ("unidentified", "converged")  # `Update` fields a layer-wide fit states once for every anchor
+
+
+def _local_fits(pool: _Pool, local: list[str], cfg: AnalysisConfig) -> dict[str, Fitted]:
+    """The local classes at every anchor, chunk by chunk: each neighbourhood is gathered, its Gram factorised
+    and its identification decided once, for every class."""
     assert pool.neighbours is not None
-    parts = []
+    updates: dict[str, list[Update]] = {fn: [] for fn in local}
+    identifications = []
     for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.shape[1], pool.x.shape[1]):
         index = pool.neighbours[chunk]
-        parts.append(fit_class.fit(pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]], cfg, chunk.start))
-    update = _concat(parts)
-    assert pool.input_rank is not None and pool.copies is not None
-    degenerate = (pool.input_rank < fit_class.needs_rank(pool.x.shape[1])) | pool.copies
+        xn, yn, x_a = pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]]
+        gram = gram_eigen(xn)
+        identifications.append(identify(xn, x_a, gram))
+        for fn in local:
+            updates[fn].append(FIT_CLASSES[fn].fit(xn, yn, x_a, cfg, FitContext(chunk.start, gram)))
+    identification = Identification(*(torch.cat(parts) for parts in zip(*identifications, strict=True)))
+    return {fn: _identified(fn, _concat(updates[fn]), identification, pool.locality) for fn in local}
+
+
+def _identified(fn: str, update: Update, identification: Identification, locality: Tensor | None) -> Fitted:
+    """What the data determine of a fit of class `fn` (SPEC §4.5)."""
+    fit_class = FIT_CLASSES[fn]
+    operator = identification.input_rank >= fit_class.needs_rank(update.delta_tok.shape[1])
     if update.unidentified is not None:
-        degenerate |= update.unidentified
-    return update, degenerate, pool.input_rank
+        operator &= ~update.unidentified
+    value = identification.in_span if fit_class.value_from_span else operator & identification.in_span
+    return Fitted(update, value, operator, identification.input_rank, locality)
 
 
 def _concat(parts: list[Update]) -> Update:
@@ -246,29 +318,41 @@ def _concat(parts: list[Update]) -> Update:
     return Update(torch.cat([u.delta_tok for u in parts]), basis, optional("unidentified"), optional("converged"))
 
 
-def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, pool: _Pool, fn: str) -> pa.Table:
-    update, degenerate, rank = fit_update(pool, fn, cfg)
+def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, pool: _Pool, fitted: Fitted) -> pa.Table:
+    update = fitted.update
     x_a, y_a = pool.x[pool.anchors], pool.y[pool.anchors]
-    global_ = global_basis(update.delta_tok[~degenerate], cfg.p)
+    global_ = global_basis(update.delta_tok[fitted.value_identified], cfg.p)
     metrics = update_metrics(x_a, y_a, update.delta_tok, update.basis, global_)
     n, d = x_a.shape
     schema = FITS.file_schema(d)
-    bad = degenerate.cpu().numpy()
+    no_value, no_operator = (~fitted.value_identified).cpu().numpy(), (~fitted.operator_identified).cpu().numpy()
     columns = {"sample": pa.array([sample] * n, pa.string())}
     columns |= {name: pa.array(values.astype(np.int32), pa.int32()) for name, values in ids.items()}
     columns["k"] = pa.array(np.full(n, cfg.k, dtype=np.int32))
+    columns["locality"] = _optional(fitted.locality, n, pa.float64())
     for name in FIT_METRICS:
         values = metrics[name].cpu().numpy()
-        columns[name] = pa.array(values, pa.float64(), mask=np.isnan(values) | bad)
-    columns["input_rank"] = pa.nulls(n, pa.int32()) if rank is None else pa.array(rank.cpu().numpy().astype(np.int32))
-    columns["degenerate"] = pa.array(bad)
-    converged = update.converged
-    columns["converged"] = pa.nulls(n, pa.bool_()) if converged is None else pa.array(converged.cpu().numpy())
+        unknown = no_value if name in VALUE_METRICS else no_operator
+        columns[name] = pa.array(values, pa.float64(), mask=np.isnan(values) | unknown)
+    columns["input_rank"] = _optional(fitted.input_rank, n, pa.int32())
+    columns["value_identified"] = pa.array(~no_value)
+    columns["operator_identified"] = pa.array(~no_operator)
+    columns["converged"] = _optional(update.converged, n, pa.bool_())
     tied = update.basis.tied.expand(n) if update.basis.tied.numel() == 1 else update.basis.tied
-    columns["subspace_tied"] = pa.array(tied.cpu().numpy(), mask=bad)
+    columns["subspace_tied"] = pa.array(tied.cpu().numpy(), mask=no_operator)
     patched = (x_a + update.delta_tok).float().cpu().numpy()
     flat = pa.FixedSizeListArray.from_arrays(pa.array(patched.reshape(-1), pa.float32()), d)
-    columns["patched"] = pa.FixedSizeListArray.from_arrays(flat.values, d, mask=pa.array(bad)) if bad.any() else flat
+    masked = pa.FixedSizeListArray.from_arrays(flat.values, d, mask=pa.array(no_value)) if no_value.any() else flat
+    columns["patched"] = masked
     columns["n_nonfinite"] = pa.array(np.full(n, pool.n_nonfinite, dtype=np.int32))
     columns["n_distinct"] = pa.array(np.full(n, pool.n_distinct, dtype=np.int32))
     return pa.Table.from_pydict(columns, schema=schema)
+
+
+def _optional(values: Tensor | None, n: int, kind: pa.DataType) -> pa.Array:
+    """A per-anchor column, all null where the fit has no such value; NaN is null too."""
+    if values is None:
+        return pa.nulls(n, kind)
+    array = values.cpu().numpy()
+    mask = np.isnan(array) if array.dtype.kind == "f" else None
+    return pa.array(array, kind, mask=mask)

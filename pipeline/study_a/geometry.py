@@ -24,9 +24,6 @@ F64 = torch.float64
 _RCOND = 1e-12
 # Singular values within this relative distance of each other are tied.
 _TIE = 1e-8
-# The numerical rank of neighbour inputs (and of a Procrustes cross-covariance): singular values below this
-# fraction of the largest count as zero. The inputs are float32 values, so a dependence is exact or clear.
-RANK_TOL = 1e-6
 
 
 class Columns(NamedTuple):
@@ -152,26 +149,19 @@ def tied(singular: Tensor, p: int) -> Tensor:
     return (p_th > _RCOND * singular[..., 0]) & (after >= p_th * (1 - _TIE))
 
 
-def numerical_rank(m: Tensor) -> Tensor:
-    """The rank of each matrix of a batch (A, k, d), singular values below `RANK_TOL` of the largest as zero.
-
-    The squared singular values are the eigenvalues of the smaller Gram matrix: one symmetric eigensolve
-    instead of an SVD, which at k = d = 768 was the fits' slowest step on CPU (about 25× slower, batched).
-    In float64 the Gram's rounding (~1e-16 of its largest eigenvalue) stays far below `RANK_TOL² = 1e-12`."""
-    m = m.to(F64)
-    gram = m @ m.mT if m.shape[-2] <= m.shape[-1] else m.mT @ m
-    squared = torch.linalg.eigvalsh(gram).clamp_min(0)  # ascending
-    return (squared > RANK_TOL**2 * squared[..., -1:]).sum(dim=-1)
-
-
 def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:
     """`gram = W diag(g) Wᵀ`; returns `W`, `g` and `1/(g + λ)`, zero where `g + λ` is numerically
     zero (the minimum-norm solution when `λ = 0` and the data are rank-deficient)."""
     g, w = torch.linalg.eigh(gram)
     g = g.clamp_min(0)
+    return w, g, ridge_reciprocal(g, ridge)
+
+
+def ridge_reciprocal(g: Tensor, ridge: float) -> Tensor:
+    """`1/(g + λ)` for eigenvalues `g ≥ 0` of a Gram matrix, zero where `g + λ` is numerically zero."""
     total = g + ridge
     cutoff = _RCOND * total.amax(dim=-1, keepdim=True)
-    return w, g, torch.where(total > cutoff, 1 / total.where(total > cutoff, 1.0), 0.0)
+    return torch.where(total > cutoff, 1 / total.where(total > cutoff, 1.0), 0.0)
 
 
 def as_float64(a: np.ndarray | Tensor, device: str | torch.device) -> Tensor:

@@ -19,7 +19,7 @@ from pipeline.core.store import arrow_to_vectors
 
 
 class NullPatches(NamedTuple):
-    """`valid` (n,): anchors with a patch (not degenerate); the replacement vectors (float32) of those
+    """`valid` (n,): anchors with a patch (value identified); the replacement vectors (float32) of those
     anchors: `real` = T_i(h_l), `random` and `other` = y − r̃."""
 
     valid: np.ndarray
@@ -29,8 +29,8 @@ class NullPatches(NamedTuple):
 
 
 def null_patches(patched: pa.ChunkedArray | pa.Array, clean: np.ndarray, rng: np.random.Generator) -> NullPatches:
-    """The real and null replacement vectors from the fits' `patched` column (null where degenerate) and
-    the clean outputs `y` at the same anchors (n, d)."""
+    """The real and null replacement vectors from the fits' `patched` column (null where the value is not
+    identified) and the clean outputs `y` at the same anchors (n, d)."""
     valid = pc.is_valid(patched).to_numpy(zero_copy_only=False)
     real = arrow_to_vectors(patched.filter(pc.is_valid(patched))).astype(np.float64)
     y = np.asarray(clean, dtype=np.float64)[valid]

@@ -5,8 +5,8 @@ KL of the next-token distribution when block l's output at the anchor's token is
 
 The sequences are replayed from the stored activations (layer 0 holds every token id); `h_{l+1}` at the
 anchors is the clean output the null patches are measured from. Every patched copy of every class goes
-through one `patch_kl_anchors` call, so each sequence's clean pass runs once for all of them. A degenerate
-anchor (no `patched` vector) gets null KLs.
+through one `patch_kl_anchors` call, so each sequence's clean pass runs once for all of them. An anchor
+whose value is not identified (no `patched` vector) gets null KLs.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def perturb_layer(
         part = [slice(bounds[first + i], bounds[first + i + 1]) for i in range(3)]
         columns = {"kl": kl[part[0]], "kl_seq": kl_seq[part[0]], "kl_random": kl[part[1]], "kl_other": kl[part[2]]}
         table = {"seq_id": real["seq_id"], "pos": real["pos"]}
-        for name, values in columns.items():  # null where the fit is degenerate (no patch)
+        for name, values in columns.items():  # null where the value is not identified (no patch)
             full = np.full(len(valid), np.nan)
             full[valid] = values
             table[name] = pa.array(full, mask=~valid)

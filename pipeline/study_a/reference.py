@@ -76,11 +76,15 @@ def top_subspace(u: np.ndarray, s: np.ndarray, p: int) -> np.ndarray | None:
     return u[:, : len(s)][:, :p][:, s[:p] > 1e-12 * s[0]]
 
 
-def is_degenerate(inputs: np.ndarray, x_a: np.ndarray, needs: int) -> bool:
-    """Too few independent neighbour inputs for the class (rank by NumPy's SVD, relative tolerance 1e-6),
-    or every neighbour's input an exact copy of the anchor's."""
-    s = np.linalg.svd(inputs, compute_uv=False)
-    return int((s > 1e-6 * s[0]).sum()) < needs or bool((inputs == x_a).all())
+def identification(inputs: np.ndarray, x_a: np.ndarray) -> tuple[int, bool]:
+    """The numerical rank of the neighbours' inputs and whether `x_a` lies in their span, by NumPy's SVD and an
+    explicit projection, at the float32 resolution of the stored values (SPEC §4.5)."""
+    _, s, vt = np.linalg.svd(inputs)
+    frobenius = np.linalg.norm(inputs)
+    rank = int((s > 2.0**-24 * frobenius).sum())
+    outside = x_a - vt[:rank].T @ (vt[:rank] @ x_a)
+    allowed = 2.0**-24 * (1 + (frobenius / s[rank - 1] if rank else 0.0))
+    return rank, bool(np.linalg.norm(outside) <= allowed * np.linalg.norm(x_a))
 
 
 def energy(v: np.ndarray, basis: np.ndarray | None) -> float | None:
@@ -94,38 +98,48 @@ def ratio(num: float, den: float) -> float | None:
 
 
 def reference_rows(
-    x: np.ndarray, y: np.ndarray, seq: np.ndarray, anchors: np.ndarray, fit_class: FitClass, cfg: AnalysisConfig
+    x: np.ndarray, y: np.ndarray, seq: np.ndarray, anchors: np.ndarray, fit_class: FitClass, cfg: AnalysisConfig,
+    layer_wide: bool = False,
 ) -> list[Row]:
-    """One anchor at a time: T_i(x_a) and J_i − I from the class's reference (None where the class's own
-    solve is not unique), then every metric column (None where undefined or degenerate)."""
-    patched, ops, degenerate = [], [], []
+    """One anchor at a time: T_i(x_a) and J_i − I from the class's reference, what of it the data identify,
+    then every metric column (None where undefined or not identified). `layer_wide`: a local class fitted on
+    the whole pool instead of each anchor's neighbours (its `.layer` partition)."""
+    patched, ops, value, operator = [], [], [], []
     for i, a in enumerate(anchors):
-        context = RefContext(i)
+        context = RefContext(0 if layer_wide else i)  # one layer-wide map: the first anchor's start
         if fit_class.local:
-            nb = ref_neighbours(x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)
-            result = fit_class.reference(x[nb], y[nb], x[a], cfg, context)
-            bad = is_degenerate(x[nb], x[a], fit_class.needs_rank(x.shape[1]))
+            nb = np.arange(len(x)) if layer_wide else ref_neighbours(
+                x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)  # fmt: skip
+            t_val, op = fit_class.reference(x[nb], y[nb], x[a], cfg, context)
+            rank, in_span = identification(x[nb], x[a])
+            determined = op is not None and rank >= fit_class.needs_rank(x.shape[1])
+            value.append(in_span if fit_class.value_from_span else in_span and determined)
         else:
-            result, bad = fit_class.reference(x, y, a, cfg, context), False
-        degenerate.append(bad or result is None)
-        patched.append(None if result is None else result[0])
-        ops.append(None if result is None else result[1])
-    kept = [t - x[a] for t, a, bad in zip(patched, anchors, degenerate) if not bad]
+            (t_val, op), determined = fit_class.reference(x, y, a, cfg, context), True
+            value.append(True)
+        operator.append(determined)
+        patched.append(t_val)
+        ops.append(op)
+    kept = [t - x[a] for t, a, known in zip(patched, anchors, value) if known]
     _, s, vt = np.linalg.svd(np.array(kept).reshape(len(kept), x.shape[1]))
     global_basis = top_subspace(vt.T, s, cfg.p) if kept else None
-    return [
-        {"degenerate": True, "subspace_tied": None, "patched": None, **dict.fromkeys(FIT_METRICS)} if bad else
-        _row(x[a], y[a], t_val, op, global_basis, cfg.p)
-        for a, t_val, op, bad in zip(anchors, patched, ops, degenerate)
-    ]  # fmt: skip
+    rows = []
+    for a, t_val, op, known, determined in zip(anchors, patched, ops, value, operator):
+        row = _row(x[a], y[a], t_val, op, global_basis, cfg.p) if known else {
+            "subspace_tied": None, "patched": None, **dict.fromkeys(FIT_METRICS)}  # fmt: skip
+        if not determined:
+            row |= {"proj_full": None, "proj_res": None, "subspace_tied": None}
+        rows.append(row | {"value_identified": known, "operator_identified": determined})
+    return rows
 
 
 def _row(
-    x_a: np.ndarray, y_a: np.ndarray, t_val: np.ndarray, op: np.ndarray, global_basis: np.ndarray | None, p: int
+    x_a: np.ndarray, y_a: np.ndarray, t_val: np.ndarray, op: np.ndarray | None, global_basis: np.ndarray | None,
+    p: int,
 ) -> Row:
     full, tok, res = y_a - x_a, t_val - x_a, y_a - t_val
     nf, nt, nr = (np.linalg.norm(v) for v in (full, tok, res))
-    u, s, _ = np.linalg.svd(op)
+    u, s, _ = np.linalg.svd(np.zeros((len(x_a), len(x_a))) if op is None else op)  # None: nulled by the caller
     local = top_subspace(u, s, p)
     cos_rt = ratio(res @ tok, nr * nt)
     return {
@@ -140,7 +154,6 @@ def _row(
         "proj_res_global": energy(res, global_basis),
         "norm_full": nf,
         "norm_res": nr,
-        "degenerate": False,
         "subspace_tied": bool(len(s) > p and s[p - 1] > 1e-12 * s[0] and s[p] >= s[p - 1] * (1 - 1e-8)),
         "patched": t_val,
     }

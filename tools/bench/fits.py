@@ -51,7 +51,9 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
     pos = np.tile(np.arange(scale.seq_len), scale.n_seq)
     anchors = choose_anchors(len(x32), scale.anchors, cfg.seed)
     cfg = cfg.model_copy(update={"k": max(cfg.k, identifiable_k(scale.d))})
-    out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {}}
+    matmul_rate = matmul_flop_rate()
+    out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {},
+                           "matmul_flop_s": matmul_rate}  # fmt: skip
     for fn in fit_bench_classes():
         cases = {
             "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, [fn], cfg)[0][fn],
@@ -68,11 +70,78 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
             unit="", note=f"{agreement['null_mismatches']} null-pattern mismatches",
             extra_ok=agreement["null_mismatches"] == 0,
         )
-        out["classes"][fn] = {"speedup": speedup, **agreement, "timings": timings.summary()}
-        out["bars"] += [speed_bar, same_bar]
+        rate = fit_flops(fn, cfg.k, scale.d, cfg) * len(anchors) / timings.median("fit_layer") / matmul_rate
+        rate_bar = bar(f"fits {fn}, {scale.label}: float64 FLOP/s over torch.matmul's", rate, ">=", 0.3, unit="",
+                       note=f"torch.matmul {matmul_rate / 1e9:.1f} GFLOP/s") if scale.rate_bar else None  # fmt: skip
+        out["classes"][fn] = {"speedup": speedup, "flop_rate_ratio": rate, **agreement, "timings": timings.summary()}
+        out["bars"] += [speed_bar, same_bar] + ([rate_bar] if rate_bar else [])
         if not speed_bar.passed:
             out["profile"][speed_bar.name] = profile_top(cases["fit_layer"])
+    out["identification"] = identification_share(x32, y32, anchors, cfg)
+    out["bars"].append(bar(f"fits, {scale.label}: identification's share of the local classes' fits",
+                           out["identification"]["share"], "<=", 0.1, unit=""))  # fmt: skip
     return out
+
+
+def matmul_flop_rate(n: int = 1024, repeats: int = 5) -> float:
+    """`torch.matmul`'s float64 FLOP/s on this core (the best of `repeats` n × n products)."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=torch.float64), torch.randn(n, n, dtype=torch.float64)
+    torch.matmul(a, b)
+    best = min(_seconds(lambda: torch.matmul(a, b)) for _ in range(repeats))
+    return 2 * n**3 / best
+
+
+def fit_flops(fn: str, k: int, d: int, cfg: AnalysisConfig) -> float:
+    """The FLOPs of one anchor's fit of a local class (k > d), counting its factorisations and products: the
+    shared Gram `XᵀX` (2kd²) and its eigendecomposition (~9d³, vectors included), then the class's own;
+    an SVD with both factors ~21d³ (Golub–Van Loan), a product of d × d matrices 2d³."""
+    shared = 2 * k * d**2 + 9 * d**3
+    own = {
+        "diag_psd": 4 * k * d,
+        # E Xᵀ, (E Xᵀ) Z, the eigh of its d × d Gram, and B̂ᵀU by three d × d × r products
+        "lowrank": 2 * k * d**2 + 2 * d**3 + (2 * d**3 + 9 * d**3) + 6 * d**2 * cfg.rank,
+        # C = YᵀX, its SVD, Q = U Vᵀ, the eigh of (Q + Qᵀ)/2 and N V for the dominant subspace
+        "orthogonal": 2 * k * d**2 + 21 * d**3 + 2 * d**3 + 9 * d**3 + 2 * d**3,
+    }
+    own["similarity"] = own["orthogonal"]
+    return float(shared + own[fn])
+
+
+def identification_share(
+    x32: np.ndarray, y32: np.ndarray, anchors: np.ndarray, cfg: AnalysisConfig
+) -> dict[str, float]:
+    """Seconds of the shared identification (the neighbourhoods' Gram eigendecomposition and the span test)
+    over those of `fit_layer` with every closed-form local class, on the same neighbourhoods."""
+    import torch
+
+    from pipeline.study_a.fits import anchor_chunks, fit_layer
+    from pipeline.study_a.identification import gram_eigen, identify
+    from pipeline.study_a.knn import nearest_neighbours
+
+    x = torch.from_numpy(x32.astype(np.float64))
+    index = nearest_neighbours(x, torch.from_numpy(anchors), cfg.k)
+
+    def identification() -> None:
+        for chunk in anchor_chunks(len(anchors), cfg.k, x.shape[1]):
+            xn = x[index[chunk]]
+            identify(xn, x[anchors[chunk]], gram_eigen(xn))
+
+    seq = np.zeros(len(x32), dtype=np.int64)
+    classes = list(fit_bench_classes())
+    identification()
+    ident_s = min(_seconds(identification) for _ in range(2))
+    fits_s = min(_seconds(lambda: fit_layer(x32, y32, seq, seq, seq, anchors, classes, cfg)) for _ in range(2))
+    return {"identification_s": ident_s, "fits_s": fits_s, "share": ident_s / fits_s}
+
+
+def _seconds(work: Any) -> float:
+    import time
+
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
 
 
 def knn_peak_memory(size: KnnSize, n_pool: int, k: int, threads: int) -> dict[str, int]:

@@ -33,7 +33,7 @@ def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
         CREATE TEMP VIEW anchors AS
         SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
                coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
-               f.degenerate, f.subspace_tied, f.converged, {kl}
+               NOT f.value_identified AS degenerate, f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
           ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
              AND f.seq_id = p.seq_id AND f.pos = p.pos

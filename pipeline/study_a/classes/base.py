@@ -10,24 +10,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from torch import Tensor
 
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update
+from pipeline.study_a.identification import GramEigen
 from pipeline.study_a.reference import RefContext
 
-# (inputs, outputs, at, cfg, first) -> Update. A local class gets its (A, k, d) neighbours and `at` = the
+
+class FitContext(NamedTuple):
+    """Where a batched fit is in the layer, and what was computed for it already: `first`, the chunk's first
+    anchor in the layer (per-anchor randomness, the MLP's start, does not depend on the chunking; 0 for a
+    layer-wide fit); `gram`, the eigendecomposition of the smaller Gram form of the inputs
+    (`pipeline.study_a.identification`), computed once per neighbourhood for identification."""
+
+    first: int
+    gram: GramEigen
+
+
+# (inputs, outputs, at, cfg, context) -> Update. A local class gets its (A, k, d) neighbours and `at` = the
 # anchors' inputs x_a (A, d), never an anchor's own output; anchors come in chunks (memory stays bounded by
-# the chunk, `pipeline.study_a.fits`) and `first` is the chunk's first anchor in the layer, so that per-anchor
-# randomness (the MLP's start) does not depend on the chunking. A layer-wide class gets the (n, d) pool and
-# `at` = the anchors' pool rows (A,), so that it can leave each anchor's own pair out, and `first` = 0.
-BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig, int], Update]
+# the chunk, `pipeline.study_a.fits`). A local class is also fitted once on the whole layer (one
+# neighbourhood of every pool row, `A = 1`, evaluated at every anchor: `at` (A, d)). A layer-wide class gets
+# the (n, d) pool and `at` = the anchors' pool rows (A,), so that it can leave each anchor's own pair out, and
+# a context whose `gram` is that of the pool.
+BatchedFit = Callable[[Tensor, Tensor, Tensor, AnalysisConfig, FitContext], Update]
 # (inputs, outputs, at, cfg, context) -> (T(x_a), J − I) for one anchor, in NumPy; `at` as for the batched fit
-# (x_a for a local class, the anchor's pool row for a layer-wide one); None where the class's solve is not unique.
-ReferenceFit = Callable[[np.ndarray, np.ndarray, Any, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray] | None]
+# (x_a for a local class, the anchor's pool row for a layer-wide one); J − I is None where the class's own solve
+# leaves the operator undetermined (its value may still be: the span test decides, SPEC §4.5).
+ReferenceFit = Callable[[np.ndarray, np.ndarray, Any, AnalysisConfig, RefContext], tuple[np.ndarray, np.ndarray | None]]
 
 
 def _no_constraint(cfg: AnalysisConfig) -> str | None:
@@ -47,10 +61,18 @@ class FitClass:
     fit: BatchedFit
     reference: ReferenceFit
     summary: str  # the map, in one line (the report and `lmgeo --help` show it)
+    # Free parameters of one map in width d (its capacity: the claims order classes by it).
+    parameters: Callable[[int, AnalysisConfig], int]
     tokenwise: bool = True  # False when Δ_tok ≡ 0 (`identity`): the alignment claims are undefined
-    iterative: bool = False  # fitted by an optimiser (not in closed form): agreement is to its tolerance
+    # Fitted by an optimiser (not in closed form): agreement is to its tolerance, and it is fitted on the real
+    # pairs only (the null samples would triple a cost ~100× a closed form's).
+    iterative: bool = False
     # A reason the analysis params cannot be used with this class, or None.
     check_config: Callable[[AnalysisConfig], str | None] = _no_constraint
-    # The rank the neighbours' inputs need, in width d, for the local map's value at the anchor to be
-    # determined by the data alone (not by the ridge or a starting point); below it the anchor is degenerate.
+    # The rank the neighbours' inputs need, in width d, for the local map itself to be determined by the data
+    # alone (not by the ridge or a starting point): below it the anchor's operator is not identified.
     needs_rank: Callable[[int], int] = _any_rank
+    # Whether the map's value at x_a is fixed by the data wherever x_a lies in the span of the neighbours'
+    # inputs (every linear class). A class that centres its inputs (`mlp`) sees the affine span instead,
+    # which that test does not decide: its value is identified only with its operator.
+    value_from_span: bool = True

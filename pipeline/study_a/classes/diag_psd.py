@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update, coordinate_basis
 from pipeline.study_a.reference import ridge_lstsq
@@ -32,8 +32,8 @@ def fit_diag_psd(xn: Tensor, yn: Tensor, ridge: float) -> DiagFit:
     return DiagFit(ratio.clamp_min(0))
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    del first  # a closed form: nothing drawn per anchor
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    del context  # a closed form per coordinate: nothing drawn, no Gram needed
     return fit_diag_psd(xn, yn, cfg.ridge).update(x_a, cfg.p)
 
 
@@ -46,4 +46,12 @@ def reference(
     return diag * xa, np.diag(diag) - np.eye(len(xa))
 
 
-CLASS = FitClass("diag_psd", local=True, fit=fit, reference=reference, summary="T(x) = D x, D diagonal, D ≥ 0")
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    del cfg
+    return d
+
+
+CLASS = FitClass(
+    "diag_psd", local=True, fit=fit, reference=reference, summary="T(x) = D x, D diagonal, D ≥ 0",
+    parameters=parameters,
+)

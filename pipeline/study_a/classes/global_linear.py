@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update, ridge_inverse, top_left_singular
 from pipeline.study_a.reference import ridge_lstsq
@@ -42,8 +42,8 @@ def fit_global_linear(x: Tensor, y: Tensor, ridge: float) -> GlobalLinearFit:
     return GlobalLinearFit(a, y_mean - a @ x_mean, leverage)
 
 
-def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    del first  # one map for the layer
+def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    del context  # one map for the layer, fitted on the centred pool (not the Gram the context holds)
     return fit_global_linear(x, y, cfg.ridge).update(x, y, anchors, cfg.p)
 
 
@@ -57,7 +57,12 @@ def reference(
     return coef[:-1].T @ x[a] + coef[-1], full[:-1].T - np.eye(x.shape[1])
 
 
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    del cfg
+    return d * d + d
+
+
 CLASS = FitClass(
     "global_linear", local=False, fit=fit, reference=reference,
-    summary="one affine map for the whole layer, left out at each anchor",
+    summary="one affine map for the whole layer, left out at each anchor", parameters=parameters,
 )

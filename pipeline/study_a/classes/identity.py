@@ -6,14 +6,13 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Columns, Update
 
 
-def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    del first  # one map for the layer
-    del y
+def fit(x: Tensor, y: Tensor, anchors: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    del y, context  # nothing fitted
     none = torch.zeros(1, dtype=torch.bool, device=x.device)
     return Update(torch.zeros_like(x[anchors]), Columns(x.new_zeros((1, x.shape[1], cfg.p)), none))
 
@@ -25,4 +24,11 @@ def reference(
     return x[a].copy(), np.zeros((x.shape[1], x.shape[1]))
 
 
-CLASS = FitClass("identity", local=False, fit=fit, reference=reference, summary="T(x) = x", tokenwise=False)
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    del d, cfg
+    return 0
+
+
+CLASS = FitClass(
+    "identity", local=False, fit=fit, reference=reference, summary="T(x) = x", parameters=parameters, tokenwise=False
+)

@@ -4,7 +4,8 @@ stream is representable.
 The rank-`r` `B = UVᵀ` minimises `Σ ‖(y_j − x_j) − B x_j‖² + λ‖B‖²_F`. That is reduced-rank regression
 on the ridge-augmented data `[X, √λI] → [E, 0]`: `B̂ = E Xᵀ(XXᵀ + λI)⁻¹`, `U` = top-`r` left singular
 vectors of the augmented fitted values `B̂[X, √λI]`, `V = B̂ᵀU` (exact for `λ > 0`). Computed through the
-smaller of the Gram matrices `XᵀX` (`k × k`) and `XXᵀ` (`d × d`)."""
+eigendecomposition of the smaller of the Gram matrices `XᵀX` (`k × k`) and `XXᵀ` (`d × d`) that
+identification computed for the neighbourhood already (`pipeline.study_a.identification`)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import Update, ridge_inverse, top_left_singular
+from pipeline.study_a.geometry import Update, ridge_reciprocal, top_left_singular
+from pipeline.study_a.identification import GramEigen, gram_eigen
 from pipeline.study_a.reference import ridge_lstsq
 
 
@@ -29,20 +31,23 @@ class LowRankFit(NamedTuple):
         return Update(delta[..., 0], top_left_singular(self.u, self.v.transpose(1, 2), p))
 
 
-def fit_lowrank(xn: Tensor, yn: Tensor, rank: int, ridge: float) -> LowRankFit:
-    """Ridge reduced-rank regression, through the smaller of the two Gram matrices (`k × k` or `d × d`).
+def fit_lowrank(xn: Tensor, yn: Tensor, rank: int, ridge: float, eigen: GramEigen | None = None) -> LowRankFit:
+    """Ridge reduced-rank regression, through the smaller of the two Gram matrices (`k × k` or `d × d`),
+    whose eigendecomposition `eigen` (`gram_eigen(xn)`) is computed here when not given.
 
     `fitted` is any matrix with the left singular vectors of `B̂[X, √λI]`, i.e. a square root of
     `B̂(XXᵀ + λI)B̂ᵀ`; `U` is its top `rank`, and `V = B̂ᵀU`.
     """
+    eigen = gram_eigen(xn) if eigen is None else eigen
     e = (yn - xn).transpose(1, 2)  # (A, d, k): updates as columns
     x_cols = xn.transpose(1, 2)  # (A, d, k): inputs as columns
-    if xn.shape[1] <= xn.shape[2]:  # k ≤ d: kernel form, G = XᵀX = W diag(g) Wᵀ
-        w, g, inv = ridge_inverse(xn @ x_cols, ridge)
+    inv = ridge_reciprocal(eigen.values, ridge)
+    if not eigen.primal:  # k ≤ d: kernel form, G = XᵀX = W diag(g) Wᵀ
+        w, g = eigen.vectors, eigen.values
         u = _left_singular(e @ w * (g * inv).sqrt()[:, None, :], rank)
         v = x_cols @ (w @ (inv[..., None] * (w.transpose(1, 2) @ (e.transpose(1, 2) @ u))))
     else:  # primal form, C = XXᵀ = Z diag(c) Zᵀ, B̂ = E Xᵀ (C + λI)⁻¹
-        z, _, inv = ridge_inverse(x_cols @ xn, ridge)
+        z = eigen.vectors
         cross = e @ xn  # E Xᵀ
         u = _left_singular(cross @ z * inv.sqrt()[:, None, :], rank)
         v = z @ (inv[..., None] * (z.transpose(1, 2) @ (cross.transpose(1, 2) @ u)))
@@ -61,9 +66,8 @@ def _left_singular(m: Tensor, rank: int) -> Tensor:
     return torch.linalg.eigh(m @ m.transpose(1, 2)).eigenvectors[..., -rank:]
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    del first  # a closed form: nothing drawn per anchor
-    return fit_lowrank(xn, yn, cfg.rank, cfg.ridge).update(x_a, cfg.p)
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    return fit_lowrank(xn, yn, cfg.rank, cfg.ridge, context.gram).update(x_a, cfg.p)
 
 
 def reference(
@@ -81,6 +85,13 @@ def needs_rank(d: int) -> int:
     return d  # below it B̂ is the minimum-norm choice on the neighbours' span, not a fact of the data
 
 
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    """A rank-r d × d matrix has r(2d − r) degrees of freedom (U Vᵀ = U G G⁻¹ Vᵀ for any invertible G)."""
+    r = min(cfg.rank, d)
+    return r * (2 * d - r)
+
+
 CLASS = FitClass(
-    "lowrank", local=True, fit=fit, reference=reference, summary="T(x) = x + U Vᵀ x, rank r", needs_rank=needs_rank
+    "lowrank", local=True, fit=fit, reference=reference, summary="T(x) = x + U Vᵀ x, rank r",
+    parameters=parameters, needs_rank=needs_rank,
 )

@@ -1,11 +1,16 @@
-"""`orthogonal`: `T(x) = s Q x`, `Q` orthogonal (Procrustes).
+"""`orthogonal`: `T(x) = Q x`, `Q` orthogonal (Procrustes); with its least-squares scale, `similarity`.
 
-`Q = argmax_Q ⟨C, Q⟩ = polar(C)`, `C = Σ_j y_j x_jᵀ`: the plain Procrustes solution, without a ridge. It is
-unique exactly when `C` has full rank `d`; where it has not (fewer than `d` independent neighbour inputs, or
-outputs), every orthogonal map that agrees on the range of `C` is optimal and the data cannot choose one:
-the anchor is then degenerate (`C`'s smallest singular value below `RANK_TOL` of its largest). So the class
-needs `k ≥ d` neighbours, and its value never depends on `analysis.ridge`. With `orthogonal_scale`,
-`s = ⟨C, Q⟩ / Σ‖x_j‖²` (the least-squares scale given `Q`), else `s = 1`."""
+`Q = argmax_Q ⟨C, Q⟩ = polar(C)`, `C = Σ_j y_j x_jᵀ`: the plain Procrustes solution, without a ridge, so its
+value never depends on `analysis.ridge`. It is unique exactly when `C = YᵀX` is invertible. Whether the
+inputs `X` have rank `d` is the shared identification's business (SPEC §4.5); with them, `C` is singular
+exactly when the outputs `Y` are. `σ_d(C) ≥ σ_d(Y) σ_d(X)`, so `σ_d(C) ≤ u‖Y‖_F σ_d(X)` (`u = 2⁻²⁴`) proves
+`σ_d(Y) ≤ u‖Y‖_F`: outputs without rank `d` at the float32 resolution of the stored values. Those anchors'
+operator is unidentified (a cut-off on the data's own condition, not on `C`'s, which is about its square).
+Its value at `x_a` is identified wherever the inputs' span holds `x_a`.
+
+`similarity` fits `T(x) = s Q x` with `s > 0` jointly: for any `s > 0` the best `Q` is the same polar factor,
+and then `s = ⟨C, Q⟩ / Σ_j ‖x_j‖² = tr(Σ_C) / ‖X‖_F²` (the trace of `C`'s singular values over the inputs'
+energy), positive whenever `C ≠ 0`."""
 
 from __future__ import annotations
 
@@ -15,15 +20,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from pipeline.study_a.classes.base import FitClass, RefContext
+from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import F64, RANK_TOL, Columns, Update, dominant, tied
+from pipeline.study_a.geometry import F64, Columns, Update, dominant, tied
+from pipeline.study_a.identification import U32, GramEigen, gram_eigen, smallest_singular
 
 
 class OrthogonalFit(NamedTuple):
     rotation: Tensor  # (A, d, d): Q
     scale: Tensor  # (A,)
-    unidentified: Tensor  # (A,): C rank-deficient, Q not unique
+    unidentified: Tensor  # (A,): Q not determined at the data's float32 resolution
 
     def update(self, x_a: Tensor, p: int) -> Update:
         qx = (self.rotation @ x_a[..., None])[..., 0]
@@ -42,40 +48,53 @@ class OrthogonalFit(NamedTuple):
         return Columns(vectors * dominant(singular, p)[:, None, :], tied(singular, p))
 
 
-def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool) -> OrthogonalFit:
+def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool, eigen: GramEigen | None = None) -> OrthogonalFit:
+    """The (scaled) Procrustes maps; `eigen` is `gram_eigen(xn)`, computed here when not given."""
+    eigen = gram_eigen(xn) if eigen is None else eigen
     cross = yn.transpose(1, 2) @ xn  # Σ y_j x_jᵀ
     svd = torch.linalg.svd(cross)
     rotation = svd.U @ svd.Vh  # polar factor
-    unidentified = svd.S[:, -1] <= RANK_TOL * svd.S[:, 0]
+    energy = (xn * xn).sum(dim=(1, 2))  # ‖X‖_F²
+    smallest = smallest_singular(eigen, xn.shape[2])  # σ_d(X), 0 with fewer than d neighbours
+    unidentified = (smallest == 0) | (svd.S[:, -1] <= U32 * (yn * yn).sum(dim=(1, 2)).sqrt() * smallest)
     if not with_scale:
         return OrthogonalFit(rotation, xn.new_ones(xn.shape[0]), unidentified)
-    energy = (xn * xn).sum(dim=(1, 2)).clamp_min(torch.finfo(F64).tiny)
-    return OrthogonalFit(rotation, (cross * rotation).sum(dim=(1, 2)) / energy, unidentified)
+    scale = svd.S.sum(dim=1) / energy.clamp_min(torch.finfo(F64).tiny)  # ⟨C, Q⟩ = tr(Σ_C)
+    return OrthogonalFit(rotation, scale, unidentified)
 
 
-def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, first: int) -> Update:
-    del first  # a closed form: nothing drawn per anchor
-    return fit_orthogonal(xn, yn, cfg.orthogonal_scale).update(x_a, cfg.p)
+def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
+    return fit_orthogonal(xn, yn, False, context.gram).update(x_a, cfg.p)
+
+
+def procrustes_reference(xn: np.ndarray, yn: np.ndarray, with_scale: bool) -> tuple[np.ndarray, bool]:
+    """`s Q` from NumPy's SVD of `C`, and whether `Q` is unique at the data's float32 resolution."""
+    cross = yn.T @ xn
+    u, singular, vt = np.linalg.svd(cross)
+    s = singular.sum() / (xn * xn).sum() if with_scale else 1.0
+    inputs = np.linalg.svd(xn, compute_uv=False)
+    smallest = inputs[-1] if len(inputs) == xn.shape[1] else 0.0
+    return s * (u @ vt), bool(smallest > 0 and singular[-1] > 2.0**-24 * np.linalg.norm(yn) * smallest)
 
 
 def reference(
     xn: np.ndarray, yn: np.ndarray, xa: np.ndarray, cfg: AnalysisConfig, _: RefContext
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """Procrustes: the orthogonal `Q` maximising `tr(Qᵀ C)`, from NumPy's SVD: (T(x_a), J − I)."""
-    cross = yn.T @ xn
-    u, singular, vt = np.linalg.svd(cross)
-    if singular[-1] <= 1e-6 * singular[0]:
-        return None  # C rank-deficient: many orthogonal maps are optimal
-    q = u @ vt
-    s = (cross * q).sum() / (xn * xn).sum() if cfg.orthogonal_scale else 1.0
-    return s * q @ xa, s * q - np.eye(len(xa))
+) -> tuple[np.ndarray, np.ndarray | None]:
+    """Procrustes: the orthogonal `Q` maximising `tr(Qᵀ C)`: (T(x_a), J − I, None where Q is not unique)."""
+    sq, unique = procrustes_reference(xn, yn, with_scale=False)
+    return sq @ xa, sq - np.eye(len(xa)) if unique else None
 
 
 def needs_rank(d: int) -> int:
     return d
 
 
+def parameters(d: int, cfg: AnalysisConfig) -> int:
+    del cfg
+    return d * (d - 1) // 2  # the orthogonal group's dimension
+
+
 CLASS = FitClass(
-    "orthogonal", local=True, fit=fit, reference=reference, summary="T(x) = s Q x, Q orthogonal (Procrustes)",
-    needs_rank=needs_rank,
+    "orthogonal", local=True, fit=fit, reference=reference, summary="T(x) = Q x, Q orthogonal (Procrustes)",
+    parameters=parameters, needs_rank=needs_rank,
 )
