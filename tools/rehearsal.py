@@ -406,9 +406,10 @@ def _g(value: float) -> str:
 _FINDINGS = (
     "## What did not scale, and what was done",
     "",
-    "- **The neighbours' rank check** (which flags degenerate anchors) was a batched SVD of every (k × d) "
-    "neighbourhood: at k = d = 768 it took most of every local class's time on CPU. It is now the eigensolve "
-    "of the smaller Gram matrix (`geometry.numerical_rank`, the same ranks as NumPy's SVD, tested).",
+    "- **The neighbours' identification check** was a batched SVD of every (k × d) neighbourhood, then an "
+    "eigensolve per class: at k = d = 768 it took most of every local class's time on CPU. It is now one "
+    "eigensolve of the smaller Gram matrix per neighbourhood, shared by every class "
+    "(`pipeline/study_a/identification.py`, tested against NumPy's SVD).",
     "- **The fits held every anchor's neighbourhood at once**: (anchors, k, d) float64 inputs and outputs, and "
     "the classes' (anchors, d, d) operators — 8.6 GiB per tensor at 256 anchors and k = d = 2048. Anchors are "
     "now fitted in chunks of at most `fits.CHUNK_VALUES` (2²⁵) values per tensor (8 anchors at d = 2048), "
