@@ -19,8 +19,9 @@ from pipeline.params import load_params
 from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.results.study_a.claims import CLAIMS
+from pipeline.results.study_a.claims import CLAIMS, LAYER_FIT
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
+from pipeline.study_a.classes import FIT_CLASSES
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -207,6 +208,8 @@ def write_default_shape_study(data_dir: Path) -> None:
             for layer in range(train.model.n_layers):
                 for fn in analysis.classes:
                     write_random_stratum(data_dir, model, layer, fn, rng)
+                    if FIT_CLASSES[fn].local:  # the same class fitted once for the layer (the locality baseline)
+                        write_random_stratum(data_dir, model, layer, fn + LAYER_FIT, rng)
 
 
 def write_random_stratum(
@@ -236,6 +239,7 @@ def write_random_stratum(
     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.table({
             "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2, **(nulls if null_patches else {}),
+            "n_random": np.full(n, DEFAULT.analysis.null_directions, np.int32),
         }))  # fmt: skip
 
 

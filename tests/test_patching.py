@@ -86,6 +86,24 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
         np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["suffix", "recompute", "full"])
+def test_a_copy_that_stops_at_its_anchor_has_the_direct_kl(model, tokens, states, mode):
+    """A null copy needs only its `kl`: the model is causal, so its forward may stop at its anchor. Mixed in
+    one call with copies that run to the end, each gets the direct forwards' KL; only those have a kl_seq."""
+    layer, rng = 1, np.random.default_rng(21)
+    rows, positions = _anchors(rng, 10)
+    vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (10, TINY.d_model)).astype(np.float32)
+    to_end = np.arange(10) % 3 == 0
+    kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=4, mode=mode,
+                                  to_end=to_end)  # fmt: skip
+    assert np.isnan(kl_seq[~to_end]).all() and np.isfinite(kl_seq[to_end]).all()
+    for i in range(10):
+        expected_kl, expected_seq = _direct_kl(model, tokens[rows[i]], layer, positions[i], vectors[i])
+        np.testing.assert_allclose(kl[i], expected_kl, rtol=1e-4, atol=1e-7)
+        if to_end[i]:
+            np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", ["suffix", "recompute"])
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
 def test_suffix_patching_equals_the_full_forward(arch, model, tokens, states, layer, mode):

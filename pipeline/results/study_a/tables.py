@@ -17,7 +17,7 @@ from pipeline.models.registry import FAMILIES
 from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.results.study_a.claims import Stratum, claim_tests, summarise
+from pipeline.results.study_a.claims import LAYER_FIT, Stratum, claim_tests, summarise
 
 ANGLE_BIN_DEG = 10
 # `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
@@ -69,7 +69,10 @@ def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
                count(*) FILTER (WHERE NOT converged) AS n_not_converged,
                count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
-               median(CASE WHEN rel_err < 1 THEN sqrt(1 - rel_err * rel_err) END) AS median_cos_bound
+               -- over the anchors of median_cos_full_tok (a rel_err ≥ 1 bounds cos by 0), so that the two
+               -- medians compare like with like: cos_full_tok ≥ the bound at every anchor, hence for the medians
+               median(CASE WHEN cos_full_tok IS NOT NULL THEN sqrt(greatest(0, 1 - rel_err * rel_err)) END)
+                   AS median_cos_bound
         FROM anchors GROUP BY model, layer, fn, sample ORDER BY model, layer, fn, sample
     """).to_arrow_table()  # fmt: skip
 
@@ -148,7 +151,8 @@ def claim_tests_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.T
 
 def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
     """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
-    (`<sample>.<column>`), the null patches' KLs, and `global_linear`'s left-out rel_err (`global.rel_err`)."""
+    (`<sample>.<column>`), the null patches' KLs, and the rel_err of the class fitted once for the layer
+    (`layer.rel_err`, from the `<class>.layer` rows)."""
     columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
                "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
     table = con.sql(f"""
@@ -169,9 +173,9 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
         for other, values in ((s, groups.get((model, layer, fn, s))) for s in ("shuffled", "gaussian")):
             if values is not None:
                 cols |= {f"{other}.{c}": _aligned(real["anchor"], values["anchor"], values[c]) for c in columns}
-        glob = groups.get((model, layer, "global_linear", "real"))
-        if glob is not None:
-            cols["global.rel_err"] = _aligned(real["anchor"], glob["anchor"], glob["rel_err"])
+        layer_wide = groups.get((model, layer, fn + LAYER_FIT, "real"))
+        if layer_wide is not None:
+            cols["layer.rel_err"] = _aligned(real["anchor"], layer_wide["anchor"], layer_wide["rel_err"])
         strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
     return strata
 
