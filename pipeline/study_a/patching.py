@@ -201,7 +201,7 @@ def _patch_kl(
     for begin in range(0, len(order), batch_size):
         chunk = order[begin : begin + batch_size]
         clean.load(rows[chunk])
-        for group in _groups(positions[chunk], stops[chunk]) if path == "cached" else [np.arange(len(chunk))]:
+        for group in _chunk_groups(positions[chunk], stops[chunk], path):
             copies = chunk[group]
             pos = torch.as_tensor(positions[copies], dtype=torch.long, device=device)
             start, stop = int(pos.min()), int(stops[copies].max())
@@ -222,11 +222,20 @@ def _patch_kl(
     return kl, kl_seq
 
 
+def _chunk_groups(positions: np.ndarray, stops: np.ndarray, path: str) -> list[np.ndarray]:
+    """How a batch's copies are split into forwards. The cached path runs positions `start..stop` of a
+    group; `recompute` runs `0..stop` (a recurrent state cannot be cut), so its groups gather copies of
+    similar stops; `full`, the reference, runs the batch as one forward."""
+    if path == "full":
+        return [np.arange(len(positions))]
+    return _groups(positions if path == "cached" else np.zeros_like(positions), stops)
+
+
 def _groups(positions: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
     """Indices of `positions` split into groups, each run as one forward from its earliest position to its
-    latest stop: in order of position, the split minimising the sum over groups of
+    latest stop: in order of position (then stop), the split minimising the sum over groups of
     `FORWARD_COST + copies × (stop − start)`."""
-    order = np.argsort(positions, kind="stable")
+    order = np.lexsort((stops, positions))
     starts, ends = positions[order], stops[order]
     best, first = np.zeros(len(order) + 1), np.zeros(len(order) + 1, dtype=int)
     for end in range(1, len(order) + 1):
