@@ -311,6 +311,8 @@ def _read(rows: list[dict[str, object]], alpha: float) -> list[dict[str, object]
 
 def in_summary(fn: str) -> bool:
     """Whether a class counts in a claim's summary: a local class (not a baseline)."""
+    if fn.endswith(LAYER_FIT):
+        return False
     return fn not in FIT_CLASSES or FIT_CLASSES[fn].local
 
 
@@ -330,6 +332,7 @@ class ClaimSummary:
     claim: str
     verdicts: dict[str, str]  # class -> combined verdict
     weakest: dict[str, object]
+    layers: dict[str, int]  # class -> the layers its verdict rests on (the fewest over its nulls)
 
     @property
     def score(self) -> float:
@@ -356,12 +359,14 @@ def summarise(tests: Sequence[dict[str, object]]) -> list[ClaimSummary]:
     out = []
     for (subject, claim), rows in sorted(groups.items(), key=lambda g: (g[0][0], CLAIM_NAMES.index(g[0][1]))):
         by_class: dict[str, list[str]] = {}
+        layers: dict[str, int] = {}
         for r in rows:
             by_class.setdefault(str(r["fn"]), []).append(str(r["verdict"]))
+            layers[str(r["fn"])] = min(layers.get(str(r["fn"]), int(r["n_layers"])), int(r["n_layers"]))  # type: ignore[call-overload]
         # The deciding test: the weakest verdict, then the lowest interval (a missing one counts as lowest).
         weakest = min(rows, key=lambda r: (_STRENGTH[str(r["verdict"])], _finite_or_low(r["ci_low"])))
         verdicts = {fn: combined_verdict(vs) for fn, vs in sorted(by_class.items())}
-        out.append(ClaimSummary(subject, claim, verdicts, weakest))
+        out.append(ClaimSummary(subject, claim, verdicts, weakest, dict(sorted(layers.items()))))
     return out
 
 

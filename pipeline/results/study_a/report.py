@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
 from pipeline.results.study_a import figures as fig
-from pipeline.results.study_a.claims import CLAIMS, INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimSummary
+from pipeline.results.study_a.claims import (
+    CLAIMS,
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    READINGS,
+    SUPPORTED,
+    ClaimSummary,
+    in_summary,
+)
+from pipeline.results.study_a.tables import subject_of
+from pipeline.study_a.classes import FIT_CLASSES
 
 NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
              "other": "other anchor's residual", "zero": "0"}  # fmt: skip
@@ -21,28 +32,37 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
         return f"**Study A (the seed's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     subjects = sorted({c.subject for c in trained})
     at = {(c.subject, c.claim): c for c in trained}
+    layers = {s: max(n for c in trained if c.subject == s for n in c.layers.values()) for s in subjects}
     rows = []
     for claim in CLAIMS:
         if any((s, claim.name) in at for s in subjects):
-            cells = [_claim_cell(at.get((s, claim.name))) for s in subjects]
+            cells = [_claim_cell(at.get((s, claim.name)), layers[s]) for s in subjects]
             rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
     head = ("**Study A: the seed's claims on the trained models**, each against its null over layers and seeds "
-            "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
-            "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
-            "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A "
-            "below.\n")  # fmt: skip
+            "(stratified, never pooled), 95% interval from a two-stage bootstrap (seeds, then anchors). A cell gives "
+            "the verdict over the local fit classes (each class must pass every null; `global_linear` and the layer-"
+            "wide fits are baselines), then the test that decides it: statistic vs null → effect [CI] (class, null; "
+            "the layers, seeds and anchors it rests on). *Supported*: above 0 beyond chance (Holm over the cell's "
+            "classes and nulls) and at least the claim's margin; *not supported*: above 0 but the interval below "
+            "the margin; *contradicted*: below 0 beyond chance; *inconclusive*: otherwise. `init` and the "
+            "per-class tests are in Study A below.\n")  # fmt: skip
     table = markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
     return f"{head}\n{table}\n{_plain_claims(trained)}"
 
 
-def _claim_cell(c: ClaimSummary | None) -> str:
+def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
+    """The verdict, the deciding test and what it rests on; a class whose verdict rests on fewer than half
+    of the subject's `layers` is named (the others' anchors were not identified there)."""
     if c is None:
         return "not measured"
     t = c.weakest
     effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
-    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null})"
+    rests = f"{t['n_layers']} layers, {t['n_models']} seeds, {t['n']} anchors"
+    few = [f"{fn} on {n} of {layers} layers" for fn, n in c.layers.items() if 2 * n < layers]
+    warning = f" · **{'; '.join(few)}**" if few else ""
+    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null}; {rests}){warning}"
 
 
 def _plain_claims(trained: list[ClaimSummary]) -> str:
@@ -54,8 +74,8 @@ def _plain_claims(trained: list[ClaimSummary]) -> str:
         "Supported wherever measured": [n for n, v in by_claim.items() if v == {SUPPORTED}],
         "Not supported anywhere": [n for n, v in by_claim.items() if v == {NOT_SUPPORTED}],
         "The data cannot decide (inconclusive everywhere)": [n for n, v in by_claim.items() if v == {INCONCLUSIVE}],
-        "Differs by architecture or class": [n for n, v in by_claim.items()
-                                             if len(v) > 1 or not v <= {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}],
+        "Contradicted everywhere": [n for n, v in by_claim.items() if v == {CONTRADICTED}],
+        "Differs by architecture or class": [n for n, v in by_claim.items() if len(v) > 1 or not v <= set(READINGS)],
     }  # fmt: skip
     lines = [f"- {label}: {', '.join(f'`{n}`' for n in names)}." for label, names in groups.items() if names]
     return "\n".join(lines) + "\n"
@@ -70,15 +90,18 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
         "splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Each claim is tested against nulls (SPEC "
         "§4.5): the geometric ones against the same fits on shuffled pairs and on a Gaussian pool, the functional "
         "ones against patches of norm ‖r‖ in a random direction or along another anchor's residual. Effect = "
-        "statistic − null, stratified over layers and seeds. **Supported**: CI above 0 and effect ≥ the claim's "
-        "margin; **not supported**: CI below the margin; **inconclusive**: otherwise.\n"
+        "statistic − null, stratified over layers and seeds, its interval from a two-stage bootstrap (seeds, then "
+        "anchors). **Supported**: above 0 beyond chance (Holm over the tests a summary cell combines) and effect ≥ "
+        "the claim's margin; **not supported**: above 0 but the interval below the margin; **contradicted**: below "
+        "0 beyond chance; **inconclusive**: otherwise.\n"
     )  # fmt: skip
     out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
+    out.append(_kept_table(tables["geometry"]))
     if claims:
         out.append("### Init vs trained\n")
         out.append(_init_vs_final(claims))
     out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
-                            "Verdict of each claim per layer (colour: +1 supported, −1 not supported, averaged over "
+                            "Verdict of each claim per layer (colour: +1 supported, −½ not supported, −1 contradicted, averaged over "
                             "classes; each class combined over its nulls)."))  # fmt: skip
     out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
                             "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
@@ -119,6 +142,34 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
     header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
         f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
     return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
+
+
+def _kept_table(geometry: list[Row]) -> str:
+    """Per subject (its seeds pooled) and local class, the share of anchors each layer keeps: with the value
+    at the anchor identified (what rel_err, the angle and the KL claims use), and with the local operator
+    identified (what proj_* use)."""
+    real = [g for g in geometry if g["sample"] == "real" and in_summary(g["fn"])]
+    if not real:
+        return ""
+    counts: dict[tuple[str, str, int], list[int]] = {}
+    for g in real:
+        total = counts.setdefault((subject_of(g["model"]), g["fn"], g["layer"]), [0, 0, 0])
+        for i, column in enumerate(("n", "n_value_kept", "n_operator_kept")):
+            total[i] += g[column] or 0
+    subjects = sorted({s for s, _, _ in counts})
+    fns = list(dict.fromkeys(g["fn"] for g in real))
+    layers = sorted({layer for _, _, layer in counts})
+
+    def cell(subject: str, fn: str) -> str:
+        shares = [counts.get((subject, fn, layer)) for layer in layers]
+        value = "·".join(f"{100 * c[1] / c[0]:.0f}" if c and c[0] else "–" for c in shares)
+        operator = "·".join(f"{100 * c[2] / c[0]:.0f}" if c and c[0] else "–" for c in shares)
+        return f"{value} / {operator}" if FIT_CLASSES[fn].tokenwise else value
+
+    rows = [[f"`{subject}`", *(cell(subject, fn) for fn in fns)] for subject in subjects]
+    note = (f"Anchors kept, % per layer {layers[0]}–{layers[-1]} (seeds pooled): value identified / operator "
+            "identified (`identity` has no operator). A claim rests only on the kept anchors.\n")
+    return "### Anchors kept\n\n" + markdown_table(["subject", *fns], rows) + "\n" + note
 
 
 def _ill_posed(real: list[Row]) -> str:

@@ -66,6 +66,9 @@ def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
         SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
                max(n_distinct) AS n_distinct, max(k) AS k,
                count(*) FILTER (WHERE degenerate) AS n_degenerate,
+               -- the anchors each kind of claim keeps: those whose value at the anchor is identified (rel_err
+               -- and the KLs defined), and those whose local operator is (proj_* defined)
+               count(rel_err) AS n_value_kept, count(proj_full) AS n_operator_kept,
                count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
                count(*) FILTER (WHERE NOT converged) AS n_not_converged,
                count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
@@ -176,7 +179,7 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
         layer_wide = groups.get((model, layer, fn + LAYER_FIT, "real"))
         if layer_wide is not None:
             cols["layer.rel_err"] = _aligned(real["anchor"], layer_wide["anchor"], layer_wide["rel_err"])
-        strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
+        strata.append(Stratum(model, subject_of(model), int(layer), fn, cols))
     return strata
 
 
@@ -200,7 +203,7 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
 
 
-def _subject(model: str) -> str:
+def subject_of(model: str) -> str:
     """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
     combined), the model id for an external model."""
     match = re.match(r"^(.*)@(init|final)$", model)
