@@ -529,3 +529,30 @@ def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> N
     assert tables["correlations"].num_rows == 0
     assert not rows(tables["claim_tests"], claim="spearman_rel_err_kl")
     assert tables["geometry_pooled"].num_rows and metrics(tables)["study_a"] == {}
+
+
+def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
+    """cos_full_tok ≥ √(1 − rel_err²) at every anchor (a theorem; 0 where rel_err ≥ 1), so over the same anchors
+    the medians keep the order. Half the anchors here have rel_err ≥ 1: a bound over the others only would
+    exceed the cos median."""
+    import duckdb
+
+    from pipeline.core.contracts import PERTURB_METRICS
+    from pipeline.results.study_a.tables import geometry_table
+
+    rng = np.random.default_rng(3)
+    n = 40
+    rel = np.concatenate([rng.uniform(0.05, 0.3, n // 2), rng.uniform(1.0, 2.0, n // 2)])
+    cos = np.sqrt(np.clip(1 - rel**2, 0, None)) + rng.uniform(0, 0.05, n) * (rel < 1)
+    columns = {c: rng.uniform(0.1, 1.0, n) for c in FIT_METRICS + PERTURB_METRICS}
+    columns |= {"rel_err": rel, "cos_full_tok": cos}
+    anchors = pa.table({"model": ["m"] * n, "layer": [0] * n, "fn": ["lowrank"] * n, "sample": ["real"] * n,
+                        "k": [96] * n, "n_nonfinite": [0] * n, "n_distinct": [4000] * n, "has_nonfinite": [False] * n,
+                        "subspace_tied": [False] * n, "converged": [None] * n, **columns})  # fmt: skip
+    con = duckdb.connect()
+    con.register("anchors", anchors)
+    (row,) = geometry_table(con).to_pylist()
+    expected = np.median(np.sqrt(np.clip(1 - rel**2, 0, None)))
+    assert row["median_cos_bound"] == pytest.approx(expected)
+    assert row["median_cos_full_tok"] >= row["median_cos_bound"]
+    assert row["n_value_kept"] == row["n_operator_kept"] == n

@@ -23,12 +23,14 @@ baselines: their rows are tested, but a claim's summary is over the local classe
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
+from pipeline.core.contracts import parse_run_id
 from pipeline.results.stats import holm, spearman_rows
 from pipeline.study_a.classes import FIT_CLASSES
 
@@ -147,6 +149,13 @@ CLAIM_NAMES = tuple(c.name for c in CLAIMS)
 
 
 # ------------------------------------------------------------------------------------- the tests
+def subject_of(model: str) -> str:
+    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
+    combined), the model id for an external model."""
+    match = re.match(r"^(.*)@(init|final)$", model)
+    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
+
+
 @dataclass(frozen=True)
 class Stratum:
     """One (model, layer, class): its per-anchor columns."""

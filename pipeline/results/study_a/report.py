@@ -14,8 +14,8 @@ from pipeline.results.study_a.claims import (
     SUPPORTED,
     ClaimSummary,
     in_summary,
+    subject_of,
 )
-from pipeline.results.study_a.tables import subject_of
 from pipeline.study_a.classes import FIT_CLASSES
 
 NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
@@ -101,8 +101,8 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
         out.append("### Init vs trained\n")
         out.append(_init_vs_final(claims))
     out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
-                            "Verdict of each claim per layer (colour: +1 supported, −½ not supported, −1 contradicted, averaged over "
-                            "classes; each class combined over its nulls)."))  # fmt: skip
+                            "Verdict of each claim per layer (colour: +1 supported, −½ not supported, −1 contradicted, "
+                            "averaged over the local classes; each class combined over its nulls)."))  # fmt: skip
     out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
                             "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
                             "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip
@@ -124,7 +124,7 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
         row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               f"{max(g['n_degenerate'] / g['n'] for g in layers):.0%}",
+               f"{min(g['n_value_kept'] / g['n'] for g in layers if in_summary(g['fn'])):.0%}",
                (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
                 f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
         for fn in fns:
@@ -134,12 +134,13 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
             row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
         rows.append(row)
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
-            "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose "
-            "neighbourhood cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left "
-            "out of every statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); "
+            "in a layer's pool (SPEC asks ≥ 10·k); *kept*: smallest share of anchors in a (layer, local class) whose "
+            "value at the anchor is identified (the others are left out; per layer below); *excluded non-finite*: "
+            "pool tokens and anchors left out of every statistic. Per class: median over layers of rel_err · "
+            "cos_full_tok ≥ √(1 − rel_err²), both over the same anchors; "
             "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
             "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
-    header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
+    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"] + [
         f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
     return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
 
@@ -177,15 +178,15 @@ def _ill_posed(real: list[Row]) -> str:
     inputs, and layers where some neighbourhoods cannot identify the map."""
     small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
                     if g["n_distinct"] is not None and g["n_distinct"] < 10 * g["k"]})  # fmt: skip
-    degenerate = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_degenerate"]})
+    dropped = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_value_kept"] < g["n"]})
     lines = []
     if small:
         lines.append(f"**Not well posed**: fewer than 10·k distinct inputs in {len(small)} (model, layer) pools "
                      f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}); the claims there rest on repeated "
                      "tokens and should not be read as evidence either way.")  # fmt: skip
-    if degenerate:
-        lines.append(f"Degenerate neighbourhoods (left out) in {len(degenerate)} (model, layer) pairs: the verdicts "
-                     "there rest on the remaining anchors only.")  # fmt: skip
+    if dropped:
+        lines.append(f"Anchors whose value is not identified (left out) in {len(dropped)} (model, layer) pairs: the "
+                     "verdicts there rest on the remaining anchors only (Anchors kept, below).")  # fmt: skip
     return "".join(f"\n{line}\n" for line in lines)
 
 

@@ -5,19 +5,18 @@ the DVC metrics (`pipeline.results.aggregate`)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, parse_run_id, table_id_sql
+from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, table_id_sql
 from pipeline.models.registry import FAMILIES
 from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.results.study_a.claims import LAYER_FIT, Stratum, claim_tests, summarise
+from pipeline.results.study_a.claims import LAYER_FIT, Stratum, claim_tests, subject_of, summarise
 
 ANGLE_BIN_DEG = 10
 # `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
@@ -33,7 +32,7 @@ def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
         CREATE TEMP VIEW anchors AS
         SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
                coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
-               f.degenerate, f.subspace_tied, f.converged, {kl}
+               f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
           ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
              AND f.seq_id = p.seq_id AND f.pos = p.pos
@@ -65,7 +64,6 @@ def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(f"""
         SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
                max(n_distinct) AS n_distinct, max(k) AS k,
-               count(*) FILTER (WHERE degenerate) AS n_degenerate,
                -- the anchors each kind of claim keeps: those whose value at the anchor is identified (rel_err
                -- and the KLs defined), and those whose local operator is (proj_* defined)
                count(rel_err) AS n_value_kept, count(proj_full) AS n_operator_kept,
@@ -87,7 +85,6 @@ def geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(f"""
         WITH pooled AS (
             SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
-                   count(*) FILTER (WHERE degenerate) AS n_degenerate,
                    count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
             FROM anchors WHERE sample = 'real' GROUP BY model, fn
         ), per_layer AS (
@@ -201,13 +198,6 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
     found = len(other) > 0 and other[where] == anchors
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
-
-
-def subject_of(model: str) -> str:
-    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
-    combined), the model id for an external model."""
-    match = re.match(r"^(.*)@(init|final)$", model)
-    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
 
 
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
