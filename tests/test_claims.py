@@ -252,16 +252,17 @@ def test_the_headline_of_a_claim_is_its_weakest_test():
     the test shown is the one with the weakest verdict, then the lowest interval; `global_linear` is a
     baseline, outside the count."""
 
-    def row(fn: str, null: str, v: str, low: float, scope: str = "stratified") -> dict:
+    def row(fn: str, null: str, v: str, low: float, scope: str = "stratified", layers: int = 4) -> dict:
         return {"subject": "neox@final", "claim": "angle_res_tok_near_90", "fn": fn, "null": null, "scope": scope,
-                "verdict": v, "ci_low": low, "effect": low + 1}  # fmt: skip
+                "verdict": v, "ci_low": low, "effect": low + 1, "n_layers": layers}  # fmt: skip
 
     tests = [row("lowrank", "shuffled", SUPPORTED, 3.0), row("lowrank", "gaussian", SUPPORTED, 2.0),
-             row("orthogonal", "shuffled", SUPPORTED, 1.0), row("orthogonal", "gaussian", INCONCLUSIVE, 4.0),
+             row("orthogonal", "shuffled", SUPPORTED, 1.0), row("orthogonal", "gaussian", INCONCLUSIVE, 4.0, layers=1),
              row("lowrank", "shuffled", NOT_SUPPORTED, -9.0, scope="layer"),
              row("global_linear", "shuffled", CONTRADICTED, -9.0)]  # fmt: skip
     (s,) = summarise(tests)
     assert s.verdicts == {"lowrank": SUPPORTED, "orthogonal": INCONCLUSIVE}
+    assert s.layers == {"lowrank": 4, "orthogonal": 1}  # what each class's verdict rests on: its fewest layers
     assert s.verdict == "mixed: 1 supported, 1 inconclusive" and s.score == 0.5
     assert (s.weakest["fn"], s.weakest["null"]) == ("orthogonal", "gaussian")
     (s,) = summarise(tests[:3])
