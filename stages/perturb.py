@@ -1,5 +1,5 @@
 """`lmgeo perturb`: for every fitted anchor, the KL of the next-token distribution when block l's output at
-that token is replaced by T_i(h_l), and by the two null patches of SPEC §4.5; one Ray task per
+that token is replaced by T_i(h_l), and by the null patches of SPEC §4.5; one Ray task per
 (model, layer) for every class (one clean pass per sequence for all of them), written to
 `data/perturb/model=<m>/layer=<l>/fn=<class>/` (joins the fits' `real` rows on seq_id, pos)."""
 
@@ -41,7 +41,8 @@ def perturb_task(
     a = params.analysis
     net, _device = open_model(params, model, files)
     parts = ShardParts(metadata={"model": model.table_id})
-    for fn, table in perturb_layer(net, tokens, outputs, fits, layer, a.seed, a.batch_size).items():
+    for fn, table in perturb_layer(net, tokens, outputs, fits, layer, a.seed, a.batch_size,
+                                     a.null_directions).items():
         parts.write({"model": model.path_id, "layer": layer, "fn": fn}, table)
     return parts
 
@@ -82,7 +83,7 @@ def plan(params: Params, layout: Layout) -> Plan:
     extracted = planned_keys("extract", params, layout)
     verified_files(layout.fits, fitted, rebuild=FIT)  # every planned fit shard present, current and intact
     a = params.analysis
-    patch_params = stage_params("perturb", params, a.batch_size, a.seed, a.classes, params.security)
+    patch_params = stage_params("perturb", params, a.batch_size, a.seed, a.null_directions, a.classes, params.security)
     planned = []
     for model in analysed_models(params, layout):
         activations = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model.path_id}/")}

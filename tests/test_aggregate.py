@@ -19,8 +19,9 @@ from pipeline.params import load_params
 from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import holm, mean_interval, spearman_by_layer
-from pipeline.results.study_a.claims import CLAIMS
+from pipeline.results.study_a.claims import CLAIMS, LAYER_FIT
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
+from pipeline.study_a.classes import FIT_CLASSES
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -230,6 +231,8 @@ def write_default_shape_study(data_dir: Path) -> None:
             for layer in range(train.model.n_layers):
                 for fn in analysis.classes:
                     write_random_stratum(data_dir, model, layer, fn, rng)
+                    if FIT_CLASSES[fn].local:  # the same class fitted once for the layer (the locality baseline)
+                        write_random_stratum(data_dir, model, layer, fn + LAYER_FIT, rng)
 
 
 def write_random_stratum(
@@ -259,6 +262,7 @@ def write_random_stratum(
     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.table({
             "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2, **(nulls if null_patches else {}),
+            "n_random": np.full(n, DEFAULT.analysis.null_directions, np.int32),
         }))  # fmt: skip
 
 
@@ -589,3 +593,30 @@ def test_study_a_without_perturb_leaves_spearman_unmeasured(tmp_path: Path) -> N
     assert tables["correlations"].num_rows == 0
     assert not rows(tables["claim_tests"], claim="spearman_rel_err_kl")
     assert tables["geometry_pooled"].num_rows and metrics(tables)["study_a"] == {}
+
+
+def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
+    """cos_full_tok ≥ √(1 − rel_err²) at every anchor (a theorem; 0 where rel_err ≥ 1), so over the same anchors
+    the medians keep the order. Half the anchors here have rel_err ≥ 1: a bound over the others only would
+    exceed the cos median."""
+    import duckdb
+
+    from pipeline.core.contracts import PERTURB_METRICS
+    from pipeline.results.study_a.tables import geometry_table
+
+    rng = np.random.default_rng(3)
+    n = 40
+    rel = np.concatenate([rng.uniform(0.05, 0.3, n // 2), rng.uniform(1.0, 2.0, n // 2)])
+    cos = np.sqrt(np.clip(1 - rel**2, 0, None)) + rng.uniform(0, 0.05, n) * (rel < 1)
+    columns = {c: rng.uniform(0.1, 1.0, n) for c in FIT_METRICS + PERTURB_METRICS}
+    columns |= {"rel_err": rel, "cos_full_tok": cos}
+    anchors = pa.table({"model": ["m"] * n, "layer": [0] * n, "fn": ["lowrank"] * n, "sample": ["real"] * n,
+                        "k": [96] * n, "n_nonfinite": [0] * n, "n_distinct": [4000] * n, "has_nonfinite": [False] * n,
+                        "subspace_tied": [False] * n, "converged": [None] * n, **columns})  # fmt: skip
+    con = duckdb.connect()
+    con.register("anchors", anchors)
+    (row,) = geometry_table(con).to_pylist()
+    expected = np.median(np.sqrt(np.clip(1 - rel**2, 0, None)))
+    assert row["median_cos_bound"] == pytest.approx(expected)
+    assert row["median_cos_full_tok"] >= row["median_cos_bound"]
+    assert row["n_value_kept"] == row["n_operator_kept"] == n

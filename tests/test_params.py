@@ -44,6 +44,7 @@ def test_default_params_are_valid():
         ({"analysis": {"runs": {"recipes": ["muon", "lion"]}}}, "analysis.runs.recipes.1: unknown recipe 'lion'"),
         ({"train": {"archs": []}}, "train: archs must not be empty"),
         ({"analysis": {"classes": ["lowrank", "lowrank"]}}, "analysis: classes has duplicates"),
+        ({"analysis": {"null_directions": 1}}, "analysis.null_directions: Input should be greater than or equal to 8"),
         ({"analysis": {"k": 5000}}, "analysis.k (5000) must be smaller than the pool"),
         ({"train": {"model": {"d_model": 30, "n_heads": 4}}}, "divisible by n_heads"),
         ({"train": {"recipe_overrides": {"muon": {"tau": 0.1}}}}, "train.recipe_overrides.muon.tau: tau applies"),

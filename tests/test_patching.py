@@ -86,6 +86,24 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
         np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode", ["suffix", "recompute", "full"])
+def test_a_copy_that_stops_at_its_anchor_has_the_direct_kl(model, tokens, states, mode):
+    """A null copy needs only its `kl`: the model is causal, so its forward may stop at its anchor. Mixed in
+    one call with copies that run to the end, each gets the direct forwards' KL; only those have a kl_seq."""
+    layer, rng = 1, np.random.default_rng(21)
+    rows, positions = _anchors(rng, 10)
+    vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (10, TINY.d_model)).astype(np.float32)
+    to_end = np.arange(10) % 3 == 0
+    kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=4, mode=mode,
+                                  to_end=to_end)  # fmt: skip
+    assert np.isnan(kl_seq[~to_end]).all() and np.isfinite(kl_seq[to_end]).all()
+    for i in range(10):
+        expected_kl, expected_seq = _direct_kl(model, tokens[rows[i]], layer, positions[i], vectors[i])
+        np.testing.assert_allclose(kl[i], expected_kl, rtol=1e-4, atol=1e-7)
+        if to_end[i]:
+            np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
+
+
 @pytest.mark.parametrize("mode", ["suffix", "recompute"])
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
 def test_suffix_patching_equals_the_full_forward(arch, model, tokens, states, layer, mode):
@@ -191,3 +209,42 @@ def test_each_clean_sequence_runs_once(model, tokens, states):
     finally:
         handle.remove()
     assert sum(seen) == len(rows) + 2
+
+
+def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, model, tokens, states):
+    """`kl_random` is the mean KL over `n_random` seeded random directions (recomputed here one direction at
+    a time with the full forward), `kl_other` needs two patched anchors, and an anchor without a patch has
+    null KLs."""
+    import pyarrow as pa
+
+    from pipeline.study_a.nulls import null_patches
+    from pipeline.study_a.perturb import perturb_layer
+
+    layer, d = 1, TINY.d_model
+    seq = np.repeat(np.arange(N_SEQ, dtype=np.int32), SEQ_LEN)
+    pos = np.tile(np.arange(SEQ_LEN, dtype=np.int32), N_SEQ)
+    h_next = states[layer + 1].reshape(-1, d)
+    vectors = lambda rows: pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), d)  # noqa: E731
+    anchors = np.array([3, 20, 41])
+    rng = np.random.default_rng(4)
+    patched = (h_next[anchors] + rng.normal(0, 1.0, (3, d))).astype(np.float32)
+    fits = {
+        "diag_psd": pa.table({"sample": ["real"] * 3, "seq_id": seq[anchors], "pos": pos[anchors],
+                              "patched": vectors(patched)}),
+        "lowrank": pa.table({"sample": ["real"] * 2, "seq_id": seq[anchors[:2]], "pos": pos[anchors[:2]],
+                             "patched": pa.FixedSizeListArray.from_arrays(pa.array(patched[:2].ravel()), d,
+                                                                          mask=pa.array([False, True]))}),
+    }  # fmt: skip
+    tokens_rows = pa.table({"seq_id": seq, "token_id": tokens.ravel().astype(np.int32)})
+    outputs = pa.table({"seq_id": seq, "pos": pos, "h": vectors(h_next.astype(np.float32))})
+    tables = perturb_layer(model, tokens_rows, outputs, fits, layer, seed=7, batch_size=5, directions=8)
+    full = tables["diag_psd"].to_pydict()
+    assert full["n_random"] == [8, 8, 8] and all(v is not None for v in full["kl_other"])
+    expected = null_patches(fits["diag_psd"]["patched"], h_next[anchors], np.random.default_rng([7, layer, 0]), 8)
+    rows, positions = np.repeat(seq[anchors], 8), np.repeat(pos[anchors], 8)
+    one_by_one, _ = patch_kl_anchors(model, tokens, rows, positions, layer, expected.random.reshape(-1, d),
+                                     batch_size=1, mode="full")  # fmt: skip
+    np.testing.assert_allclose(full["kl_random"], one_by_one.reshape(3, 8).mean(axis=1), rtol=1e-4, atol=1e-8)
+    single = tables["lowrank"].to_pydict()  # one patched anchor: no other anchor to borrow a residual from
+    assert single["n_random"] == [8, None] and single["kl_other"] == [None, None]
+    assert single["kl"][0] is not None and single["kl"][1] is None and single["kl_random"][1] is None

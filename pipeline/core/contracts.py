@@ -230,11 +230,13 @@ FITS = Dataset(
     order=("sample", "seq_id", "pos"),
 )
 # `kl`, `kl_seq`: the real patch T(h_l); `kl_random`, `kl_other`: the null patches h_{l+1} − r̃ with r̃ a
-# random direction, or another anchor's residual, rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
+# random direction (the mean KL over `n_random` of them), or another anchor's residual (null where the layer
+# has fewer than two patched anchors), rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
 PERTURB_METRICS = ("kl", "kl_seq", "kl_random", "kl_other")
 PERTURB = Dataset(
     "perturb",
-    fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64()),
+    fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64())
+    + (pa.field("n_random", pa.int32()),),
     partitions=FITS.partitions,
     written_by="perturb",
     order=("seq_id", "pos"),

@@ -20,7 +20,8 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
                                      matched-budget sweep's envelope (each recipe at its best budget,
                                      table ``envelope``), when the study has the sweep}},
        "study_a": {<subject>: {<claim>: {"effect": the deciding test's stratified effect against its null,
-                                         "verdict": +1 supported, 0 inconclusive, -1 not supported,
+                                         "verdict": +1 supported, 0 inconclusive, -0.5 not supported,
+                                                    -1 contradicted,
                                                     averaged over classes}}}}
 
   Study A's subjects are the trained architectures (``<arch>@final``) and external models; the ``@init``

@@ -69,6 +69,9 @@ class AnalysisConfig(Section):
     mlp_tol: Annotated[float, Field(gt=0, lt=1)] = 1e-3  # relative decrease of the objective over 20 steps
     # Null samples fitted beside the real pairs (SPEC §4.5); the claims are tested against them.
     nulls: list[Literal["shuffled", "gaussian"]] = ["shuffled", "gaussian"]
+    # Random directions per anchor whose mean KL is the functional claim's random null (`kl_random`): one
+    # direction is a noisy, skewed null, so at least 8.
+    null_directions: Annotated[int, Field(ge=8)] = 8
     p: PositiveInt = 4  # dominant tokenwise subspace dimension
     knn_chunk: PositiveInt = 4096
     seed: Seed = 0

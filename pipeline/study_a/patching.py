@@ -158,13 +158,16 @@ def patch_kl_anchors(
     batch_size: int,
     device: torch.device | str | None = None,
     mode: Mode = "suffix",
+    to_end: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(kl, kl_seq) for each patched copy i: sequence `token_ids[rows[i]]`, block `layer`'s output at
     `positions[i]` replaced by `vectors[i]`.
 
     `token_ids` is (n_seq, seq_len); `vectors` is (n, d). Copies are run `batch_size` at a time, sorted by
     (sequence, position) so that the copies of one anchor share a batch; each sequence's clean forward runs
-    once for all its copies. `mode` as in the module docstring (the KLs agree to float rounding).
+    once for all its copies. `mode` as in the module docstring (the KLs agree to float rounding). `to_end`
+    (n,) bool, default all: False for a copy whose `kl` alone is wanted; the model is causal, so its forward
+    stops at its anchor (its `kl_seq` is NaN).
     """
     n_seq, seq_len = token_ids.shape
     n_blocks = len(blocks_of(model))
@@ -177,52 +180,67 @@ def patch_kl_anchors(
         raise ValueError(f"anchor rows/positions out of range for token_ids of shape {token_ids.shape}")
     device = model_device(model) if device is None else torch.device(device)
     tokens = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    to_end = np.ones(len(rows), dtype=bool) if to_end is None else np.asarray(to_end, dtype=bool)
     with eval_mode(model), torch.inference_mode():
         path = _checked_path(model, tokens[rows[:1]], layer, vectors) if mode == "suffix" and len(rows) else mode
-        return _patch_kl(model, tokens, rows, positions, layer, vectors, batch_size, path)
+        stops = np.where(to_end, seq_len, positions + 1)
+        kl, kl_seq = _patch_kl(model, tokens, rows, positions, stops, layer, vectors, batch_size, path)
+    return kl, np.where(to_end, kl_seq, np.nan)
 
 
 def _patch_kl(
-    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, layer: int,
-    vectors: np.ndarray, batch_size: int, path: str,
+    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, stops: np.ndarray,
+    layer: int, vectors: np.ndarray, batch_size: int, path: str,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """`patch_kl_anchors` on checked arguments, by `path`: `cached`, `recompute` or `full`."""
-    seq_len, device = tokens.shape[1], tokens.device
+    """`patch_kl_anchors` on checked arguments, by `path`: `cached`, `recompute` or `full`; copy i's
+    forward runs up to position `stops[i]` (exclusive), its `kl_seq` over the positions before it."""
+    device = tokens.device
     order = np.lexsort((positions, rows))
     kl, kl_seq = np.empty(len(rows)), np.empty(len(rows))
     clean = _CleanCache(model, tokens, layer, with_cache=path == "cached")
     for begin in range(0, len(order), batch_size):
         chunk = order[begin : begin + batch_size]
         clean.load(rows[chunk])
-        for group in _groups(positions[chunk], seq_len) if path == "cached" else [np.arange(len(chunk))]:
+        for group in _chunk_groups(positions[chunk], stops[chunk], path):
             copies = chunk[group]
             pos = torch.as_tensor(positions[copies], dtype=torch.long, device=device)
-            start = int(pos.min())
+            start, stop = int(pos.min()), int(stops[copies].max())
             batch = clean.select(rows[copies], start)
             vec = torch.as_tensor(vectors[copies], device=device)
-            row_tokens = tokens[torch.as_tensor(rows[copies], dtype=torch.long, device=device)]
+            row_tokens = tokens[torch.as_tensor(rows[copies], dtype=torch.long, device=device)][:, :stop]
             if path != "full" and clean.output_is_tensor:
-                hidden = _written(batch.hidden, pos, vec)
+                hidden = _written(batch.hidden[:, :stop], pos, vec)
                 patched = _suffix_log_probs(model, layer, row_tokens, hidden, start, batch.keys_values)
             else:
                 with hooks(blocks_of(model)[layer].register_forward_hook(_replace_at(pos, vec))):
-                    patched = _log_probs(model, row_tokens, seq_len - start)
-            divergence = kl_per_position(batch.log_probs, patched)  # (copies, seq_len − start)
+                    patched = _log_probs(model, row_tokens, stop - start)
+            divergence = kl_per_position(batch.log_probs[:, : stop - start], patched)  # (copies, stop − start)
             offset = pos - start
-            from_anchor = torch.arange(seq_len - start, device=device)[None, :] >= offset[:, None]
+            from_anchor = torch.arange(stop - start, device=device)[None, :] >= offset[:, None]
             kl[copies] = divergence.gather(1, offset[:, None])[:, 0].cpu().numpy()
             kl_seq[copies] = ((divergence * from_anchor).sum(1) / from_anchor.sum(1)).cpu().numpy()
     return kl, kl_seq
 
 
-def _groups(positions: np.ndarray, seq_len: int) -> list[np.ndarray]:
-    """Indices of `positions` split into groups, each run as one forward from its earliest position: in
-    order of position, the split minimising the sum over groups of `FORWARD_COST + copies × (seq_len − start)`."""
-    order = np.argsort(positions, kind="stable")
-    remaining = seq_len - positions[order]  # what each copy costs in a group it starts
+def _chunk_groups(positions: np.ndarray, stops: np.ndarray, path: str) -> list[np.ndarray]:
+    """How a batch's copies are split into forwards. The cached path runs positions `start..stop` of a
+    group; `recompute` runs `0..stop` (a recurrent state cannot be cut), so its groups gather copies of
+    similar stops; `full`, the reference, runs the batch as one forward."""
+    if path == "full":
+        return [np.arange(len(positions))]
+    return _groups(positions if path == "cached" else np.zeros_like(positions), stops)
+
+
+def _groups(positions: np.ndarray, stops: np.ndarray) -> list[np.ndarray]:
+    """Indices of `positions` split into groups, each run as one forward from its earliest position to its
+    latest stop: in order of position (then stop), the split minimising the sum over groups of
+    `FORWARD_COST + copies × (stop − start)`."""
+    order = np.lexsort((stops, positions))
+    starts, ends = positions[order], stops[order]
     best, first = np.zeros(len(order) + 1), np.zeros(len(order) + 1, dtype=int)
     for end in range(1, len(order) + 1):
-        costs = best[:end] + FORWARD_COST + (end - np.arange(end)) * remaining[:end]
+        reach = np.maximum.accumulate(ends[:end][::-1])[::-1]  # the latest stop of copies i..end−1
+        costs = best[:end] + FORWARD_COST + (end - np.arange(end)) * (reach - starts[:end])
         first[end] = int(np.argmin(costs))
         best[end] = costs[first[end]]
     groups, end = [], len(order)
@@ -249,11 +267,12 @@ def _probe(model: PreTrainedModel, tokens: torch.Tensor, layer: int, vectors: np
     rows, probe_vectors = np.zeros(len(positions), dtype=int), vectors[np.arange(len(positions)) % len(vectors)]
     noise = np.random.default_rng(0).normal(size=probe_vectors.shape)
     probe_vectors = (probe_vectors + noise * np.abs(probe_vectors).mean()).astype(probe_vectors.dtype)
+    stops = np.full(len(positions), seq_len)
     try:
-        got = _patch_kl(model, tokens, rows, positions, layer, probe_vectors, 1, "cached")
+        got = _patch_kl(model, tokens, rows, positions, stops, layer, probe_vectors, 1, "cached")
     except Exception as err:  # noqa: BLE001 - a family whose cache cannot be cut this way (a recurrent state)
         return "recompute", f"the cached path failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
-    want = _patch_kl(model, tokens, rows, positions, layer, probe_vectors, 1, "full")
+    want = _patch_kl(model, tokens, rows, positions, stops, layer, probe_vectors, 1, "full")
     scale = max(float(np.max(want[0])), float(np.max(want[1])), np.finfo(np.float64).tiny)
     error = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)) / scale
     if error <= TOLERANCE.get(next(model.parameters()).dtype, 1e-4):

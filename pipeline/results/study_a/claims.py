@@ -2,33 +2,41 @@
 
 Each claim of the seed is a statistic of a (model, layer, class) stratum's anchors and a *null*: the same
 statistic on a null sample (the fits on `shuffled` pairs, on the `gaussian` pool), on a null patch
-(`kl_random`, `kl_other`), or zero where the statistic is itself an effect. The effect is statistic − null,
-signed so that positive is the claim's direction; its 95% interval is a percentile bootstrap over anchors
-(paired: an anchor is drawn with its real and its null values). A layer's effect over several models (the
-seeds of one architecture at one checkpoint) and an architecture's over layers are *stratified*: the mean of
-the strata's effects, each stratum resampled on its own, so rows of different layers are never ranked
-together.
+(`kl_random`, the mean over several random directions, `kl_other`), or zero where the statistic is itself an
+effect. The effect is statistic − null, signed so that positive is the claim's direction.
 
-Verdict of an effect e with interval [lo, hi] and the claim's margin m (the smallest effect worth the name):
-supported when lo > 0 and e ≥ m (in the claimed direction beyond chance, and of a size that counts); not
-supported when hi < m (no effect of that size in the claimed direction); inconclusive otherwise. A stratum
-with fewer than `MIN_ANCHORS` complete anchors is left out.
+Intervals are seed-level: a subject (`<arch>@<checkpoint>`) has one model per trained seed, and its
+interval comes from a two-stage bootstrap — resample the seeds, then each drawn seed's anchors (paired: an
+anchor is drawn with its real and its null values) — so a claim that holds on one seed and not the next gets
+a wide interval. A model's effect over layers is the mean of its layers' effects (each layer resampled on its
+own, never rows of different layers ranked together); the subject's is the mean over its seeds.
+
+Readings of an effect e with interval [lo, hi], the claim's margin m (the smallest effect worth the name)
+and one-sided bootstrap p-values, Holm-adjusted over the tests a summary cell combines (its classes and
+nulls): **supported** when e > 0 beyond chance (adjusted p) and e ≥ m; **contradicted** when e < 0 beyond
+chance (the interval on the wrong side of 0); **not supported** when e > 0 beyond chance but hi < m (an
+effect, too small to count); **inconclusive** otherwise. A stratum with fewer than `MIN_ANCHORS` complete
+anchors is left out. `global_linear` and the layer-wide fits of the local classes (`<class>.layer`) are
+baselines: their rows are tested, but a claim's summary is over the local classes only.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from pipeline.results.stats import spearman_rows
+from pipeline.core.contracts import parse_run_id
+from pipeline.results.stats import holm, spearman_rows
 from pipeline.study_a.classes import FIT_CLASSES
 
 MIN_ANCHORS = 10
-SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE = "supported", "not supported", "inconclusive"
+SUPPORTED, NOT_SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "not supported", "contradicted", "inconclusive"
+LAYER_FIT = ".layer"  # `<class>.layer`: the local class fitted once for the whole layer (the locality baseline)
 
 Columns = dict[str, np.ndarray]  # one stratum's per-anchor values: "<column>" real, "<sample>.<column>" null
 Statistic = Callable[[Columns, np.ndarray], np.ndarray]  # (columns, index rows (B, n)) -> (B,) statistics
@@ -57,6 +65,12 @@ def _partial_spearman(x: str, y: str, z: str) -> Statistic:
     return stat
 
 
+def _median_acute(column: str) -> Statistic:
+    """The median acute angle between the lines of two vectors, 90° − |90° − angle|: near 90° exactly when
+    they are near orthogonal, whichever way each points."""
+    return lambda c, idx: np.median(90.0 - np.abs(90.0 - c[column][idx]), axis=-1)
+
+
 def _median_log_ratio(a: str, b: str) -> Statistic:
     return lambda c, idx: np.median(np.log(c[a][idx] / c[b][idx]), axis=-1)
 
@@ -81,12 +95,13 @@ class Claim:
     classes: str = "tokenwise"  # "tokenwise" (every class but identity) or "local"
 
 
-def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, seed_value: str) -> Claim:
-    """A median (of one column, or of the difference of two) against the same on each null sample."""
+def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, seed_value: str,
+               of_one: Callable[[str], Statistic] = _median) -> Claim:  # fmt: skip
+    """A median (`of_one` column, or of the difference of two) against the same on each null sample."""
 
     def stat(prefix: str) -> Statistic:
         names = [prefix + c for c in columns]
-        return _median(names[0]) if len(names) == 1 else _median_difference(*names)
+        return of_one(names[0]) if len(names) == 1 else _median_difference(*names)
 
     tests = {
         sample: Test(stat(""), stat(f"{sample}."), columns + tuple(f"{sample}.{c}" for c in columns))
@@ -102,8 +117,9 @@ def _patch(null: str) -> str:
 CLAIMS: tuple[Claim, ...] = (
     _geometric("cos_full_tok_near_1", "the full update is aligned with its tokenwise part (median cos_full_tok)",
                ("cos_full_tok",), 0.05, "near 1"),
-    _geometric("angle_res_tok_large", "the residual lies at a large angle to the tokenwise part "
-               "(median angle_res_tok, °)", ("angle_res_tok",), 5.0, "often > 60°"),
+    _geometric("angle_res_tok_near_90", "the residual is closer to orthogonal to the tokenwise part than the "
+               "null's (median acute angle 90° − |90° − angle_res_tok|)", ("angle_res_tok",), 5.0, "often > 60°",
+               _median_acute),
     _geometric("proj_res_below_full", "the residual projects less than the full update on the dominant local "
                "tokenwise subspace (median proj_full − proj_res)", ("proj_full", "proj_res"), 0.05,
                "significantly lower"),
@@ -123,15 +139,23 @@ CLAIMS: tuple[Claim, ...] = (
           {null: Test(_median_log_ratio("kl", _patch(null)), None, ("kl", _patch(null)))
            for null in ("random", "other")},
           math.log(1.25), "the residual is functionally decisive"),
-    Claim("local_beats_global", "local tokenwise maps explain more than one global affine map, out of sample: "
-          "median rel_err(global_linear, left out) − rel_err(class), against 0",
-          {"zero": Test(_median_difference("global.rel_err", "rel_err"), None, ("rel_err", "global.rel_err"))}, 0.05,
+    Claim("local_beats_layer", "a local class explains more fitted per neighbourhood than the same class fitted "
+          "once for the layer (same anchors, out of sample): median rel_err(<class>.layer) − rel_err(class), "
+          "against 0", {"zero": Test(_median_difference("layer.rel_err", "rel_err"), None,
+                                     ("rel_err", "layer.rel_err"))}, 0.05,
           "(assumed: the fits are local)", classes="local"),
 )
 CLAIM_NAMES = tuple(c.name for c in CLAIMS)
 
 
 # ------------------------------------------------------------------------------------- the tests
+def subject_of(model: str) -> str:
+    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
+    combined), the model id for an external model."""
+    match = re.match(r"^(.*)@(init|final)$", model)
+    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
+
+
 @dataclass(frozen=True)
 class Stratum:
     """One (model, layer, class): its per-anchor columns."""
@@ -174,37 +198,44 @@ def stratum_effect(stratum: Stratum, test: Test, n_boot: int, seed: int) -> Repl
     return Replicates(point_real, point_null, point_real - point_null, boot, n)
 
 
-def verdict(effect: float, low: float, high: float, margin: float) -> str:
-    if not (math.isfinite(low) and math.isfinite(high)):
+def verdict(effect: float, high: float, margin: float, p_above: float, p_below: float, alpha: float) -> str:
+    """The reading of an effect (module docstring): `p_above`, `p_below` the adjusted one-sided p-values of
+    the effect being > 0 and < 0, `high` its interval's upper end, `alpha` the one-sided level."""
+    if not all(math.isfinite(v) for v in (effect, high, p_above, p_below)):
         return INCONCLUSIVE
-    if low > 0 and effect >= margin:
-        return SUPPORTED
-    return NOT_SUPPORTED if high < margin else INCONCLUSIVE
+    if p_below <= alpha:
+        return CONTRADICTED
+    if p_above <= alpha:
+        return SUPPORTED if effect >= margin else NOT_SUPPORTED if high < margin else INCONCLUSIVE
+    return INCONCLUSIVE
 
 
 def combined_verdict(verdicts: Sequence[str]) -> str:
-    """Over a claim's nulls: supported against every null, not supported against any, else inconclusive."""
+    """Over a claim's nulls: supported against every null; contradicted, else not supported, against any;
+    else inconclusive."""
     if verdicts and all(v == SUPPORTED for v in verdicts):
         return SUPPORTED
-    return NOT_SUPPORTED if NOT_SUPPORTED in verdicts else INCONCLUSIVE
+    return next((v for v in (CONTRADICTED, NOT_SUPPORTED) if v in verdicts), INCONCLUSIVE)
 
 
 CLAIM_TESTS_SCHEMA = pa.schema(
     [("subject", pa.string()), ("fn", pa.string()), ("claim", pa.string()), ("null", pa.string()),
      ("scope", pa.string()), ("layer", pa.int32()), ("n_models", pa.int64()), ("n_layers", pa.int64()),
      ("n", pa.int64()), ("statistic", pa.float64()), ("null_statistic", pa.float64()), ("effect", pa.float64()),
-     ("ci_low", pa.float64()), ("ci_high", pa.float64()), ("margin", pa.float64()), ("verdict", pa.string())]
+     ("ci_low", pa.float64()), ("ci_high", pa.float64()), ("p_above", pa.float64()), ("p_below", pa.float64()),
+     ("margin", pa.float64()), ("verdict", pa.string())]
 )  # fmt: skip
 
 
 def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) -> pa.Table:
     """Every claim against each of its nulls: per (subject, class, layer) over the subject's models
-    (scope `layer`), and over its layers and models (scope `stratified`)."""
+    (scope `layer`), and over its layers and models (scope `stratified`); the p-values Holm-adjusted over
+    the rows of one (subject, claim, scope, layer) and the verdicts read from them."""
     rows = []
+    models = sorted({s.model for s in strata})
     for claim in CLAIMS:
         for null, test in claim.tests.items():
-            effects: dict[tuple[str, str], list[tuple[int, Replicates]]] = {}
-            models = sorted({s.model for s in strata})
+            effects: dict[tuple[str, str], dict[str, dict[int, Replicates]]] = {}
             for s in strata:
                 if not _applies(claim, s.fn):
                     continue
@@ -212,42 +243,92 @@ def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) ->
                 # its resample is the same anchors' (they are not independent across layers).
                 rep = stratum_effect(s, test, n_boot, seed + models.index(s.model))
                 if rep is not None:
-                    effects.setdefault((s.subject, s.fn), []).append((s.layer, rep))
-            for (subject, fn), reps in sorted(effects.items()):
-                for layer in sorted({layer for layer, _ in reps}):
-                    at_layer = [r for lay, r in reps if lay == layer]
-                    rows.append(_row(subject, fn, claim, null, "layer", layer, at_layer, ci, 1))
-                rows.append(_row(subject, fn, claim, null, "stratified", None, [r for _, r in reps], ci,
-                                 len({lay for lay, _ in reps})))
-    return pa.Table.from_pylist(rows, schema=CLAIM_TESTS_SCHEMA)
+                    effects.setdefault((s.subject, s.fn), {}).setdefault(s.model, {})[s.layer] = rep
+            for (subject, fn), by_model in sorted(effects.items()):
+                cell = (subject, fn, claim, null)
+                for layer in sorted({layer for reps in by_model.values() for layer in reps}):
+                    at_layer = [reps[layer] for reps in by_model.values() if layer in reps]
+                    rows.append(_row(*cell, "layer", layer, at_layer, 1, n_boot, ci, seed))
+                over_layers = [_mean_over_layers(list(reps.values())) for reps in by_model.values()]
+                n_layers = len({layer for reps in by_model.values() for layer in reps})
+                rows.append(_row(*cell, "stratified", None, over_layers, n_layers, n_boot, ci, seed))
+    return pa.Table.from_pylist(_read(rows, (1 - ci) / 2), schema=CLAIM_TESTS_SCHEMA)
 
 
 def _applies(claim: Claim, fn: str) -> bool:
+    if fn.endswith(LAYER_FIT):  # a baseline of the locality claim only
+        return False
     if fn not in FIT_CLASSES:
         return True
     fit_class = FIT_CLASSES[fn]
     return fit_class.local if claim.classes == "local" else fit_class.tokenwise
 
 
+def _mean_over_layers(reps: list[Replicates]) -> Replicates:
+    """One model's effect over its layers: the mean of the layers' effects and of their replicates."""
+    mean = lambda values: float(np.mean(values))  # noqa: E731
+    return Replicates(mean([r.statistic for r in reps]), mean([r.null for r in reps]),
+                      mean([r.effect for r in reps]), np.mean([r.boot for r in reps], axis=0), sum(r.n for r in reps))
+
+
+def seed_level_replicates(per_model: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
+    """The two-stage bootstrap of the mean over models (seeds): each replicate draws the models with
+    replacement, then for each drawn model one of its own anchor-level replicates (a fresh one per draw,
+    so a model drawn twice contributes two resamples of its anchors). One model: its replicates."""
+    boot = np.asarray(per_model)  # (models, n_boot)
+    n_models, n_boot = boot.shape
+    if n_models == 1:
+        return boot[0]
+    drawn = rng.integers(0, n_models, size=(n_boot, n_models))
+    which = np.stack([rng.permutation(n_boot) for _ in range(n_models)], axis=1)  # (n_boot, draws)
+    return boot[drawn, which].mean(axis=1)
+
+
 def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int | None, reps: list[Replicates],
-         ci: float, n_layers: int) -> dict[str, object]:  # fmt: skip
-    boot = np.mean([r.boot for r in reps], axis=0)
+         n_layers: int, n_boot: int, ci: float, seed: int) -> dict[str, object]:  # fmt: skip
+    boot = seed_level_replicates([r.boot for r in reps], np.random.default_rng([seed, n_boot, len(reps)]))
     finite = boot[np.isfinite(boot)]
     low, high = (np.percentile(finite, [50 * (1 - ci), 50 * (1 + ci)]) if finite.size else (np.nan, np.nan))
+    one_sided = lambda count: (1 + count) / (1 + finite.size) if finite.size else np.nan  # noqa: E731
     mean = lambda values: float(np.mean(values))  # noqa: E731
     return {
         "subject": subject, "fn": fn, "claim": claim.name, "null": null, "scope": scope, "layer": layer,
-        "n_models": len(reps) // n_layers, "n_layers": n_layers, "n": sum(r.n for r in reps),
+        "n_models": len(reps), "n_layers": n_layers, "n": sum(r.n for r in reps),
         "statistic": mean([r.statistic for r in reps]), "null_statistic": mean([r.null for r in reps]),
         "effect": mean([r.effect for r in reps]), "ci_low": float(low), "ci_high": float(high),
+        "p_above": one_sided(int((finite <= 0).sum())), "p_below": one_sided(int((finite >= 0).sum())),
         "margin": claim.margin,
-        "verdict": verdict(mean([r.effect for r in reps]), float(low), float(high), claim.margin),
     }  # fmt: skip
 
 
+def _read(rows: list[dict[str, object]], alpha: float) -> list[dict[str, object]]:
+    """Holm-adjust each direction's p-values over the rows of one summary cell (subject, claim, scope,
+    layer: its classes and nulls, baselines left out), then read each row's verdict at one-sided `alpha`."""
+    cells: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    for r in rows:
+        if in_summary(str(r["fn"])):
+            cells.setdefault((r["subject"], r["claim"], r["scope"], r["layer"]), []).append(r)
+    for members in cells.values():
+        for column in ("p_above", "p_below"):
+            for r, adjusted in zip(members, holm([float(m[column]) for m in members]), strict=True):  # type: ignore[arg-type]
+                r[column] = adjusted
+    for r in rows:
+        r["verdict"] = verdict(*(float(r[c]) for c in ("effect", "ci_high", "margin", "p_above", "p_below")),  # type: ignore[arg-type]
+                               alpha)  # fmt: skip
+    return rows
+
+
+def in_summary(fn: str) -> bool:
+    """Whether a class counts in a claim's summary: a local class (not a baseline)."""
+    if fn.endswith(LAYER_FIT):
+        return False
+    return fn not in FIT_CLASSES or FIT_CLASSES[fn].local
+
+
 # ----------------------------------------------------------------------------------- the headline
-VERDICT_SCORE = {SUPPORTED: 1.0, INCONCLUSIVE: 0.0, NOT_SUPPORTED: -1.0}
-_STRENGTH = {NOT_SUPPORTED: 0, INCONCLUSIVE: 1, SUPPORTED: 2}
+VERDICT_SCORE = {SUPPORTED: 1.0, INCONCLUSIVE: 0.0, NOT_SUPPORTED: -0.5, CONTRADICTED: -1.0}
+_STRENGTH = {CONTRADICTED: 0, NOT_SUPPORTED: 1, INCONCLUSIVE: 2, SUPPORTED: 3}
+READINGS = (SUPPORTED, NOT_SUPPORTED, CONTRADICTED, INCONCLUSIVE)
 
 
 @dataclass(frozen=True)
@@ -260,11 +341,12 @@ class ClaimSummary:
     claim: str
     verdicts: dict[str, str]  # class -> combined verdict
     weakest: dict[str, object]
+    layers: dict[str, int]  # class -> the layers its verdict rests on (the fewest over its nulls)
 
     @property
     def score(self) -> float:
-        """+1 supported, 0 inconclusive, −1 not supported, averaged over the classes: one number that
-        `dvc metrics diff` can compare across experiments."""
+        """+1 supported, 0 inconclusive, −½ not supported, −1 contradicted, averaged over the classes: one
+        number that `dvc metrics diff` can compare across experiments."""
         return float(np.mean([VERDICT_SCORE[v] for v in self.verdicts.values()]))
 
     @property
@@ -273,7 +355,7 @@ class ClaimSummary:
         distinct = set(self.verdicts.values())
         if len(distinct) == 1:
             return distinct.pop()
-        counts = {v: list(self.verdicts.values()).count(v) for v in (SUPPORTED, INCONCLUSIVE, NOT_SUPPORTED)}
+        counts = {v: list(self.verdicts.values()).count(v) for v in READINGS}
         return "mixed: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
@@ -281,17 +363,19 @@ def summarise(tests: Sequence[dict[str, object]]) -> list[ClaimSummary]:
     """Per (subject, claim), in `CLAIMS` order, from the stratified rows of the `claim_tests` table."""
     groups: dict[tuple[str, str], list[dict[str, object]]] = {}
     for t in tests:
-        if t["scope"] == "stratified":
+        if t["scope"] == "stratified" and in_summary(str(t["fn"])):
             groups.setdefault((str(t["subject"]), str(t["claim"])), []).append(t)
     out = []
     for (subject, claim), rows in sorted(groups.items(), key=lambda g: (g[0][0], CLAIM_NAMES.index(g[0][1]))):
         by_class: dict[str, list[str]] = {}
+        layers: dict[str, int] = {}
         for r in rows:
             by_class.setdefault(str(r["fn"]), []).append(str(r["verdict"]))
+            layers[str(r["fn"])] = min(layers.get(str(r["fn"]), int(r["n_layers"])), int(r["n_layers"]))  # type: ignore[call-overload]
         # The deciding test: the weakest verdict, then the lowest interval (a missing one counts as lowest).
         weakest = min(rows, key=lambda r: (_STRENGTH[str(r["verdict"])], _finite_or_low(r["ci_low"])))
         verdicts = {fn: combined_verdict(vs) for fn, vs in sorted(by_class.items())}
-        out.append(ClaimSummary(subject, claim, verdicts, weakest))
+        out.append(ClaimSummary(subject, claim, verdicts, weakest, dict(sorted(layers.items()))))
     return out
 
 

@@ -11,7 +11,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from pipeline.results.common import Axis, Row, label_axes, panel_grid
-from pipeline.results.study_a.claims import CLAIM_NAMES, VERDICT_SCORE, combined_verdict
+from pipeline.results.study_a.claims import CLAIM_NAMES, VERDICT_SCORE, combined_verdict, in_summary
 
 # ------------------------------------------------------------------------------------------ Study A
 # Not supported, inconclusive, supported: a diverging scale, the mixed cells (classes disagree) in between.
@@ -21,8 +21,8 @@ LAYER = "layer"
 
 def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
     """Where does each claim hold? One heat map per subject (rows: architectures or models; columns: `final`
-    and `init`): claims × layers, coloured by the verdict averaged over classes (+1 supported, −1 not
-    supported; each class's verdict combined over the claim's nulls)."""
+    and `init`): claims × layers, coloured by the verdict averaged over classes (+1 supported, −½ not
+    supported, −1 contradicted; each class's verdict combined over the claim's nulls)."""
     per_layer = [t for t in tests if t["scope"] == "layer"]
     if not per_layer:
         return None
@@ -56,7 +56,7 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
 
 def _verdict_grid(tests: Sequence[Row], claims: list[str], layers: list[int]) -> np.ndarray:
     verdicts: dict[tuple[str, int, str], list[str]] = {}
-    for t in tests:
+    for t in (t for t in tests if in_summary(t["fn"])):  # the baselines' rows are no class's verdict
         verdicts.setdefault((t["claim"], t["layer"], t["fn"]), []).append(t["verdict"])
     scores: dict[tuple[str, int], list[float]] = {}
     for (claim, layer, _), vs in verdicts.items():

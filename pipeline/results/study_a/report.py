@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
 from pipeline.results.study_a import figures as fig
-from pipeline.results.study_a.claims import CLAIMS, INCONCLUSIVE, NOT_SUPPORTED, SUPPORTED, ClaimSummary
+from pipeline.results.study_a.claims import (
+    CLAIMS,
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    READINGS,
+    SUPPORTED,
+    ClaimSummary,
+    in_summary,
+    subject_of,
+)
+from pipeline.study_a.classes import FIT_CLASSES
 
 NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
              "other": "other anchor's residual", "zero": "0"}  # fmt: skip
@@ -21,28 +32,37 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
         return f"**Study A (the seed's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     subjects = sorted({c.subject for c in trained})
     at = {(c.subject, c.claim): c for c in trained}
+    layers = {s: max(n for c in trained if c.subject == s for n in c.layers.values()) for s in subjects}
     rows = []
     for claim in CLAIMS:
         if any((s, claim.name) in at for s in subjects):
-            cells = [_claim_cell(at.get((s, claim.name))) for s in subjects]
+            cells = [_claim_cell(at.get((s, claim.name)), layers[s]) for s in subjects]
             rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
     head = ("**Study A: the seed's claims on the analysed models**, each against its null over layers and seeds "
-            "(stratified, never pooled), 95% bootstrap CI. A cell gives the verdict over the fit classes (each class "
-            "must pass every null), then the test that decides it: statistic vs null → effect [CI] (class, null). "
-            "*Inconclusive* means the data cannot tell; `init` and the per-class tests are in Study A "
-            "below.\n")  # fmt: skip
+            "(stratified, never pooled), 95% interval from a two-stage bootstrap (seeds, then anchors). A cell gives "
+            "the verdict over the local fit classes (each class must pass every null; `global_linear` and the layer-"
+            "wide fits are baselines), then the test that decides it: statistic vs null → effect [CI] (class, null; "
+            "the layers, seeds and anchors it rests on). *Supported*: above 0 beyond chance (Holm over the cell's "
+            "classes and nulls) and at least the claim's margin; *not supported*: above 0 but the interval below "
+            "the margin; *contradicted*: below 0 beyond chance; *inconclusive*: otherwise. `init` and the "
+            "per-class tests are in Study A below.\n")  # fmt: skip
     table = markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
     return f"{head}\n{table}\n{_plain_claims(trained)}"
 
 
-def _claim_cell(c: ClaimSummary | None) -> str:
+def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
+    """The verdict, the deciding test and what it rests on; a class whose verdict rests on fewer than half
+    of the subject's `layers` is named (the others' anchors were not identified there)."""
     if c is None:
         return "not measured"
     t = c.weakest
     effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
-    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null})"
+    rests = f"{t['n_layers']} layers, {t['n_models']} seeds, {t['n']} anchors"
+    few = [f"{fn} on {n} of {layers} layers" for fn, n in c.layers.items() if 2 * n < layers]
+    warning = f" · **{'; '.join(few)}**" if few else ""
+    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null}; {rests}){warning}"
 
 
 def _plain_claims(trained: list[ClaimSummary]) -> str:
@@ -54,8 +74,8 @@ def _plain_claims(trained: list[ClaimSummary]) -> str:
         "Supported wherever measured": [n for n, v in by_claim.items() if v == {SUPPORTED}],
         "Not supported anywhere": [n for n, v in by_claim.items() if v == {NOT_SUPPORTED}],
         "The data cannot decide (inconclusive everywhere)": [n for n, v in by_claim.items() if v == {INCONCLUSIVE}],
-        "Differs by architecture or class": [n for n, v in by_claim.items()
-                                             if len(v) > 1 or not v <= {SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE}],
+        "Contradicted everywhere": [n for n, v in by_claim.items() if v == {CONTRADICTED}],
+        "Differs by architecture or class": [n for n, v in by_claim.items() if len(v) > 1 or not v <= set(READINGS)],
     }  # fmt: skip
     lines = [f"- {label}: {', '.join(f'`{n}`' for n in names)}." for label, names in groups.items() if names]
     return "\n".join(lines) + "\n"
@@ -70,17 +90,20 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
         "splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Each claim is tested against nulls (SPEC "
         "§4.5): the geometric ones against the same fits on shuffled pairs and on a Gaussian pool, the functional "
         "ones against patches of norm ‖r‖ in a random direction or along another anchor's residual. Effect = "
-        "statistic − null, stratified over layers and seeds. **Supported**: CI above 0 and effect ≥ the claim's "
-        "margin; **not supported**: CI below the margin; **inconclusive**: otherwise.\n"
+        "statistic − null, stratified over layers and seeds, its interval from a two-stage bootstrap (seeds, then "
+        "anchors). **Supported**: above 0 beyond chance (Holm over the tests a summary cell combines) and effect ≥ "
+        "the claim's margin; **not supported**: above 0 but the interval below the margin; **contradicted**: below "
+        "0 beyond chance; **inconclusive**: otherwise.\n"
     )  # fmt: skip
     out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
+    out.append(_kept_table(tables["geometry"]))
     checkpoints = [c for c in claims if c.subject.endswith(("@init", "@final"))]  # an external model has neither
     if checkpoints:
         out.append("### Init vs trained\n")
         out.append(_init_vs_final(checkpoints))
     out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
-                            "Verdict of each claim per layer (colour: +1 supported, −1 not supported, averaged over "
-                            "classes; each class combined over its nulls)."))  # fmt: skip
+                            "Verdict of each claim per layer (colour: +1 supported, −½ not supported, −1 contradicted, "
+                            "averaged over the local classes; each class combined over its nulls)."))  # fmt: skip
     out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
                             "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
                             "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip
@@ -102,7 +125,7 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
         row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               f"{max(g['n_degenerate'] / g['n'] for g in layers):.0%}",
+               f"{min(g['n_value_kept'] / g['n'] for g in layers if in_summary(g['fn'])):.0%}",
                (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
                 f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
         for fn in fns:
@@ -112,14 +135,43 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
             row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
         rows.append(row)
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
-            "in a layer's pool (SPEC asks ≥ 10·k); *degenerate*: largest share of anchors in a layer whose "
-            "neighbourhood cannot identify the map (left out); *excluded non-finite*: pool tokens and anchors left "
-            "out of every statistic. Per class: median over layers of rel_err · cos_full_tok ≥ √(1 − rel_err²); "
+            "in a layer's pool (SPEC asks ≥ 10·k); *kept*: smallest share of anchors in a (layer, local class) whose "
+            "value at the anchor is identified (the others are left out; per layer below); *excluded non-finite*: "
+            "pool tokens and anchors left out of every statistic. Per class: median over layers of rel_err · "
+            "cos_full_tok ≥ √(1 − rel_err²), both over the same anchors; "
             "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
             "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
-    header = ["model", "layers", "distinct inputs", "k", "degenerate", "excluded non-finite"] + [
+    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"] + [
         f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
     return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
+
+
+def _kept_table(geometry: list[Row]) -> str:
+    """Per subject (its seeds pooled) and local class, the share of anchors each layer keeps: with the value
+    at the anchor identified (what rel_err, the angle and the KL claims use), and with the local operator
+    identified (what proj_* use)."""
+    real = [g for g in geometry if g["sample"] == "real" and in_summary(g["fn"])]
+    if not real:
+        return ""
+    counts: dict[tuple[str, str, int], list[int]] = {}
+    for g in real:
+        total = counts.setdefault((subject_of(g["model"]), g["fn"], g["layer"]), [0, 0, 0])
+        for i, column in enumerate(("n", "n_value_kept", "n_operator_kept")):
+            total[i] += g[column] or 0
+    subjects = sorted({s for s, _, _ in counts})
+    fns = list(dict.fromkeys(g["fn"] for g in real))
+    layers = sorted({layer for _, _, layer in counts})
+
+    def cell(subject: str, fn: str) -> str:
+        shares = [counts.get((subject, fn, layer)) for layer in layers]
+        value = "·".join(f"{100 * c[1] / c[0]:.0f}" if c and c[0] else "–" for c in shares)
+        operator = "·".join(f"{100 * c[2] / c[0]:.0f}" if c and c[0] else "–" for c in shares)
+        return f"{value} / {operator}" if FIT_CLASSES[fn].tokenwise else value
+
+    rows = [[f"`{subject}`", *(cell(subject, fn) for fn in fns)] for subject in subjects]
+    note = (f"Anchors kept, % per layer {layers[0]}–{layers[-1]} (seeds pooled): value identified / operator "
+            "identified (`identity` has no operator). A claim rests only on the kept anchors.\n")
+    return "### Anchors kept\n\n" + markdown_table(["subject", *fns], rows) + "\n" + note
 
 
 def _ill_posed(real: list[Row]) -> str:
@@ -127,15 +179,15 @@ def _ill_posed(real: list[Row]) -> str:
     inputs, and layers where some neighbourhoods cannot identify the map."""
     small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
                     if g["n_distinct"] is not None and g["n_distinct"] < 10 * g["k"]})  # fmt: skip
-    degenerate = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_degenerate"]})
+    dropped = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_value_kept"] < g["n"]})
     lines = []
     if small:
         lines.append(f"**Not well posed**: fewer than 10·k distinct inputs in {len(small)} (model, layer) pools "
                      f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}); the claims there rest on repeated "
                      "tokens and should not be read as evidence either way.")  # fmt: skip
-    if degenerate:
-        lines.append(f"Degenerate neighbourhoods (left out) in {len(degenerate)} (model, layer) pairs: the verdicts "
-                     "there rest on the remaining anchors only.")  # fmt: skip
+    if dropped:
+        lines.append(f"Anchors whose value is not identified (left out) in {len(dropped)} (model, layer) pairs: the "
+                     "verdicts there rest on the remaining anchors only (Anchors kept, below).")  # fmt: skip
     return "".join(f"\n{line}\n" for line in lines)
 
 

@@ -5,19 +5,18 @@ the DVC metrics (`pipeline.results.aggregate`)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
 
-from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, parse_run_id, table_id_sql
+from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, table_id_sql
 from pipeline.models.registry import FAMILIES
 from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.results.study_a.claims import Stratum, claim_tests, summarise
+from pipeline.results.study_a.claims import LAYER_FIT, Stratum, claim_tests, subject_of, summarise
 
 ANGLE_BIN_DEG = 10
 # `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
@@ -33,7 +32,7 @@ def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
         CREATE TEMP VIEW anchors AS
         SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
                coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
-               NOT f.value_identified AS degenerate, f.subspace_tied, f.converged, {kl}
+               f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
           ON f.sample = 'real' AND f.model = p.model AND f.layer = p.layer AND f.fn = p.fn
              AND f.seq_id = p.seq_id AND f.pos = p.pos
@@ -65,11 +64,16 @@ def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(f"""
         SELECT model, layer, fn, sample, count(*) AS n, max(n_nonfinite) AS n_nonfinite,
                max(n_distinct) AS n_distinct, max(k) AS k,
-               count(*) FILTER (WHERE degenerate) AS n_degenerate,
+               -- the anchors each kind of claim keeps: those whose value at the anchor is identified (rel_err
+               -- and the KLs defined), and those whose local operator is (proj_* defined)
+               count(rel_err) AS n_value_kept, count(proj_full) AS n_operator_kept,
                count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
                count(*) FILTER (WHERE NOT converged) AS n_not_converged,
                count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
-               median(CASE WHEN rel_err < 1 THEN sqrt(1 - rel_err * rel_err) END) AS median_cos_bound
+               -- over the anchors of median_cos_full_tok (a rel_err ≥ 1 bounds cos by 0), so that the two
+               -- medians compare like with like: cos_full_tok ≥ the bound at every anchor, hence for the medians
+               median(CASE WHEN cos_full_tok IS NOT NULL THEN sqrt(greatest(0, 1 - rel_err * rel_err)) END)
+                   AS median_cos_bound
         FROM anchors GROUP BY model, layer, fn, sample ORDER BY model, layer, fn, sample
     """).to_arrow_table()  # fmt: skip
 
@@ -81,7 +85,6 @@ def geometry_pooled_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
     return con.sql(f"""
         WITH pooled AS (
             SELECT model, fn, count(*) AS n, count(DISTINCT layer) AS n_layers,
-                   count(*) FILTER (WHERE degenerate) AS n_degenerate,
                    count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()}
             FROM anchors WHERE sample = 'real' GROUP BY model, fn
         ), per_layer AS (
@@ -148,7 +151,8 @@ def claim_tests_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.T
 
 def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
     """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
-    (`<sample>.<column>`), the null patches' KLs, and `global_linear`'s left-out rel_err (`global.rel_err`)."""
+    (`<sample>.<column>`), the null patches' KLs, and the rel_err of the class fitted once for the layer
+    (`layer.rel_err`, from the `<class>.layer` rows)."""
     columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
                "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
     table = con.sql(f"""
@@ -169,10 +173,10 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
         for other, values in ((s, groups.get((model, layer, fn, s))) for s in ("shuffled", "gaussian")):
             if values is not None:
                 cols |= {f"{other}.{c}": _aligned(real["anchor"], values["anchor"], values[c]) for c in columns}
-        glob = groups.get((model, layer, "global_linear", "real"))
-        if glob is not None:
-            cols["global.rel_err"] = _aligned(real["anchor"], glob["anchor"], glob["rel_err"])
-        strata.append(Stratum(model, _subject(model), int(layer), fn, cols))
+        layer_wide = groups.get((model, layer, fn + LAYER_FIT, "real"))
+        if layer_wide is not None:
+            cols["layer.rel_err"] = _aligned(real["anchor"], layer_wide["anchor"], layer_wide["rel_err"])
+        strata.append(Stratum(model, subject_of(model), int(layer), fn, cols))
     return strata
 
 
@@ -194,13 +198,6 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
     found = len(other) > 0 and other[where] == anchors
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
-
-
-def _subject(model: str) -> str:
-    """What the claims are stated for: `<arch>@<checkpoint>` for a trained checkpoint (its seeds are
-    combined), the model id for an external model."""
-    match = re.match(r"^(.*)@(init|final)$", model)
-    return f"{parse_run_id(match[1]).arch}@{match[2]}" if match else model
 
 
 def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
