@@ -6,7 +6,9 @@ weights) both run `MLP_STEPS` steps on the same `A` neighbourhoods of `k` points
 `mlp_hidden` units, interleaved. Per step the fit does four `k × d × h` products (`X W₁ᵀ`, `Hcᵀ Tc`, `Tc W₂`,
 `∂Pᵀ X`) and `h × h` work; the plain step five (two forward, three backward). So the fit's step should cost
 no more than the plain one, plus the batched `h × h` eigendecompositions of the ridge solve and the
-convergence bookkeeping: the bar is ≤ 1.5×."""
+convergence bookkeeping: the bar is ≤ 1.5×. The plain step also forms the (A, k, d) residual and its
+gradient every step, which the fit never does (its objective is in closed form); at large `d` that memory
+traffic, not the products, is most of the plain step's time."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from torch import Tensor
 
 from pipeline.study_a.classes.mlp import LEARNING_RATE, _objective, fit_mlp
 from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_a.knn import nearest_neighbours
 from tools.bench.measure import Bar, bar, interleaved
 
 MLP_STEPS = 10  # per timed fit; its setup (scaling, W₁'s draws, one last evaluation) counts against the fit
@@ -27,8 +30,6 @@ STEP_BAR = 1.5
 
 def neighbourhoods(x: Tensor, y: Tensor, anchors: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Each anchor's `k` nearest inputs and their outputs, (A, k, d) each, as `fit_layer` gives the fits."""
-    from pipeline.study_a.knn import nearest_neighbours
-
     index = nearest_neighbours(x, anchors, k)
     return x[index], y[index]
 
