@@ -175,7 +175,7 @@ def capacities(fits: tuple[Path, Sequence[Path]], analysis: AnalysisConfig) -> d
         vector = schema.field("patched").type if schema is not None and "patched" in schema.names else None
         if vector is not None and pa.types.is_fixed_size_list(vector):
             widths[model] = vector.list_size
-    return {model: {fn: c.parameters(d, analysis) for fn, c in FIT_CLASSES.items() if c.local and c.tokenwise}
+    return {model: {c.name: c.parameters(d, analysis) for c in FIT_CLASSES if c.local and c.tokenwise}
             for model, d in sorted(widths.items())}  # fmt: skip
 
 
