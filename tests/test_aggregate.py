@@ -612,8 +612,9 @@ def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
     columns |= {"rel_err": rel, "cos_full_tok": cos}
     locality = rng.uniform(0.2, 0.9, n)
     anchors = pa.table({"model": ["m"] * n, "layer": [0] * n, "fn": ["lowrank"] * n, "sample": ["real"] * n,
-                        "k": [96] * n, "locality": locality, "n_nonfinite": [0] * n, "n_distinct": [4000] * n, "has_nonfinite": [False] * n,
-                        "subspace_tied": [False] * n, "converged": [None] * n, **columns})  # fmt: skip
+                        "k": [96] * n, "locality": locality, "n_nonfinite": [0] * n, "n_distinct": [4000] * n,
+                        "has_nonfinite": [False] * n, "subspace_tied": [False] * n, "converged": [None] * n,
+                        **columns})  # fmt: skip
     con = duckdb.connect()
     con.register("anchors", anchors)
     (row,) = geometry_table(con).to_pylist()
