@@ -650,6 +650,7 @@ def write_tradeoff_study(data_dir: Path, rng: np.random.Generator) -> dict[tuple
                 patched = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * WIDTH, np.float32)), WIDTH)
                 with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
                     writer.write(partition, pa.table({"sample": ["real"] * n, "seq_id": seq, "pos": seq,
+                                                      "locality": np.full(n, 0.25 + 0.5 * layer + 0.1 * seed),
                                                       "rel_err": pa.array(rel, mask=np.isnan(rel)),
                                                       "patched": patched}))  # fmt: skip
                 with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
@@ -689,3 +690,16 @@ def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_w
     assert all(t["p_above"] >= 1 / 6 and t["verdict"] != "supported" for t in tradeoff)
     without = build_tables(sources(tmp_path), CFG)
     assert without["expressivity"].num_rows == 0 and not rows(without["claim_tests"], claim="expressivity_tradeoff")
+
+
+def test_the_report_shows_the_tradeoff_in_capacity_order_and_the_locality_per_layer(tmp_path: Path) -> None:
+    from pipeline.results.study_a import report
+
+    write_tradeoff_study(tmp_path, np.random.default_rng(4))
+    tables = {name: t.to_pylist() for name, t in build_tables(sources(tmp_path), CFG, DEFAULT.analysis).items()}
+    text = report._expressivity(tables["expressivity"], tables["claim_tests"])
+    assert text.index("`diag_psd`") < text.index("`similarity`") < text.index("`lowrank`")
+    assert "- `gpt2@final`: **" in text and "rel_err falls:" in text and "spearman falls:" in text
+    kept = report._kept_table(tables["geometry"])
+    assert "| locality |" in kept and "0.3·0.8 |" in kept  # per layer: the median over seeds 0.25/0.35, 0.75/0.85
+    assert report._expressivity([], []) == ""
