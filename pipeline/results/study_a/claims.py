@@ -361,22 +361,24 @@ def _tradeoff_rows(cells: list[ClassValues], n_boot: int, ci: float, seed: int) 
 
 def permutation_p(cells: Sequence[ClassValues], part: str) -> tuple[float, float]:
     """One-sided p-values of the trade-off's effect (the mean over models of the mean over their layers)
-    against every permutation of the capacities among the classes (the same one in every cell): the share
-    of permutations whose effect is at least (at most) the observed one."""
+    against every permutation of the capacities among the classes (the same one in every cell; a cell
+    without every class of the others takes no part): the share of permutations whose effect is at least
+    (at most) the observed one, ties counted with the null."""
     fns = sorted({fn for c in cells for fn in c.capacity})
-    effects = []
-    for order in itertools.permutations(fns):
-        renamed = dict(zip(fns, order, strict=True))
-        by_model: dict[str, list[float]] = {}
-        for c in cells:
-            permuted = {fn: c.capacity[renamed[fn]] for fn in c.capacity if renamed[fn] in c.capacity}
-            if len(permuted) == len(c.capacity):
-                by_model.setdefault(c.model, []).append(float(falls_with_capacity(permuted, c.point[part])[()]))
-        effects.append(np.mean([np.mean(v) for v in by_model.values()]) if by_model else np.nan)
-    observed, null = effects[0], np.array(effects)  # the first permutation is the identity
+    orders = np.array(list(itertools.permutations(range(len(fns)))))  # (P, C), the identity first
+    by_model: dict[str, list[np.ndarray]] = {}
+    for c in cells:
+        if sorted(c.capacity) == fns:
+            capacity = np.array([c.capacity[fn] for fn in fns], float)[orders]
+            values = np.broadcast_to(np.array([c.point[part][fn] for fn in fns]), capacity.shape)
+            by_model.setdefault(c.model, []).append(-spearman_rows(capacity, values))
+    if not by_model:
+        return 1.0, 1.0
+    effects = np.mean([np.mean(layers, axis=0) for layers in by_model.values()], axis=0)  # (P,)
+    observed = effects[0]
     if not math.isfinite(observed):
         return 1.0, 1.0
-    return float(np.mean(null >= observed - 1e-12)), float(np.mean(null <= observed + 1e-12))
+    return float(np.mean(effects >= observed - 1e-12)), float(np.mean(effects <= observed + 1e-12))
 
 
 def _applies(claim: Claim, fn: str) -> bool:
