@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -242,6 +243,8 @@ def write_random_stratum(
     null patches' KLs unless `null_patches` is false)."""
     n = DEFAULT_ANCHORS
     seq = np.arange(n, dtype=np.int32)
+    d = DEFAULT.train.model.d_model  # the width of `patched`: the classes' capacities are computed at it
+    patched = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(n * d, np.float32)), d)
     parts = []
     for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
         rel = rng.uniform(0.1, 0.9, n)
@@ -252,7 +255,7 @@ def write_random_stratum(
             "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
             "k": np.full(n, 96, np.int32), **cols, "value_identified": rng.random(n) >= 0.05,
             "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
-            "n_distinct": np.full(n, 4000, np.int32),
+            "n_distinct": np.full(n, 4000, np.int32), "patched": patched,
         }))  # fmt: skip
     partition = {"model": model, "layer": layer, "fn": fn}
     with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
@@ -698,8 +701,9 @@ def test_the_report_shows_the_tradeoff_in_capacity_order_and_the_locality_per_la
     write_tradeoff_study(tmp_path, np.random.default_rng(4))
     tables = {name: t.to_pylist() for name, t in build_tables(sources(tmp_path), CFG, DEFAULT.analysis).items()}
     text = report._expressivity(tables["expressivity"], tables["claim_tests"])
-    assert text.index("`diag_psd`") < text.index("`similarity`") < text.index("`lowrank`")
-    assert "- `gpt2@final`: **" in text and "rel_err falls:" in text and "spearman falls:" in text
+    assert text.index("| `diag_psd` | 5 |") < text.index("| `similarity` | 11 |") < text.index("| `lowrank` | 24 |")
+    (tradeoff,) = [line for line in text.splitlines() if line.startswith("| **trade-off** |")]
+    assert re.search(r"\*\*(inconclusive|not supported)\*\* · rel_err falls .* spearman falls ", tradeoff)
     kept = report._kept_table(tables["geometry"])
     assert "| locality |" in kept and "0.3·0.8 |" in kept  # per layer: the median over seeds 0.25/0.35, 0.75/0.85
     assert report._expressivity([], []) == ""

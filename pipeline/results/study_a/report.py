@@ -192,34 +192,47 @@ def _locality(real: list[Row]) -> dict[tuple[str, int], float | None]:
 
 
 def _expressivity(classes: list[Row], tests: list[Row]) -> str:
-    """Per subject, the local classes in order of capacity: median rel_err and Spearman(rel_err, kl) with
-    their seed-level intervals, and the trade-off's verdict (both must fall with capacity)."""
+    """One row per local tokenwise class in order of capacity, one column per subject: median rel_err and
+    Spearman(rel_err, kl) with their seed-level intervals; a last row with the trade-off's verdict (both must
+    fall with capacity) and each part's effect."""
     if not classes:
         return ""
-    verdicts = {(t["subject"], t["null"]): t for t in tests if t["fn"] == ACROSS and t["scope"] == "stratified"}
+    subjects = sorted({c["subject"] for c in classes})
+    at = {(c["subject"], c["fn"]): c for c in classes}
+    fns = list(dict.fromkeys(c["fn"] for c in sorted(classes, key=lambda c: (c["parameters"], c["fn"]))))
     rows = []
-    for c in classes:
-        rows.append([f"`{c['subject']}`", f"`{c['fn']}`", c["parameters"],
-                     interval(c["rel_err"], c["rel_err_low"], c["rel_err_high"], 2),
-                     interval(c["spearman"], c["spearman_low"], c["spearman_high"], 2)])  # fmt: skip
-    lines = []
-    for subject in dict.fromkeys(c["subject"] for c in classes):
-        parts = [verdicts.get((subject, part)) for part in ("rel_err", "spearman")]
-        if all(parts):
-            reading = combined_verdict([str(t["verdict"]) for t in parts])  # type: ignore[index]
-            trend = "; ".join(f"{t['null']} falls: {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}, "  # type: ignore[index]
-                              f"p = {num(t['p_above'], 2)}" for t in parts)  # fmt: skip
-            lines.append(f"- `{subject}`: **{reading}** ({trend})")
+    for fn in fns:
+        parameters = " / ".join(dict.fromkeys(str(at[(s, fn)]["parameters"]) for s in subjects if (s, fn) in at))
+        cells = [_class_cell(at.get((s, fn))) for s in subjects]
+        rows.append([f"`{fn}`", parameters, *cells])
+    verdicts = {(t["subject"], t["null"]): t for t in tests if t["fn"] == ACROSS and t["scope"] == "stratified"}
+    rows.append(["**trade-off**", "", *(_tradeoff_cell([verdicts.get((s, part)) for part in ("rel_err", "spearman")])
+                                        for s in subjects)])  # fmt: skip
     note = ("More expressive classes shrink the residual (rel_err falls with capacity) but weaken its correlation "
             "with KL (Spearman falls with capacity): the seed's claim, tested per layer on the anchors every class "
-            "keeps. Classes in order of capacity (free parameters of one map at the model's width); values are the "
-            "mean over layers (never pooled) and seeds, 95% interval from the two-stage bootstrap (seeds, then "
-            "anchors). Each part's effect is −Spearman(capacity, value) over the classes (+1: falls strictly); it "
-            "is tested against the bootstrap and against a permuted capacity order (p the larger of the two, Holm "
-            "over the two parts); supported when both parts are.\n")  # fmt: skip
-    header = ["subject", "class", "parameters", "rel_err", "Spearman(rel_err, kl)"]
-    return ("### Expressivity trade-off\n\n" + markdown_table(header, rows) + "\n" + note
-            + ("\n" + "\n".join(lines) + "\n" if lines else ""))
+            "keeps. Classes in order of capacity (free parameters of one map at the model's width); a cell: median "
+            "rel_err · Spearman(rel_err, kl), the mean over layers (never pooled) and seeds, 95% interval from the "
+            "two-stage bootstrap (seeds, then anchors). Each part's effect is −Spearman(capacity, value) over the "
+            "classes (+1: falls strictly), tested against the bootstrap and a permuted capacity order (p the larger "
+            "of the two, Holm over the two parts); the trade-off is supported when both parts are.\n")  # fmt: skip
+    header = ["class", "parameters", *(f"`{s}`" for s in subjects)]
+    return "### Expressivity trade-off\n\n" + markdown_table(header, rows) + "\n" + note
+
+
+def _class_cell(c: Row | None) -> str:
+    if c is None:
+        return "–"
+    return (f"{interval(c['rel_err'], c['rel_err_low'], c['rel_err_high'], 2)} · "
+            f"{interval(c['spearman'], c['spearman_low'], c['spearman_high'], 2)}")  # fmt: skip
+
+
+def _tradeoff_cell(parts: list[Row | None]) -> str:
+    """The verdict over the two parts, and each part's effect [CI]."""
+    if not all(parts):
+        return "not measured"
+    reading = combined_verdict([str(t["verdict"]) for t in parts if t])
+    effects = ", ".join(f"{t['null']} falls {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}" for t in parts if t)
+    return f"**{reading}** · {effects}"
 
 
 def _ill_posed(real: list[Row]) -> str:
