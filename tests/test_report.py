@@ -60,7 +60,7 @@ TUNING = {
 
 def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:
     write_data(tmp_path / "data")
-    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
+    aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY, DEFAULT.analysis)
     out = tmp_path / "reports" / "report.md"
     rendered = render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE, tuning)
     return out.read_text(), out, rendered

@@ -9,7 +9,9 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
   recipe at its best budget of the sweep), ``geometry`` (per model, layer, class and sample: real or null),
   ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
   layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
-  ``pipeline.results.study_a.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
+  ``pipeline.results.study_a.claims``), ``expressivity`` (per subject and local class, in order of capacity:
+  rel_err and Spearman(rel_err, kl), what the expressivity trade-off ranks). Models are labelled
+  ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
 - ``out_dir/metrics.json`` (DVC metrics): the headline numbers a person compares across experiments, one flat
   object of short names, Study B's then Study A's, so that ``dvc metrics show`` (one row, a column per name) and
   ``dvc exp show --only-changed`` fit a 200-column terminal; the detail stays in the tables, for ``lmgeo
@@ -42,6 +44,7 @@ from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified
 from pipeline.results.config import ReportConfig
 from pipeline.results.study_a import tables as study_a
 from pipeline.results.study_b import tables as study_b
+from pipeline.study_a.config import AnalysisConfig
 
 # ------------------------------------------------------------------------------------ reading data
 Files = tuple[Path, Sequence[Path]]  # a dataset's root and its verified files
@@ -96,8 +99,9 @@ def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
 
 
 # ------------------------------------------------------------------------------------------ outputs
-def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
-    """Every result table from ``sources`` (see the module docstring)."""
+def build_tables(sources: Sources, cfg: ReportConfig, analysis: AnalysisConfig | None = None) -> dict[str, pa.Table]:
+    """Every result table from ``sources`` (see the module docstring); ``analysis``, the fits' section of
+    params, gives the classes' capacities (None: unknown, the expressivity trade-off is not tested)."""
     # One thread: float sums then run in a fixed order, so equal inputs give byte-identical tables.
     con = duckdb.connect(":memory:", config={"threads": 1})
     _register_sources(con, sources)
@@ -113,16 +117,18 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
         "geometry": geometry,
         "geometry_pooled": pooled, "angles": study_a.angles_table(con),
         "correlations": study_a.correlations_table(con, cfg), "claims": study_b.claims_table(runs, recipes, cfg),
-        "claim_tests": study_a.claim_tests_table(con, cfg),
+        **study_a.claim_tables(con, cfg, study_a.capacities(sources.fits, analysis) if analysis else {}),
     }  # fmt: skip
 
 
-def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey) -> None:
+def aggregate(
+    sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey, analysis: AnalysisConfig | None = None
+) -> None:
     """Write ``out_dir/tables/*.parquet`` and ``out_dir/metrics.json`` (module docstring).
 
     The tables are one shard of the store under ``key``, so their readers (the report, ``lmgeo query``)
     verify every file against the manifest, as for any dataset."""
-    tables = build_tables(sources, cfg)
+    tables = build_tables(sources, cfg, analysis)
     with ShardWriter(out_dir / "tables", "tables", key) as writer:
         for name, table in tables.items():
             writer.write({}, table, name=f"{name}.parquet")
