@@ -350,8 +350,8 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     ) in summary
     assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
     assert rendered.findings == (
-        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 2 head recipes reach a lower test loss than "
-        "`muon`, none a higher one, and 1 (`adamw`) cannot be told apart from it with these seeds.")
+        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 3 head recipes reach a lower test loss than "
+        "`muon`, none a higher one, and 2 (`adamw`, `hilbert_equi`) cannot be told apart from it with these seeds.")
     protocol = section(text, "### Protocol")
     assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget sweep at the end" in protocol
     assert "No record of the head step-size sweep" in protocol
@@ -421,9 +421,9 @@ def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the
 
 
 def test_study_a_finding_counts_the_claims_supported_on_every_some_and_no_architecture() -> None:
-    planted = {CLAIMS[0]: (SUPPORTED, SUPPORTED), CLAIMS[1]: (SUPPORTED, NOT_SUPPORTED),
-               CLAIMS[2]: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
-    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim.name, {"lowrank": verdict}, {}, {})
+    planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
+               CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
+    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
               for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
               for checkpoint in ("final", "init")]  # fmt: skip
     assert study_a_report.finding(claims) == (
