@@ -32,9 +32,10 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], f
     sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in CLAIMS
                           if any(c.claim == claim.name for c in trained))  # fmt: skip
     heat_map = figures.show(fig.claims_by_layer(tests), "study_a_claims_by_layer",
-                            "Where each claim holds, layer by layer (rows: claims as above; left: trained, right: at "
-                            "initialisation). Blue: supported, red: not supported, grey: the data cannot decide; "
-                            "pale: the fit classes disagree, leaning that way.")  # fmt: skip
+                            "Where each claim holds, layer by layer (rows: the claims above; a panel per model, "
+                            "`@final` after training, `@init` at initialisation). Blue: supported, red: not "
+                            "supported, grey: the data cannot decide; pale: the fit classes disagree, leaning that "
+                            "way.")  # fmt: skip
     return f"{sentences}\n\n{heat_map}\n{_claims_table(trained)}"
 
 
