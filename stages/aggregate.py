@@ -29,5 +29,5 @@ def run(params: Params, ray_address: str | None = None) -> None:
     read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
     key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
                       versioned(code_spec(layout), layout)[1])  # fmt: skip
-    aggregate(sources, layout.reports, params.report, key)
+    aggregate(sources, layout.reports, params.report, key, params.analysis)
     print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)

@@ -192,7 +192,7 @@ def _strata(offsets: np.ndarray, rng: np.random.Generator, fn: str = "diag_psd",
 
 
 def _interval(strata: list[Stratum]) -> dict[str, object]:
-    tests = claim_tests(strata, n_boot=400, ci=0.95, seed=0).to_pylist()
+    tests = claim_tests(strata, {}, n_boot=400, ci=0.95, seed=0).to_pylist()
     (row,) = [t for t in tests if t["claim"] == "proj_res_below_full" and t["null"] == "shuffled"
               and t["scope"] == "stratified"]  # fmt: skip
     return row
@@ -229,7 +229,7 @@ def test_holm_adjusts_over_the_classes_and_nulls_of_a_summary_cell(monkeypatch):
     strata = [s for fn in ("diag_psd", "lowrank", "global_linear") for s in _strata(np.zeros(2), rng, fn, 0.01)]
 
     def cell() -> list[dict]:
-        tests = claim_tests(strata, n_boot=200, ci=0.95, seed=0).to_pylist()
+        tests = claim_tests(strata, {}, n_boot=200, ci=0.95, seed=0).to_pylist()
         return [t for t in tests if t["claim"] == "proj_res_below_full" and t["scope"] == "stratified"]
 
     adjusted = cell()
@@ -304,3 +304,58 @@ def test_the_other_anchor_null_needs_two_anchors():
     )
     patches = null_patches(column, clean, rng, directions=8)
     assert patches.valid.sum() == 1 and patches.other is None and patches.random.shape == (1, 8, 4)
+
+
+# ------------------------------------------------------------------------- the expressivity trade-off
+def _across(order: list[float], spread: list[float], rng: np.random.Generator, seeds: int = 3) -> list[Stratum]:
+    """Per seed and layer, an `ACROSS` stratum of classes c0..c{C−1} (capacities 10, 20, …): class i's
+    rel_err around `order[i]`, and its kl that rel_err plus noise of SD `spread[i]` (the more noise, the
+    weaker Spearman(rel_err, kl))."""
+    strata = []
+    for seed in range(seeds):
+        for layer in (0, 1):
+            n, base = 80, rng.uniform(0, 0.2, 80)  # anchors: their difficulty, shared by the classes
+            columns = {}
+            for i, (centre, sd) in enumerate(zip(order, spread, strict=True)):
+                rel_err = centre + base + 0.01 * rng.normal(size=n)
+                columns |= {f"c{i}.rel_err": rel_err, f"c{i}.kl": rel_err + sd * rng.normal(size=n)}
+            strata.append(Stratum(f"gpt2-muon-s{seed}@final", "gpt2@final", layer, claims.ACROSS, columns))
+    return strata
+
+
+def _tradeoff(strata: list[Stratum], classes: int) -> dict[str, dict]:
+    capacity = {f"c{i}": 10 * (i + 1) for i in range(classes)}
+    capacities = {s.model: capacity for s in strata}
+    tests = claim_tests(strata, capacities, n_boot=300, ci=0.95, seed=0).to_pylist()
+    return {t["null"]: t for t in tests if t["claim"] == "expressivity_tradeoff" and t["scope"] == "stratified"}
+
+
+def test_a_planted_tradeoff_is_supported_and_classes_unordered_by_capacity_are_not():
+    """Planted: rel_err falls and the kl's noise grows with capacity, so both parts fall with it →
+    supported. The same classes in reverse → contradicted. Classes alike → neither. Three classes perfectly
+    ordered: one order in 6 arises by chance under a permuted capacity order, so never supported."""
+    rng = np.random.default_rng(0)
+    falling, noisier = [0.9, 0.7, 0.5, 0.3, 0.1], [0.01, 0.05, 0.1, 0.2, 0.4]
+    planted = _tradeoff(_across(falling, noisier, rng), 5)
+    assert {part: t["verdict"] for part, t in planted.items()} == {"rel_err": SUPPORTED, "spearman": SUPPORTED}
+    assert all(t["statistic"] > 0.9 and t["n_models"] == 3 and t["n_layers"] == 2
+               for t in planted.values())  # fmt: skip
+    reverse = _tradeoff(_across(falling[::-1], noisier[::-1], rng), 5)
+    assert {t["verdict"] for t in reverse.values()} == {CONTRADICTED}
+    alike = _tradeoff(_across([0.5] * 5, [0.1] * 5, rng), 5)
+    assert all(t["verdict"] in (INCONCLUSIVE, NOT_SUPPORTED) for t in alike.values())
+    three = _tradeoff(_across(falling[:3], noisier[:3], rng), 3)
+    assert all(t["statistic"] == pytest.approx(1.0) and t["verdict"] != SUPPORTED for t in three.values())
+    (summary,) = summarise([t for t in planted.values()])
+    assert summary.verdict == SUPPORTED
+
+
+def test_the_permutation_null_counts_the_orders_at_least_as_falling():
+    """Four classes whose values fall with capacity but for one swapped pair: −ρ = 0.8, reached or beaten by
+    the identity and the three orders one adjacent swap from a perfect fall (4 of 24); every order but the
+    perfect fall reaches at most it (23 of 24)."""
+    cell = claims.ClassValues("m", "m", 0, {f"c{i}": i for i in range(4)},
+                              {"rel_err": {"c0": 4.0, "c1": 2.0, "c2": 3.0, "c3": 1.0}}, {}, 10)  # fmt: skip
+    assert float(claims.falls_with_capacity(cell.capacity, cell.point["rel_err"])) == pytest.approx(0.8)
+    above, below = claims.permutation_p([cell], "rel_err")
+    assert (above, below) == (pytest.approx(4 / 24), pytest.approx(23 / 24))

@@ -90,7 +90,8 @@ def write_tables(params: Params, layout: Layout) -> None:
                            {"fits": expected["fit"], "perturb": expected["perturb"]})  # fmt: skip
     inputs = {name: dataset_digest(root) for name, root in (("fits", layout.fits), ("perturb", layout.perturb))}
     code = versioned(aggregate_stage.code_spec(layout), layout)[1]
-    aggregate(sources, layout.reports, params.report, ManifestKey(inputs, digest(params.report), code))
+    aggregate(sources, layout.reports, params.report, ManifestKey(inputs, digest(params.report), code),
+              params.analysis)
 
 
 def write_report(layout: Layout, model: Path) -> Path:

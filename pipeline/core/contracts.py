@@ -246,7 +246,7 @@ SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
 RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
-                 "claims", "claim_tests")
+                 "claims", "claim_tests", "expressivity")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

@@ -9,24 +9,19 @@ datasets (``pipeline.core.contracts``) and the records of the finished runs, and
   recipe at its best budget of the sweep), ``geometry`` (per model, layer, class and sample: real or null),
   ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
   layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
-  ``pipeline.results.study_a.claims``). Models are labelled ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
-- ``out_dir/metrics.json`` (DVC metrics): the headline numbers a person compares across experiments, tens of
-  entries for the default study so ``dvc exp show`` and ``dvc metrics diff`` fit a screen (the detail stays in
-  the tables, for ``lmgeo query``). Layout, stable; a key whose value is not measured is left out::
-
-      {"study_b": {<arch>: {"muon_test_loss": mean over seeds,
-                            "diff_vs_muon": {<recipe>: paired mean difference of the final test loss},
-                            "muon_test_loss_envelope", "diff_vs_muon_envelope": the same for the
-                                     matched-budget sweep's envelope (each recipe at its best budget,
-                                     table ``envelope``), when the study has the sweep}},
-       "study_a": {<subject>: {<claim>: {"effect": the deciding test's stratified effect against its null,
-                                         "verdict": +1 supported, 0 inconclusive, -0.5 not supported,
-                                                    -1 contradicted,
-                                                    averaged over classes}}}}
-
-  Study A's subjects are the trained architectures (``<arch>@final``) and external models; the ``@init``
-  checkpoints and the claims in ``HEADLINE_EXCLUDED`` are in the tables and the report only.
-  Floats are rounded to 6 significant digits and keys sorted, so equal inputs give identical bytes.
+  ``pipeline.results.study_a.claims``), ``expressivity`` (per subject and local class, in order of capacity:
+  rel_err and Spearman(rel_err, kl), what the expressivity trade-off ranks). Models are labelled
+  ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
+- ``out_dir/metrics.json`` (DVC metrics): the headline numbers a person compares across experiments, one flat
+  object of short names, Study B's then Study A's, so that ``dvc metrics show`` (one row, a column per name) and
+  ``dvc exp show --only-changed`` fit a 200-column terminal; the detail stays in the tables, for ``lmgeo
+  query``. A name whose value is not measured is left out. Study B (``study_b.tables.metrics``), over the archs
+  that compare recipes: ``muon`` (its final test loss), one per other recipe under its name (its paired
+  difference to ``muon``; negative: lower loss), ``ci`` (the widest half-width of those differences'
+  intervals), ``envelope`` (the matched-budget sweep's lowest difference to ``muon``), in nats to 4 decimals.
+  Study A (``study_a.tables.metrics``): one per claim of ``HEADLINE`` under its short name, the verdict
+  score (+1 supported, 0 inconclusive, −½ not supported, −1 contradicted) averaged over classes and
+  subjects, to 2 decimals. Rounded, equal inputs give identical bytes.
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``). Study A's tables
 are built in ``pipeline.results.study_a.tables``, Study B's in ``pipeline.results.study_b.tables``; this module
@@ -40,7 +35,6 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import duckdb
 import pyarrow as pa
@@ -50,6 +44,7 @@ from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified
 from pipeline.results.config import ReportConfig
 from pipeline.results.study_a import tables as study_a
 from pipeline.results.study_b import tables as study_b
+from pipeline.study_a.config import AnalysisConfig
 
 # ------------------------------------------------------------------------------------ reading data
 Files = tuple[Path, Sequence[Path]]  # a dataset's root and its verified files
@@ -104,8 +99,9 @@ def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
 
 
 # ------------------------------------------------------------------------------------------ outputs
-def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
-    """Every result table from ``sources`` (see the module docstring)."""
+def build_tables(sources: Sources, cfg: ReportConfig, analysis: AnalysisConfig | None = None) -> dict[str, pa.Table]:
+    """Every result table from ``sources`` (see the module docstring); ``analysis``, the fits' section of
+    params, gives the classes' capacities (None: unknown, the expressivity trade-off is not tested)."""
     # One thread: float sums then run in a fixed order, so equal inputs give byte-identical tables.
     con = duckdb.connect(":memory:", config={"threads": 1})
     _register_sources(con, sources)
@@ -121,22 +117,24 @@ def build_tables(sources: Sources, cfg: ReportConfig) -> dict[str, pa.Table]:
         "geometry": geometry,
         "geometry_pooled": pooled, "angles": study_a.angles_table(con),
         "correlations": study_a.correlations_table(con, cfg), "claims": study_b.claims_table(runs, recipes, cfg),
-        "claim_tests": study_a.claim_tests_table(con, cfg),
+        **study_a.claim_tables(con, cfg, study_a.capacities(sources.fits, analysis) if analysis else {}),
     }  # fmt: skip
 
 
-def aggregate(sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey) -> None:
+def aggregate(
+    sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey, analysis: AnalysisConfig | None = None
+) -> None:
     """Write ``out_dir/tables/*.parquet`` and ``out_dir/metrics.json`` (module docstring).
 
     The tables are one shard of the store under ``key``, so their readers (the report, ``lmgeo query``)
     verify every file against the manifest, as for any dataset."""
-    tables = build_tables(sources, cfg)
+    tables = build_tables(sources, cfg, analysis)
     with ShardWriter(out_dir / "tables", "tables", key) as writer:
         for name, table in tables.items():
             writer.write({}, table, name=f"{name}.parquet")
-    atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), sort_keys=True, indent=2) + "\n")
+    atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), indent=2) + "\n")
 
 
-def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
-    """The DVC metrics dictionary (layout in the module docstring)."""
-    return {"study_b": study_b.metrics(tables), "study_a": study_a.metrics(tables)}
+def metrics(tables: dict[str, pa.Table]) -> dict[str, float]:
+    """The DVC metrics (module docstring), in a stable order: the columns of `dvc metrics show`."""
+    return study_b.metrics(tables) | study_a.metrics(tables)

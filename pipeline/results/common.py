@@ -24,17 +24,11 @@ def none_if_nan(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
-def _round(x: Any) -> Any:
-    if isinstance(x, float):
-        return float(f"{x:.6g}")
-    return x
-
-
-def measured(record: dict[str, Any]) -> dict[str, Any]:
-    return {
-        k: _round(v) for k, v in record.items()
-        if v is not None and not (isinstance(v, float) and not math.isfinite(v))
-    }  # fmt: skip
+def measured(record: dict[str, float | None], decimals: int) -> dict[str, float]:
+    """The DVC metrics of `record` that were measured (finite), rounded to `decimals` places: a value then
+    takes a fixed width in `dvc metrics show` and `dvc exp show` (their 5 significant digits would print
+    -0.0051649), and equal inputs give identical bytes."""
+    return {k: round(float(v), decimals) for k, v in record.items() if v is not None and math.isfinite(v)}
 
 
 # ---------------------------------------------------------------------------------------- markdown

@@ -18,13 +18,21 @@ chance (the interval on the wrong side of 0); **not supported** when e > 0 beyon
 effect, too small to count); **inconclusive** otherwise. A stratum with fewer than `MIN_ANCHORS` complete
 anchors is left out. `global_linear` and the layer-wide fits of the local classes (`<class>.layer`) are
 baselines: their rows are tested, but a claim's summary is over the local classes only.
+
+The expressivity trade-off is a claim across classes (`fn` = `ACROSS`): per layer, on the anchors every local
+tokenwise class keeps, each class's median rel_err and Spearman(rel_err, kl) are ranked against the classes'
+capacity (`FitClass.parameters`); its effect is −Spearman(capacity, value), so positive is "falls with
+capacity". Besides the bootstrap, its null is the capacity order permuted (the same permutation for every layer
+and seed): its one-sided p is the larger of the two, so an ordering of few classes that chance could produce
+is never supported.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,6 +45,7 @@ from pipeline.study_a.classes import FIT_CLASSES
 MIN_ANCHORS = 10
 SUPPORTED, NOT_SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "not supported", "contradicted", "inconclusive"
 LAYER_FIT = ".layer"  # `<class>.layer`: the local class fitted once for the whole layer (the locality baseline)
+ACROSS = "by capacity"  # the `fn` of a stratum across the local tokenwise classes (the expressivity trade-off)
 
 Columns = dict[str, np.ndarray]  # one stratum's per-anchor values: "<column>" real, "<sample>.<column>" null
 Statistic = Callable[[Columns, np.ndarray], np.ndarray]  # (columns, index rows (B, n)) -> (B,) statistics
@@ -92,7 +101,8 @@ class Claim:
     tests: dict[str, Test]  # null name -> test
     margin: float  # the smallest effect that counts
     seed_value: str  # what the seed reports, for the reader
-    classes: str = "tokenwise"  # "tokenwise" (every class but identity) or "local"
+    # "tokenwise" (every class but identity), "local", or "across" (one stratum over the local tokenwise classes)
+    classes: str = "tokenwise"
     # For a newcomer (the report's summary): the claim as one plain sentence, and as a row label of a few words
     # (the heat map's rows, the detail table's). Every claim has both (tests/test_report.py).
     plain: str = ""
@@ -161,6 +171,13 @@ CLAIMS: tuple[Claim, ...] = (
           "(assumed: the fits are local)", classes="local",
           plain="A map fitted per neighbourhood explains the update better than the same map fitted once per layer.",
           label="local fit beats layer fit"),
+    # Its two parts are its "nulls" (each against a permuted capacity order): supported only when both are.
+    Claim("expressivity_tradeoff", "more expressive classes shrink the residual (median rel_err falls with "
+          "capacity) but weaken its correlation with KL (Spearman(rel_err, kl) falls with capacity): "
+          "−Spearman(capacity, value) over the local classes per layer, against a permuted capacity order",
+          {}, 0.5, "more expressive classes: smaller residual, weaker link to KL", classes="across",
+          plain="More expressive fit classes leave a smaller residual, but one that predicts the output change "
+          "less well.", label="expressivity trade-off"),
 )
 CLAIM_NAMES = tuple(c.name for c in CLAIMS)
 
@@ -244,15 +261,21 @@ CLAIM_TESTS_SCHEMA = pa.schema(
 )  # fmt: skip
 
 
-def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) -> pa.Table:
+Capacities = Mapping[str, Mapping[str, int]]  # model -> local tokenwise class -> its free parameters
+Effects = dict[tuple[str, str], dict[str, dict[int, Replicates]]]  # (subject, fn) -> model -> layer -> effect
+
+
+def claim_tests(strata: Sequence[Stratum], capacities: Capacities, n_boot: int, ci: float, seed: int) -> pa.Table:
     """Every claim against each of its nulls: per (subject, class, layer) over the subject's models
     (scope `layer`), and over its layers and models (scope `stratified`); the p-values Holm-adjusted over
-    the rows of one (subject, claim, scope, layer) and the verdicts read from them."""
+    the rows of one (subject, claim, scope, layer) and the verdicts read from them. The expressivity
+    trade-off is tested on the `ACROSS` strata, with the classes' `capacities` (a model without one: not
+    tested)."""
     rows = []
     models = sorted({s.model for s in strata})
     for claim in CLAIMS:
         for null, test in claim.tests.items():
-            effects: dict[tuple[str, str], dict[str, dict[int, Replicates]]] = {}
+            effects: Effects = {}
             for s in strata:
                 if not _applies(claim, s.fn):
                     continue
@@ -261,19 +284,124 @@ def claim_tests(strata: Sequence[Stratum], n_boot: int, ci: float, seed: int) ->
                 rep = stratum_effect(s, test, n_boot, seed + models.index(s.model))
                 if rep is not None:
                     effects.setdefault((s.subject, s.fn), {}).setdefault(s.model, {})[s.layer] = rep
-            for (subject, fn), by_model in sorted(effects.items()):
-                cell = (subject, fn, claim, null)
-                for layer in sorted({layer for reps in by_model.values() for layer in reps}):
-                    at_layer = [reps[layer] for reps in by_model.values() if layer in reps]
-                    rows.append(_row(*cell, "layer", layer, at_layer, 1, n_boot, ci, seed))
-                over_layers = [_mean_over_layers(list(reps.values())) for reps in by_model.values()]
-                n_layers = len({layer for reps in by_model.values() for layer in reps})
-                rows.append(_row(*cell, "stratified", None, over_layers, n_layers, n_boot, ci, seed))
+            rows += _rows(effects, claim, null, n_boot, ci, seed)
+    rows += _tradeoff_rows(class_values(strata, capacities, n_boot, seed), n_boot, ci, seed)
     return pa.Table.from_pylist(_read(rows, (1 - ci) / 2), schema=CLAIM_TESTS_SCHEMA)
 
 
+def _rows(effects: Effects, claim: Claim, null: str, n_boot: int, ci: float, seed: int) -> list[dict[str, object]]:
+    """Per (subject, class): a row per layer over its models, and one over its layers and models."""
+    rows = []
+    for (subject, fn), by_model in sorted(effects.items()):
+        cell = (subject, fn, claim, null)
+        for layer in sorted({layer for reps in by_model.values() for layer in reps}):
+            at_layer = [reps[layer] for reps in by_model.values() if layer in reps]
+            rows.append(_row(*cell, "layer", layer, at_layer, 1, n_boot, ci, seed))
+        over_layers = [_mean_over_layers(list(reps.values())) for reps in by_model.values()]
+        n_layers = len({layer for reps in by_model.values() for layer in reps})
+        rows.append(_row(*cell, "stratified", None, over_layers, n_layers, n_boot, ci, seed))
+    return rows
+
+
+# ------------------------------------------------------------------- the expressivity trade-off
+MIN_CLASSES = 3  # a rank correlation over fewer classes orders nothing a permutation could not
+TRADEOFF = next(c for c in CLAIMS if c.classes == "across")
+# A class's value on drawn anchors (index rows (B, n)) -> (B,): what the trade-off ranks by capacity.
+PARTS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
+    "rel_err": lambda rel_err, kl, idx: np.median(rel_err[idx], axis=-1),
+    "spearman": lambda rel_err, kl, idx: spearman_rows(rel_err[idx], kl[idx]),
+}
+
+
+@dataclass(frozen=True)
+class ClassValues:
+    """One (model, layer) across its local tokenwise classes, on the anchors all of them keep: per part, each
+    class's value on those anchors and its `n_boot` replicates (the same anchor draws for every class)."""
+
+    model: str
+    subject: str
+    layer: int
+    capacity: dict[str, int]  # class -> free parameters
+    point: dict[str, dict[str, float]]  # part -> class -> value
+    boot: dict[str, dict[str, np.ndarray]]  # part -> class -> (n_boot,) replicates
+    n: int
+
+
+def class_values(strata: Sequence[Stratum], capacities: Capacities, n_boot: int, seed: int) -> list[ClassValues]:
+    """The `ACROSS` strata's per-class values (columns `<class>.rel_err`, `<class>.kl`) of the models with
+    capacities; none where fewer than `MIN_CLASSES` classes or `MIN_ANCHORS` common anchors remain."""
+    models = sorted({s.model for s in strata})
+    out = []
+    for s in strata:
+        capacity = {fn: n for fn, n in capacities.get(s.model, {}).items() if f"{fn}.rel_err" in s.columns}
+        if s.fn != ACROSS or len(capacity) < MIN_CLASSES:
+            continue
+        values = {fn: (s.columns[f"{fn}.rel_err"], s.columns[f"{fn}.kl"]) for fn in capacity}
+        complete = np.all([np.isfinite(v) for pair in values.values() for v in pair], axis=0)
+        n = int(complete.sum())
+        if n < MIN_ANCHORS:
+            continue
+        draws = np.random.default_rng(seed + models.index(s.model)).integers(0, n, size=(n_boot, n))
+        point: dict[str, dict[str, float]] = {part: {} for part in PARTS}
+        boot: dict[str, dict[str, np.ndarray]] = {part: {} for part in PARTS}
+        for fn, (rel_err, kl) in values.items():
+            for part, value in PARTS.items():
+                point[part][fn] = float(value(rel_err[complete], kl[complete], np.arange(n)[None])[0])
+                boot[part][fn] = value(rel_err[complete], kl[complete], draws)
+        out.append(ClassValues(s.model, s.subject, s.layer, capacity, point, boot, n))
+    return out
+
+
+def falls_with_capacity(capacity: Mapping[str, int], values: Mapping[str, np.ndarray | float]) -> np.ndarray:
+    """−Spearman(capacity, value) over the classes, per replicate: +1 when the value falls strictly with
+    capacity, −1 when it rises."""
+    fns = sorted(capacity)
+    stacked = np.stack([np.asarray(values[fn], dtype=float) for fn in fns], axis=-1)
+    return -spearman_rows(np.broadcast_to(np.array([capacity[fn] for fn in fns], float), stacked.shape), stacked)
+
+
+def _tradeoff_rows(cells: list[ClassValues], n_boot: int, ci: float, seed: int) -> list[dict[str, object]]:
+    """The trade-off's rows (fn `ACROSS`, null = the part), each p the larger of the bootstrap's and the
+    permuted capacity order's."""
+    rows = []
+    for part in PARTS:
+        effects: Effects = {}
+        for c in cells:
+            trend = float(falls_with_capacity(c.capacity, c.point[part])[()])
+            rep = Replicates(trend, 0.0, trend, falls_with_capacity(c.capacity, c.boot[part]), c.n)
+            effects.setdefault((c.subject, ACROSS), {}).setdefault(c.model, {})[c.layer] = rep
+        for row in _rows(effects, TRADEOFF, part, n_boot, ci, seed):
+            at = [c for c in cells if c.subject == row["subject"] and row["layer"] in (None, c.layer)]
+            above, below = permutation_p(at, part)
+            row["p_above"], row["p_below"] = max(row["p_above"], above), max(row["p_below"], below)  # type: ignore[call-overload]
+            rows.append(row)
+    return rows
+
+
+def permutation_p(cells: Sequence[ClassValues], part: str) -> tuple[float, float]:
+    """One-sided p-values of the trade-off's effect (the mean over models of the mean over their layers)
+    against every permutation of the capacities among the classes (the same one in every cell; a cell
+    without every class of the others takes no part): the share of permutations whose effect is at least
+    (at most) the observed one, ties counted with the null."""
+    fns = sorted({fn for c in cells for fn in c.capacity})
+    orders = np.array(list(itertools.permutations(range(len(fns)))))  # (P, C), the identity first
+    by_model: dict[str, list[np.ndarray]] = {}
+    for c in cells:
+        if sorted(c.capacity) == fns:
+            capacity = np.array([c.capacity[fn] for fn in fns], float)[orders]
+            values = np.broadcast_to(np.array([c.point[part][fn] for fn in fns]), capacity.shape)
+            by_model.setdefault(c.model, []).append(-spearman_rows(capacity, values))
+    if not by_model:
+        return 1.0, 1.0
+    effects = np.mean([np.mean(layers, axis=0) for layers in by_model.values()], axis=0)  # (P,)
+    observed = effects[0]
+    if not math.isfinite(observed):
+        return 1.0, 1.0
+    return float(np.mean(effects >= observed - 1e-12)), float(np.mean(effects <= observed + 1e-12))
+
+
 def _applies(claim: Claim, fn: str) -> bool:
-    if fn.endswith(LAYER_FIT):  # a baseline of the locality claim only
+    if fn.endswith(LAYER_FIT) or fn == ACROSS:  # a baseline of the locality claim; the trade-off's strata
         return False
     if fn not in FIT_CLASSES:
         return True
@@ -301,11 +429,20 @@ def seed_level_replicates(per_model: Sequence[np.ndarray], rng: np.random.Genera
     return boot[drawn, which].mean(axis=1)
 
 
+def percentile_interval(boot: np.ndarray, ci: float) -> tuple[float, float]:
+    """The central `ci` percentile interval of the finite replicates (NaN where none is)."""
+    finite = boot[np.isfinite(boot)]
+    if not finite.size:
+        return math.nan, math.nan
+    low, high = np.percentile(finite, [50 * (1 - ci), 50 * (1 + ci)])
+    return float(low), float(high)
+
+
 def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int | None, reps: list[Replicates],
          n_layers: int, n_boot: int, ci: float, seed: int) -> dict[str, object]:  # fmt: skip
     boot = seed_level_replicates([r.boot for r in reps], np.random.default_rng([seed, n_boot, len(reps)]))
     finite = boot[np.isfinite(boot)]
-    low, high = (np.percentile(finite, [50 * (1 - ci), 50 * (1 + ci)]) if finite.size else (np.nan, np.nan))
+    low, high = percentile_interval(boot, ci)
     one_sided = lambda count: (1 + count) / (1 + finite.size) if finite.size else np.nan  # noqa: E731
     mean = lambda values: float(np.mean(values))  # noqa: E731
     return {

@@ -7,10 +7,12 @@ from __future__ import annotations
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
 from pipeline.results.study_a import figures as fig
 from pipeline.results.study_a.claims import (
+    ACROSS,
     CLAIMS,
     SUPPORTED,
     Claim,
     ClaimSummary,
+    combined_verdict,
     in_summary,
     subject_of,
 )
@@ -128,6 +130,7 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
     )  # fmt: skip
     out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
     out.append(_kept_table(tables["geometry"]))
+    out.append(_expressivity(tables["expressivity"], tables["claim_tests"]))
     checkpoints = [c for c in claims if c.subject.endswith(("@init", "@final"))]  # an external model has neither
     if checkpoints:
         out.append("### Init vs trained\n")
@@ -196,10 +199,68 @@ def _kept_table(geometry: list[Row]) -> str:
         operator = "·".join(f"{100 * c[2] / c[0]:.0f}" if c and c[0] else "–" for c in shares)
         return f"{value} / {operator}" if FIT_CLASSES[fn].tokenwise else value
 
-    rows = [[f"`{subject}`", *(cell(subject, fn) for fn in fns)] for subject in subjects]
+    locality = _locality(real)
+    rows = [[f"`{subject}`", *(cell(subject, fn) for fn in fns),
+             "·".join(num(locality.get((subject, layer)), 2) for layer in layers)] for subject in subjects]  # fmt: skip
     note = (f"Anchors kept, % per layer {layers[0]}–{layers[-1]} (seeds pooled): value identified / operator "
-            "identified (`identity` has no operator). A claim rests only on the kept anchors.\n")
-    return "### Anchors kept\n\n" + markdown_table(["subject", *fns], rows) + "\n" + note
+            "identified (`identity` has no operator). A claim rests only on the kept anchors. *locality*: per layer, "
+            "the median over anchors and seeds of the k-th neighbour's distance over the median distance of random "
+            "pairs of the layer's pool (1: a neighbourhood as wide as the pool's typical spread; near 0: local).\n")
+    return "### Anchors kept\n\n" + markdown_table(["subject", *fns, "locality"], rows) + "\n" + note
+
+
+def _locality(real: list[Row]) -> dict[tuple[str, int], float | None]:
+    """Per (subject, layer): the median over its models of `geometry.median_locality` (one value per model
+    and layer: every local class shares the neighbour search)."""
+    per_model: dict[tuple[str, int], dict[str, float]] = {}
+    for g in real:
+        if g.get("median_locality") is not None:
+            per_model.setdefault((subject_of(g["model"]), g["layer"]), {})[g["model"]] = g["median_locality"]
+    return {key: median(list(models.values())) for key, models in per_model.items()}
+
+
+def _expressivity(classes: list[Row], tests: list[Row]) -> str:
+    """One row per local tokenwise class in order of capacity, one column per subject: median rel_err and
+    Spearman(rel_err, kl) with their seed-level intervals; a last row with the trade-off's verdict (both must
+    fall with capacity) and each part's effect."""
+    if not classes:
+        return ""
+    subjects = sorted({c["subject"] for c in classes})
+    at = {(c["subject"], c["fn"]): c for c in classes}
+    fns = list(dict.fromkeys(c["fn"] for c in sorted(classes, key=lambda c: (c["parameters"], c["fn"]))))
+    rows = []
+    for fn in fns:
+        parameters = " / ".join(dict.fromkeys(str(at[(s, fn)]["parameters"]) for s in subjects if (s, fn) in at))
+        cells = [_class_cell(at.get((s, fn))) for s in subjects]
+        rows.append([f"`{fn}`", parameters, *cells])
+    verdicts = {(t["subject"], t["null"]): t for t in tests if t["fn"] == ACROSS and t["scope"] == "stratified"}
+    rows.append(["**trade-off**", "", *(_tradeoff_cell([verdicts.get((s, part)) for part in ("rel_err", "spearman")])
+                                        for s in subjects)])  # fmt: skip
+    note = ("More expressive classes shrink the residual (rel_err falls with capacity) but weaken its correlation "
+            "with KL (Spearman falls with capacity): the seed's claim, tested per layer on the anchors every class "
+            "keeps. Classes in order of capacity (free parameters of one map at the model's width); a cell: median "
+            "rel_err · Spearman(rel_err, kl), the mean over layers (never pooled) and seeds, 95% interval from the "
+            "two-stage bootstrap (seeds, then anchors). Each part's effect is −Spearman(capacity, value) over the "
+            "classes (+1: falls strictly), tested against the bootstrap and a permuted capacity order (p the larger "
+            "of the two, Holm over the two parts); the trade-off is supported when both parts are.\n")  # fmt: skip
+    header = ["class", "parameters", *(f"`{s}`" for s in subjects)]
+    return "### Expressivity trade-off\n\n" + markdown_table(header, rows) + "\n" + note
+
+
+def _class_cell(c: Row | None) -> str:
+    if c is None:
+        return "–"
+    return (f"{interval(c['rel_err'], c['rel_err_low'], c['rel_err_high'], 2)} · "
+            f"{interval(c['spearman'], c['spearman_low'], c['spearman_high'], 2)}")  # fmt: skip
+
+
+def _tradeoff_cell(parts: list[Row | None]) -> str:
+    """The verdict over the two parts, and each part's effect [CI]."""
+    if not all(parts):
+        return "not measured"
+    reading = combined_verdict([str(t["verdict"]) for t in parts if t])
+    effects = ", ".join(f"{t['null']} falls {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}" for t in parts if t)
+    return f"**{reading}** · {effects}"
 
 
 def _ill_posed(real: list[Row]) -> str:

@@ -5,22 +5,47 @@ the DVC metrics (`pipeline.results.aggregate`)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from pipeline.core.contracts import FIT_METRICS, PERTURB_METRICS, table_id_sql
+from pipeline.core.contracts import FIT_METRICS, FITS, PERTURB_METRICS, table_id, table_id_sql
 from pipeline.models.registry import FAMILIES
 from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman_by_layer
-from pipeline.results.study_a.claims import LAYER_FIT, Stratum, claim_tests, subject_of, summarise
+from pipeline.results.study_a.claims import (
+    ACROSS,
+    LAYER_FIT,
+    PARTS,
+    Capacities,
+    ClassValues,
+    Stratum,
+    claim_tests,
+    class_values,
+    percentile_interval,
+    seed_level_replicates,
+    subject_of,
+    summarise,
+)
+from pipeline.study_a.classes import FIT_CLASSES
+from pipeline.study_a.config import AnalysisConfig
 
 ANGLE_BIN_DEG = 10
-# `cos_full_tok` is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5): no headline of its own.
-HEADLINE_EXCLUDED = ("cos_full_tok_near_1",)
+# Each claim's name in the DVC metrics: short, so that `dvc metrics show` fits a 200-column terminal.
+# `cos_full_tok_near_1` has none: it is implied by `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5); nor
+# has `expressivity_tradeoff`, one verdict across classes (the `expressivity` table and the report have it): a
+# column more and `dvc metrics show` no longer fits 200 columns.
+HEADLINE = {
+    "angle_res_tok_near_90": "ortho", "proj_res_below_full": "proj_loc", "proj_res_global_below_full": "proj_glob",
+    "spearman_rel_err_kl": "rho_kl", "partial_spearman_rel_err_kl": "rho_part", "residual_outweighs_null": "kl_null",
+    "local_beats_layer": "local",
+}  # fmt: skip
 
 
 def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
@@ -30,7 +55,7 @@ def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
     kl = ", ".join(f"CASE WHEN isfinite(p.{c}) THEN p.{c} END AS {c}" for c in PERTURB_METRICS)
     con.execute(f"""
         CREATE TEMP VIEW anchors AS
-        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, {finite},
+        SELECT {table_id_sql('f.model')} AS model, f.layer, f.fn, f.sample, f.seq_id, f.pos, f.k, f.locality, {finite},
                coalesce({any_nonfinite}, false) AS has_nonfinite, f.n_nonfinite, f.n_distinct,
                f.subspace_tied, f.converged, {kl}
         FROM fits f LEFT JOIN perturb p
@@ -70,6 +95,8 @@ def geometry_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                count(*) FILTER (WHERE subspace_tied) AS n_subspace_tied,
                count(*) FILTER (WHERE NOT converged) AS n_not_converged,
                count(*) FILTER (WHERE has_nonfinite) AS n_nonfinite_values, {_summaries()},
+               -- how local the neighbourhoods are: k-th neighbour distance over the pool's median pair distance
+               median(locality) AS median_locality,
                -- over the anchors of median_cos_full_tok (a rel_err ≥ 1 bounds cos by 0), so that the two
                -- medians compare like with like: cos_full_tok ≥ the bound at every anchor, hence for the medians
                median(CASE WHEN cos_full_tok IS NOT NULL THEN sqrt(greatest(0, 1 - rel_err * rel_err)) END)
@@ -144,15 +171,69 @@ def correlations_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.
     return pa.Table.from_pylist(rows, schema=CORRELATIONS_SCHEMA)
 
 
-def claim_tests_table(con: duckdb.DuckDBPyConnection, cfg: ReportConfig) -> pa.Table:
-    """Every claim of the seed against its nulls, per stratum and stratified (`claims.claim_tests`)."""
-    return claim_tests(_strata(con), n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed)
+def capacities(fits: tuple[Path, Sequence[Path]], analysis: AnalysisConfig) -> dict[str, dict[str, int]]:
+    """Per model, the free parameters of each local tokenwise class (`FitClass.parameters`) at the model's
+    width d, read from the width of the fits' `patched` vectors (a Parquet footer per model, no data)."""
+    root, files = fits
+    widths: dict[str, int] = {}
+    for f in files:
+        model = table_id(str(FITS.partition_values(f.relative_to(root))["model"]))
+        schema = pq.read_schema(f) if model not in widths else None
+        vector = schema.field("patched").type if schema is not None and "patched" in schema.names else None
+        if vector is not None and pa.types.is_fixed_size_list(vector):
+            widths[model] = vector.list_size
+    return {model: {c.name: c.parameters(d, analysis) for c in FIT_CLASSES if c.local and c.tokenwise}
+            for model, d in sorted(widths.items())}  # fmt: skip
+
+
+def claim_tables(con: duckdb.DuckDBPyConnection, cfg: ReportConfig, capacity: Capacities) -> dict[str, pa.Table]:
+    """Every claim of the seed against its nulls, per stratum and stratified (`claims.claim_tests`), and the
+    classes' values the expressivity trade-off orders by `capacity` (`expressivity`)."""
+    strata = _strata(con)
+    return {
+        "claim_tests": claim_tests(strata, capacity, n_boot=cfg.bootstrap, ci=cfg.ci, seed=cfg.seed),
+        "expressivity": expressivity_table(class_values(strata, capacity, cfg.bootstrap, cfg.seed), cfg),
+    }
+
+
+EXPRESSIVITY_SCHEMA = pa.schema(
+    [("subject", pa.string()), ("fn", pa.string()), ("parameters", pa.int64()), ("n_models", pa.int64()),
+     ("n_layers", pa.int64()), ("n", pa.int64())]
+    + [(f"{part}{end}", pa.float64()) for part in PARTS for end in ("", "_low", "_high")]
+)  # fmt: skip
+
+
+def expressivity_table(cells: list[ClassValues], cfg: ReportConfig) -> pa.Table:
+    """Per subject and local tokenwise class, in order of capacity: its median rel_err and Spearman(rel_err,
+    kl) on the anchors every class keeps, the mean over layers (never pooled) and seeds, with the two-stage
+    (seeds, then anchors) bootstrap's interval."""
+    rows = []
+    for subject in sorted({c.subject for c in cells}):
+        mine = [c for c in cells if c.subject == subject]
+        capacity = mine[0].capacity
+        for fn in sorted({fn for c in mine for fn in c.capacity}, key=lambda fn: (capacity.get(fn, 0), fn)):
+            at = [c for c in mine if fn in c.capacity]
+            models = sorted({c.model for c in at})
+            row: dict[str, object] = {"subject": subject, "fn": fn, "parameters": capacity.get(fn),
+                                      "n_models": len(models), "n_layers": len({c.layer for c in at}),
+                                      "n": sum(c.n for c in at)}  # fmt: skip
+            for part in PARTS:
+                by_model = [[c for c in at if c.model == m] for m in models]  # a model's value: its layers' mean
+                point = np.mean([np.mean([c.point[part][fn] for c in cs]) for cs in by_model])
+                boot = seed_level_replicates([np.mean([c.boot[part][fn] for c in cs], axis=0) for cs in by_model],
+                                             np.random.default_rng([cfg.seed, cfg.bootstrap, len(models)]))
+                low, high = percentile_interval(boot, cfg.ci)
+                row |= {part: none_if_nan(float(point)), f"{part}_low": none_if_nan(float(low)),
+                        f"{part}_high": none_if_nan(float(high))}  # fmt: skip
+            rows.append(row)
+    return pa.Table.from_pylist(rows, schema=EXPRESSIVITY_SCHEMA)
 
 
 def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
     """Per (model, layer, class): the real anchors' columns, each null sample's values at the same anchors
     (`<sample>.<column>`), the null patches' KLs, and the rel_err of the class fitted once for the layer
-    (`layer.rel_err`, from the `<class>.layer` rows)."""
+    (`layer.rel_err`, from the `<class>.layer` rows); and per (model, layer) an `ACROSS` stratum: every local
+    tokenwise class's `<class>.rel_err` and `<class>.kl` at the same anchors."""
     columns = ("rel_err", "rel_err_state", "cos_full_tok", "angle_res_tok", "proj_full", "proj_res",
                "proj_full_global", "proj_res_global", "kl", "kl_random", "kl_other")  # fmt: skip
     table = con.sql(f"""
@@ -166,6 +247,7 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
     for key, (start, stop) in _runs(keys).items():
         groups[key] = {"anchor": anchor[start:stop], **{c: _floats(table[c][start:stop]) for c in columns}}
     strata = []
+    across: dict[tuple[str, int], dict[str, np.ndarray]] = {}
     for (model, layer, fn, sample), real in groups.items():
         if sample != "real":
             continue
@@ -177,6 +259,11 @@ def _strata(con: duckdb.DuckDBPyConnection) -> list[Stratum]:
         if layer_wide is not None:
             cols["layer.rel_err"] = _aligned(real["anchor"], layer_wide["anchor"], layer_wide["rel_err"])
         strata.append(Stratum(model, subject_of(model), int(layer), fn, cols))
+        if fn in FIT_CLASSES and FIT_CLASSES[fn].local and FIT_CLASSES[fn].tokenwise:
+            at = across.setdefault((model, int(layer)), {"anchor": real["anchor"]})
+            at |= {f"{fn}.{c}": _aligned(at["anchor"], real["anchor"], real[c]) for c in ("rel_err", "kl")}
+    strata += [Stratum(model, subject_of(model), layer, ACROSS, {c: v for c, v in cols.items() if c != "anchor"})
+               for (model, layer), cols in across.items()]  # fmt: skip
     return strata
 
 
@@ -200,13 +287,13 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
 
 
-def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
-    """Study A's part of the DVC metrics (`pipeline.results.aggregate`): per trained arch (`@final`) and
-    external model, each claim's deciding effect and its verdict score."""
-    study_a: dict[str, dict[str, Any]] = {}
+def metrics(tables: dict[str, pa.Table]) -> dict[str, float]:
+    """Study A's part of the DVC metrics (`pipeline.results.aggregate`): per claim of `HEADLINE`, under its
+    short name, the verdict score (+1 supported … −1 contradicted, over the classes) averaged over the
+    subjects, trained architectures (`@final`) and external models, to 2 decimals (more would only widen
+    the column)."""
+    scores: dict[str, list[float]] = {}
     for s in summarise(tables["claim_tests"].to_pylist()):
-        if not s.subject.endswith("@init") and s.claim not in HEADLINE_EXCLUDED:
-            study_a.setdefault(s.subject.removesuffix("@final"), {})[s.claim] = measured(
-                {"effect": s.weakest["effect"], "verdict": s.score}
-            )
-    return study_a
+        if not s.subject.endswith("@init") and s.claim in HEADLINE:
+            scores.setdefault(HEADLINE[s.claim], []).append(s.score)
+    return measured({name: float(np.mean(values)) for name, values in scores.items()}, decimals=2)

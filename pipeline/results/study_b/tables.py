@@ -26,6 +26,7 @@ RESOLVE_NATS = 0.02
 POWER = 0.8
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 MAX_CURVE_POINTS = 1000
+METRIC_DECIMALS = 4  # 1e-4 nats: far below the differences Study B resolves (RESOLVE_NATS)
 
 _TIGHTNESS = "hilbert_realized / hilbert_bound"
 # The bound is tested on exact diameters only: a sampled diameter is a lower bound (SPEC §3.3).
@@ -398,24 +399,24 @@ def _fmt(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
 
 
-def metrics(tables: dict[str, pa.Table]) -> dict[str, Any]:
-    """Study B's part of the DVC metrics (`pipeline.results.aggregate`): per compared arch, `muon`'s test loss
-    and each recipe's paired difference to it on the default runs, and the same for the matched-budget
-    sweep's envelope (each recipe at its best budget)."""
-    study_b: dict[str, dict[str, Any]] = {}
+def metrics(tables: dict[str, pa.Table]) -> dict[str, float]:
+    """Study B's part of the DVC metrics (`pipeline.results.aggregate`), over the archs that compare recipes
+    (not Study A's muon-only ones), each a mean over those archs: `muon`, its final test loss; per other
+    recipe, under its own name, its paired difference to `muon` on the default runs; `ci`, the widest
+    half-width of those differences' intervals (a change of a difference smaller than it is noise);
+    `envelope`, the matched-budget sweep's lowest difference to `muon` (each recipe at its best budget, table
+    `envelope`), when the study has the sweep. In nats, to `METRIC_DECIMALS` places."""
     rows = [r for r in tables["recipes"].to_pylist() if not r["matched"]]
-    compared = {r["arch"] for r in rows if r["recipe"] != baseline().name}  # not Study A's muon-only archs
-    for r in (r for r in rows if r["arch"] in compared):
-        arch = study_b.setdefault(r["arch"], {"diff_vs_muon": {}})
-        if r["recipe"] == baseline().name:
-            arch |= measured({"muon_test_loss": r["test_loss_mean"]})
-        else:
-            arch["diff_vs_muon"] |= measured({r["recipe"]: r["diff_vs_muon"]})
-    for r in (r for r in tables["envelope"].to_pylist() if r["arch"] in study_b):
-        arch = study_b[r["arch"]]
-        if r["recipe"] == baseline().name:
-            arch |= measured({"muon_test_loss_envelope": r["test_loss_mean"]})
-        else:
-            envelope = arch.setdefault("diff_vs_muon_envelope", {})
-            envelope |= measured({r["recipe"]: r["diff_vs_muon"]})
-    return study_b
+    muon = baseline().name
+    compared = {r["arch"] for r in rows if r["recipe"] != muon}
+    rows = [r for r in rows if r["arch"] in compared]
+    by_recipe: dict[str, list[float | None]] = {}
+    for r in sorted(rows, key=lambda r: (r["recipe"] != muon, RECIPES.order(r["recipe"]))):  # muon first
+        by_recipe.setdefault(r["recipe"], []).append(r["test_loss_mean" if r["recipe"] == muon else "diff_vs_muon"])
+    half_widths = [(r["diff_ci_high"] - r["diff_ci_low"]) / 2 for r in rows if r["diff_ci_low"] is not None]
+    matched = [r["diff_vs_muon"] for r in tables["envelope"].to_pylist() if r["arch"] in compared]
+    return measured({
+        **{recipe: _mean(values) for recipe, values in by_recipe.items()},
+        "ci": max(half_widths, default=None),
+        "envelope": min(_finite(matched), default=None),
+    }, decimals=METRIC_DECIMALS)  # fmt: skip
