@@ -15,6 +15,8 @@ CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
 TUNING_RECORD = "docs/tuning.json"
 # The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
 PROVENANCE = "provenance.json"
+# Its findings block is rewritten from the report's summary, so that it cannot go stale (the same test checks it).
+README = "README.md"
 
 
 def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
@@ -81,7 +83,7 @@ def tuning_record(layout: Layout) -> dict[str, Any] | None:
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.errors import InputError
     from pipeline.core.store import MANIFEST_DIR, atomic_write
-    from pipeline.results.report import render_report
+    from pipeline.results.report import render_report, with_findings
 
     layout = Layout.here()
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
@@ -92,5 +94,9 @@ def run(params: Params, ray_address: str | None = None) -> None:
         median_step_times(layout),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
+    readme = layout.root / README
+    if readme.is_file() and (text := readme.read_text()) != (updated := with_findings(text, rendered.findings)):
+        atomic_write(readme, updated)
+        print(f"report: rewrote the findings in {readme}", flush=True)
     print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html, {PROVENANCE} and "
           f"{len(rendered.figures)} figures", flush=True)

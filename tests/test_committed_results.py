@@ -116,3 +116,14 @@ def test_results_of_an_older_revision_are_refused_naming_what_changed(history: P
 def test_results_of_a_revision_outside_the_history_are_refused(history: Path) -> None:
     recorded = {"revision": "0" * 40, "uncommitted_changes": False}
     assert "not HEAD or an ancestor" in committed_results_problems(history, recorded, INPUTS)[0]
+
+
+def test_the_readmes_findings_are_the_committed_reports() -> None:
+    """README's findings block is what `lmgeo report` wrote from the committed results (the first paragraph of
+    the report's summary), so it cannot go stale."""
+    from pipeline.results.report import findings_in
+
+    found = findings_in((REPO / "README.md").read_text())
+    assert found, "README.md has no findings block (<!-- findings:start --> … <!-- findings:end -->)"
+    report = (REPO / "reports" / "report.md").read_text()
+    assert f"**In short.** {found}\n" in report, "README's findings are stale: `dvc repro`, then commit README.md"

@@ -32,9 +32,20 @@ from test_aggregate import (
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
 from pipeline.results.common import axis_labels
-from pipeline.results.report import Rendered, render_report
+from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
 from pipeline.results.study_a import figures as fig_a
-from pipeline.results.study_a.claims import CLAIM_NAMES, CLAIMS, in_summary, summarise
+from pipeline.results.study_a import report as study_a_report
+from pipeline.results.study_a.claims import (
+    CLAIM_NAMES,
+    CLAIMS,
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    ClaimSummary,
+    in_summary,
+    summarise,
+)
 from pipeline.results.study_a.tables import HEADLINE
 from pipeline.results.study_b import figures as fig_b
 from stages.layout import Layout
@@ -97,13 +108,16 @@ def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -
     assert "0123abc" not in text.split("## Provenance")[0]  # provenance last, nowhere before
 
 
+CLAIM_ROW = r"\| [^|`]+ \(`(\w+)`; paper: "  # a detail table's row: the claim's label, then its name
+
+
 def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_muon(default_study) -> None:
     text, _, _ = default_study
     summary = section(text, "## Summary")
     header = next(line for line in summary.splitlines() if line.startswith("| claim |"))
     assert header == "| claim | " + " | ".join(sorted(DEFAULT_ARCHS)) + " |"
-    claim_rows = [line for line in summary.splitlines() if line.startswith("| `")]
-    assert [re.match(r"\| `(\w+)`", r)[1] for r in claim_rows] == list(CLAIM_NAMES)
+    claim_rows = [line for line in summary.splitlines() if re.match(CLAIM_ROW, line)]
+    assert [re.match(CLAIM_ROW, r)[1] for r in claim_rows] == list(CLAIM_NAMES)
     for row in claim_rows:
         cells = row.strip("|").split(" | ")[1:]
         assert len(cells) == len(DEFAULT_ARCHS)
@@ -116,6 +130,19 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
         ]
         assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r)
                    for r in recipe_rows)
+
+
+def test_the_summary_reads_words_then_the_heat_map_then_the_numbers(default_study) -> None:
+    text, _, rendered = default_study
+    summary = section(text, "## Summary")
+    assert summary.startswith(f"\n**In short.** {rendered.findings}\n") and "Study A (" in rendered.findings
+    for claim in CLAIMS:  # a sentence per claim, naming every architecture with its verdict
+        sentence = next(line for line in summary.splitlines() if line.startswith(f"- {claim.plain} ("))
+        assert all(re.search(rf"\b{arch}\b[^;]*: \*\*", sentence) for arch in DEFAULT_ARCHS), sentence
+    last_sentence = summary.index(f"- {CLAIMS[-1].plain}")
+    assert last_sentence < summary.index("figures/study_a_claims_by_layer.png") < summary.index("| claim |")
+    assert "figures/study_b_vs_muon.png" in summary  # Study B's forest plot in the summary, shown once
+    assert text.count("figures/study_a_claims_by_layer.png") == text.count("figures/study_b_vs_muon.png") == 1
 
 
 def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -> None:
@@ -133,7 +160,7 @@ def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -
             assert rows
             worst = min(strength[t["verdict"]] for t in rows)
             decisive = min((t for t in rows if strength[t["verdict"]] == worst), key=lambda t: t["ci_low"])
-            row = next(line for line in summary.splitlines() if line.startswith(f"| `{claim}`"))
+            row = next(line for line in summary.splitlines() if f"(`{claim}`; paper: " in line)
             cell = row.strip("|").split(" | ")[1 + arch_i]
             assert f"({decisive['fn']}, " in cell, cell
             assert f"→ {decisive['effect']:.2g} [{decisive['ci_low']:.2g}, " in cell, cell
@@ -353,6 +380,8 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
     print(f"screenshot of report.html at {width} px: {shot}")
     if width == PHONE:
         return
+    # The summary's first figure (Study A's heat map) is on the first screen: the answer needs no scrolling.
+    assert probe["first_figure_top"] < SCREEN_HEIGHT, probe
 
     # The same checks catch a broken page: a console error and an image that does not decode.
     broken = tmp_path / "broken.html"
@@ -364,7 +393,7 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
 
 # ------------------------------------------------------------------------------ a hand-made study
 def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
-    text, _, _ = render(tmp_path, write_tiny_study)
+    text, _, rendered = render(tmp_path, write_tiny_study)
     summary = section(text, "## Summary")
     # test loss = val + 0.05: mean of 2.55, 2.65, 2.70 with its t-interval; paired Δ to muon's 3.05, 3.15, 3.35
     assert (
@@ -377,7 +406,10 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert (
         "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)."
     ) in summary
-    assert "Study A (the seed's claims)**: not measured: no claim could be tested (no null samples" in summary
+    assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
+    assert rendered.findings == (
+        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 3 head recipes reach a lower test loss than "
+        "`muon`, none a higher one, and 2 (`adamw`, `hilbert_equi`) cannot be told apart from it with these seeds.")
     protocol = section(text, "### Protocol")
     assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget sweep at the end" in protocol
     assert "No record of the head step-size sweep" in protocol
@@ -441,8 +473,29 @@ def test_report_with_study_b_only(tmp_path: Path) -> None:
     assert all(p.is_file() for p in linked_figures(text, out))
 
 
-def test_every_claim_has_a_seed_value_for_the_summary() -> None:
-    assert all(c.seed_value for c in CLAIMS)
+def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the_summary() -> None:
+    assert CLAIMS and all(c.seed_value and c.plain.endswith(".") for c in CLAIMS)
+    assert all(0 < len(c.label) <= 30 for c in CLAIMS) and len({c.label for c in CLAIMS}) == len(CLAIMS)
+
+
+def test_study_a_finding_counts_the_claims_supported_on_every_some_and_no_architecture() -> None:
+    planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
+               CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
+    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
+              for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
+              for checkpoint in ("final", "init")]  # fmt: skip
+    assert study_a_report.finding(claims) == (
+        f"Study A (a, b), the paper's 3 claims tested: supported on every architecture 1 (“{CLAIMS[0].label}”), on "
+        f"some 1, on none 1 (“{CLAIMS[2].label}”).")  # fmt: skip
+    assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
+
+
+def test_the_readme_findings_block_is_replaced_and_read_back() -> None:
+    readme = f"# x\n\n{FINDINGS_START}\nold words\n{FINDINGS_END}\n\nmore\n"
+    updated = with_findings(readme, "New findings.")
+    assert updated == f"# x\n\n{FINDINGS_START}\nNew findings.\n{FINDINGS_END}\n\nmore\n"
+    assert findings_in(updated) == "New findings." and findings_in("# x\n") is None
+    assert with_findings("# x\n", "New findings.") == "# x\n"
 
 
 # ------------------------------------------------------------------------------------- provenance

@@ -109,11 +109,12 @@ def write_report(layout: Layout, model: Path) -> Path:
     figures_dir = layout.root / "figures"
     figures_dir.mkdir(exist_ok=True)
     claims = summarise(tables["claim_tests"])
+    figures = Figures(figures_dir, Path("figures"))
     text = "\n".join([
         f"# lmgeo analyse: {model.name}\n",
         f"Study A on `{model}` with the analysis settings of `params.yaml` (beside this report), no training.\n",
-        study_a.claims_summary(claims, bool(tables["geometry"])),
-        study_a.section(tables, claims, Figures(figures_dir, Path("figures"))),
+        study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures),
+        study_a.section(tables, claims, figures),
     ])  # fmt: skip
     out = layout.root / "report.md"
     atomic_write(out, text)

@@ -108,10 +108,26 @@ def label_axes(ax: Axes, title: str, x: str, quantity: Axis) -> None:
     if quantity.log and ax.has_data():
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    if ax.has_data():
-        ax.legend(fontsize=7)
-    else:
+    if not ax.has_data():
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+
+
+LEGEND_ROW_INCHES = 0.25
+LEGEND_COLUMNS = 3  # entries per row: the legend fits one panel's width, so also a figure's one-column variant
+
+
+def figure_legend(fig: Figure) -> None:
+    """One legend for all panels, under them: inside a panel it covers curves, and the panels share their
+    lines (the same recipes or classes)."""
+    entries: dict[str, Any] = {}
+    for ax in fig.axes:
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            entries.setdefault(label, handle)
+    if entries:
+        fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=LEGEND_COLUMNS, fontsize=8,
+                   frameon=False)  # fmt: skip
+        # The legend's rows are added to the figure, not taken from the panels (their labels would not fit).
+        fig.set_figheight(fig.get_figheight() + LEGEND_ROW_INCHES * math.ceil(len(entries) / LEGEND_COLUMNS))
 
 
 NARROW = ".narrow"  # a figure's one-column variant for phone-width screens: `<name>.narrow.png`
@@ -147,11 +163,23 @@ class Figures:
 
     def show(self, figure: Figure | None, name: str, caption: str) -> str:
         """Save `figure` as `name` and return its Markdown: the image, then `caption` (what to see in it)."""
-        if figure is None:
+        return self.beside([(figure, name, caption)])
+
+    def beside(self, shown: Sequence[tuple[Figure | None, str, str]]) -> str:
+        """Several (figure, name, caption) side by side where the screen is wide enough (one paragraph of
+        images, wrapping on a phone), their captions under them in the same order."""
+        drawn = [(name, caption) for figure, name, caption in shown if self._save(figure, name)]
+        if not drawn:
             return ""
+        images = "\n".join(f"![{caption}]({(self.link_prefix / f'{name}.png').as_posix()})" for name, caption in drawn)
+        return f"{images}\n\n*{' '.join(caption for _, caption in drawn)}*\n"
+
+    def _save(self, figure: Figure | None, name: str) -> bool:
+        if figure is None:
+            return False
         self.labels[name] = axis_labels(figure)
         figure.savefig(self.directory / f"{name}.png", dpi=100, metadata={"Software": None})
         if stack_panels(figure):
             self.narrow_labels[name] = axis_labels(figure)
             figure.savefig(self.directory / f"{name}{NARROW}.png", dpi=100, metadata={"Software": None})
-        return f"![{caption}]({(self.link_prefix / f'{name}.png').as_posix()})\n\n*{caption}*\n"
+        return True

@@ -1,8 +1,10 @@
 """The report: ``report.md``, its figures, and ``report.html`` (the same content, self-contained), from the
 result tables of ``pipeline.results.aggregate`` (SPEC §2, §3.3, §4.4).
 
-``render_report(tables_dir, out_md, figures_dir, provenance, tuning)`` leads with the answer: a summary (each
-claim of the seed per architecture against its null, the head-optimizer comparison with `muon`), then
+``render_report(tables_dir, out_md, figures_dir, provenance, tuning)`` leads with the answer: a summary (the
+findings in a few sentences; the paper's claims in words per architecture, the claims × layers heat map under them
+and the table of tests; the head-optimizer comparison with `muon` in words, its forest plot beside the budget
+sweep and its table), then
 Study B (protocol, step geometry, figures), Study A (one row per distinct model, claims per layer), an
 appendix (the per-run table; where a table is too long it names the `lmgeo query` that selects it) and the
 provenance last. A study whose tables are empty is reported as not run. The provenance and the record of the
@@ -13,6 +15,7 @@ are in `pipeline.results.study_a.report` and `pipeline.results.study_b.report`.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,11 +34,12 @@ from pipeline.study_b.baseline import baseline
 class Rendered:
     """What was written: the report's line count, and per figure the labels of its panels as drawn
     (`common.axis_labels`), for the caller to print and the tests to check; `narrow`: the same for the
-    one-column variants of multi-column figures."""
+    one-column variants of multi-column figures; `findings`: what the study finds in a few sentences."""
 
     lines: int
     figures: dict[str, list[dict[str, Any]]]
     narrow: dict[str, list[dict[str, Any]]]
+    findings: str  # the summary's first paragraph, for README's findings block
 
 
 def render_report(
@@ -52,7 +56,7 @@ def render_report(
     figures = Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
     claims = summarise(tables["claim_tests"])
     sections = [
-        _summary(tables, claims),
+        _summary(tables, claims, figures),
         study_b.section(tables, figures, tuning),
         study_a.section(tables, claims, figures),
         study_b.appendix(tables, step_times or {}),
@@ -62,7 +66,7 @@ def render_report(
     text = "\n".join([title, _contents(title, sections), *sections])
     atomic_write(out_md, text)
     atomic_write(out_md.with_suffix(".html"), to_html(text, out_md.parent, title="lmgeo report"))
-    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels)
+    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels, findings(tables, claims))
 
 
 def _contents(title: str, sections: list[str]) -> str:
@@ -80,15 +84,39 @@ def _contents(title: str, sections: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- summary
-def _summary(tables: Tables, claims: list[ClaimSummary]) -> str:
+def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str:
+    """The answer first: the findings in a few sentences, then per study its statements in words, its
+    figure, and the numbers."""
     out = ["## Summary\n"]
-    out.append(study_a.claims_summary(claims, bool(tables["geometry"])))
-    out.append(study_b.comparison_summary(study_b.runs_of_kind(tables["recipes"])))
-    if tables["envelope"]:
-        sweep = study_b.sweep_summary(study_b.runs_of_kind(tables["recipes"], True), tables["envelope"])
-        out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step capped at the "
-                   f"same budget, against `{baseline().name}` under that cap):\n\n{sweep}")  # fmt: skip
+    if found := findings(tables, claims):
+        out.append(f"**In short.** {found}\n")
+    out.append("### The paper's claims, per architecture (Study A)\n")
+    out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures))
+    out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
+    out.append(study_b.summary(tables, figures))
     return "\n".join(out)
+
+
+def findings(tables: Tables, claims: list[ClaimSummary]) -> str:
+    """What the study finds, a sentence per study (and per architecture compared in Study B): the summary's
+    first paragraph and README's findings block (`with_findings`)."""
+    sentences = [study_a.finding(claims), study_b.finding(study_b.runs_of_kind(tables["recipes"]))]
+    return " ".join(s for s in sentences if s)
+
+
+FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
+
+
+def with_findings(readme: str, found: str) -> str:
+    """`readme` with the text between its findings markers replaced by `found` (unchanged without markers)."""
+    pattern = re.compile(f"{re.escape(FINDINGS_START)}.*?{re.escape(FINDINGS_END)}", re.DOTALL)
+    return pattern.sub(lambda _: f"{FINDINGS_START}\n{found}\n{FINDINGS_END}", readme, count=1)
+
+
+def findings_in(readme: str) -> str | None:
+    """The text of `readme`'s findings block, None without one."""
+    found = re.search(f"{re.escape(FINDINGS_START)}\n(.*?)\n{re.escape(FINDINGS_END)}", readme, re.DOTALL)
+    return found[1] if found else None
 
 
 # -------------------------------------------------------------------------------------- provenance

@@ -103,10 +103,14 @@ class Claim:
     seed_value: str  # what the seed reports, for the reader
     # "tokenwise" (every class but identity), "local", or "across" (one stratum over the local tokenwise classes)
     classes: str = "tokenwise"
+    # For a newcomer (the report's summary): the claim as one plain sentence, and as a row label of a few words
+    # (the heat map's rows, the detail table's). Every claim has both (tests/test_report.py).
+    plain: str = ""
+    label: str = ""
 
 
-def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, seed_value: str,
-               of_one: Callable[[str], Statistic] = _median) -> Claim:  # fmt: skip
+def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, seed_value: str, plain: str,
+               label: str, of_one: Callable[[str], Statistic] = _median) -> Claim:  # fmt: skip
     """A median (`of_one` column, or of the difference of two) against the same on each null sample."""
 
     def stat(prefix: str) -> Statistic:
@@ -117,7 +121,7 @@ def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, se
         sample: Test(stat(""), stat(f"{sample}."), columns + tuple(f"{sample}.{c}" for c in columns))
         for sample in ("shuffled", "gaussian")
     }
-    return Claim(name, text, tests, margin, seed_value)
+    return Claim(name, text, tests, margin, seed_value, plain=plain, label=label)
 
 
 def _patch(null: str) -> str:
@@ -126,39 +130,54 @@ def _patch(null: str) -> str:
 
 CLAIMS: tuple[Claim, ...] = (
     _geometric("cos_full_tok_near_1", "the full update is aligned with its tokenwise part (median cos_full_tok)",
-               ("cos_full_tok",), 0.05, "near 1"),
+               ("cos_full_tok",), 0.05, "near 1",
+               "A layer's update points where its tokenwise part points, more than on shuffled or random inputs.",
+               "update along tokenwise part"),
     _geometric("angle_res_tok_near_90", "the residual is closer to orthogonal to the tokenwise part than the "
                "null's (median acute angle 90° − |90° − angle_res_tok|)", ("angle_res_tok",), 5.0, "often > 60°",
-               _median_acute),
+               "What the tokenwise part misses (the residual) is closer to orthogonal to it than by chance.",
+               "residual orthogonal to it", _median_acute),
     _geometric("proj_res_below_full", "the residual projects less than the full update on the dominant local "
                "tokenwise subspace (median proj_full − proj_res)", ("proj_full", "proj_res"), 0.05,
-               "significantly lower"),
+               "significantly lower",
+               "The residual lies less in the neighbourhood's main tokenwise directions than the update does.",
+               "residual off local subspace"),
     _geometric("proj_res_global_below_full", "the same on the layer's global tokenwise subspace "
                "(median proj_full_global − proj_res_global)", ("proj_full_global", "proj_res_global"), 0.05,
-               "significantly lower"),
+               "significantly lower", "The same for the layer's main tokenwise directions.",
+               "residual off layer subspace"),
     Claim("spearman_rel_err_kl", "the residual's size predicts the output change: Spearman(rel_err, kl) against "
           "Spearman(rel_err, kl of a null patch of the same norm)",
           {null: Test(_spearman("rel_err", "kl"), _spearman("rel_err", _patch(null)), ("rel_err", "kl", _patch(null)))
-           for null in ("random", "other")}, 0.1, "> 0.7, up to 0.95"),
+           for null in ("random", "other")}, 0.1, "> 0.7, up to 0.95",
+          plain="The bigger the residual, the more removing it changes the output, more so than for a patch of the "
+          "same size in another direction.", label="residual size → output change"),
     Claim("partial_spearman_rel_err_kl", "the same with the residual's size relative to the state (rel_err_state) "
           "partialled out: partial Spearman(rel_err, kl | rel_err_state), against 0",
           {"zero": Test(_partial_spearman("rel_err", "kl", "rel_err_state"), None, ("rel_err", "kl", "rel_err_state"))},
-          0.1, "(not reported)"),
+          0.1, "(not reported)", plain="The same, once the residual's size relative to the hidden state is "
+          "accounted for.", label="… beyond its relative size"),
     Claim("residual_outweighs_null", "removing the real residual moves the output more than removing a null "
           "residual of the same norm: median log(kl / kl_null), against 0",
           {null: Test(_median_log_ratio("kl", _patch(null)), None, ("kl", _patch(null)))
            for null in ("random", "other")},
-          math.log(1.25), "the residual is functionally decisive"),
+          math.log(1.25), "the residual is functionally decisive",
+          plain="Removing the residual changes the output at least 25% more than removing a patch of the same size "
+          "in another direction.", label="residual moves the output"),
     Claim("local_beats_layer", "a local class explains more fitted per neighbourhood than the same class fitted "
           "once for the layer (same anchors, out of sample): median rel_err(<class>.layer) − rel_err(class), "
           "against 0", {"zero": Test(_median_difference("layer.rel_err", "rel_err"), None,
                                      ("rel_err", "layer.rel_err"))}, 0.05,
-          "(assumed: the fits are local)", classes="local"),
+          "(assumed: the fits are local)", classes="local",
+          plain="A map fitted per neighbourhood explains the update better than the same map fitted once per layer.",
+          label="local fit beats layer fit"),
     # Its two parts are its "nulls" (each against a permuted capacity order): supported only when both are.
     Claim("expressivity_tradeoff", "more expressive classes shrink the residual (median rel_err falls with "
           "capacity) but weaken its correlation with KL (Spearman(rel_err, kl) falls with capacity): "
           "−Spearman(capacity, value) over the local classes per layer, against a permuted capacity order",
-          {}, 0.5, "more expressive classes: smaller residual, weaker link to KL", classes="across"),
+          {}, 0.5, "more expressive classes: smaller residual, weaker link to KL", classes="across",
+          plain="More expressive fit classes leave a smaller residual, but one that predicts the output change "
+          "less well.", label="expressivity trade-off"),
 )
 CLAIM_NAMES = tuple(c.name for c in CLAIMS)
 

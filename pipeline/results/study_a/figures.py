@@ -10,8 +10,8 @@ import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
-from pipeline.results.common import Axis, Row, label_axes, panel_grid
-from pipeline.results.study_a.claims import CLAIM_NAMES, VERDICT_SCORE, combined_verdict, in_summary
+from pipeline.results.common import Axis, Row, figure_legend, label_axes, panel_grid
+from pipeline.results.study_a.claims import CLAIMS, VERDICT_SCORE, combined_verdict, in_summary
 
 # ------------------------------------------------------------------------------------------ Study A
 # Not supported, inconclusive, supported: a diverging scale, the mixed cells (classes disagree) in between.
@@ -30,7 +30,7 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
     bases = sorted({s.rsplit("@", 1)[0] for s in subjects})
     checkpoints = [c for c in ("final", "init") if any(s.endswith(f"@{c}") for s in subjects)] or [""]
     layers = sorted({t["layer"] for t in per_layer})
-    claims = [c for c in CLAIM_NAMES if any(t["claim"] == c for t in per_layer)]
+    claims = [c for c in CLAIMS if any(t["claim"] == c.name for t in per_layer)]
     fig, axes = panel_grid(len(bases), len(checkpoints), width=0.5 * len(layers) + 3.6, height=0.3 * len(claims) + 1.2)
     for row, base in zip(axes, bases, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
@@ -38,13 +38,14 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
             subject = f"{base}@{checkpoint}"
             if subject not in subjects and checkpoint == checkpoints[0]:
                 subject = base
-            grid = _verdict_grid([t for t in per_layer if t["subject"] == subject], claims, layers)
+            grid = _verdict_grid([t for t in per_layer if t["subject"] == subject], [c.name for c in claims], layers)
             if np.isnan(grid).all():
                 ax.axis("off")
                 continue
             image = ax.imshow(np.ma.masked_invalid(grid), cmap=VERDICT_COLORS, vmin=-1, vmax=1, aspect="auto")
             ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
-            ax.set_yticks(range(len(claims)), claims if ax is row[0] else [""] * len(claims), fontsize=8)
+            labels = [c.label for c in claims] if ax is row[0] else [""] * len(claims)
+            ax.set_yticks(range(len(claims)), labels, fontsize=8)
             ax.set_title(subject, fontsize=9)
             ax.set_xlabel(LAYER)
             ax.set_ylabel("claim" if ax is row[0] else "")
@@ -96,4 +97,5 @@ def spearman_vs_null(tests: Sequence[Row]) -> Figure | None:
         ax.axhline(here[0]["margin"], color="gray", linestyle=":", linewidth=1)
         ax.xaxis.get_major_locator().set_params(integer=True)
         label_axes(ax, subject, LAYER, SPEARMAN_EFFECT)
+    figure_legend(fig)
     return fig

@@ -1,5 +1,6 @@
-"""Study A's part of the report (`pipeline.results.report`): the claims of the seed in the summary, and the
-section with the models, init vs trained and the figures."""
+"""Study A's part of the report (`pipeline.results.report`): the paper's claims in the summary (in words, the
+heat map, the numbers) and its one-sentence finding, and the section with the models, init vs trained and the
+functional claim's figure."""
 
 from __future__ import annotations
 
@@ -8,11 +9,8 @@ from pipeline.results.study_a import figures as fig
 from pipeline.results.study_a.claims import (
     ACROSS,
     CLAIMS,
-    CONTRADICTED,
-    INCONCLUSIVE,
-    NOT_SUPPORTED,
-    READINGS,
     SUPPORTED,
+    Claim,
     ClaimSummary,
     combined_verdict,
     in_summary,
@@ -22,16 +20,66 @@ from pipeline.study_a.classes import FIT_CLASSES
 
 NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
              "other": "other anchor's residual", "zero": "0"}  # fmt: skip
+CLAIMS_BY_NAME = {claim.name: claim for claim in CLAIMS}
 
 
-def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
-    """One row per claim, one column per trained architecture (and external model): the verdict, and the
-    test that decides it (statistic vs null, effect with its CI)."""
+def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], figures: Figures) -> str:
+    """The paper's claims for a newcomer: a sentence per claim with its verdict per architecture (and external
+    model), the claims × layers heat map under them, then the table with the test that decides each verdict."""
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
         why = ("no claim could be tested (no null samples, or fewer than 10 complete anchors per layer)" if fitted
                else "Study A was not run (no fits)")  # fmt: skip
-        return f"**Study A (the seed's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
+        return f"**Study A (the paper's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
+    sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in CLAIMS
+                          if any(c.claim == claim.name for c in trained))  # fmt: skip
+    heat_map = figures.show(fig.claims_by_layer(tests), "study_a_claims_by_layer",
+                            "Where each claim holds, layer by layer (rows: the claims above; a panel per model, "
+                            "`@final` after training, `@init` at initialisation). Blue: supported, red: not "
+                            "supported, grey: the data cannot decide; pale: the fit classes disagree, leaning that "
+                            "way.")  # fmt: skip
+    return f"{sentences}\n\n{heat_map}\n{_claims_table(trained)}"
+
+
+def _claim_sentence(claim: Claim, summaries: list[ClaimSummary]) -> str:
+    """`claim.plain`, then the subjects grouped by their verdict in words."""
+    where: dict[str, list[str]] = {}
+    for c in summaries:
+        where.setdefault(_verdict_in_words(c), []).append(c.subject.removesuffix("@final"))
+    verdicts = "; ".join(f"{', '.join(subjects)}: **{words}**" for words, subjects in where.items())
+    return f"- {claim.plain} ({verdicts})"
+
+
+def _verdict_in_words(c: ClaimSummary) -> str:
+    if len(set(c.verdicts.values())) == 1:
+        return c.verdict
+    supporting = sum(v == SUPPORTED for v in c.verdicts.values())
+    return f"mixed: {supporting or 'no'} of {len(c.verdicts)} classes"
+
+
+def finding(claims: list[ClaimSummary]) -> str | None:
+    """Study A in one sentence: how many of the paper's claims hold on every trained architecture, on some, on
+    none (README's findings)."""
+    trained = [c for c in claims if c.subject.endswith("@final")]
+    if not trained:
+        return None
+    subjects = sorted({c.subject.removesuffix("@final") for c in trained})
+    supported = {claim.name: sum(c.verdict == SUPPORTED for c in trained if c.claim == claim.name) for claim in CLAIMS
+                 if any(c.claim == claim.name for c in trained)}  # fmt: skip
+    every = [CLAIMS_BY_NAME[n].label for n, k in supported.items() if k == len(subjects)]
+    none = [CLAIMS_BY_NAME[n].label for n, k in supported.items() if k == 0]
+    some = len(supported) - len(every) - len(none)
+
+    def named(labels: list[str]) -> str:
+        return f"{len(labels)} ({', '.join(f'“{label}”' for label in labels)})" if labels else "none"
+
+    return (f"Study A ({', '.join(subjects)}), the paper's {len(supported)} claims tested: supported on every "
+            f"architecture {named(every)}, on some {some}, on none {named(none)}.")  # fmt: skip
+
+
+def _claims_table(trained: list[ClaimSummary]) -> str:
+    """One row per claim, one column per trained architecture (and external model): the verdict, and the
+    test that decides it (statistic vs null, effect with its CI)."""
     subjects = sorted({c.subject for c in trained})
     at = {(c.subject, c.claim): c for c in trained}
     layers = {s: max(n for c in trained if c.subject == s for n in c.layers.values()) for s in subjects}
@@ -39,17 +87,16 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool) -> str:
     for claim in CLAIMS:
         if any((s, claim.name) in at for s in subjects):
             cells = [_claim_cell(at.get((s, claim.name)), layers[s]) for s in subjects]
-            rows.append([f"`{claim.name}` (seed: {claim.seed_value})", *cells])
-    head = ("**Study A: the seed's claims on the analysed models**, each against its null over layers and seeds "
-            "(stratified, never pooled), 95% interval from a two-stage bootstrap (seeds, then anchors). A cell gives "
-            "the verdict over the local fit classes (each class must pass every null; `global_linear` and the layer-"
-            "wide fits are baselines), then the test that decides it: statistic vs null → effect [CI] (class, null; "
-            "the layers, seeds and anchors it rests on). *Supported*: above 0 beyond chance (Holm over the cell's "
-            "classes and nulls) and at least the claim's margin; *not supported*: above 0 but the interval below "
-            "the margin; *contradicted*: below 0 beyond chance; *inconclusive*: otherwise. `init` and the "
-            "per-class tests are in Study A below.\n")  # fmt: skip
-    table = markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows)
-    return f"{head}\n{table}\n{_plain_claims(trained)}"
+            rows.append([f"{claim.label} (`{claim.name}`; paper: {claim.seed_value})", *cells])
+    head = ("The numbers: each claim against its null over layers and seeds (stratified, never pooled), 95% "
+            "interval from a two-stage bootstrap (seeds, then anchors). A cell gives the verdict over the local fit "
+            "classes (each class must pass every null; `global_linear` and the layer-wide fits are baselines), then "
+            "the test that decides it: statistic vs null → effect [CI] (class, null; the layers, seeds and anchors "
+            "it rests on). *Supported*: above 0 beyond chance (Holm over the cell's classes and nulls) and at least "
+            "the claim's margin; *not supported*: above 0 but the interval below the margin; *contradicted*: below "
+            "0 beyond chance; *inconclusive*: otherwise. A null of *0* means the statistic is itself an effect "
+            "(tested against zero). `init` and the per-class tests are in Study A below.\n")  # fmt: skip
+    return f"{head}\n{markdown_table(['claim'] + [s.removesuffix('@final') for s in subjects], rows)}"
 
 
 def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
@@ -65,22 +112,6 @@ def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
     few = [f"{fn} on {n} of {layers} layers" for fn, n in c.layers.items() if 2 * n < layers]
     warning = f" · **{'; '.join(few)}**" if few else ""
     return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null}; {rests}){warning}"
-
-
-def _plain_claims(trained: list[ClaimSummary]) -> str:
-    """The table in words: which claims hold everywhere, nowhere, and where the data cannot decide."""
-    by_claim: dict[str, set[str]] = {}
-    for c in trained:
-        by_claim.setdefault(c.claim, set()).add(c.verdict)
-    groups = {
-        "Supported wherever measured": [n for n, v in by_claim.items() if v == {SUPPORTED}],
-        "Not supported anywhere": [n for n, v in by_claim.items() if v == {NOT_SUPPORTED}],
-        "The data cannot decide (inconclusive everywhere)": [n for n, v in by_claim.items() if v == {INCONCLUSIVE}],
-        "Contradicted everywhere": [n for n, v in by_claim.items() if v == {CONTRADICTED}],
-        "Differs by architecture or class": [n for n, v in by_claim.items() if len(v) > 1 or not v <= set(READINGS)],
-    }  # fmt: skip
-    lines = [f"- {label}: {', '.join(f'`{n}`' for n in names)}." for label, names in groups.items() if names]
-    return "\n".join(lines) + "\n"
 
 
 def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str:
@@ -104,9 +135,6 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
     if checkpoints:
         out.append("### Init vs trained\n")
         out.append(_init_vs_final(checkpoints))
-    out.append(figures.show(fig.claims_by_layer(tables["claim_tests"]), "study_a_claims_by_layer",
-                            "Verdict of each claim per layer (colour: +1 supported, −½ not supported, −1 contradicted, "
-                            "averaged over the local classes; each class combined over its nulls)."))  # fmt: skip
     out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
                             "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
                             "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip

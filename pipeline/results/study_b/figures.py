@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import numpy as np
 from matplotlib.figure import Figure
 
-from pipeline.results.common import Axis, Row, label_axes, median, panel_grid
+from pipeline.results.common import Axis, Row, figure_legend, label_axes, median, panel_grid
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 
@@ -34,12 +34,34 @@ HEAD_STEP = (
 STEP = "training step"
 
 
+# Beside its colour, a line style and a marker per recipe: two recipes whose curves coincide (`hilbert` and
+# `rownorm` often do) stay distinguishable, the dashed line over the solid one.
+LINE_STYLES = ("-", "--", "-.", ":")
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
+
+
 def _recipe_color(recipe: str) -> str:
-    return PALETTE[RECIPES.order(recipe)[0] % len(PALETTE)] if recipe in RECIPES else "black"
+    return PALETTE[_recipe_index(recipe) % len(PALETTE)]
+
+
+def _recipe_style(recipe: str) -> dict[str, str]:
+    i = _recipe_index(recipe)
+    return {"color": _recipe_color(recipe), "linestyle": LINE_STYLES[i % len(LINE_STYLES)],
+            "marker": MARKERS[i % len(MARKERS)]}  # fmt: skip
+
+
+def _recipe_index(recipe: str) -> int:
+    return RECIPES.order(recipe)[0] if recipe in RECIPES else len(PALETTE) - 1
 
 
 def _archs(rows: Sequence[Row]) -> list[str]:
-    return sorted({r["arch"] for r in rows if r["arch"]})
+    """The architectures where recipes are compared: those with at least two recipes (Study A's architectures
+    hold its `muon` runs only, nothing to compare)."""
+    recipes: dict[str, set[str]] = {}
+    for r in rows:
+        if r["arch"] and r["recipe"]:
+            recipes.setdefault(r["arch"], set()).add(r["recipe"])
+    return sorted(arch for arch, names in recipes.items() if len(names) > 1)
 
 
 def _recipes(rows: Sequence[Row]) -> list[str]:
@@ -60,7 +82,9 @@ def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
         for y, r in enumerate(rows):
             mine = _test_loss_by_seed(runs, arch, r["recipe"])
             diffs = [mine[s] - base[s] for s in sorted(mine.keys() & base.keys())]
-            ax.scatter(diffs, np.full(len(diffs), y), s=12, color=_recipe_color(r["recipe"]), alpha=0.7, zorder=3)
+            # Seeds spread under the mean's bar, in seed order (a fixed jitter: the figure stays reproducible).
+            ax.scatter(diffs, y + np.linspace(0.12, 0.36, len(diffs)),
+                       s=28, color=_recipe_color(r["recipe"]), edgecolors="black", linewidths=0.6, zorder=3)
             if r["diff_vs_muon"] is not None and r["diff_ci_low"] is not None:
                 spread = [[r["diff_vs_muon"] - r["diff_ci_low"]], [r["diff_ci_high"] - r["diff_vs_muon"]]]
                 ax.errorbar(r["diff_vs_muon"], y, xerr=spread, fmt="o", color="black", capsize=4, zorder=4)
@@ -104,13 +128,14 @@ def _curves_by_recipe(curves: Sequence[Row], runs: Sequence[Row], quantities: li
             for recipe in _recipes([run_of[c["run"]] for c in here]):
                 steps, values = _median_curve([c for c in here if run_of[c["run"]]["recipe"] == recipe], quantity)
                 if steps:
-                    ax.plot(steps, values, color=_recipe_color(recipe), label=recipe, linewidth=1.3,
-                            marker="." if len(steps) < 30 else None)  # fmt: skip
+                    ax.plot(steps, values, label=recipe, linewidth=1.3, markersize=4,
+                            markevery=max(1, len(steps) // 8), **_recipe_style(recipe))  # fmt: skip
             level_of = (reference or {}).get(quantity.column)
             level = median([c[level_of] for c in here]) if level_of else None
             if level is not None:
                 ax.axhline(level, color="gray", linestyle=":", linewidth=1.2, label="random unit rows")
             label_axes(ax, arch, STEP, quantity)
+    figure_legend(fig)
     return fig
 
 
@@ -145,8 +170,8 @@ def loss_vs_budget(recipes: Sequence[Row]) -> Figure | None:
             mine = [r for r in swept if (r["arch"], r["recipe"]) == (arch, recipe)]
             line = sorted((r for r in mine if r["head_budget_tau"] is not None), key=lambda r: r["head_budget_tau"])
             ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line],
-                        yerr=_interval_arms(line), color=_recipe_color(recipe), label=recipe, marker="o",
-                        markersize=3, linewidth=1.3, capsize=2)  # fmt: skip
+                        yerr=_interval_arms(line), label=recipe, markersize=4, linewidth=1.3, capsize=2,
+                        **_recipe_style(recipe))  # fmt: skip
             for r in (r for r in mine if r["head_budget_tau"] is None):
                 ax.plot([uncapped_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
         ax.axvline(math.sqrt(budgets[-1] * uncapped_x), color="gray", linewidth=0.8, linestyle=":")
@@ -154,6 +179,7 @@ def loss_vs_budget(recipes: Sequence[Row]) -> Figure | None:
         ax.set_xticks([*budgets, uncapped_x], [*(f"{b:g}" for b in budgets), "none"])
         ax.minorticks_off()
         label_axes(ax, arch, BUDGET, TEST_LOSS)
+    figure_legend(fig)
     return fig
 
 

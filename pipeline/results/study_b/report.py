@@ -1,4 +1,5 @@
-"""Study B's part of the report (`pipeline.results.report`): the comparison with `muon` in the summary, the
+"""Study B's part of the report (`pipeline.results.report`): the comparison with `muon` in the summary (in
+words, its figures, the table) and its one-sentence finding, the
 section (protocol, power, tuning, step geometry, claims, the matched-budget ablation, figures) and the
 per-run appendix."""
 
@@ -31,16 +32,65 @@ def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
 
 
 # ----------------------------------------------------------------------------------------- summary
-def comparison_summary(recipes: list[Row]) -> str:
-    """Per arch and recipe: the final test loss, and the paired comparison with `muon` in numbers and in words."""
+def summary(tables: Tables, figures: Figures) -> str:
+    """The comparison with `muon` for a newcomer: in words (at the recipes' own step sizes, then at equal
+    worst-case nats per step), the forest plot beside the budget sweep, then the table."""
     reference = baseline().name
+    runs, recipes = runs_of_kind(tables["runs"]), runs_of_kind(tables["recipes"])
     rows = [r for r in recipes if r["recipe"] != reference]
     if not rows:
         return "**Study B (head optimizers)**: not measured, Study B was not run (no training logs).\n"
-    head = (f"**Study B: each head recipe against `{reference}`** on the held-out test split: final test loss over "
-            f"seeds, and the difference to `{reference}` on the same seeds (paired t-interval, not adjusted; p of the "
-            f"paired t-test, Holm-adjusted over the arch's recipes, decides the reading). *Detectable Δ*: the "
-            f"difference these seeds detect with power {POWER:g}.\n")  # fmt: skip
+    out = [f"At each recipe's own tuned step size, final test loss against `{reference}` on the same seeds:\n",
+           plain_comparison(rows)]  # fmt: skip
+    if tables["envelope"]:
+        sweep = sweep_summary(runs_of_kind(tables["recipes"], True), tables["envelope"])
+        out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step capped at the "
+                   f"same budget, against `{reference}` under that cap):\n\n{sweep}")  # fmt: skip
+    out.append(figures.beside([
+        (fig.vs_muon(recipes, runs), "study_b_vs_muon",
+         f"Left: each recipe's final test loss minus `{reference}`'s on the same seed (dots: seeds; bar: mean and "
+         f"95% t-interval); a bar wholly left of 0 beats `{reference}`, wholly right loses to it."),
+        (fig.loss_vs_budget(runs_of_kind(tables["recipes"], True)), "study_b_loss_vs_budget",
+         "Right: the matched-budget sweep, final test loss against the head budget (log axis; mean and 95% "
+         "t-interval over seeds; square: the recipe uncapped); lines that cross mean the verdict depends on the "
+         "budget."),
+    ]))  # fmt: skip
+    out.append(comparison_table(recipes))
+    return "\n".join(part for part in out if part)
+
+
+def finding(recipes: list[Row]) -> str | None:
+    """Study B in one sentence per architecture compared: how many recipes are resolved below, above `muon`,
+    and which the seeds cannot tell (README's findings)."""
+    reference = baseline().name
+    sentences = []
+    for arch in sorted({r["arch"] for r in recipes if r["recipe"] != reference and r["diff_vs_muon"] is not None}):
+        rows = [r for r in recipes if r["arch"] == arch and r["recipe"] != reference and r["diff_vs_muon"] is not None]
+        by_reading: dict[str, list[str]] = {}
+        for r in rows:
+            by_reading.setdefault(_reading(r) if _reading(r).endswith("than muon") else "unresolved", []).append(
+                f"`{r['recipe']}`")
+        lower, higher, unresolved = (by_reading.get(k, []) for k in ("lower than muon", "higher than muon",
+                                                                          "unresolved"))  # fmt: skip
+        sentences.append(
+            f"Study B ({arch}): at their own tuned step sizes, {_count(lower)} of {len(rows)} head recipes reach a "
+            f"lower test loss than `{reference}`, {_count(higher)} a higher one, and {_count(unresolved)} "
+            "cannot be told apart from it with these seeds.")  # fmt: skip
+    return " ".join(sentences) or None
+
+
+def _count(recipes: list[str]) -> str:
+    return f"{len(recipes)} ({', '.join(recipes)})" if recipes else "none"
+
+
+def comparison_table(recipes: list[Row]) -> str:
+    """Per arch and recipe: the final test loss, and the paired comparison with `muon` in numbers and in words."""
+    reference = baseline().name
+    rows = [r for r in recipes if r["recipe"] != reference]
+    head = (f"The numbers, on the held-out test split: final test loss over seeds, and the difference to "
+            f"`{reference}` on the same seeds (paired t-interval, not adjusted; p of the paired t-test, Holm-adjusted "
+            f"over the arch's recipes, decides the reading). *Detectable Δ*: the difference these seeds detect with "
+            f"power {POWER:g}.\n")  # fmt: skip
     base = {r["arch"]: r["test_loss_mean"] for r in recipes if r["recipe"] == reference}
     body = [[r["arch"], f"`{r['recipe']}`", r["n_seeds"],
              interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
@@ -49,7 +99,7 @@ def comparison_summary(recipes: list[Row]) -> str:
              num(r["p_vs_muon_holm"], 2), num(r["detectable_diff"], 2), _reading(r)] for r in rows]  # fmt: skip
     header = ["arch", "recipe", "seeds", "test loss [95% CI]", f"{reference}'s", f"Δ vs {reference} [95% CI]",
               "Holm p", "detectable Δ", "reading"]  # fmt: skip
-    return f"{head}\n{markdown_table(header, body)}\n{plain_comparison(rows)}"
+    return f"{head}\n{markdown_table(header, body)}"
 
 
 def plain_comparison(rows: list[Row]) -> str:
@@ -97,18 +147,17 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
     if not runs:
         return out[0] + "\nStudy B was not run: there are no training logs.\n"
     out.append(_protocol(runs, recipes, tuning))
-    out.append(figures.show(fig.vs_muon(recipes, runs), "study_b_vs_muon",
-                            "Final test loss minus muon's on the same seed: seeds (dots), mean and 95% "
-                            "t-interval."))  # fmt: skip
     out.append(figures.show(fig.val_loss(curves, runs), "study_b_val_loss",
-                            "Validation loss over training, per recipe (mean over seeds)."))  # fmt: skip
+                            "Validation loss over training per recipe (mean over seeds): where the curves separate, "
+                            "and whether they still fall at the last step."))  # fmt: skip
     out.append("### Head step geometry\n")
     out.append(_geometry_table(runs))
     out.append(_study_b_claims(tables["claims"]))
     out.append(figures.show(fig.head_step(curves, runs), "study_b_head_step",
-                            "Head step per recipe (median over seeds): size in Hilbert units, tightness of the bound "
-                            "on exact-diameter steps (≤ 1, SPEC §3.1), spread of the update's rows (dotted: random "
-                            "unit rows)."))  # fmt: skip
+                            "Head step per recipe (median over seeds): its size in Hilbert units (which recipes take "
+                            "the largest steps), the bound's tightness on exact-diameter steps (≤ 1, SPEC §3.1: a "
+                            "value near 1 means the bound is nearly attained), and how evenly the update's rows are "
+                            "spread (dotted: random unit rows; only `hilbert_equi` should reach it)."))  # fmt: skip
     study_steps = sorted({r["steps"] for r in runs if r["steps"]})
     out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True),
                                tables["envelope"], figures, study_steps))  # fmt: skip
@@ -141,10 +190,7 @@ def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], fi
                + _shorter_note(steps, study_steps) + "\n")  # fmt: skip
     out.append(_budget_matrix(recipes, budgets, reference))
     out.append(_envelope_table(envelope, reference))
-    out.append(figures.show(fig.loss_vs_budget(recipes), "study_b_loss_vs_budget",
-                            "Matched-budget sweep: final test loss against the head budget (log axis), mean and 95% "
-                            "t-interval over seeds per recipe; the square at the right is each recipe's uncapped "
-                            "run at the same steps."))  # fmt: skip
+    out.append("The sweep's figure (test loss against the budget) is in the summary.\n")
     return "\n".join(part for part in out if part)
 
 
