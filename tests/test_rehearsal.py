@@ -1,4 +1,4 @@
-"""The seed-scale rehearsal (`lmgeo rehearse`, `docs/scale.md`): its slice runs on a tiny configuration, and
+"""The paper-scale rehearsal (`lmgeo rehearse`, `docs/scale.md`): its slice runs on a tiny configuration, and
 its extrapolation scales what was measured as it says. The measurements themselves are not tested."""
 
 from __future__ import annotations
