@@ -70,7 +70,7 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
     assert {"cpu", "logical_cores", "memory_gib", "gpus"} <= report["machine"].keys()
     assert {"python", "torch", "transformers", "ray", "lmgeo"} <= report["versions"].keys()
     names = [r["name"] for r in report["ratios"]]
-    for prefix in ("extraction: extract path", "extraction: peak RSS", "fits diag_psd", "fits lowrank",
+    for prefix in ("extraction: extract path", "extraction: peak RSS", "fits diag_psd", "fits lowrank", "fits mlp",
                    "fits orthogonal", "kNN: working memory", "kNN vs FAISS", "patching: suffix vs full",
                    "recipes: hilbert /", "recipes: hilbert_equi",
                    "fan-out"):
@@ -242,3 +242,48 @@ def test_collect_bars_takes_the_sections_that_ran():
               "recipes": {"bars": [], "profile": {"r": ["line"]}}}  # fmt: skip
     collected = collect_bars(report)
     assert [b.name for b in collected["ratios"]] == ["p"] and collected["profiles"] == {"r": ["line"]}
+
+
+def _tiny_layer(n_anchors: int = 3, k: int = 12, d: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.from_numpy(np.random.default_rng(5).normal(size=(n_anchors, k, d)))
+    return x, x + torch.tanh(x @ torch.ones(d, d, dtype=torch.float64) / d)
+
+
+def test_mlp_step_row_times_every_anchor_for_exactly_its_steps(monkeypatch):
+    from pipeline.study_a.classes import mlp
+    from pipeline.study_a.config import AnalysisConfig
+    from tools.bench.mlp_step import fit_steps
+
+    batches: list[int] = []
+    step = mlp._Training.adam_step
+    monkeypatch.setattr(mlp._Training, "adam_step", lambda self, *a: (batches.append(len(self.rows)), step(self, *a)))
+    xn, yn = _tiny_layer()
+    cfg = AnalysisConfig(mlp_steps=400)
+    fit_steps(xn, yn, cfg, 7)
+    assert batches == [3] * 7
+    batches.clear()  # the study's own criterion ends (or shrinks) the batch sooner: what tol = −∞ rules out
+    mlp.fit_mlp(xn, yn, cfg.mlp_hidden, cfg.mlp_steps, cfg.mlp_tol, cfg.ridge, cfg.seed)
+    assert len(batches) < cfg.mlp_steps or batches[-1] < 3
+
+
+def test_plain_batched_adam_step_is_each_anchors_own_adam_step():
+    from pipeline.study_a.classes.mlp import LEARNING_RATE
+    from tools.bench.mlp_step import PlainMLP
+
+    xn, yn = _tiny_layer()
+    ridge = 1e-3
+    plain = PlainMLP(xn, yn - xn, hidden=5, ridge=ridge, seed=2)
+    start = [w.detach().clone() for w in plain.weights]
+    for _ in range(3):
+        plain.step()
+    for a in range(len(xn)):
+        w1, b1, w2, b2 = (w[a].clone().requires_grad_(True) for w in start)
+        own = torch.optim.Adam([w1, b1, w2, b2], lr=LEARNING_RATE)
+        for _ in range(3):
+            own.zero_grad()
+            out = torch.tanh(xn[a] @ w1.T + b1) @ w2.T + b2
+            loss = ((yn[a] - xn[a] - out) ** 2).mean() + ridge * ((w1**2).sum() + (w2**2).sum())
+            loss.backward()
+            own.step()
+        for mine, batched in zip((w1, b1, w2, b2), plain.weights, strict=True):
+            torch.testing.assert_close(batched[a].detach(), mine.detach(), rtol=1e-10, atol=1e-12)

@@ -18,6 +18,7 @@ from tools.bench.measure import (
     reset_peak_rss,
     run_fresh,
 )
+from tools.bench.mlp_step import mlp_step_ratio
 from tools.bench.sizes import FitScale, KnnSize, fit_bench_classes, identifiable_k
 from tools.bench.synthetic import synthetic_states
 
@@ -77,6 +78,8 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
         out["bars"] += [speed_bar, same_bar] + ([rate_bar] if rate_bar else [])
         if not speed_bar.passed:
             out["profile"][speed_bar.name] = profile_top(cases["fit_layer"])
+    out["mlp_step"], mlp_bar = mlp_step_ratio(x64, y64, anchors, cfg, scale.repeats, scale.label)
+    out["bars"].append(mlp_bar)
     out["identification"] = identification_share(x32, y32, anchors, cfg)
     out["bars"].append(bar(f"fits, {scale.label}: identification's share of the local classes' fits",
                            out["identification"]["share"], "<=", 0.1, unit=""))  # fmt: skip

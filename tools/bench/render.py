@@ -187,8 +187,16 @@ def _fits_md(scales: list[dict[str, Any]]) -> list[str]:
             [fn, _num(c["timings"]["fit_layer"]["median_s"]), _num(c["timings"]["reference"]["median_s"]),
              _num(c["speedup"]) + "×", _num(c["max_abs_diff"]), str(c["null_mismatches"])]
             for fn, c in scale["classes"].items()])
-        lines += [""]
+        lines += ["", _mlp_step_md(scale["mlp_step"]), ""]
     return lines
+
+
+def _mlp_step_md(m: dict[str, Any]) -> str:
+    t = m["timings"]
+    return (f"`mlp` ({m['anchors']} anchors, k = {m['k']}, h = {m['hidden']}, {m['steps']} steps, every anchor "
+            f"kept in the batch): the fit {_num(t['mlp fit']['median_s'])} s, plain batched Adam (autograd, "
+            f"`torch.optim.Adam` on all four weights) {_num(t['plain Adam']['median_s'])} s: "
+            f"{_num(m['ratio'])}× per step.")
 
 
 def _knn_md(section: dict[str, Any]) -> list[str]:
