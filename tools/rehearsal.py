@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 GIB = 2**30
+NULL_DIRECTIONS = 8  # random-direction null copies per anchor, as the default study (`analysis.null_directions`)
 
 
 def _pythia_1_4b():
@@ -73,7 +74,7 @@ class Slice:
     # larger width (4 at d = 768, 3 at 1024, 1 at 2048), to keep the rehearsal to minutes.
     anchor_budget: float = 4e9
     max_anchors: int = 4
-    perturb_anchors: int = 1  # of those, patched per class (each three copies: the fit and two nulls)
+    perturb_anchors: int = 1  # of those, patched per class (each with its null copies, as the stage)
 
     def anchors(self, d: int) -> int:
         return max(1, min(self.max_anchors, int(self.anchor_budget / d**3)))
@@ -220,8 +221,9 @@ def _perturb(
     measured: Measured, model, tokens: np.ndarray, layer: int, y: np.ndarray, tables: dict[str, Any], size: Slice,
     seed: int,
 ) -> None:
-    """The perturb stage's patched copies for `perturb_anchors` anchors of every class (the fit and two
-    null patches each), in one call as the stage makes it; seconds per patched copy."""
+    """The perturb stage's patched copies for `perturb_anchors` anchors of every class (the fit, run to the
+    sequence's end, and the nulls, which stop at their anchor: `NULL_DIRECTIONS` random directions and another
+    anchor's residual), in one call as the stage makes it; seconds per patched copy, the mix as in the study."""
     from pipeline.study_a.nulls import null_patches
     from pipeline.study_a.patching import patch_kl_anchors
 
@@ -231,11 +233,18 @@ def _perturb(
     for table in tables.values():
         fits = table.slice(0, size.perturb_anchors)
         rows, pos = fits["seq_id"].to_numpy(), fits["pos"].to_numpy()
-        patches = null_patches(fits["patched"], clean[rows, pos], rng)
-        parts += [(rows[patches.valid], pos[patches.valid], v) for v in (patches.real, patches.random, patches.other)]
-    rows, pos, vectors = (np.concatenate(p) for p in zip(*parts, strict=True))
+        patches = null_patches(fits["patched"], clean[rows, pos], rng, NULL_DIRECTIONS)
+        rows, pos = rows[patches.valid], pos[patches.valid]
+        parts.append((rows, pos, patches.real, True))
+        randoms = patches.random.reshape(-1, patches.random.shape[-1])
+        parts.append((np.repeat(rows, NULL_DIRECTIONS), np.repeat(pos, NULL_DIRECTIONS), randoms, False))
+        if patches.other is not None:
+            parts.append((rows, pos, patches.other, False))
+    rows, pos, vectors = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    to_end = np.concatenate([np.full(len(p[0]), p[3]) for p in parts])
     _, seconds, peak = _timed(
-        lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size)
+        lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size,
+                                 to_end=to_end)  # fmt: skip
     )
     measured.perturb_s_per_copy, measured.perturb_copies = seconds / len(rows), len(rows)
     measured.perturb_peak_gib = peak
@@ -300,14 +309,14 @@ class Study:
     k: int
     samples: int  # the real pairs and the null samples
     classes: int
-    copies: int = 3  # patched copies per anchor and class: the fit and two null patches
+    copies: int  # patched copies per anchor and class: the fit and its null patches
 
     @classmethod
     def of(cls, params: Any) -> Study:
         a = params.analysis
         return cls(
             tuple(m.id for m in a.external_models), a.eval_sequences, params.prepare.seq_len, a.anchors, a.k,
-            1 + len(a.nulls), len(a.classes),
+            1 + len(a.nulls), len(a.classes), 2 + a.null_directions,
         )  # fmt: skip
 
 
@@ -459,9 +468,10 @@ def render_markdown(
         "cost depends on the pool's size, k and d, not its values). Each class alone (a local class per anchor, "
         "its own neighbour search and rank check included; a layer-wide class per layer), then the local "
         "classes in one call as the fit stage makes it (per anchor); the neighbour search alone at 64 anchors;",
-        f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's three patched copies (the "
-        "fit, a random and an other-token null patch) in one `patch_kl_anchors` call, suffix patching "
-        "(blocks l+1.. only); cost per patched copy of "
+        f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's patched copies (the fit, "
+        f"run to the sequence's end, and its nulls, which stop at the anchor: {NULL_DIRECTIONS} random directions "
+        "and another anchor's residual) in one `patch_kl_anchors` call, suffix patching (blocks l+1.. only); "
+        "cost per patched copy (the study's mix of the two kinds) of "
         f"{size.seq_len} tokens at the middle layer. The clean pass (one per sequence) is included: here 2 "
         "sequences for the copies, in the study 128 for thousands of copies per layer, so the figure is high "
         "by up to ~20%.",
