@@ -1,9 +1,11 @@
 """`lmgeo external`: what the external models of `analysis.external_models` are right now, for DVC.
 
-DVC cannot list a params-dependent set of folders as deps, so this small stage runs on every `dvc repro`
-(`always_changed`) and writes `data/external.json`: each model's id, revision and a digest of its local
-files. The file changes only when a model does, and `extract` depends on it, so DVC reruns the analysis
-exactly when an external model changed. No torch, no Ray: files are hashed once and remembered by
+DVC cannot list a params-dependent set of folders as deps, so this small stage depends on the folder local
+external models live in, `models/` (and on `analysis.external_models`), and writes `data/external.json`:
+each model's id, revision and a digest of its local files. The file changes only when an analysed model
+does, and `extract` depends on it, so DVC reruns the analysis exactly when an external model changed (and a
+second `dvc repro` with nothing changed runs nothing). A model outside the workspace
+(`security.allow_outside_paths`) is not watched: `dvc repro -f external` after changing it. No torch, no Ray: files are hashed once and remembered by
 (path, inode, size, mtime) within the process.
 """
 

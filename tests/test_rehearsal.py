@@ -1,4 +1,4 @@
-"""The seed-scale rehearsal (`lmgeo rehearse`, `docs/scale.md`): its slice runs on a tiny configuration, and
+"""The paper-scale rehearsal (`lmgeo rehearse`, `docs/scale.md`): its slice runs on a tiny configuration, and
 its extrapolation scales what was measured as it says. The measurements themselves are not tested."""
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypa
     local = {fn for fn in FIT_CLASSES.names() if FIT_CLASSES[fn].local}
     assert set(measured.fit_s_per_anchor) == local
     assert set(measured.fit_s_per_layer) == set(FIT_CLASSES.names()) - local
-    # one anchor per partition (a class, or a local class's layer-wide fit) unless not identified, three copies
-    assert 0 < measured.perturb_copies <= (len(FIT_CLASSES.names()) + len(local)) * 3
-    assert measured.perturb_copies % 3 == 0
+    # one anchor per partition (a class, or a local class's layer-wide fit) unless not identified, with its
+    # fit copy, NULL_DIRECTIONS random-direction copies and (with another anchor patched) the other-anchor copy
+    per_anchor = 1 + rehearsal.NULL_DIRECTIONS
+    assert 0 < measured.perturb_copies <= (len(FIT_CLASSES.names()) + len(local)) * (per_anchor + 1)
+    assert measured.perturb_copies >= per_anchor
     assert min(measured.extract_s_per_token, measured.fit_local_s_per_anchor, measured.perturb_s_per_copy) > 0
 
 
@@ -40,7 +42,8 @@ def _measured(**changes) -> Measured:
 
 
 STUDY = Study(
-    ("distilbert/distilgpt2", "someone/unknown"), eval_sequences=8, seq_len=64, anchors=10, k=768, samples=3, classes=6
+    ("distilbert/distilgpt2", "someone/unknown"), eval_sequences=8, seq_len=64, anchors=10, k=768, samples=3, classes=6,
+    copies=10,
 )
 
 

@@ -1,12 +1,12 @@
-"""A seed-scale rehearsal of Study A (`lmgeo rehearse`, `docs/scale.md`): the seed's model configurations
+"""A paper-scale rehearsal of Study A (`lmgeo rehearse`, `docs/scale.md`): the Study A paper's model configurations
 with random weights (built from their published hyper-parameters; nothing is downloaded), run through
 extract → fit → perturb on a slice, with the time per unit of work and the peak resident memory of each
-step, and the cost of the seed's full analysis extrapolated from them.
+step, and the cost of the paper's full analysis extrapolated from them.
 
 The slice runs the library code the stages run (`extract_batches`, `fit_layer`, `null_patches`,
 `patch_kl_anchors`) on one model at a time: a few sequences, the middle layer's transition, a few anchors,
 every class. `k` is the width `d`, the smallest that identifies every local class (`needs_rank`), so the
-fits cost what the seed's own fits will. When the extracted tokens are fewer than the `k + 1` a neighbourhood
+fits cost what the paper's own fits will. When the extracted tokens are fewer than the `k + 1` a neighbourhood
 needs, the pool is topped up with extracted rows plus Gaussian noise of each coordinate's spread (less
 noise leaves the Procrustes cross-covariance of a neighbourhood of near-copies rank-deficient, so the
 orthogonal fits would be degenerate and not patched): the fits' cost depends on the pool's size, `k` and
@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 GIB = 2**30
+NULL_DIRECTIONS = 8  # random-direction null copies per anchor, as the default study (`analysis.null_directions`)
 
 
 def _pythia_1_4b():
@@ -73,7 +74,7 @@ class Slice:
     # larger width (4 at d = 768, 3 at 1024, 1 at 2048), to keep the rehearsal to minutes.
     anchor_budget: float = 4e9
     max_anchors: int = 4
-    perturb_anchors: int = 1  # of those, patched per class (each three copies: the fit and two nulls)
+    perturb_anchors: int = 1  # of those, patched per class (each with its null copies, as the stage)
 
     def anchors(self, d: int) -> int:
         return max(1, min(self.max_anchors, int(self.anchor_budget / d**3)))
@@ -220,8 +221,9 @@ def _perturb(
     measured: Measured, model, tokens: np.ndarray, layer: int, y: np.ndarray, tables: dict[str, Any], size: Slice,
     seed: int,
 ) -> None:
-    """The perturb stage's patched copies for `perturb_anchors` anchors of every class (the fit and two
-    null patches each), in one call as the stage makes it; seconds per patched copy."""
+    """The perturb stage's patched copies for `perturb_anchors` anchors of every class (the fit, run to the
+    sequence's end, and the nulls, which stop at their anchor: `NULL_DIRECTIONS` random directions and another
+    anchor's residual), in one call as the stage makes it; seconds per patched copy, the mix as in the study."""
     from pipeline.study_a.nulls import null_patches
     from pipeline.study_a.patching import patch_kl_anchors
 
@@ -231,11 +233,18 @@ def _perturb(
     for table in tables.values():
         fits = table.slice(0, size.perturb_anchors)
         rows, pos = fits["seq_id"].to_numpy(), fits["pos"].to_numpy()
-        patches = null_patches(fits["patched"], clean[rows, pos], rng)
-        parts += [(rows[patches.valid], pos[patches.valid], v) for v in (patches.real, patches.random, patches.other)]
-    rows, pos, vectors = (np.concatenate(p) for p in zip(*parts, strict=True))
+        patches = null_patches(fits["patched"], clean[rows, pos], rng, NULL_DIRECTIONS)
+        rows, pos = rows[patches.valid], pos[patches.valid]
+        parts.append((rows, pos, patches.real, True))
+        randoms = patches.random.reshape(-1, patches.random.shape[-1])
+        parts.append((np.repeat(rows, NULL_DIRECTIONS), np.repeat(pos, NULL_DIRECTIONS), randoms, False))
+        if patches.other is not None:
+            parts.append((rows, pos, patches.other, False))
+    rows, pos, vectors = (np.concatenate([p[i] for p in parts]) for i in range(3))
+    to_end = np.concatenate([np.full(len(p[0]), p[3]) for p in parts])
     _, seconds, peak = _timed(
-        lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size)
+        lambda: patch_kl_anchors(model, tokens, rows, pos, layer, vectors.astype(np.float32), size.batch_size,
+                                 to_end=to_end)  # fmt: skip
     )
     measured.perturb_s_per_copy, measured.perturb_copies = seconds / len(rows), len(rows)
     measured.perturb_peak_gib = peak
@@ -276,7 +285,7 @@ def _distilgpt2():
     return GPT2Config(n_layer=6)
 
 
-# The seed's own study (`presets/seed.yaml`): each model's published hyper-parameters, and the rehearsed
+# The Study A paper's own study (`presets/seed.yaml`): each model's published hyper-parameters, and the rehearsed
 # configuration whose measured costs it is scaled from.
 SEED_STUDY: dict[str, tuple[Callable[[], Any], str]] = {
     "EleutherAI/pythia-70m": (lambda: _neox(512, 6, 8), "pythia-1.4b"),
@@ -300,14 +309,14 @@ class Study:
     k: int
     samples: int  # the real pairs and the null samples
     classes: int
-    copies: int = 3  # patched copies per anchor and class: the fit and two null patches
+    copies: int  # patched copies per anchor and class: the fit and its null patches
 
     @classmethod
     def of(cls, params: Any) -> Study:
         a = params.analysis
         return cls(
             tuple(m.id for m in a.external_models), a.eval_sequences, params.prepare.seq_len, a.anchors, a.k,
-            1 + len(a.nulls), len(a.classes),
+            1 + len(a.nulls), len(a.classes), 2 + a.null_directions,
         )  # fmt: skip
 
 
@@ -335,7 +344,7 @@ def _shape(config) -> dict[str, float]:
 
 
 def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict[str, Any]]:
-    """Each seed model's cost, in core-seconds of this machine and in hours of one GPU node, scaled from
+    """Each of the paper's models' cost, in core-seconds of this machine and in hours of one GPU node, scaled from
     the rehearsed configuration of its kind: extraction and patching by forward FLOPs (and tokens per copy),
     the local classes' fits per anchor by `k·d² + d³` (products with the neighbourhood and d × d
     factorisations), the layer-wide ones per layer by `pool·d² + d³`, a neighbour search per anchor by pool × d."""
@@ -419,9 +428,9 @@ _FINDINGS = (
     "neighbours are searched once per (model, layer) for every class.",
     "- **Still growing with the pool**: a fit task holds its layer's pool (h_l and h_{l+1} in float64, and the "
     "two null samples': about 4 × pool × d × 8 B, 4.3 GB at 65,536 tokens × d 2048), and a perturb task "
-    "reads layer l+1 whole (pool × d float32). Both fit a GPU node at the seed's sizes; `analysis.pool_size` "
+    "reads layer l+1 whole (pool × d float32). Both fit a GPU node at the paper's sizes; `analysis.pool_size` "
     "caps the pool when they would not. At k = d the fits cost O(k·d² + d³) per anchor and class, which makes "
-    "them most of the seed's cost; the MLP (300 Adam steps on the neighbourhood) and the two d × d "
+    "them most of the paper's cost; the MLP (300 Adam steps on the neighbourhood) and the two d × d "
     "factorisations (orthogonal, lowrank) dominate.",
     "",
 )
@@ -434,7 +443,7 @@ def render_markdown(
     layer_wide = list(results[0].fit_s_per_layer) if results else []
     rows = extrapolate(results, study, node)
     lines = [
-        "# Seed-scale rehearsal: what Study A costs at the seed's sizes",
+        "# Paper-scale rehearsal: what Study A costs at the Study A paper's sizes",
         "",
         f"Generated by `{command}` (`tools/rehearsal.py`); do not edit by hand. Measured on "
         f"{machine.get('cpu')} ({machine.get('logical_cores')} logical cores, {machine.get('memory_gib')} GiB; "
@@ -444,7 +453,7 @@ def render_markdown(
         "",
         "## What ran",
         "",
-        "The seed's configurations with random weights, built from their published hyper-parameters (nothing "
+        "The Study A paper's configurations with random weights, built from their published hyper-parameters (nothing "
         "is downloaded): Pythia-1.4B (GPT-NeoX, 24 blocks, d 2048, vocabulary 50,304), Mamba-370M (48 blocks, "
         "d 1024) and GPT-2 small (12 blocks, d 768). Each is verified (`pipeline/study_a/verify.py`), then the "
         "library code of the three stages runs on a slice:",
@@ -459,9 +468,10 @@ def render_markdown(
         "cost depends on the pool's size, k and d, not its values). Each class alone (a local class per anchor, "
         "its own neighbour search and rank check included; a layer-wide class per layer), then the local "
         "classes in one call as the fit stage makes it (per anchor); the neighbour search alone at 64 anchors;",
-        f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's three patched copies (the "
-        "fit, a random and an other-token null patch) in one `patch_kl_anchors` call, suffix patching "
-        "(blocks l+1.. only); cost per patched copy of "
+        f"- **perturb**: for {size.perturb_anchors} anchor(s) per class, the stage's patched copies (the fit, "
+        f"run to the sequence's end, and its nulls, which stop at the anchor: {NULL_DIRECTIONS} random directions "
+        "and another anchor's residual) in one `patch_kl_anchors` call, suffix patching (blocks l+1.. only); "
+        "cost per patched copy (the study's mix of the two kinds) of "
         f"{size.seq_len} tokens at the middle layer. The clean pass (one per sequence) is included: here 2 "
         "sequences for the copies, in the study 128 for thousands of copies per layer, so the figure is high "
         "by up to ~20%.",
@@ -498,7 +508,7 @@ def render_markdown(
             for r in results
         ),
         "",
-        "## The seed's full analysis, extrapolated",
+        "## The paper's full analysis, extrapolated",
         "",
         f"Sizes (the preset's): {study.eval_sequences} sequences × {study.seq_len} tokens per model (the "
         f"pool: {study.eval_sequences * study.seq_len:,} tokens per layer), {study.anchors} anchors per layer, "

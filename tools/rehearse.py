@@ -1,4 +1,4 @@
-"""`lmgeo rehearse`: the seed-scale rehearsal of Study A (`tools/rehearsal.py`), written to
+"""`lmgeo rehearse`: the paper-scale rehearsal of Study A (`tools/rehearsal.py`), written to
 `docs/scale.md` (and the raw measurements beside it as JSON). Not a DVC stage."""
 
 from __future__ import annotations

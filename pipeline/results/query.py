@@ -67,12 +67,14 @@ DATASETS: dict[str, tuple[Dataset, bool]] = {
 }
 # The revision name DVC gives the working tree (`dvc exp show`, `dvc metrics diff`): read in place.
 WORKSPACE = "workspace"
-# A trained model's table id, `<arch>-<recipe>-s<seed>[-matched]@<checkpoint>`: RE2 groups 1 (arch), 3 (seed), 5
-# (checkpoint) become columns of every table and view with a `model` column; NULL for an external model.
+# A trained model's table id, `<run>@<checkpoint>`: the run id's groups 1 (arch) and 3 (seed) and the checkpoint
+# (the group after the run id's) become columns of every table and view with a `model` column; NULL for an
+# external model.
 _MODEL_ID = f"{RUN_ID_PATTERN.removesuffix('$')}@({'|'.join(CHECKPOINTS)})$"
+_CHECKPOINT_GROUP = re.compile(RUN_ID_PATTERN).groups + 1
 MODEL_PARTS = {"arch": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', 1), '')",
                "seed": f"TRY_CAST(regexp_extract(model, '{_MODEL_ID}', 3) AS INTEGER)",
-               "checkpoint": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', 5), '')"}  # fmt: skip
+               "checkpoint": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', {_CHECKPOINT_GROUP}), '')"}  # fmt: skip
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
