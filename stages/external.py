@@ -5,8 +5,8 @@ external models live in, `models/` (and on `analysis.external_models`), and writ
 each model's id, revision and a digest of its local files. The file changes only when an analysed model
 does, and `extract` depends on it, so DVC reruns the analysis exactly when an external model changed (and a
 second `dvc repro` with nothing changed runs nothing). A model outside the workspace
-(`security.allow_outside_paths`) is not watched: `dvc repro -f external` after changing it. No torch, no Ray: files are hashed once and remembered by
-(path, inode, size, mtime) within the process.
+(`security.allow_outside_paths`) is not watched: `dvc repro -f external` after changing it. No torch, no
+Ray: files are hashed once and remembered by (path, inode, size, mtime) within the process.
 """
 
 from __future__ import annotations
