@@ -1,12 +1,15 @@
 """`lmgeo analyse MODEL_DIR`: Study A on one local model folder of a verified family that lmgeo does not train
-(Llama), end to end in a subprocess, and each bad input refused before any stage runs."""
+(Llama), end to end in a subprocess — the README's command as written — and each bad input refused before any
+stage runs."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import pytest
 from reliability_helpers import lmgeo, preset_overrides, write_params
+from test_e2e import readme_commands
 from test_integrity import fails
 
 from pipeline.core.errors import InputError
@@ -50,18 +53,23 @@ def save_model(path: Path, model_type: str = "llama", width: int = 32, with_toke
 
 @pytest.fixture(scope="module")
 def analysed(tmp_path_factory) -> tuple[Path, str]:
+    """The README's `lmgeo analyse` line as written, on a tiny Llama saved where it says (the tiny preset's
+    analysis in the folder's params.yaml)."""
+    (line,) = readme_commands("lmgeo analyse")
+    command, subcommand, model, option, out = shlex.split(line)
+    assert (command, subcommand, option) == ("lmgeo", "analyse", "--out"), line
     root = tmp_path_factory.mktemp("analyse")
-    model = save_model(root / "my-llama")
+    save_model(root / model)
     write_params(root, TINY)
-    done = lmgeo(root, "analyse", str(model), "--out", "result")
-    return root / "result", done.stdout
+    done = lmgeo(root, subcommand, model, option, out)
+    return root / out, done.stdout
 
 
 def test_analyse_runs_study_a_on_a_llama_folder_and_writes_its_own_report(analysed):
     out, stdout = analysed
     assert "analyse: [1/5] prepare" in stdout and "analyse: [5/5] tables and report" in stdout, stdout
     text = (out / "report.md").read_text()
-    assert "## Study A: layer-update geometry" in text and "my-llama" in text
+    assert "## Study A: layer-update geometry" in text and "my-model" in text
     assert "Study B" not in text  # one model, Study A only
     assert "trained" not in text.replace("untrained", "")  # an external model: no "trained" and no init row
     assert (out / "report.html").is_file() and list((out / "figures").glob("*.png"))
@@ -72,7 +80,7 @@ def test_the_analysis_is_queryable_in_its_workspace(analysed):
     out, _ = analysed
     done = lmgeo(out, "query", "SELECT DISTINCT model FROM geometry", "--format", "csv")
     models = done.stdout.splitlines()[1:]
-    assert len(models) == 1 and models[0].endswith("my-llama"), done.stdout
+    assert len(models) == 1 and models[0].endswith("my-model"), done.stdout
 
 
 def test_a_folder_that_is_not_a_model_is_one_error_line(tmp_path):

@@ -24,6 +24,7 @@ from pipeline.study_b.recipes import RECIPES
 from tools.bench.fits import compare_with_reference
 from tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
 from tools.bench.recipe_costs import COSTS, newton_schulz_flops
+from tools.bench.sizes import fit_bench_classes
 from tools.bench.synthetic import synthetic_states
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
 def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     report = json.loads((quick_bench / "bench.json").read_text())
     agreement = [r for r in report["ratios"] if "max |fit_layer − reference|" in r["name"]]
-    assert len(agreement) == 3 and all(r["passed"] for r in agreement)  # same numbers to 1e-4
+    assert len(agreement) == len(fit_bench_classes()) and all(r["passed"] for r in agreement)  # to 1e-4
     assert report["fanout"]["same_outputs"] is True
     assert all(run["same_neighbours"] == 1.0 for run in report["knn_vs_faiss"]["runs"])
     assert report["patching"]["max_relative_kl_difference"] <= 1e-3

@@ -205,7 +205,7 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     from pipeline.params import Params
     from stages.analysis_set import external_model
     from stages.layout import Layout
-    from stages.opening import open_model
+    from stages.opening import model_input, open_model
     from tools.families import extract_and_check, patch_and_check
     from tools.rehearsal import SEED_STUDY
 
@@ -215,7 +215,7 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     save_tiny_model(config, tmp_path / "models" / hub_id.split("/")[1], seed=0)
     layout, params = Layout(tmp_path), Params()
     model = external_model(params, layout, f"./models/{hub_id.split('/')[1]}", None)
-    net, _device = open_model(layout, params, model)
+    net, _device = open_model(params, model, model_input(layout, params, model).read())  # as a task gets it
     states = extract_and_check(net, config.num_hidden_layers, config.hidden_size)
     patch_and_check(net, states)
 
