@@ -15,7 +15,7 @@ from pipeline.study_a.classes.lowrank import fit_lowrank
 from pipeline.study_a.classes.orthogonal import fit_orthogonal
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.fits import Fitted, _identified
-from pipeline.study_a.identification import U32, gram_eigen, identify
+from pipeline.study_a.identification import U32, NeighbourhoodGram, identify
 from pipeline.study_a.reference import identification
 
 
@@ -39,7 +39,7 @@ def test_rank_and_span_match_numpys_svd(k, d):
     cases = [(rank, inside) for rank in range(1, min(k, d) + 1) for inside in (True, False)]
     xn, x_a = (np.stack(v) for v in zip(*(planted(rng, k, d, r, i) for r, i in cases), strict=True))
     xt, at = torch.from_numpy(xn), torch.from_numpy(x_a)
-    got = identify(xt, at, gram_eigen(xt))
+    got = identify(xt, at, NeighbourhoodGram(xt))
     want = [identification(m, v) for m, v in zip(xn, x_a, strict=True)]
     assert got.input_rank.tolist() == [r for r, _ in want] == [r for r, _ in cases]
     assert got.in_span.tolist() == [s for _, s in want]
@@ -47,9 +47,29 @@ def test_rank_and_span_match_numpys_svd(k, d):
     assert got.in_span.tolist() == [inside or rank == d for rank, inside in cases]
 
 
+
+def test_identification_does_not_depend_on_what_is_decomposed_with_it():
+    """The span test decomposes only the neighbourhoods that lack full rank, one matrix at a time in LAPACK:
+    the same answer for each anchor alone, all together, and after a class has asked for every
+    eigendecomposition (`lowrank` does, after identification)."""
+    rng = np.random.default_rng(9)
+    cases = [planted(rng, 14, 8, rank, inside) for rank in (8, 5, 3, 8) for inside in (True, False)]
+    xt, at = (torch.from_numpy(np.stack(v)) for v in zip(*cases, strict=True))
+    together = identify(xt, at, NeighbourhoodGram(xt))
+    decomposed = NeighbourhoodGram(xt)
+    decomposed.eigen()
+    after_eigen = identify(xt, at, decomposed)
+    alone = [identify(xt[i : i + 1], at[i : i + 1], NeighbourhoodGram(xt[i : i + 1])) for i in range(len(cases))]
+    assert after_eigen.input_rank.tolist() == together.input_rank.tolist()
+    assert after_eigen.in_span.tolist() == together.in_span.tolist()
+    assert [int(a.input_rank) for a in alone] == together.input_rank.tolist() == [8, 8, 5, 5, 3, 3, 8, 8]
+    # full rank (d = 8): every anchor is in the span; deficient: only those planted inside
+    assert [bool(a.in_span) for a in alone] == together.in_span.tolist() == [True, True, True, False,
+                                                                              True, False, True, True]
+
 def refit(fn, xn, yn, x_a, cfg):
     xt, yt, at = (torch.from_numpy(v)[None] for v in (xn, yn, x_a))
-    gram = gram_eigen(xt)
+    gram = NeighbourhoodGram(xt)
     update = FIT_CLASSES[fn].fit(xt, yt, at[0], cfg, FitContext(0, gram))
     fitted = _identified(fn, update, identify(xt, at[0], gram), None)
     return fitted, (at[0] + update.delta_tok)[0].numpy()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 import pytest
-from scipy.stats import spearmanr
+from scipy.stats import rankdata, spearmanr
 
 from pipeline.results.stats import (
+    ranks_of_draws,
+    spearman_of_draws,
     spearman,
     spearman_bootstrap,
     spearman_by_layer,
@@ -43,6 +45,22 @@ def brute_force_bootstrap(x, y, n_boot, ci, seed):
     lo, hi = np.percentile(reps, [100 * (1 - ci) / 2, 100 * (1 + ci) / 2])
     return spearmanr(x, y).statistic, lo, hi, len(reps)
 
+
+
+@pytest.mark.parametrize("n", [3, 11, 400])
+def test_ranks_and_spearman_of_draws_match_scipy_on_each_draw(n):
+    """Counting ranks per draw gives scipy's average ranks exactly (ties in the values and repeated draws);
+    the correlation is scipy's to rounding, NaN exactly where a draw is constant on one side."""
+    rng = np.random.default_rng(n)
+    x = rng.integers(0, 5, n).astype(float)
+    y = rng.normal(size=n)
+    y[: n // 3] = 0.5
+    draws = rng.integers(0, n, size=(300, n))
+    assert np.array_equal(ranks_of_draws(x, draws), rankdata(x[draws], axis=-1))
+    got = spearman_of_draws(x, y, draws)
+    want = np.array([spearmanr(x[d], y[d]).statistic for d in draws])
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=0, atol=1e-12)
 
 def test_bootstrap_matches_a_brute_force_loop():
     rng = np.random.default_rng(2)

@@ -445,6 +445,17 @@ def partition_dir(partition: Mapping[str, str | int]) -> Path:
     return Path(*parts)
 
 
+def _encoding(schema: pa.Schema) -> dict[str, Any]:
+    """Parquet options per column: dictionaries, compression and page statistics for the scalar columns only.
+    Float vectors neither repeat nor compress nor get filtered by value: dictionaries made extraction writes ~8x
+    slower; snappy and statistics took 9% of a shard's write (25.5 → 23.3 ms for 5 layers of 2048 × 256
+    float32) and snappy saved 0.45% of its bytes."""
+    scalars = [f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)]
+    vectors = [f.name for f in schema if f.name not in scalars]
+    return {"use_dictionary": scalars, "write_statistics": scalars,
+            "compression": {**dict.fromkeys(scalars, "snappy"), **dict.fromkeys(vectors, "none")}}
+
+
 def _temporary(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
@@ -500,11 +511,7 @@ class ShardWriter:
             final.parent.mkdir(parents=True, exist_ok=True)
             temp = _temporary(final)
             schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self._metadata})
-            # Dictionary-encoding float vectors only costs: it made extraction writes ~8x slower.
-            scalars = [
-                f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)
-            ]
-            self._open[final] = (temp, pq.ParquetWriter(temp, schema, use_dictionary=scalars))
+            self._open[final] = (temp, pq.ParquetWriter(temp, schema, **_encoding(schema)))
             self._rows[final] = 0
         self._rows[final] += table.num_rows
         while len(self._in_flight) >= self.WRITES_IN_FLIGHT:

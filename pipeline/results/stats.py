@@ -84,7 +84,7 @@ def _replicates(xs: np.ndarray, ys: np.ndarray, n_boot: int, seed: int) -> np.nd
     if xs.size < 3:
         return np.empty(0)
     draws = np.random.default_rng(seed).integers(0, xs.size, size=(n_boot, xs.size))
-    return spearman_rows(xs[draws], ys[draws])
+    return spearman_of_draws(xs, ys, draws)
 
 
 def _correlation(rho: float, replicates: np.ndarray, n: int, ci: float) -> Correlation:
@@ -124,6 +124,35 @@ def spearman_rows(x: np.ndarray, y: np.ndarray) -> np.ndarray:
 
     with _constant_is_nan():
         return np.asarray(pearsonr(rankdata(x, axis=-1), rankdata(y, axis=-1), axis=-1).statistic)
+
+
+def spearman_of_draws(x: np.ndarray, y: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """`spearman_rows(x[draws], y[draws])` for index rows `draws` (B, m) into the (n,) arrays `x`, `y`: the
+    rank correlation of every bootstrap draw (NaN where a draw is constant on one side)."""
+    return _pearson_rows(ranks_of_draws(x, draws), ranks_of_draws(y, draws))
+
+
+def ranks_of_draws(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """`rankdata(values[draws], axis=-1)` (average ranks of ties) without sorting each draw: `values` is
+    ranked once, and a draw's rank of each distinct value is the count of smaller values it drew plus the
+    mean position of its own copies, from per-draw counts (O(B·(m + n)) instead of O(B·m log m); the
+    aggregate spent most of its time sorting bootstrap draws)."""
+    levels, level_of = np.unique(values, return_inverse=True)
+    drawn = level_of.reshape(-1)[draws]  # (B, m) the distinct value each drawn element has, in sorted order
+    n_levels, n_draws = len(levels), drawn.shape[0]
+    offsets = drawn + n_levels * np.arange(n_draws)[:, None]
+    counts = np.bincount(offsets.ravel(), minlength=n_levels * n_draws).reshape(n_draws, n_levels)
+    rank_of_level = np.cumsum(counts, axis=1) - counts + (counts + 1) / 2
+    return np.take_along_axis(rank_of_level, drawn, axis=1)
+
+
+def _pearson_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Pearson's r of each row pair, NaN where a row is constant, clipped to [−1, 1] as scipy does."""
+    a = a - a.mean(axis=-1, keepdims=True)
+    b = b - b.mean(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        r = (a * b).sum(axis=-1) / np.sqrt((a * a).sum(axis=-1) * (b * b).sum(axis=-1))
+    return np.clip(r, -1.0, 1.0)
 
 
 def _as_float(values: ArrayLike) -> np.ndarray:

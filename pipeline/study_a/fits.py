@@ -47,7 +47,7 @@ from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update, as_float64, global_basis, update_metrics
-from pipeline.study_a.identification import Identification, gram_eigen, identify
+from pipeline.study_a.identification import Identification, NeighbourhoodGram, identify
 from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 
 
@@ -259,7 +259,7 @@ def fit_classes(pool: _Pool, classes: list[str], cfg: AnalysisConfig) -> dict[st
     """Every class of `classes` and every local class's layer-wide fit (`partitions`) at the pool's anchors."""
     local = [fn for fn in classes if FIT_CLASSES[fn].local]
     x_a = pool.x[pool.anchors]
-    pool_gram = gram_eigen(pool.x[None])  # shared by the layer-wide fits of the local classes
+    pool_gram = NeighbourhoodGram(pool.x[None])  # shared by the layer-wide fits of the local classes
     fitted = _local_fits(pool, local, cfg) if local else {}
     for fn in classes:
         if not FIT_CLASSES[fn].local:
@@ -281,7 +281,7 @@ _PER_ANCHOR = ("unidentified", "converged")  # `Update` fields a layer-wide fit 
 
 
 def _local_fits(pool: _Pool, local: list[str], cfg: AnalysisConfig) -> dict[str, Fitted]:
-    """The local classes at every anchor, chunk by chunk: each neighbourhood is gathered, its Gram factorised
+    """The local classes at every anchor, chunk by chunk: each neighbourhood is gathered, its Gram formed
     and its identification decided once, for every class."""
     assert pool.neighbours is not None
     updates: dict[str, list[Update]] = {fn: [] for fn in local}
@@ -289,7 +289,7 @@ def _local_fits(pool: _Pool, local: list[str], cfg: AnalysisConfig) -> dict[str,
     for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.shape[1], pool.x.shape[1]):
         index = pool.neighbours[chunk]
         xn, yn, x_a = pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]]
-        gram = gram_eigen(xn)
+        gram = NeighbourhoodGram(xn)
         identifications.append(identify(xn, x_a, gram))
         for fn in local:
             updates[fn].append(FIT_CLASSES[fn].fit(xn, yn, x_a, cfg, FitContext(chunk.start, gram)))

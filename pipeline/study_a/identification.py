@@ -2,10 +2,12 @@
 (`value_identified`) and the map itself (`operator_identified`) are facts of the data, not of a ridge, a
 starting point or the float32 rounding of the stored activations.
 
-Everything here comes from one eigendecomposition per neighbourhood: that of the smaller Gram form of its
-inputs `X` (k × d), `XᵀX` (d × d) when `k > d`, else `XXᵀ` (k × k). It is computed once, shared by every
-class, and handed to the classes that factorise the same Gram anyway (`lowrank`), so that identification
-costs what it guards.
+Everything here comes from the eigenvalues of one Gram matrix per neighbourhood, that of the smaller Gram form
+of its inputs `X` (k × d), `XᵀX` (d × d) when `k > d`, else `XXᵀ` (k × k), computed once and shared by every
+class (`NeighbourhoodGram`). Eigenvectors cost about six times the eigenvalues, so they are computed only where
+something needs them: the span test of an anchor whose neighbours' inputs lack full rank (or, with `k ≤ d`,
+every anchor's), and the classes that factorise the same Gram anyway (`lowrank`, through `eigen()`), so that
+identification costs what it guards.
 
 Cut-offs (each is the float32 rounding of the stored values, nothing tuned):
 - The stored inputs carry a relative rounding `u = 2⁻²⁴` per value, so the matrix the data stand for differs
@@ -42,28 +44,60 @@ class Identification(NamedTuple):
     in_span: Tensor  # (A,) bool
 
 
-def gram_eigen(xn: Tensor) -> GramEigen:
-    """`GramEigen` of the neighbourhoods' inputs `xn` (A, k, d)."""
-    primal = xn.shape[1] > xn.shape[2]
-    gram = xn.mT @ xn if primal else xn @ xn.mT
-    values, vectors = torch.linalg.eigh(gram)
-    return GramEigen(values.clamp_min(0), vectors, primal)
+class NeighbourhoodGram:
+    """The smaller Gram form of the neighbourhoods' inputs `xn` (A, k, d): its eigenvalues (`values`, ascending,
+    clamped at 0) and its eigendecomposition (`eigen()`), each computed on first use and kept."""
+
+    def __init__(self, xn: Tensor) -> None:
+        self.primal = xn.shape[1] > xn.shape[2]
+        self.matrix = xn.mT @ xn if self.primal else xn @ xn.mT
+        self._values: Tensor | None = None
+        self._eigen: GramEigen | None = None
+
+    @property
+    def values(self) -> Tensor:
+        if self._values is None:
+            self._values = torch.linalg.eigvalsh(self.matrix).clamp_min(0)
+        return self._values
+
+    def eigen(self) -> GramEigen:
+        if self._eigen is None:
+            values, vectors = torch.linalg.eigh(self.matrix)
+            self._eigen = GramEigen(values.clamp_min(0), vectors, self.primal)
+        return self._eigen
+
+    def vectors(self, which: Tensor) -> Tensor:
+        """The eigenvectors of the neighbourhoods `which` (a mask), ascending as `values`; each matrix's
+        decomposition is its own, so it does not depend on which others are decomposed with it."""
+        if self._eigen is not None:
+            return self._eigen.vectors[which]
+        return torch.linalg.eigh(self.matrix[which]).eigenvectors
 
 
-def identify(xn: Tensor, x_a: Tensor, eigen: GramEigen) -> Identification:
+def identify(xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram) -> Identification:
     """The input rank of each neighbourhood `xn` (A, k, d) and whether its anchor's input `x_a` (A, d) lies
     in the span of the neighbours' inputs, at the float32 resolution of the stored values."""
-    frobenius_sq = eigen.values.sum(dim=-1, keepdim=True)  # ‖X‖_F²
-    kept = eigen.values > U32**2 * frobenius_sq
+    values = gram.values
+    frobenius_sq = values.sum(dim=-1, keepdim=True)  # ‖X‖_F²
+    kept = values > U32**2 * frobenius_sq
     rank = kept.sum(dim=-1)
-    smallest_kept = eigen.values.where(kept, torch.inf).amin(dim=-1)  # σ_r² (inf when r = 0)
+    smallest_kept = values.where(kept, torch.inf).amin(dim=-1)  # σ_r² (inf when r = 0)
     x_sq = x_a.square().sum(dim=-1)
-    if eigen.primal:  # the component along the dropped right singular vectors, measured directly
-        along = (eigen.vectors.mT @ x_a[..., None])[..., 0].square()
-        outside_sq = along.where(~kept, 0.0).sum(dim=-1)
+    if gram.primal:  # the component along the dropped right singular vectors: none where every one is kept
+        outside_sq = x_sq.new_zeros(x_sq.shape)
+        deficient = ~kept.all(dim=-1)  # per neighbourhood
+        if deficient.any():
+            per_anchor = deficient.shape == x_sq.shape  # else one neighbourhood (the layer's) for every anchor
+            at, dropped = (x_a[deficient], ~kept[deficient]) if per_anchor else (x_a, ~kept)
+            outside = (gram.vectors(deficient).mT @ at[..., None])[..., 0].square().where(dropped, 0.0).sum(dim=-1)
+            if per_anchor:
+                outside_sq[deficient] = outside
+            else:
+                outside_sq = outside
     else:  # ‖x_a‖² − ‖P_r x_a‖², P_r x_a's coordinates `uᵢᵀ X x_a / σᵢ` on the kept left singular vectors
-        along = (eigen.vectors.mT @ (xn @ x_a[..., None]))[..., 0].square()
-        inside_sq = (along / eigen.values.where(kept, 1.0)).where(kept, 0.0).sum(dim=-1)
+        every = torch.ones_like(rank, dtype=torch.bool)
+        along = (gram.vectors(every).mT @ (xn @ x_a[..., None]))[..., 0].square()
+        inside_sq = (along / values.where(kept, 1.0)).where(kept, 0.0).sum(dim=-1)
         outside_sq = (x_sq - inside_sq).clamp_min(0)
     ratio = (frobenius_sq[..., 0] / smallest_kept).sqrt()  # ‖X‖_F / σ_r (0 when r = 0)
     allowed = U32 * (1 + ratio)
@@ -71,9 +105,9 @@ def identify(xn: Tensor, x_a: Tensor, eigen: GramEigen) -> Identification:
     return Identification(rank, in_span)
 
 
-
-def smallest_singular(eigen: GramEigen, d: int) -> Tensor:
+def smallest_singular(gram: NeighbourhoodGram, d: int) -> Tensor:
     """`σ_d(X)` of each neighbourhood's inputs (A,): zero when it has fewer than `d` rows."""
-    if eigen.values.shape[-1] < d:
-        return eigen.values.new_zeros(eigen.values.shape[:-1])
-    return eigen.values[..., 0].sqrt()
+    values = gram.values
+    if values.shape[-1] < d:
+        return values.new_zeros(values.shape[:-1])
+    return values[..., 0].sqrt()

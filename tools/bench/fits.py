@@ -120,7 +120,7 @@ def identification_share(
     import torch
 
     from pipeline.study_a.fits import anchor_chunks, fit_layer
-    from pipeline.study_a.identification import gram_eigen, identify
+    from pipeline.study_a.identification import NeighbourhoodGram, identify
     from pipeline.study_a.knn import nearest_neighbours
 
     x = torch.from_numpy(x32.astype(np.float64))
@@ -129,7 +129,7 @@ def identification_share(
     def identification() -> None:
         for chunk in anchor_chunks(len(anchors), cfg.k, x.shape[1]):
             xn = x[index[chunk]]
-            identify(xn, x[anchors[chunk]], gram_eigen(xn))
+            identify(xn, x[anchors[chunk]], NeighbourhoodGram(xn))
 
     seq = np.zeros(len(x32), dtype=np.int64)
     classes = list(fit_bench_classes())

@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import parse_run_id
-from pipeline.results.stats import holm, spearman_rows
+from pipeline.results.stats import holm, spearman_of_draws, spearman_rows
 from pipeline.study_a.classes import FIT_CLASSES
 
 MIN_ANCHORS = 10
@@ -60,14 +60,14 @@ def _median_difference(a: str, b: str) -> Statistic:
 
 
 def _spearman(x: str, y: str) -> Statistic:
-    return lambda c, idx: spearman_rows(c[x][idx], c[y][idx])
+    return lambda c, idx: spearman_of_draws(c[x], c[y], idx)
 
 
 def _partial_spearman(x: str, y: str, z: str) -> Statistic:
     """Spearman of x and y with z partialled out: the partial correlation of the ranks."""
 
     def stat(c: Columns, idx: np.ndarray) -> np.ndarray:
-        xy, xz, yz = (spearman_rows(c[a][idx], c[b][idx]) for a, b in ((x, y), (x, z), (y, z)))
+        xy, xz, yz = (spearman_of_draws(c[a], c[b], idx) for a, b in ((x, y), (x, z), (y, z)))
         with np.errstate(invalid="ignore", divide="ignore"):
             return (xy - xz * yz) / np.sqrt((1 - xz**2) * (1 - yz**2))
 
@@ -309,7 +309,7 @@ TRADEOFF = next(c for c in CLAIMS if c.classes == "across")
 # A class's value on drawn anchors (index rows (B, n)) -> (B,): what the trade-off ranks by capacity.
 PARTS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
     "rel_err": lambda rel_err, kl, idx: np.median(rel_err[idx], axis=-1),
-    "spearman": lambda rel_err, kl, idx: spearman_rows(rel_err[idx], kl[idx]),
+    "spearman": lambda rel_err, kl, idx: spearman_of_draws(rel_err, kl, idx),
 }
 
 

@@ -17,18 +17,18 @@ from torch import Tensor
 
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update
-from pipeline.study_a.identification import GramEigen
+from pipeline.study_a.identification import NeighbourhoodGram
 from pipeline.study_a.reference import RefContext
 
 
 class FitContext(NamedTuple):
     """Where a batched fit is in the layer, and what was computed for it already: `first`, the chunk's first
     anchor in the layer (per-anchor randomness, the MLP's start, does not depend on the chunking; 0 for a
-    layer-wide fit); `gram`, the eigendecomposition of the smaller Gram form of the inputs
-    (`pipeline.study_a.identification`), computed once per neighbourhood for identification."""
+    layer-wide fit); `gram`, the smaller Gram form of the inputs
+    (`pipeline.study_a.identification`), whose eigenvalues identification computed once per neighbourhood."""
 
     first: int
-    gram: GramEigen
+    gram: NeighbourhoodGram
 
 
 # (inputs, outputs, at, cfg, context) -> Update. A local class gets its (A, k, d) neighbours and `at` = the

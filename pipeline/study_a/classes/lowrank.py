@@ -4,8 +4,8 @@ stream is representable.
 The rank-`r` `B = UVᵀ` minimises `Σ ‖(y_j − x_j) − B x_j‖² + λ‖B‖²_F`. That is reduced-rank regression
 on the ridge-augmented data `[X, √λI] → [E, 0]`: `B̂ = E Xᵀ(XXᵀ + λI)⁻¹`, `U` = top-`r` left singular
 vectors of the augmented fitted values `B̂[X, √λI]`, `V = B̂ᵀU` (exact for `λ > 0`). Computed through the
-eigendecomposition of the smaller of the Gram matrices `XᵀX` (`k × k`) and `XXᵀ` (`d × d`) that
-identification computed for the neighbourhood already (`pipeline.study_a.identification`)."""
+eigendecomposition of the smaller of the Gram matrices `XᵀX` (`k × k`) and `XXᵀ` (`d × d`), whose
+eigenvalues identification computed for the neighbourhood already (`pipeline.study_a.identification`)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import Tensor
 from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import Update, ridge_reciprocal, top_left_singular
-from pipeline.study_a.identification import GramEigen, gram_eigen
+from pipeline.study_a.identification import GramEigen, NeighbourhoodGram
 from pipeline.study_a.reference import ridge_lstsq
 
 
@@ -33,12 +33,12 @@ class LowRankFit(NamedTuple):
 
 def fit_lowrank(xn: Tensor, yn: Tensor, rank: int, ridge: float, eigen: GramEigen | None = None) -> LowRankFit:
     """Ridge reduced-rank regression, through the smaller of the two Gram matrices (`k × k` or `d × d`),
-    whose eigendecomposition `eigen` (`gram_eigen(xn)`) is computed here when not given.
+    whose eigendecomposition `eigen` (`NeighbourhoodGram(xn).eigen()`) is computed here when not given.
 
     `fitted` is any matrix with the left singular vectors of `B̂[X, √λI]`, i.e. a square root of
     `B̂(XXᵀ + λI)B̂ᵀ`; `U` is its top `rank`, and `V = B̂ᵀU`.
     """
-    eigen = gram_eigen(xn) if eigen is None else eigen
+    eigen = NeighbourhoodGram(xn).eigen() if eigen is None else eigen
     e = (yn - xn).transpose(1, 2)  # (A, d, k): updates as columns
     x_cols = xn.transpose(1, 2)  # (A, d, k): inputs as columns
     inv = ridge_reciprocal(eigen.values, ridge)
@@ -67,7 +67,7 @@ def _left_singular(m: Tensor, rank: int) -> Tensor:
 
 
 def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
-    return fit_lowrank(xn, yn, cfg.rank, cfg.ridge, context.gram).update(x_a, cfg.p)
+    return fit_lowrank(xn, yn, cfg.rank, cfg.ridge, context.gram.eigen()).update(x_a, cfg.p)
 
 
 def reference(

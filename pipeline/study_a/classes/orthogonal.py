@@ -23,7 +23,7 @@ from torch import Tensor
 from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
 from pipeline.study_a.geometry import F64, Columns, Update, dominant, tied
-from pipeline.study_a.identification import U32, GramEigen, gram_eigen, smallest_singular
+from pipeline.study_a.identification import U32, NeighbourhoodGram, smallest_singular
 
 
 class OrthogonalFit(NamedTuple):
@@ -48,14 +48,14 @@ class OrthogonalFit(NamedTuple):
         return Columns(vectors * dominant(singular, p)[:, None, :], tied(singular, p))
 
 
-def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool, eigen: GramEigen | None = None) -> OrthogonalFit:
-    """The (scaled) Procrustes maps; `eigen` is `gram_eigen(xn)`, computed here when not given."""
-    eigen = gram_eigen(xn) if eigen is None else eigen
+def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool, gram: NeighbourhoodGram | None = None) -> OrthogonalFit:
+    """The (scaled) Procrustes maps; `gram` is `NeighbourhoodGram(xn)`, made here when not given."""
+    gram = NeighbourhoodGram(xn) if gram is None else gram
     cross = yn.transpose(1, 2) @ xn  # Σ y_j x_jᵀ
     svd = torch.linalg.svd(cross)
     rotation = svd.U @ svd.Vh  # polar factor
     energy = (xn * xn).sum(dim=(1, 2))  # ‖X‖_F²
-    smallest = smallest_singular(eigen, xn.shape[2])  # σ_d(X), 0 with fewer than d neighbours
+    smallest = smallest_singular(gram, xn.shape[2])  # σ_d(X), 0 with fewer than d neighbours
     unidentified = (smallest == 0) | (svd.S[:, -1] <= U32 * (yn * yn).sum(dim=(1, 2)).sqrt() * smallest)
     if not with_scale:
         return OrthogonalFit(rotation, xn.new_ones(xn.shape[0]), unidentified)
