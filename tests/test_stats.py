@@ -9,10 +9,10 @@ from scipy.stats import rankdata, spearmanr
 
 from pipeline.results.stats import (
     ranks_of_draws,
-    spearman_of_draws,
     spearman,
     spearman_bootstrap,
     spearman_by_layer,
+    spearman_of_draws,
 )
 
 
