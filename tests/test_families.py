@@ -50,7 +50,7 @@ def test_family_is_saved_loaded_verified_extracted_and_patched(model_type, tmp_p
     its key/value cache."""
     row = check_family(model_type, tmp_path)
     assert row.verified, row.detail
-    assert row.detail.endswith(f"suffix patching {'recompute' if model_type in RECURRENT else 'cached'}"), row.detail
+    assert row.detail.endswith(f"suffix patching {'stepped' if model_type in RECURRENT else 'cached'}"), row.detail
 
 
 def test_the_table_counts_and_groups_what_it_found():
@@ -229,7 +229,8 @@ def test_the_readme_states_the_committed_coverage():
     repo = Path(__file__).resolve().parents[1]
     table = (repo / "docs" / "families.md").read_text()
     verified, total = re.search(r"\*\*(\d+) verified, \d+ refused\*\* of (\d+) model types", table).groups()
-    cached, recompute = table.count("suffix patching cached"), table.count("suffix patching recompute")
+    cached, stepped, recompute = (table.count(f"suffix patching {path}") for path in ("cached", "stepped", "recompute"))
     readme = " ".join((repo / "README.md").read_text().split())
     assert f"{verified} of {total} verified" in readme
-    assert f"(`cached`, {cached})" in readme and f"(`recompute`, {recompute}:" in readme
+    assert f"(`cached`, {cached})" in readme and f"(`stepped`, {stepped}:" in readme
+    assert f"(`recompute`, {recompute}:" in readme

@@ -119,7 +119,8 @@ def test_suffix_patching_equals_the_full_forward(arch, model, tokens, states, la
     for got, want in zip(suffix, full, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
     if mode == "suffix":
-        assert suffix_path(model, layer)[0] == ("recompute" if arch == "mamba" else "cached")
+        # Mamba's state cannot be cut at the anchor; its copies that stop there take one recurrent step instead
+        assert suffix_path(model, layer)[0] == ("stepped" if arch == "mamba" else "cached")
 
 
 def test_a_cache_that_does_not_reproduce_the_full_forward_is_not_used(tokens):
@@ -200,7 +201,7 @@ def test_rejects_an_out_of_range_layer_or_anchor(model, tokens):
 
 def test_each_clean_sequence_runs_once(model, tokens, states):
     """Rows through the embedding = one per patched copy + one per distinct sequence (the clean pass)."""
-    rows, positions = np.array([2, 0, 2, 2, 0, 2, 0]), np.array([5, 1, 0, 9, 15, 3, 7])
+    rows, positions = np.array([2, 0, 2, 2, 0, 2, 0]), np.array([5, 1, 0, 9, 14, 3, 7])  # none at the last
     patch_kl_anchors(model, tokens, rows, positions, 0, states[1][rows, positions], batch_size=3)  # the probe ran
     seen = []
     handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(o.shape[0]))
@@ -248,3 +249,26 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     single = tables["lowrank"].to_pydict()  # one patched anchor: no other anchor to borrow a residual from
     assert single["n_random"] == [8, None] and single["kl_other"] == [None, None]
     assert single["kl"][0] is not None and single["kl"][1] is None and single["kl_random"][1] is None
+
+
+def test_a_recurrent_copy_that_stops_at_its_anchor_takes_one_step(arch, model, tokens, states):
+    """Mamba: the clean sequences run once, a token at a time up to the last anchor (each step all of them),
+    then each copy that stops at its anchor is one token from the clean state before it, with the direct
+    forwards' KL."""
+    if arch != "mamba":
+        pytest.skip("the stepped path is the recurrent families'")
+    rows, positions = np.array([2, 0, 2, 0, 2]), np.array([5, 0, 9, 3, 5])
+    vectors = states[1][rows, positions] + np.random.default_rng(3).normal(0, 1.0, (5, TINY.d_model)).astype(np.float32)
+    to_end = np.zeros(5, dtype=bool)
+    patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=5, to_end=to_end)  # the probe ran
+    seen = []
+    handle = model.get_input_embeddings().register_forward_hook(lambda m, a, o: seen.append(tuple(o.shape[:2])))
+    try:
+        kl, _ = patch_kl_anchors(model, tokens, rows, positions, 0, vectors, batch_size=5, to_end=to_end)
+    finally:
+        handle.remove()
+    assert suffix_path(model, 0)[0] == "stepped"
+    assert seen == [(2, 1)] * 10 + [(1, 1), (4, 1)]  # 2 sequences for positions 0..9; position 0; the rest
+    for i in range(5):
+        np.testing.assert_allclose(kl[i], _direct_kl(model, tokens[rows[i]], 0, positions[i], vectors[i])[0],
+                                   rtol=1e-4, atol=1e-7)  # fmt: skip

@@ -25,6 +25,12 @@ continuation could start at the anchor, and that is seldom faster than the whole
 `suffix` runs as `recompute` does: blocks `l+1..` on every position, the head from the batch's earliest
 anchor on. `full` runs the whole model with a hook on block l's output instead, the straightforward
 reference.
+
+A recurrent family's copies that stop at their anchor (the null copies, nine in ten) need one position only:
+their state before the anchor is the clean one. There `suffix` takes the `stepped` path where the probe
+confirms it: the clean sequences run one token at a time with the family's recurrent cache, its state
+before each anchor is kept, and every such copy is one step of blocks `l+1..` from that state, compared with
+the clean step's distribution (`_stepped_kl`); copies that run to the end are recomputed as above.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from pipeline.models.hooks import block_input, block_output, eval_mode, hooks, m
 from pipeline.models.registry import blocks_of
 from pipeline.study_a.verify import TOLERANCE
 
-Mode = Literal["suffix", "recompute", "full"]
+Mode = Literal["suffix", "recompute", "full"]  # `suffix` may run as `cached`, `stepped` or `recompute`
 # What one more forward costs, in copy-positions of blocks and head (a tiny model's fixed per-forward cost on
 # a CPU; for a large model it is an overestimate, which only merges a few more anchors into one forward).
 FORWARD_COST = 64
@@ -194,6 +200,15 @@ def _patch_kl(
 ) -> tuple[np.ndarray, np.ndarray]:
     """`patch_kl_anchors` on checked arguments, by `path`: `cached`, `recompute` or `full`; copy i's
     forward runs up to position `stops[i]` (exclusive), its `kl_seq` over the positions before it."""
+    if path == "stepped":  # the copies that stop at their anchor by one recurrent step, the others recomputed
+        kl, kl_seq, at_anchor = np.empty(len(rows)), np.empty(len(rows)), stops == positions + 1
+        kl[at_anchor] = kl_seq[at_anchor] = _stepped_kl(
+            model, tokens, rows[at_anchor], positions[at_anchor], layer, vectors[at_anchor], batch_size
+        )
+        rest = ~at_anchor
+        kl[rest], kl_seq[rest] = _patch_kl(model, tokens, rows[rest], positions[rest], stops[rest], layer,
+                                           vectors[rest], batch_size, "recompute")  # fmt: skip
+        return kl, kl_seq
     device = tokens.device
     order = np.lexsort((positions, rows))
     kl, kl_seq = np.empty(len(rows)), np.empty(len(rows))
@@ -267,17 +282,114 @@ def _probe(model: PreTrainedModel, tokens: torch.Tensor, layer: int, vectors: np
     rows, probe_vectors = np.zeros(len(positions), dtype=int), vectors[np.arange(len(positions)) % len(vectors)]
     noise = np.random.default_rng(0).normal(size=probe_vectors.shape)
     probe_vectors = (probe_vectors + noise * np.abs(probe_vectors).mean()).astype(probe_vectors.dtype)
-    stops = np.full(len(positions), seq_len)
+    tolerance = TOLERANCE.get(next(model.parameters()).dtype, 1e-4)
+    to_end = np.full(len(positions), seq_len)
+    cached = _agreement(model, tokens, rows, positions, to_end, layer, probe_vectors, "cached", tolerance)
+    if cached[0]:
+        return "cached", cached[1]
+    # A recurrent state cannot be cut at the anchor; one step from it may still give the copies that stop there.
+    stepped = _agreement(model, tokens, rows, positions, positions + 1, layer, probe_vectors, "stepped", tolerance)
+    return ("stepped", f"{cached[1]}; one recurrent step: {stepped[1]}") if stepped[0] else ("recompute", cached[1])
+
+
+def _agreement(
+    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, stops: np.ndarray,
+    layer: int, vectors: np.ndarray, path: str, tolerance: float,
+) -> tuple[bool, str]:
+    """Whether `path` gives the full forward's KLs for these copies to `tolerance` (relative), and why."""
     try:
-        got = _patch_kl(model, tokens, rows, positions, stops, layer, probe_vectors, 1, "cached")
-    except Exception as err:  # noqa: BLE001 - a family whose cache cannot be cut this way (a recurrent state)
-        return "recompute", f"the cached path failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
-    want = _patch_kl(model, tokens, rows, positions, stops, layer, probe_vectors, 1, "full")
+        got = _patch_kl(model, tokens, rows, positions, stops, layer, vectors, 1, path)
+    except Exception as err:  # noqa: BLE001 - a family whose cache cannot be used this way
+        return False, f"the {path} path failed: {type(err).__name__}: {' '.join(str(err).split())[:200]}"
+    want = _patch_kl(model, tokens, rows, positions, stops, layer, vectors, 1, "full")
     scale = max(float(np.max(want[0])), float(np.max(want[1])), np.finfo(np.float64).tiny)
     error = max(float(np.max(np.abs(g - w))) for g, w in zip(got, want, strict=True)) / scale
-    if error <= TOLERANCE.get(next(model.parameters()).dtype, 1e-4):
-        return "cached", f"the probe's KLs agree with the full forward's to {error:.1e} (relative)"
-    return "recompute", f"the probe's KLs differ from the full forward's by {error:.1e} (relative)"
+    verb = "agree with" if error <= tolerance else "differ from"
+    return error <= tolerance, f"the probe's KLs {verb} the full forward's to {error:.1e} (relative)"
+
+
+def _stepped_kl(
+    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, layer: int,
+    vectors: np.ndarray, batch_size: int,
+) -> np.ndarray:
+    """`kl` of copies that stop at their anchor, for a model with a recurrent cache: block `layer`'s output at
+    the anchor replaced, blocks `layer+1..` and the head run one step from the clean states before the anchor,
+    against the clean step's distribution. Copies at position 0 start from no state, as the clean pass does."""
+    kl = np.empty(len(rows))
+    if not len(rows):
+        return kl
+    states, clean = _clean_steps(model, tokens, rows, positions, layer)
+    order = np.lexsort((positions, rows))
+    for begin in range(0, len(order), batch_size):
+        chunk = order[begin : begin + batch_size]
+        for first in (True, False):  # position 0 (no state yet) and later positions run apart
+            copies = chunk[(positions[chunk] == 0) == first]
+            if not len(copies):
+                continue
+            keys = list(zip(rows[copies].tolist(), positions[copies].tolist(), strict=True))
+            cache = None if first else _cache_of(model, [states[key] for key in keys])
+            step = tokens[torch.as_tensor(rows[copies]), torch.as_tensor(positions[copies])][:, None]
+            patched = torch.as_tensor(vectors[copies], device=tokens.device)[:, None, :]
+            replaced = {**{i: _pass_through for i in range(layer)}, layer: lambda *a, v=patched, **kw: v}
+            with _forwards(replaced, blocks_of(model)):
+                logits = model(input_ids=step, cache=cache, use_cache=cache is not None).logits[:, -1]
+            q = torch.log_softmax(logits.float(), dim=-1)
+            kl[copies] = kl_per_position(torch.stack([clean[key] for key in keys]), q).cpu().numpy()
+    return kl
+
+
+# One cached block's recurrent state: its conv and recurrent states, each by state index.
+_BlockState = tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]
+
+
+def _clean_steps(
+    model: PreTrainedModel, tokens: torch.Tensor, rows: np.ndarray, positions: np.ndarray, layer: int
+) -> tuple[dict[tuple[int, int], list[_BlockState]], dict[tuple[int, int], torch.Tensor]]:
+    """The clean sequences of `rows`, one token at a time with the model's cache: for each (row, position) of
+    an anchor, the states of blocks `layer+1..` before it and the clean log-probabilities at it."""
+    needed = sorted(set(zip(rows.tolist(), positions.tolist(), strict=True)))
+    sequences = sorted({row for row, _ in needed})
+    index_of = {row: i for i, row in enumerate(sequences)}
+    ids = tokens[torch.as_tensor(sequences)]
+    cache, states, clean = None, {}, {}
+    for t in range(max(pos for _, pos in needed) + 1):
+        for row, pos in needed:  # the state after positions 0..t−1 is the one before an anchor at t
+            if pos == t and t > 0:
+                states[(row, pos)] = _block_states(cache, index_of[row], layer)
+        out = model(input_ids=ids[:, t : t + 1], cache=cache, use_cache=True)
+        cache = out.cache if hasattr(out, "cache") else out.cache_params
+        log_probs = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+        for row, pos in needed:
+            if pos == t:
+                clean[(row, pos)] = log_probs[index_of[row]]
+    return states, clean
+
+
+def _block_states(cache: Any, row: int, layer: int) -> list[_BlockState]:
+    """Copies of one sequence's conv and recurrent states in the blocks after `layer`."""
+    return [({i: c[row].clone() for i, c in block.conv_states.items() if c is not None},
+             {i: r[row].clone() for i, r in block.recurrent_states.items() if r is not None})
+            for block in cache.layers[layer + 1 :]]  # fmt: skip
+
+
+def _cache_of(model: PreTrainedModel, per_copy: list[list[_BlockState]]) -> DynamicCache:
+    """A fresh cache holding, row by row, the given copies' states in the blocks after the patched one (the
+    blocks up to it are bypassed, so their entries are never read)."""
+    cache = DynamicCache(config=model.config)
+    first = len(cache.layers) - len(per_copy[0])
+    for offset, block in enumerate(cache.layers[first:]):
+        conv, recurrent = per_copy[0][offset]
+        for which, (kind, states) in enumerate((("conv_states", conv), ("recurrent_states", recurrent))):
+            for i in states:
+                getattr(block, kind)[i] = torch.stack([copy[offset][which][i] for copy in per_copy])
+        for i in conv:
+            block.conv_kernel_size[i] = conv[i].shape[-1]
+            block.is_conv_states_initialized[i] = True
+        for i in recurrent:
+            block.is_recurrent_states_initialized[i] = True
+        for i in {*conv, *recurrent}:
+            block.has_previous_state[i] = True
+    return cache
 
 
 def _written(hidden: torch.Tensor, positions: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
