@@ -251,12 +251,11 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     assert single["kl"][0] is not None and single["kl"][1] is None and single["kl_random"][1] is None
 
 
+@pytest.mark.parametrize("arch", ["mamba"], scope="module")  # the stepped path is the recurrent families'
 def test_a_recurrent_copy_that_stops_at_its_anchor_takes_one_step(arch, model, tokens, states):
     """Mamba: the clean sequences run once, a token at a time up to the last anchor (each step all of them),
     then each copy that stops at its anchor is one token from the clean state before it, with the direct
     forwards' KL."""
-    if arch != "mamba":
-        pytest.skip("the stepped path is the recurrent families'")
     rows, positions = np.array([2, 0, 2, 0, 2]), np.array([5, 0, 9, 3, 5])
     vectors = states[1][rows, positions] + np.random.default_rng(3).normal(0, 1.0, (5, TINY.d_model)).astype(np.float32)
     to_end = np.zeros(5, dtype=bool)
