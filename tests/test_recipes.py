@@ -23,6 +23,7 @@ from pipeline.models.family import GroupRule
 from pipeline.models.registry import FAMILIES, family_of
 from pipeline.study_b import hilbert, lmo, optim
 from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
+from pipeline.study_b.muon import Muon, newton_schulz
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import HeadStepDefault, LMOKnobs
 
@@ -349,13 +350,15 @@ def test_rownorm_step_rows_have_norm_eta_along_the_gradient_rows() -> None:
 
 
 def test_head_momentum_is_muons() -> None:
-    """With Newton–Schulz as the direction, HeadLMO reproduces torch.optim.Muon step for step (Muon's
+    """With Newton–Schulz as the direction, HeadLMO reproduces Muon step for step (Muon's
     own lr scaling √(V/d) folded into η): same EMA, same Nesterov read."""
     gen = torch.Generator().manual_seed(6)
     start = torch.randn(64, 16, generator=gen)
     ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    head = optim.HeadLMO([ours], lambda m, _k, _g: lmo.orthogonalise(m), lr=0.01 * math.sqrt(64 / 16), knobs=KNOBS)
-    muon = torch.optim.Muon([theirs], lr=0.01, weight_decay=0.0)
+    head = optim.HeadLMO(
+        [ours], lambda m, _k, _g: newton_schulz(m).to(m.dtype), lr=0.01 * math.sqrt(64 / 16), knobs=KNOBS
+    )
+    muon = Muon([theirs], lr=0.01, weight_decay=0.0)
     for _ in range(4):
         grad = torch.randn(64, 16, generator=gen)
         ours.grad, theirs.grad = grad.clone(), grad.clone()
@@ -365,13 +368,13 @@ def test_head_momentum_is_muons() -> None:
 
 
 # -------------------------------------------------------------------------- the recipe optimizer
-def test_muon_head_steps_the_head_with_torch_muon() -> None:
+def test_muon_head_steps_the_head_with_muon() -> None:
     cfg = TrainConfig(steps=6, schedule=Schedule(warmup_steps=2, decay="cosine", final_frac=0.2))
     model = neox()
     head = head_of(model)
     reference = torch.nn.Parameter(head.detach().clone())
     lr = RECIPES["muon_head"].default_step.head_lr
-    muon = torch.optim.Muon([reference], lr=lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True)
+    muon = Muon([reference], lr=lr, weight_decay=cfg.weight_decay, momentum=0.95, nesterov=True)
     optimizer = optim.build_optimizers(model, head, "muon_head", cfg)
     batch = fixed_batch()
     for step in range(4):
@@ -502,7 +505,7 @@ def test_only_the_head_differs_between_recipes() -> None:
 
 def test_gpt2_conv1d_matrices_step_like_the_same_matrices_stored_out_in() -> None:
     """torch.optim.Muon's shape scale √max(1, A/B) reads (out, in); GPT-2's Conv1D stores (in, out). Our
-    step on each GPT-2 hidden matrix must equal stock Muon's step on the transposed matrix, transposed back,
+    step on each GPT-2 hidden matrix must equal plain Muon's step on the transposed matrix, transposed back,
     i.e. the step NeoX's equivalent matrix would take. Newton–Schulz commutes with transposition: exactly
     for a non-square matrix (torch transposes it to the same orientation), to its bfloat16 rounding (a few
     percent) for a square one (XXᵀ and XᵀX are rounded differently)."""
@@ -520,7 +523,7 @@ def test_gpt2_conv1d_matrices_step_like_the_same_matrices_stored_out_in() -> Non
     for name, p in hidden.items():
         stored_out_in = torch.nn.Parameter(p.detach().T.clone())
         stored_out_in.grad = p.grad.T.clone()
-        torch.optim.Muon([stored_out_in], lr=cfg.hidden_lr, momentum=0.95, nesterov=True, weight_decay=0.0).step()
+        Muon([stored_out_in], lr=cfg.hidden_lr, momentum=0.95, nesterov=True, weight_decay=0.0).step()
         expected[name] = stored_out_in.detach().T - before[name]
     optimizer.step()
     for name, p in hidden.items():

@@ -454,7 +454,7 @@ def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_
     at_equal_budget = summary[summary.index("**At equal worst-case nats per step**"):]
     assert "at budget 0.1 (gpt2), `hilbert` beats `muon` by 0.1 [" in at_equal_budget
     assert "at budget 0.2 (gpt2), `hilbert` beats `muon`" in at_equal_budget
-    assert "one side only" in at_equal_budget and "`muon` at 0.4" in at_equal_budget
+    assert "one side only" in at_equal_budget and "`muon` at budget 0.4 (gpt2), not `hilbert`" in at_equal_budget
     assert "Envelope (gpt2, each recipe at its best budget on val; `muon` at 0.8" in at_equal_budget
     assert "`hilbert` at budget 0.4 lower by 0.55 [" in at_equal_budget
     assert "`gpt2-muon-s0-cap0.1`" not in text  # the sweep's runs are left to `lmgeo query`

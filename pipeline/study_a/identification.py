@@ -95,8 +95,7 @@ def identify(xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram) -> Identification
             else:
                 outside_sq = outside
     else:  # ‖x_a‖² − ‖P_r x_a‖², P_r x_a's coordinates `uᵢᵀ X x_a / σᵢ` on the kept left singular vectors
-        every = torch.ones_like(rank, dtype=torch.bool)
-        along = (gram.vectors(every).mT @ (xn @ x_a[..., None]))[..., 0].square()
+        along = (gram.eigen().vectors.mT @ (xn @ x_a[..., None]))[..., 0].square()  # kept for `lowrank`
         inside_sq = (along / values.where(kept, 1.0)).where(kept, 0.0).sum(dim=-1)
         outside_sq = (x_sq - inside_sq).clamp_min(0)
     ratio = (frobenius_sq[..., 0] / smallest_kept).sqrt()  # ‖X‖_F / σ_r (0 when r = 0)

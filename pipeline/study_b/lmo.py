@@ -1,7 +1,6 @@
-"""Building blocks of the head LMOs: unit rows, torch's own Newton–Schulz orthogonalisation (the kernel
-torch.optim.Muon runs, so the spectral step is the same code in every recipe; it is private in torch, hence
-pinned in constraints.txt), and the pieces of the equidistance spreading of `hilbert_equi`: nearest-row
-candidates and the projection of unit rows into alignment cones."""
+"""Building blocks of the head LMOs: unit rows, and the pieces of the equidistance spreading of
+`hilbert_equi`: nearest-row candidates and the projection of unit rows into alignment cones. (The spectral
+LMO, Newton–Schulz, is Muon's: `pipeline.study_b.muon`.)"""
 
 from __future__ import annotations
 
@@ -9,14 +8,6 @@ import math
 
 import torch
 from torch import Tensor
-from torch.optim._muon import (
-    DEFAULT_A,
-    DEFAULT_B,
-    DEFAULT_C,
-    DEFAULT_NS_STEPS,
-    EPS,
-    _zeropower_via_newtonschulz,
-)
 
 # Rows of a distance block held at once: memory O(CHUNK_ROWS · bucket size).
 CHUNK_ROWS = 512
@@ -40,11 +31,6 @@ def unit_rows_(m: Tensor) -> Tensor:
 def row_dots(a: Tensor, b: Tensor) -> Tensor:
     """(n, 1) inner products of the rows of `a` and `b`, without an (n, d) temporary (a batched matmul)."""
     return torch.bmm(a[:, None, :], b[:, :, None])[:, 0]
-
-
-def orthogonalise(m: Tensor) -> Tensor:
-    ortho = _zeropower_via_newtonschulz(m, (DEFAULT_A, DEFAULT_B, DEFAULT_C), DEFAULT_NS_STEPS, EPS)
-    return ortho.to(m.dtype)
 
 
 def tangent_rows(u: Tensor, axes: Tensor, dots: Tensor | None = None) -> Tensor:

@@ -1,7 +1,8 @@
 """The optimizers of a Study B run (SPEC §3.2), built from its recipe (`pipeline.study_b.recipes`) and its
 model family's parameter groups (`pipeline.models`).
 
-Every recipe but `adamw` trains the hidden 2-D matrices with `torch.optim.Muon` and embeddings, norms,
+Every recipe but `adamw` trains the hidden 2-D matrices with Muon (`pipeline.study_b.muon`: torch.optim.Muon's
+step, its bf16 Newton–Schulz products computed in float32 on CPU) and embeddings, norms,
 biases (and SSM parameters) with AdamW, so that only the head differs between recipes.
 
 `M` is the head's momentum, an EMA with β = 0.95 read with Nesterov exactly as torch.optim.Muon does
@@ -39,6 +40,7 @@ from pipeline.models.family import GroupRule
 from pipeline.models.registry import family_of
 from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
 from pipeline.study_b.hilbert import center_rows, diam_upper
+from pipeline.study_b.muon import Muon
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.recipes.base import Direction, LMOKnobs
 
@@ -338,7 +340,7 @@ def build_optimizers(
             weight_decay=wd, trust_region=head_step.trust_region,
         )  # fmt: skip
     if spec.hidden == "muon":
-        optimizers["muon"] = torch.optim.Muon(
+        optimizers["muon"] = Muon(
             _non_empty(muon_groups), lr=cfg.hidden_lr, weight_decay=wd, momentum=MOMENTUM, nesterov=True
         )
     optimizers["adamw"] = torch.optim.AdamW(_non_empty(adamw_groups), lr=cfg.adamw_lr, betas=ADAMW_BETAS)
@@ -358,7 +360,7 @@ def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed:
     if spec.head == "adamw":
         return torch.optim.AdamW([head], lr=step.lr, betas=ADAMW_BETAS, weight_decay=cfg.weight_decay)
     if spec.head == "muon":
-        return torch.optim.Muon([head], lr=step.lr, weight_decay=cfg.weight_decay, momentum=MOMENTUM, nesterov=True)
+        return Muon([head], lr=step.lr, weight_decay=cfg.weight_decay, momentum=MOMENTUM, nesterov=True)
     assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
     return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, seed=seed, weight_decay=cfg.weight_decay)
 

@@ -70,22 +70,30 @@ def import_every_module(package: str = "pipeline") -> Outcome:
 
 
 def private_torch_api() -> Outcome:
-    """The names `pipeline.study_b.lmo` takes from `torch.optim._muon`, the signature it calls them with,
-    and `torch.optim.Muon` with the arguments `pipeline.study_b.optim` passes."""
+    """The private names `pipeline.study_b.muon` takes from `torch.optim._muon`, and its Muon against
+    torch.optim.Muon on this device, with the arguments `pipeline.study_b.optim` passes."""
     import torch
+    from torch.optim._muon import _adjust_lr
 
-    from pipeline.study_b import lmo
+    from pipeline.study_b.muon import Muon, newton_schulz
 
-    signature = str(inspect.signature(lmo._zeropower_via_newtonschulz))
-    ortho = lmo.orthogonalise(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)))
-    singular = torch.linalg.svdvals(ortho.float())
-    param = torch.nn.Parameter(torch.randn(8, 4))
-    param.grad = torch.randn(8, 4)
-    torch.optim.Muon([param], lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True).step()
-    held = bool(singular.max() < 1.5 and singular.min() > 0.3)  # NS gives singular values near 1, not exactly
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    signature = str(inspect.signature(_adjust_lr))
+    ortho = newton_schulz(torch.randn(16, 8, generator=torch.Generator().manual_seed(0)).to(device))
+    singular = torch.linalg.svdvals(ortho.float()).cpu()
+    start = torch.randn(8, 4, generator=torch.Generator().manual_seed(1)).to(device)
+    grad = torch.randn(8, 4, generator=torch.Generator().manual_seed(2)).to(device)
+    stepped = []
+    for optimizer in (Muon, torch.optim.Muon):
+        param = torch.nn.Parameter(start.clone())
+        param.grad = grad.clone()
+        optimizer([param], lr=0.02, weight_decay=0.0, momentum=0.95, nesterov=True).step()
+        stepped.append(param.detach() - start)
+    gap = float((stepped[0] - stepped[1]).norm() / stepped[1].norm())
+    held = bool(singular.max() < 1.5 and singular.min() > 0.3 and gap < 2e-2)  # NS: singular values near 1
     return Outcome(
-        f"torch.optim._muon._zeropower_via_newtonschulz{signature}: called as lmo does, singular values "
-        f"{singular.min():.2f}–{singular.max():.2f}; torch.optim.Muon steps",
-        {"signature": signature, "singular_values": singular.tolist()},
+        f"torch.optim._muon._adjust_lr{signature}; newton_schulz's singular values "
+        f"{singular.min():.2f}–{singular.max():.2f}; Muon's step within {gap:.1e} of torch.optim.Muon's on {device}",
+        {"signature": signature, "singular_values": singular.tolist(), "step_gap": gap},
         held,
     )

@@ -109,7 +109,7 @@ class Item:
 def items(sizes: Sizes, device: torch.device) -> list[Item]:
     plan = [
         Item("environment", "every library module imports", compat.import_every_module),
-        Item("environment", "private torch API of the head LMOs", compat.private_torch_api),
+        Item("environment", "private torch API of Muon", compat.private_torch_api),
         Item("environment", "GPU tests (pytest -m gpu)", gpu_tests),
     ]
     for shape, families in sizes.study_a:

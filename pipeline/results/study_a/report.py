@@ -54,7 +54,7 @@ def _verdict_in_words(c: ClaimSummary) -> str:
     if len(set(c.verdicts.values())) == 1:
         return c.verdict
     supporting = sum(v == SUPPORTED for v in c.verdicts.values())
-    return f"mixed: {supporting or 'no'} of {len(c.verdicts)} classes"
+    return f"mixed: {supporting} of {len(c.verdicts)} classes support it"
 
 
 def finding(claims: list[ClaimSummary]) -> str | None:

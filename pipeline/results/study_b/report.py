@@ -253,7 +253,8 @@ def sweep_summary(recipes: list[Row], envelope: list[Row]) -> str:
     reference = baseline().name
     capped = [r for r in recipes if r["head_budget_tau"] is not None]
     muon_binds = {(r["arch"], r["head_budget_tau"]): bool(r["cap_binds"]) for r in capped if r["recipe"] == reference}
-    both, one_side = [], []
+    both: list[str] = []
+    one_side: dict[str, list[str]] = {}  # "`binding` at tau (arch)" -> the recipes it binds against
     for r in (r for r in capped if r["recipe"] != reference and r["diff_vs_muon"] is not None):
         other = muon_binds.get((r["arch"], r["head_budget_tau"]), False)
         where = f"at budget {num(r['head_budget_tau'])} ({r['arch']})"
@@ -262,12 +263,13 @@ def sweep_summary(recipes: list[Row], envelope: list[Row]) -> str:
             both.append(f"{where}, `{r['recipe']}` {verb} `{reference}` by "
                         f"{interval(abs(r['diff_vs_muon']), *_abs_interval(r))} nats")  # fmt: skip
         elif bool(r["cap_binds"]) != other:
-            one_side.append(f"`{r['recipe'] if r['cap_binds'] else reference}` at {num(r['head_budget_tau'])}")
+            binding, free = (r["recipe"], reference) if r["cap_binds"] else (reference, r["recipe"])
+            one_side.setdefault(f"`{binding}` {where}", []).append(f"`{free}`")
     lines = ["- Where the cap binds for both sides: " + ("; ".join(both) + "." if both else
              f"no recipe is resolved from `{reference}` at any budget with these seeds.")]  # fmt: skip
     if one_side:
         lines.append("- The cap binds for one side only (the comparison then mixes step size and direction): "
-                     + ", ".join(one_side) + ".")  # fmt: skip
+                     + "; ".join(f"{side}, not {', '.join(free)}" for side, free in one_side.items()) + ".")
     lines += [line for arch in sorted({r["arch"] for r in envelope}) if (line := _envelope_sentence(envelope, arch))]
     return "\n".join(lines) + "\n"
 
