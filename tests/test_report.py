@@ -411,7 +411,7 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
         "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 3 head recipes reach a lower test loss than "
         "`muon`, none a higher one, and 2 (`adamw`, `hilbert_equi`) cannot be told apart from it with these seeds.")
     protocol = section(text, "### Protocol")
-    assert "3 seeds (0, 1, 2) per recipe" in protocol and "the matched-budget sweep at the end" in protocol
+    assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol and "the matched-budget sweep at the end" in protocol
     assert "No record of the head step-size sweep" in protocol
     runs = next(line for line in protocol.splitlines() if line.startswith("- **Runs.**"))
     assert "diverged (left out of the means): `gpt2-sign-s0` (step 7)" in runs and "`gpt2-rownorm-s0`" in runs

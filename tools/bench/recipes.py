@@ -58,6 +58,7 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         if not bars[-1].passed:
             profile[bars[-1].name] = profile_top(cases[name])
     head_steps = head_step_times(size, train)
+    head_steps["pairs"] |= muon_vs_torch(size, train)
     bars += head_steps.pop("bars")
     reference = baseline().name
     return {
@@ -72,6 +73,34 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         "bars": bars,
         "profile": profile,
     }
+
+
+def muon_vs_torch(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
+    """`pipeline.study_b.muon.Muon` against `torch.optim.Muon` (its bf16 Newton–Schulz GEMMs, a reference
+    loop on CPU under the AVX2 pin), stepping the same (vocab, d_model) head, interleaved A B B A."""
+    import torch
+
+    from pipeline.study_b.muon import Muon
+    from pipeline.study_b.optim import MOMENTUM
+
+    gen = torch.Generator().manual_seed(8)
+    shape = (size.vocab, size.d_model)
+    weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
+
+    def stepper(optimizer_class: type[torch.optim.Optimizer]) -> Any:
+        head = torch.nn.Parameter(weight.clone())
+        optimizer = optimizer_class([head], lr=0.03, weight_decay=train.weight_decay, momentum=MOMENTUM, nesterov=True)
+
+        def step() -> None:
+            head.grad = grad
+            optimizer.step()
+
+        return step
+
+    timings = interleaved({"Muon": stepper(Muon), "torch.optim.Muon": stepper(torch.optim.Muon)},
+                          size.head_repeats, warmup=1)  # fmt: skip
+    pair = f"Muon / torch.optim.Muon (V = {shape[0]}, d = {shape[1]})"
+    return {pair: {"ratio": timings.ratio("Muon", "torch.optim.Muon"), "timings": timings.summary()}}
 
 
 def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:

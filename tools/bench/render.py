@@ -272,14 +272,17 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
              (f"Head-step FLOPs are analytic (each recipe's `head_flops` in `tools/bench/recipe_costs.py`), at "
              f"V = {f['vocab']}, d = {f['width']}, "
              "counted from the code; NS(V, d) = 5·(4·m²·M + 2·m³) with m = min(V, d), M = max(V, d) is "
-             "torch.optim.Muon's 5-step quintic Newton–Schulz. The backward pass producing the gradient is "
+             "Muon's 5-step quintic Newton–Schulz. The backward pass producing the gradient is "
              "common to all recipes and not counted."), ""]
     lines += _table(["recipe", "step s (median)", f"vs {base}", "optimizer step s", "head-step GFLOP"], [
         [r, _num(section["timings"][r]["median_s"]), _num(section["vs_baseline"][r]) + "×",
          _num(section["optimizer_step_median_s"][r]), _num(f["per_recipe"][r] / 1e9)] for r in section["vs_baseline"]])
     head = section["head_steps"]
     lines += ["", (f"Head step alone (the head's optimizer on a V = {head['shape'][0]}, d = {head['shape'][1]} weight "
-                   "with a fixed gradient), for recipes whose cost grows faster than V·d:"), ""]  # fmt: skip
+                   "with a fixed gradient), for recipes whose cost grows faster than V·d; and this project's "
+                   "Muon against torch.optim.Muon on the timed model's head (the same step; torch's bf16 "
+                   "Newton–Schulz GEMMs run oneDNN's reference loop on CPU under the AVX2 pin, "
+                   "`pipeline/study_b/muon.py`):"), ""]  # fmt: skip
     lines += _table(["pair", "ratio", "median s (each side)"], [
         [pair, _num(v["ratio"]) + "×", " / ".join(_num(t["median_s"]) for t in v["timings"].values())]
         for pair, v in head["pairs"].items()])

@@ -294,16 +294,33 @@ def _abs_interval(r: Row) -> tuple[float, float]:
     return (low, high) if r["diff_vs_muon"] >= 0 else (-high, -low)
 
 
+def _seeds_statement(runs: list[Row]) -> str:
+    """Each arch's seeds, recipes grouped by the seeds they ran (the grid's, Study A's extra runs, or fewer
+    where runs are missing)."""
+    seeds: dict[str, dict[str, set[int]]] = {}
+    for r in (r for r in runs if r["seed"] is not None):
+        seeds.setdefault(r["arch"], {}).setdefault(r["recipe"], set()).add(r["seed"])
+    described: dict[str, list[str]] = {}
+    for arch, by_recipe in seeds.items():
+        groups: dict[tuple[int, ...], list[str]] = {}
+        for recipe, ran in by_recipe.items():
+            groups.setdefault(tuple(sorted(ran)), []).append(f"`{recipe}`")
+        text = ", ".join(f"seeds {', '.join(map(str, ran))} for " + (" and ".join(who) if len(who) <= 2 else
+                                                                      f"{len(who)} recipes")
+                         for ran, who in sorted(groups.items(), key=lambda g: -len(g[1])))  # fmt: skip
+        described.setdefault(text, []).append(arch)
+    return "; ".join(f"{', '.join(sorted(archs))}: {text}" for text, archs in described.items())
+
+
 def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
     """What an optimizer researcher needs to trust the comparison (SPEC §3.2)."""
-    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
     lines = [
         "### Protocol\n",
         ("- **Splits.** Train, val and test are split by document. Tuning and the curves use val; recipes are "
          "compared on test, read once per run after its last step (no tuning run reads it)."),
-        (f"- **Seeds.** {len(seeds)} seeds ({', '.join(map(str, seeds))}) per recipe; a seed fixes the initialisation "
-         "and the batch order, so differences are paired. Only the head's optimizer differs (`adamw`: every matrix); "
-         "all recipes run the same steps and tokens."),
+        (f"- **Seeds.** {_seeds_statement(runs)}. A seed fixes the initialisation and the batch order, so "
+         "differences are paired on the seeds both runs have. Only the head's optimizer differs (`adamw`: every "
+         "matrix); all recipes run the same steps and tokens."),
         _power_statement(recipes),
         _tuning_statement(tuning, runs),
         ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
