@@ -92,6 +92,7 @@ def test_quick_bench_properties_that_do_not_depend_on_the_machine(quick_bench):
     assert report["patching"]["paths"] == ["cached"]  # neox's cache reproduces the full forward
     assert set(report["recipes"]["vs_baseline"]) == set(RECIPES.names())
     assert report["recipes"]["vs_baseline"][baseline().name] == pytest.approx(1.0)
+    assert set(report["recipes"]["muon_kernels"]) == {"pinned as the stages run", "this machine's own"}
     assert report["gpu"]["available"] == torch.cuda.is_available()
 
 

@@ -30,7 +30,7 @@ from tools.bench.extraction import extraction_section
 from tools.bench.fits import fits_vs_reference, knn_section
 from tools.bench.gpu import gpu_benchmarks
 from tools.bench.measure import bar, run_fresh, run_here
-from tools.bench.recipes import recipe_step_times
+from tools.bench.recipes import muon_kernels, recipe_step_times
 from tools.bench.render import render_markdown, to_jsonable
 from tools.bench.sizes import FULL, QUICK, BenchSizes, FanoutSize, identifiable_k
 from tools.bench.study_a import knn_vs_faiss, suffix_vs_full
@@ -67,7 +67,8 @@ def run(params: Params, *, quick: bool, out_dir: Path, only: list[str] | None = 
         # One thread: the bar compares with FAISS on one thread (SPEC §7), as a fit task runs.
         "knn_vs_faiss": lambda: runner(knn_vs_faiss, 1, sizes=sizes.knn_vs_faiss, k=params.analysis.k),
         "patching": lambda: runner(suffix_vs_full, threads["perturb"], size=sizes.patching),
-        "recipes": lambda: runner(recipe_step_times, threads["train"], size=sizes.recipes, train=params.train),
+        "recipes": lambda: runner(recipe_step_times, threads["train"], size=sizes.recipes, train=params.train)
+        | {"muon_kernels": muon_kernels(sizes.recipes, params.train, threads["train"])},
         "fanout": lambda: fanout(params, sizes.fanout),
         "gpu": lambda: gpu(params, sizes, threads["extract"]),
     }

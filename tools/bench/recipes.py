@@ -13,7 +13,7 @@ from pipeline.models.config import ModelSize
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.recipes import RECIPES
-from tools.bench.measure import bar, interleaved, profile_top
+from tools.bench.measure import bar, interleaved, profile_top, run_fresh
 from tools.bench.recipe_costs import COSTS
 from tools.bench.sizes import RecipeSize
 from tools.bench.synthetic import token_ids
@@ -58,7 +58,6 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         if not bars[-1].passed:
             profile[bars[-1].name] = profile_top(cases[name])
     head_steps = head_step_times(size, train)
-    head_steps["pairs"] |= muon_vs_torch(size, train)
     bars += head_steps.pop("bars")
     reference = baseline().name
     return {
@@ -75,14 +74,24 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
     }
 
 
-def muon_vs_torch(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
-    """`pipeline.study_b.muon.Muon` against `torch.optim.Muon` (its bf16 Newton–Schulz GEMMs, a reference
-    loop on CPU under the AVX2 pin), stepping the same (vocab, d_model) head, interleaved A B B A."""
+def muon_kernels(size: RecipeSize, train: TrainConfig, threads: int) -> dict[str, Any]:
+    """`muon_vs_torch` in a fresh process with the kernels pinned as every stage pins them
+    (`pipeline.core.determinism`), and in one with this machine's own kernels."""
+    from pipeline.core.determinism import pinned_environment
+
+    kernels = {"pinned as the stages run": pinned_environment(threads), "this machine's own": None}
+    return {name: run_fresh(muon_vs_torch, threads, env=env, size=size, train=train) for name, env in kernels.items()}
+
+
+def muon_vs_torch(size: RecipeSize, train: TrainConfig, threads: int) -> dict[str, Any]:
+    """`pipeline.study_b.muon.Muon` against `torch.optim.Muon` (its bf16 Newton–Schulz GEMMs) stepping the
+    same (vocab, d_model) head, interleaved A B B A."""
     import torch
 
     from pipeline.study_b.muon import Muon
     from pipeline.study_b.optim import MOMENTUM
 
+    torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(8)
     shape = (size.vocab, size.d_model)
     weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
@@ -99,8 +108,7 @@ def muon_vs_torch(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
 
     timings = interleaved({"Muon": stepper(Muon), "torch.optim.Muon": stepper(torch.optim.Muon)},
                           size.head_repeats, warmup=1)  # fmt: skip
-    pair = f"Muon / torch.optim.Muon (V = {shape[0]}, d = {shape[1]})"
-    return {pair: {"ratio": timings.ratio("Muon", "torch.optim.Muon"), "timings": timings.summary()}}
+    return {"shape": list(shape), "ratio": timings.ratio("Muon", "torch.optim.Muon"), "timings": timings.summary()}
 
 
 def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:

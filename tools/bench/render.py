@@ -279,13 +279,20 @@ def _recipes_md(section: dict[str, Any]) -> list[str]:
          _num(section["optimizer_step_median_s"][r]), _num(f["per_recipe"][r] / 1e9)] for r in section["vs_baseline"]])
     head = section["head_steps"]
     lines += ["", (f"Head step alone (the head's optimizer on a V = {head['shape'][0]}, d = {head['shape'][1]} weight "
-                   "with a fixed gradient), for recipes whose cost grows faster than V·d; and this project's "
-                   "Muon against torch.optim.Muon on the timed model's head (the same step; torch's bf16 "
-                   "Newton–Schulz GEMMs run oneDNN's reference loop on CPU under the AVX2 pin, "
-                   "`pipeline/study_b/muon.py`):"), ""]  # fmt: skip
+                   "with a fixed gradient), for recipes whose cost grows faster than V·d:"), ""]  # fmt: skip
     lines += _table(["pair", "ratio", "median s (each side)"], [
         [pair, _num(v["ratio"]) + "×", " / ".join(_num(t["median_s"]) for t in v["timings"].values())]
         for pair, v in head["pairs"].items()])
+    muon = section["muon_kernels"]
+    shape = next(iter(muon.values()))["shape"]
+    lines += ["", (f"This project's Muon (`pipeline/study_b/muon.py`: each Newton–Schulz product from bf16 operands "
+                   "in float32, rounded once) against torch.optim.Muon (bf16 GEMMs), the same step on a "
+                   f"V = {shape[0]}, d = {shape[1]} head, each in a fresh process. Under the pinned kernels, "
+                   "oneDNN has no bf16 GEMM and runs a reference loop; a machine's own kernels may have one "
+                   "(AVX-512 BF16, AMX), which the stages never use on CPU."), ""]  # fmt: skip
+    lines += _table(["kernels", "Muon / torch.optim.Muon", "median s (each side)"], [
+        [kernels, _num(v["ratio"]) + "×", " / ".join(_num(t["median_s"]) for t in v["timings"].values())]
+        for kernels, v in muon.items()])
     return lines + [""]
 
 
