@@ -67,14 +67,17 @@ def finding(claims: list[ClaimSummary]) -> str | None:
     supported = {claim.name: sum(c.verdict == SUPPORTED for c in trained if c.claim == claim.name) for claim in CLAIMS
                  if any(c.claim == claim.name for c in trained)}  # fmt: skip
     every = [CLAIMS_BY_NAME[n].label for n, k in supported.items() if k == len(subjects)]
-    none = [CLAIMS_BY_NAME[n].label for n, k in supported.items() if k == 0]
+    none = [n for n, k in supported.items() if k == 0]
     some = len(supported) - len(every) - len(none)
+    partly = sum(any(v == SUPPORTED for c in trained if c.claim == n for v in c.verdicts.values()) for n in none)
 
     def named(labels: list[str]) -> str:
-        return f"{len(labels)} ({', '.join(f'“{label}”' for label in labels)})" if labels else "none"
+        return f"{len(labels)} ({', '.join(f'“{label}”' for label in labels)})" if labels else "0"
 
-    return (f"Study A ({', '.join(subjects)}), the paper's {len(supported)} claims tested: supported on every "
-            f"architecture {named(every)}, on some {some}, on none {named(none)}.")  # fmt: skip
+    by_some_classes = f", {partly} of them by some of the fit classes" if partly else ""
+    return (f"Study A ({', '.join(subjects)}), the paper's {len(supported)} claims: {named(every)} supported on every "
+            f"architecture, {some} on some, {named([CLAIMS_BY_NAME[n].label for n in none])} on none"
+            f"{by_some_classes}.")  # fmt: skip
 
 
 def _claims_table(trained: list[ClaimSummary]) -> str:
