@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -92,46 +93,21 @@ def muon_vs_torch(size: RecipeSize, train: TrainConfig, threads: int) -> dict[st
     from pipeline.study_b.optim import MOMENTUM
 
     torch.set_num_threads(threads)
-    gen = torch.Generator().manual_seed(8)
     shape = (size.vocab, size.d_model)
-    weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
-
-    def stepper(optimizer_class: type[torch.optim.Optimizer]) -> Any:
-        head = torch.nn.Parameter(weight.clone())
-        optimizer = optimizer_class([head], lr=0.03, weight_decay=train.weight_decay, momentum=MOMENTUM, nesterov=True)
-
-        def step() -> None:
-            head.grad = grad
-            optimizer.step()
-
-        return step
-
-    timings = interleaved({"Muon": stepper(Muon), "torch.optim.Muon": stepper(torch.optim.Muon)},
-                          size.head_repeats, warmup=1)  # fmt: skip
+    classes = {"Muon": Muon, "torch.optim.Muon": torch.optim.Muon}
+    stepper = head_stepper(shape, 8, lambda name, head: classes[name](
+        [head], lr=0.03, weight_decay=train.weight_decay, momentum=MOMENTUM, nesterov=True))  # fmt: skip
+    timings = interleaved({name: stepper(name) for name in classes}, size.head_repeats, warmup=1)
     return {"shape": list(shape), "ratio": timings.ratio("Muon", "torch.optim.Muon"), "timings": timings.summary()}
 
 
 def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
     """For each recipe with a `head_step_bar`: its head optimizer's step against the bar's recipe's on the
     same (head_vocab, head_width) weight and gradient, interleaved A B B A after one untimed step each."""
-    import torch
-
     from pipeline.study_b.optim import head_only_optimizer
 
-    gen = torch.Generator().manual_seed(7)
     shape = (size.head_vocab, size.head_width)
-    weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
-
-    def stepper(recipe: str) -> Any:
-        head = torch.nn.Parameter(weight.clone())
-        optimizer = head_only_optimizer(recipe, head, train)
-
-        def step() -> None:
-            head.grad = grad
-            optimizer.step()
-
-        return step
-
+    stepper = head_stepper(shape, 7, lambda recipe, head: head_only_optimizer(recipe, head, train))
     pairs, bars = {}, []
     for name in RECIPES.names():
         if COSTS[name].head_step_bar is None:
@@ -142,3 +118,24 @@ def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
         bars.append(bar(f"recipes: {name} / {base} (head step alone, V = {shape[0]}, d = {shape[1]})",
                         pairs[f"{name} / {base}"]["ratio"], "<=", threshold))  # fmt: skip
     return {"shape": list(shape), "pairs": pairs, "bars": bars}
+
+
+def head_stepper(shape: tuple[int, int], seed: int, build: Callable[[str, Any], Any]) -> Callable[[str], Any]:
+    """`stepper(name)`: a step of the optimizer `build(name, head)` on its own copy of one random `shape` head,
+    with one fixed gradient, the same weight and gradient for every name."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    weight, grad = torch.randn(shape, generator=gen) * 0.02, torch.randn(shape, generator=gen) * 1e-3
+
+    def stepper(name: str) -> Callable[[], None]:
+        head = torch.nn.Parameter(weight.clone())
+        optimizer = build(name, head)
+
+        def step() -> None:
+            head.grad = grad
+            optimizer.step()
+
+        return step
+
+    return stepper
