@@ -69,6 +69,32 @@ def test_build_is_seeded_sized_and_leaves_the_global_rng_alone(arch):
     assert a.config.tie_word_embeddings is False
 
 
+def _aten_ops(fn, x: torch.Tensor) -> list[str]:
+    from torch.profiler import profile
+
+    with profile() as prof:
+        fn(x)
+    return [e.name for e in prof.events() if e.name.startswith("aten::")]
+
+
+def test_gpt2s_gelu_is_one_fused_op_computing_gelu_new_to_float_rounding():
+    from transformers.activations import ACT2FN
+
+    model = build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0)
+    fused, spelled_out = model.transformer.h[0].mlp.act, ACT2FN["gelu_new"]
+    x = torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 4
+    x64 = x.double()
+    # GPT-2's formula, in float64: 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))
+    exact = 0.5 * x64 * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x64 + 0.044715 * x64**3)))
+    scale = exact.abs().clamp_min(1.0)  # near zero crossings, compare absolutely
+    fused_err = float(((fused(x).double() - exact).abs() / scale).max())
+    spelled_err = float(((spelled_out(x).double() - exact).abs() / scale).max())
+    assert fused_err < 1e-6 and spelled_err < 1e-6, (fused_err, spelled_err)  # float32: ε = 1.2e-7
+    assert float(((fused(x) - spelled_out(x)).double().abs() / scale).max()) < 2e-6
+    assert _aten_ops(fused, x) == ["aten::gelu"]
+    assert len(_aten_ops(spelled_out, x)) >= 6  # pow, mul, add, mul, tanh, add, mul, mul
+
+
 def test_head_is_untied_after_build_and_after_save_load(arch, tmp_path):
     model = build_model(arch, TINY, VOCAB, SEQ_LEN, seed=0)
     assert head_of(model).weight.data_ptr() != model.get_input_embeddings().weight.data_ptr()

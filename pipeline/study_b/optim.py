@@ -21,6 +21,11 @@ whose hidden matrices are stored (in, out) (GPT-2's Conv1D) gets the scale of th
 
 The matched-budget ablation (`train.matched_budget`) scales every recipe's realised head step down where
 needed so that diam(ΔW) ≤ budget_t / r_t, the same worst-case nats per step for every recipe.
+
+On CUDA the step never waits for the device: AdamW is torch's fused kernel, Muon batches its Newton–Schulz
+chains (`pipeline.study_b.muon`), and the step's data-dependent scalars (r_t, η_t of a tau recipe) stay
+0-dim tensors on the device (`host_scalar`). On the CPU everything is as it always was (the single-tensor
+AdamW loop, Python floats): bit for bit the path the study's results come from.
 """
 
 from __future__ import annotations
@@ -46,6 +51,15 @@ from pipeline.study_b.recipes.base import Direction, LMOKnobs
 
 MOMENTUM = 0.95
 ADAMW_BETAS = (0.9, 0.95)
+
+Scalar = float | Tensor  # a Python float, or on CUDA a 0-dim tensor left on the device
+
+
+def host_scalar(value: Tensor) -> Scalar:
+    """A 0-dim tensor as the step uses it: on the CPU a Python float (reading it costs nothing, and the
+    step's scalar arithmetic stays in double precision, as it always was); on CUDA the tensor itself, since
+    reading it would make the host wait for the device every step."""
+    return value if value.is_cuda else float(value)
 
 
 # ------------------------------------------------------------------------------------ step sizes
@@ -167,21 +181,23 @@ class HeadLMO(torch.optim.Optimizer):
         self.knobs = knobs
         self.seed = seed
         self.trust_region = trust_region
-        self.radius: float | None = None
-        self.last_eta: float | None = None
+        self.radius: Scalar | None = None
+        self.last_eta: Scalar | None = None
         self._generator: torch.Generator | None = None
 
-    def set_radius(self, radius: float) -> None:
-        if not (math.isfinite(radius) and radius > 0):
+    def set_radius(self, radius: Scalar) -> None:
+        """r_t for the next step. A float is checked here; a device tensor is not (that would wait for the
+        device): a radius that is not positive and finite makes the step, and so the next loss, non-finite."""
+        if not isinstance(radius, Tensor) and not (math.isfinite(radius) and radius > 0):
             raise ValueError(f"the hidden-state radius must be positive and finite, got {radius}")
         self.radius = radius
 
-    def eta(self, lr: float, weight: Tensor, weight_decay: float) -> float:
+    def eta(self, lr: float, weight: Tensor, weight_decay: float) -> Scalar:
         if not self.trust_region:
             return lr
         if self.radius is None:
             raise ValueError("a tau step needs the batch's hidden-state radius: call set_radius first")
-        spread = 2.0 * float(center_rows(weight.float()).norm(dim=1).max()) if weight_decay else 0.0
+        spread = 2.0 * host_scalar(center_rows(weight.float()).norm(dim=1).max()) if weight_decay else 0.0
         return lr / (self.radius * (1.0 + weight_decay * spread))
 
     def generator(self, device: torch.device) -> torch.Generator:
@@ -208,7 +224,10 @@ class HeadLMO(torch.optim.Optimizer):
                 direction = self.direction(momentum.float(), self.knobs, self.generator(p.device))
                 eta = self.eta(group["lr"], p, group["weight_decay"])
                 p.mul_(1 - eta * group["weight_decay"])
-                p.add_(direction.to(p.dtype), alpha=-eta)
+                if isinstance(eta, Tensor):
+                    p.addcmul_(direction.to(p.dtype), eta, value=-1.0)
+                else:
+                    p.add_(direction.to(p.dtype), alpha=-eta)
                 self.last_eta = eta
         self.radius = None  # a radius belongs to one batch
         return loss
@@ -235,7 +254,7 @@ class RecipeOptimizer:
         self.budget = budget  # optimizer step (0-based) -> nats; None: no cap
         head_opt = optimizers.get("head")
         self._head_lmo = head_opt if isinstance(head_opt, HeadLMO) else None
-        self._last_lrs: dict[str, float] | None = None
+        self._last_lrs: dict[str, Scalar] | None = None
         self.steps_taken = 0
         self.last_head_scale: float | None = None  # the cap's factor at the last step (1: not capped)
 
@@ -249,7 +268,7 @@ class RecipeOptimizer:
     def needs_radius(self) -> bool:
         return self.head_step.trust_region or self.budget is not None
 
-    def step(self, radius: float | None = None) -> None:
+    def step(self, radius: Scalar | None = None) -> None:
         """One step of every group. `radius` (r_t) is required by tau recipes and by a head budget, and
         ignored otherwise."""
         if self.needs_radius and radius is None:
@@ -272,18 +291,19 @@ class RecipeOptimizer:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
 
-    def lrs(self) -> dict[str, float]:
+    def lrs(self) -> dict[str, Scalar]:
         """Step size per group at the last step taken (before any step: the first step's), keyed
         `hidden`, `embed`, `scalar`, `head`; a tau recipe's `head` is η_t, and `head_tau` is tau_t.
-        Hidden matrices stored transposed report the run's hidden lr, before their shape correction."""
+        Hidden matrices stored transposed report the run's hidden lr, before their shape correction.
+        On CUDA a tau recipe's η_t is a device tensor (`host_scalar`)."""
         return dict(self._last_lrs) if self._last_lrs is not None else self._current_lrs()
 
-    def head_lr(self) -> float:
+    def head_lr(self) -> Scalar:
         return self.lrs()["head"]
 
-    def _current_lrs(self) -> dict[str, float]:
+    def _current_lrs(self) -> dict[str, Scalar]:
         groups = [g for opt in self.optimizers.values() for g in opt.param_groups]
-        lrs = {g["name"]: float(g["lr"]) / g.get("lr_scale", 1.0) for g in groups}
+        lrs: dict[str, Scalar] = {g["name"]: float(g["lr"]) / g.get("lr_scale", 1.0) for g in groups}
         if self.head_step.trust_region:
             assert self._head_lmo is not None
             lrs["head_tau"] = lrs.pop("head")
@@ -343,7 +363,9 @@ def build_optimizers(
         optimizers["muon"] = Muon(
             _non_empty(muon_groups), lr=cfg.hidden_lr, weight_decay=wd, momentum=MOMENTUM, nesterov=True
         )
-    optimizers["adamw"] = torch.optim.AdamW(_non_empty(adamw_groups), lr=cfg.adamw_lr, betas=ADAMW_BETAS)
+    # torch's fused kernel on CUDA (one launch for every tensor); on the CPU its single-tensor loop, as always
+    optimizers["adamw"] = torch.optim.AdamW(_non_empty(adamw_groups), lr=cfg.adamw_lr, betas=ADAMW_BETAS,
+                                            fused=True if head.is_cuda else None)
     schedulers = {name: _scheduler(opt, cfg, head_step) for name, opt in optimizers.items()}
     budget = None
     if head_budget_tau is not None:

@@ -5,12 +5,21 @@ SPEC §3.3's columns; every `geometry_interval` steps it also measures the reali
 (the head step alone): on a fixed probe batch (and checks `hilbert_realized ≤ hilbert_bound`), on the
 training batch it was computed from, and against that batch's head gradient. The test split is read
 once, after the last step.
+
+On CUDA a step runs under bf16 autocast with the fused loss (`pipeline.study_b.loss`) and never waits for
+the device: its loss is copied back asynchronously and read when it has arrived (`LossReadback`), and the
+optimizers keep their data-dependent scalars on the device (`pipeline.study_b.optim.host_scalar`). So a
+divergence is noticed a few steps late there (at most `MAX_UNREAD_LOSSES`, and always before a geometry
+step): it is recorded at the step whose loss was first non-finite, and the `final` checkpoint of a diverged
+CUDA run holds the weights of the step at which it was noticed. On the CPU every loss is read at once,
+before its backward, as it always was.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -23,10 +32,14 @@ from pipeline.models.registry import build_model, head_of
 from pipeline.study_b import hilbert
 from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.hilbert import center_rows
-from pipeline.study_b.optim import build_optimizers
+from pipeline.study_b.loss import use_fused_loss
+from pipeline.study_b.optim import Scalar, build_optimizers, host_scalar
 
 # Relative slack for the invariant: both sides are float32 reductions of the same ΔW.
 INVARIANT_RTOL = 1e-4
+# On CUDA, the most training losses still in flight to the host before the loop waits for the oldest: the
+# longest a divergence can go unnoticed, in steps.
+MAX_UNREAD_LOSSES = 8
 
 
 class InvariantViolated(AssertionError):
@@ -72,10 +85,54 @@ class HeadInputs:
     def _capture(self, _module: torch.nn.Module, args: tuple) -> None:
         self.last = args[0].detach()
 
-    def radius(self, quantile: float) -> float:
+    def radius(self, quantile: float) -> Scalar:
+        """The `quantile` of ‖h‖ over the last batch's tokens (a device tensor on CUDA: `host_scalar`)."""
         assert self.last is not None, "no forward pass seen yet"
         norms = self.last.float().flatten(0, -2).norm(dim=-1)
-        return float(norms.max() if quantile >= 1 else torch.quantile(norms, quantile))
+        return host_scalar(norms.max() if quantile >= 1 else torch.quantile(norms, quantile))
+
+
+class LossReadback:
+    """Each step's training loss, brought to the host without making the host wait for the device.
+
+    On CUDA a loss is copied to pinned host memory asynchronously, behind an event; `arrived` returns the
+    losses whose copies have completed, oldest first, waiting only when more than `max_unread` are in
+    flight (or when asked to wait for all). A CPU loss has arrived as soon as it is pushed."""
+
+    def __init__(self, max_unread: int = MAX_UNREAD_LOSSES) -> None:
+        self.max_unread = max_unread
+        self._in_flight: deque[tuple[int, torch.Tensor, torch.cuda.Event | None]] = deque()
+
+    def push(self, step: int, loss: torch.Tensor) -> None:
+        if loss.is_cuda:
+            event = torch.cuda.Event()
+            copy = loss.detach().to("cpu", non_blocking=True)  # into pinned memory: asynchronous
+            event.record()
+            self._in_flight.append((step, copy, event))
+        else:
+            self._in_flight.append((step, loss.detach(), None))
+
+    def arrived(self, wait: bool = False) -> list[tuple[int, float]]:
+        found = []
+        while self._in_flight:
+            step, copy, event = self._in_flight[0]
+            if event is not None and not event.query():
+                if not (wait or len(self._in_flight) > self.max_unread):
+                    break
+                event.synchronize()
+            self._in_flight.popleft()
+            found.append((step, float(copy)))
+        return found
+
+
+def rows_on_host(rows: list[dict]) -> list[dict]:
+    """The rows with every device scalar a CUDA step left in them (a tau recipe's η_t) read in one transfer."""
+    on_device = [(row, key) for row in rows for key, value in row.items() if isinstance(value, torch.Tensor)]
+    if on_device:
+        values = torch.stack([row[key].float().reshape(()) for row, key in on_device]).tolist()
+        for (row, key), value in zip(on_device, values, strict=True):
+            row[key] = value
+    return rows
 
 
 @torch.no_grad()
@@ -174,6 +231,8 @@ def train_run(
     head_budget_tau = head_budget(cfg, spec)
     optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed, head_budget_tau=head_budget_tau)
     head_inputs = HeadInputs(head)
+    if cuda:
+        use_fused_loss(model)
     forward = torch.compile(model) if (cfg.compile and cuda) else model
 
     train_windows, val_windows = Windows(train_tokens, seq_len, device), Windows(val_tokens, seq_len, device)
@@ -188,22 +247,40 @@ def train_run(
 
     save_checkpoint(model, "init", {"run": spec.run_id, "checkpoint": "init", "step": 0})
     rows: list[dict] = []
-    train_loss = val_loss = math.nan
+    val_loss = math.nan
     diverged_at: int | None = None
+    losses = LossReadback()
+
+    def record_losses(arrived: list[tuple[int, float]]) -> int | None:
+        """Each arrived loss into its step's row (where the row exists yet) and to `on_step`, up to the
+        first non-finite one, whose step is returned."""
+        for done, value in arrived:
+            if not math.isfinite(value):
+                return done
+            if done <= len(rows):
+                rows[done - 1]["train_loss"] = value
+            if on_step is not None:
+                on_step(done, value)
+        return None
+
     step = 0
     for step in range(1, cfg.steps + 1):
         batch = train_windows.random(cfg.batch_size, gen)
         with autocast():
             loss = forward(input_ids=batch, labels=batch).loss
-        train_loss = loss.item()
-        if not math.isfinite(train_loss):
-            diverged_at = step
+        geometry_step = step % cfg.geometry_interval == 0 or step == 1
+        losses.push(step, loss)
+        # On the CPU this step's loss, checked before its backward. On CUDA what has arrived, and every
+        # loss before a geometry step (which waits for the device anyway), so no geometry is measured on
+        # the weights of a run that has diverged.
+        arrived = losses.arrived(wait=geometry_step)
+        diverged_at = next((done for done, value in arrived if not math.isfinite(value)), None)
+        if diverged_at is not None:
             break
         loss.backward()
         if cfg.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         radius = head_inputs.radius(radius_quantile)  # of this batch, for the `tau` trust region
-        geometry_step = step % cfg.geometry_interval == 0 or step == 1
         if geometry_step:
             w_before, grad, train_h = head.weight.detach().clone(), head.weight.grad.detach().clone(), head_inputs.last
             with torch.no_grad(), autocast():
@@ -212,7 +289,7 @@ def train_run(
         optimizer.step(radius=radius)
         optimizer.zero_grad()
         row = {"step": step, "tokens": step * cfg.batch_size * seq_len, "lr": optimizer.head_lr(),
-               "train_loss": train_loss, "head_step_scale": optimizer.last_head_scale}
+               "train_loss": None, "head_step_scale": optimizer.last_head_scale}
         if geometry_step:
             delta = head.weight.detach() - w_before
             row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | {
@@ -223,8 +300,15 @@ def train_run(
             val_loss = evaluate(model, val_batches, autocast)
             row["val_loss"] = val_loss
         rows.append(row)
-        if on_step is not None:
-            on_step(step, train_loss)
+        record_losses(arrived)
+    if diverged_at is None:
+        diverged_at = record_losses(losses.arrived(wait=True))  # on CUDA, the last steps' losses
+    else:
+        record_losses([item for item in arrived if item[0] < diverged_at])
+    if diverged_at is not None:
+        del rows[diverged_at - 1 :]
+    rows_on_host(rows)
+    train_loss = rows[-1]["train_loss"] if rows else math.nan
 
     diverged = diverged_at is not None
     test_loss = None
@@ -233,7 +317,7 @@ def train_run(
         test_loss = evaluate(model, test_batches, autocast)
     result = RunRecord(
         run=spec.run_id, arch=spec.arch, recipe=spec.recipe, seed=spec.seed, steps=cfg.steps,
-        steps_done=step - 1 if diverged else step, tokens=(step - int(diverged)) * cfg.batch_size * seq_len,
+        steps_done=len(rows), tokens=len(rows) * cfg.batch_size * seq_len,
         final_train_loss=None if diverged else train_loss, final_val_loss=None if diverged else val_loss,
         final_test_loss=test_loss, head_step=optimizer.head_step.describe(), head_budget_tau=head_budget_tau,
         diverged=diverged, diverged_at_step=diverged_at,
