@@ -1,9 +1,17 @@
-"""Mamba (`MambaForCausalLM`): a selective state-space model; no position table."""
+"""Mamba (`MambaForCausalLM`): a selective state-space model; no position table.
+
+Its scan and convolution run on mamba-ssm's and causal-conv1d's CUDA kernels where those packages are
+installed (`pip install lmgeo[gpu]`), for CUDA tensors only (`pipeline.models.kernels`, routed here, before
+any Mamba model is built or loaded), and on transformers' PyTorch reference everywhere else.
+"""
 
 from transformers import MambaConfig, PretrainedConfig
 
 from pipeline.models.config import ModelSize
 from pipeline.models.family import NORMS_AND_BIASES, GroupRule, ModelFamily
+from pipeline.models.kernels import route_mamba_kernels
+
+route_mamba_kernels()
 
 
 def make_config(size: ModelSize, vocab_size: int, seq_len: int) -> PretrainedConfig:
