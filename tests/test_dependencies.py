@@ -35,7 +35,7 @@ def top_level_imports(root: Path) -> dict[str, set[str]]:
 
 
 def declared() -> set[str]:
-    """The runtime dependencies and the optional runtime extras (`cuda`); not `dev`: the library must not
+    """The runtime dependencies and the optional runtime extras (`gpu`); not `dev`: the library must not
     need the test tools."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = [r for name, extra in project["optional-dependencies"].items() if name != "dev" for r in extra]

@@ -141,6 +141,40 @@ def test_summaries_hold_every_result_tables_and_failures(tmp_path):
     assert "lmgeo needs ray" in md and "## Tolerances" in md
 
 
+# ------------------------------------------------------------------------- issue #39's training items
+def test_the_step_bars_are_adamw_within_20_ms_and_every_recipe_within_1_3_times_it():
+    from tools.gpucheck.speed import step_bars
+
+    bars = step_bars({"adamw": 18.0, "muon": 23.0, "hilbert": 24.0})
+    assert [(name, bar["passed"]) for name, bar in bars.items()] == [
+        ("adamw ≤ 20 ms", True), ("muon ≤ 1.3× adamw", True), ("hilbert ≤ 1.3× adamw", False)]
+    assert bars["hilbert ≤ 1.3× adamw"]["value"] == pytest.approx(24 / 18)
+    assert not step_bars({"adamw": 21.0})["adamw ≤ 20 ms"]["passed"]
+
+
+def test_mamba_on_its_kernels_is_compared_with_the_fallback_or_skipped_saying_why(monkeypatch):
+    sizes = plan.full_sizes()
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(plan, "kernels_chosen", lambda: False)
+    without = plan.mamba_kernel_items(sizes.mamba_kernels, cuda)
+    assert [i.name for i in without] == ["extraction mamba", "patching mamba", "train mamba muon"]
+    results = plan.run(without, cuda, budget_s=60, report=lambda r: None)
+    assert all(r.status == "skipped" and "build_mamba_wheels.sh" in r.summary for r in results)
+    monkeypatch.setattr(plan, "kernels_chosen", lambda: True)
+    assert all(i.unavailable is None for i in plan.mamba_kernel_items(sizes.mamba_kernels, cuda))
+    assert plan.standin_sizes().mamba_kernels is None  # on the CPU both sides would be the fallback
+
+
+def test_without_kernels_mambas_path_is_reported_and_not_judged_on_the_cpu():
+    from tools.gpucheck.speed import heaviest_kernels, mamba_kernel_path
+
+    found = mamba_kernel_path(CPU)
+    assert found.passed is None and "not installed" in found.summary
+    assert set(found.detail["implementations"]) == {"mamba_inner_fn", "causal_conv1d_fn", "causal_conv1d_update",
+                                                    "mamba_selective_scan", "mamba_selective_state_update"}
+    assert heaviest_kernels(lambda: None, CPU)["rows"] == []  # device kernels exist on CUDA only
+
+
 # ------------------------------------------------------------------------------------- wheels
 def _wheel(folder: Path, name: str, version: str, requires: list[str]) -> Path:
     path = folder / f"{name}-{version}-py3-none-any.whl"
@@ -256,7 +290,8 @@ def test_the_whole_plan_runs_end_to_end_with_the_cpu_standing_in(tmp_path):
     assert list(results) == [(i.section, i.name) for i in expected]
     for item in expected:
         status = results[(item.section, item.name)]["status"]
-        assert status == ("skipped" if item.cuda_only else "measured" if item.section.startswith("measurements")
+        skipped = item.cuda_only or item.unavailable
+        assert status == ("skipped" if skipped else "measured" if item.section.startswith("measurements")
                           else "pass"), (item.name, results[(item.section, item.name)]["summary"])
     gpu_tests = results[("environment", "GPU tests (pytest -m gpu)")]["summary"]
     assert "skipped (no CUDA" in gpu_tests  # each test skipped itself, saying why

@@ -22,6 +22,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -135,6 +136,15 @@ def rows_on_host(rows: list[dict]) -> list[dict]:
     return rows
 
 
+def training_forward(model: torch.nn.Module, device: torch.device, compile: bool) -> Callable[..., Any]:
+    """What a training step calls: on the CPU the model itself; on CUDA the model with the fused loss, and
+    compiled where `train.compile` asks (after `HeadInputs` is registered, so the hook is compiled in)."""
+    if device.type != "cuda":
+        return model
+    use_fused_loss(model)
+    return torch.compile(model) if compile else model
+
+
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: torch.Tensor, autocast: Callable) -> float:
     model.eval()
@@ -231,9 +241,7 @@ def train_run(
     head_budget_tau = head_budget(cfg, spec)
     optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed, head_budget_tau=head_budget_tau)
     head_inputs = HeadInputs(head)
-    if cuda:
-        use_fused_loss(model)
-    forward = torch.compile(model) if (cfg.compile and cuda) else model
+    forward = training_forward(model, device, cfg.compile)
 
     train_windows, val_windows = Windows(train_tokens, seq_len, device), Windows(val_tokens, seq_len, device)
     val_batches = val_windows.fixed(cfg.eval_batches * cfg.batch_size)

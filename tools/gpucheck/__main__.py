@@ -12,7 +12,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tools.gpucheck import wheels
+from tools.gpucheck import mamba_wheels, wheels
 
 # Items start only within this many seconds: a first run and a rerun of what it could not finish must both
 # fit one session's 15 minutes of device time, machine start-ups included.
@@ -36,6 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the stand-in run, both sides on the CPU at tiny sizes (proves the code path only)")
     parser.add_argument("--wheels", type=Path, default=wheels.WHEEL_DIR, help="carried wheels (make gpu-wheels)")
+    parser.add_argument("--kernel-wheels", type=Path, default=mamba_wheels.WHEELHOUSE,
+                        help="mamba-ssm's and causal-conv1d's wheels, built for this machine (build_mamba_wheels.sh)")
     parser.add_argument("--site", type=Path, default=Path("/tmp/lmgeo-site"), help="where missing wheels are installed")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or wheels.REPO / "build" / "gpu-check"))
     parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S, help="items past it are skipped")
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu-check: installed {', '.join(install['installed']) or 'nothing'} from {args.wheels}", flush=True)
     for unmet in install["unmet_requirements"]:
         print(f"gpu-check: unmet: {unmet}", flush=True)
+    install["kernel_wheels"] = kernels = mamba_wheels.install_kernels(args.kernel_wheels, args.site)
+    print(f"gpu-check: kernel wheels: {', '.join(kernels['installed']) or 'none'} ({kernels['reason']})", flush=True)
     return run(args, install)
 
 

@@ -19,7 +19,7 @@ from tools.gpucheck.summary import Outcome
 # the check runs: a module that needs one of them is reported as such, not as a failure.
 NOT_CARRIED = ("ray", "dvc", "duckdb")
 PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "pyarrow", "scipy", "pydantic",
-            "pydantic-core", "typing-extensions", "mambapy", "triton", "pytest")
+            "pydantic-core", "typing-extensions", "mambapy", "mamba-ssm", "causal-conv1d", "triton", "pytest")
 
 
 def versions() -> dict[str, str]:

@@ -2,8 +2,9 @@
 
 Items run in order of what a first GPU run most needs to learn: the environment, the GPU tests, agreement
 with the CPU (Study A, then Study B) on tiny models of every family and at GPT-2-small width (V = 50,304),
-memory between shards, the measurements, and last what compiles (tens of seconds per model), which a short
-budget cuts first. Each item is isolated: an exception is recorded with its traceback and the next item
+Mamba on mamba-ssm's kernels against the CPU's fallback (where the kernel wheels are installed), memory
+between shards, the measurements, and last what compiles (tens of seconds per model), which a short budget
+cuts first. Each item is isolated: an exception is recorded with its traceback and the next item
 runs, so one run reports every failure. Items are started only within the budget (the rest are recorded as
 skipped), and the summaries are rewritten after every item.
 """
@@ -24,6 +25,7 @@ from pathlib import Path
 import torch
 
 from pipeline.models.config import ModelSize
+from pipeline.models.kernels import kernels_chosen
 from pipeline.models.registry import FAMILIES
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_b.baseline import baseline
@@ -57,6 +59,9 @@ class Sizes:
     fits: FitRun
     steps: ModelRun
     mamba: ModelRun
+    # Mamba on its kernels against the CPU's fallback (None: the stand-in, where both would be the fallback,
+    # the same calls as Study A's and B's tiny Mamba items)
+    mamba_kernels: tuple[StudyAShape, TrainShape] | None
 
 
 def full_sizes() -> Sizes:
@@ -77,6 +82,7 @@ def full_sizes() -> Sizes:
         steps=ModelRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 1024, batch=8, repeats=5),
         mamba=ModelRun("mamba", ModelSize(d_model=768, n_layers=4, d_state=16, expand=2), GPT2_VOCAB, 256, batch=4,
                        repeats=3),
+        mamba_kernels=(real_a, real_t),
     )
 
 
@@ -95,6 +101,7 @@ def standin_sizes() -> Sizes:
         fits=FitRun(d=16, n_seq=8, seq_len=16, anchors=8, repeats=1),
         steps=ModelRun("gpt2", small, 256, 16, batch=2, repeats=1),
         mamba=ModelRun("mamba", small, 256, 16, batch=2, repeats=1),
+        mamba_kernels=None,
     )
 
 
@@ -104,6 +111,7 @@ class Item:
     name: str
     run: Callable[[], Outcome]
     cuda_only: str | None = None  # why it cannot run on the CPU stand-in
+    unavailable: str | None = None  # why it cannot run on this machine at all
 
 
 def items(sizes: Sizes, device: torch.device) -> list[Item]:
@@ -128,6 +136,8 @@ def items(sizes: Sizes, device: torch.device) -> list[Item]:
         section = f"Study B on {device.type} vs cpu — {shape.label}"
         plan += [Item(section, f"train {a} {r}", lambda a=a, r=r, s=shape: compare.compare_training(a, r, s, device))
                  for a in families for r in recipes]
+    if sizes.mamba_kernels is not None:
+        plan += mamba_kernel_items(sizes.mamba_kernels, device)
     study_a, train = sizes.memory
     plan.append(Item("GPU memory between shards", "extract, fit, perturb, train shards",
                      lambda: compare.memory_between_shards(study_a, train, device),
@@ -139,7 +149,8 @@ def items(sizes: Sizes, device: torch.device) -> list[Item]:
         Item(measured, "kNN, device vs cpu", lambda: speed.knn_speed(sizes.knn, device)),
         Item(measured, "fits, device vs cpu", lambda: speed.fits_speed(sizes.fits, device)),
         Item(measured, "training step per recipe", lambda: speed.training_steps(sizes.steps, device)),
-        Item(measured, "Mamba training step", lambda: speed.mamba_step(sizes.mamba, device)),
+        Item(measured, "Mamba's kernel path", lambda: speed.mamba_kernel_path(device)),
+        Item(measured, "Mamba training step, kernels vs fallback", lambda: speed.mamba_step(sizes.mamba, device)),
         # Compiling costs tens of seconds a model: last, where a short budget cuts it first.
         Item(measured, "training step per recipe, torch.compile",
              lambda: speed.training_steps(sizes.steps, device, compile=True), cuda_only=compiling),
@@ -149,6 +160,26 @@ def items(sizes: Sizes, device: torch.device) -> list[Item]:
                   lambda a=a: compare.compare_training(a, name, shape, device, compile=True), cuda_only=compiling)
              for a in sizes.compile_families]
     return plan
+
+
+def mamba_kernel_items(shapes: tuple[StudyAShape, TrainShape], device: torch.device) -> list[Item]:
+    """Mamba's extraction, patching and training on the device against the same calls on the CPU, which
+    runs transformers' fallback (`pipeline.models.kernels`): mamba-ssm's kernels against the fallback, where
+    CUDA has them; skipped, saying so, where it does not."""
+    study_a, train = shapes
+    missing = None
+    if device.type == "cuda" and not kernels_chosen():
+        missing = "mamba-ssm's kernels are not installed here (tools/gpucheck/build_mamba_wheels.sh builds them)"
+    section = f"Mamba on mamba-ssm's kernels, {device.type} vs the cpu's fallback — {study_a.label}"
+    recipe = baseline().name
+    return [
+        Item(section, "extraction mamba", lambda: compare.compare_extraction("mamba", study_a, device),
+             unavailable=missing),
+        Item(section, "patching mamba", lambda: compare.compare_patching("mamba", study_a, device),
+             unavailable=missing),
+        Item(section, f"train mamba {recipe}", lambda: compare.compare_training("mamba", recipe, train, device),
+             unavailable=missing),
+    ]
 
 
 def gpu_tests() -> Outcome:
@@ -197,6 +228,8 @@ def run(
         item_start = time.perf_counter()
         if item.cuda_only and device.type != "cuda":
             result = Result(item.section, item.name, "skipped", 0.0, f"CUDA only: {item.cuda_only}")
+        elif item.unavailable:
+            result = Result(item.section, item.name, "skipped", 0.0, item.unavailable)
         elif item_start - started > budget_s:
             result = Result(item.section, item.name, "skipped", 0.0, f"the check's {budget_s:.0f} s budget was spent")
         else:

@@ -100,6 +100,9 @@ def _versions(header: dict[str, Any]) -> list[str]:
     installed = ", ".join(install.get("installed", [])) or "nothing"
     facts = ", ".join(f"{k} {v}" for k, v in {**header.get("device_facts", {}), **header.get("machine", {})}.items())
     lines = ["## Machine and versions", "", f"- {facts}", f"- {versions}", f"- carried wheels installed: {installed}"]
+    if install.get("kernel_wheels"):
+        kernels = install["kernel_wheels"]
+        lines.append(f"- kernel wheels installed: {', '.join(kernels['installed']) or 'none'} ({kernels['reason']})")
     if install.get("unmet_requirements"):
         lines.append("- unmet requirements: " + "; ".join(install["unmet_requirements"]))
     return lines + [""]

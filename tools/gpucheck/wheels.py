@@ -252,19 +252,27 @@ def plan_install(
     return InstallPlan([by_name[n] for n in sorted(chosen)], present, unmet)
 
 
+def pip_install(wheels: list[Path], target: Path) -> None:
+    """Install `wheels` as they are (no index, no dependencies) into `target`, and put `target` first on
+    this process's and its children's import path."""
+    if not wheels:
+        return
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+         "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, wheels)],
+        check=True,
+    )
+    if str(target) not in sys.path:
+        sys.path.insert(0, str(target))
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+
+
 def install_missing(wheel_dir: Path, target: Path) -> dict[str, object]:
     """Install what `plan_install` chooses from `wheel_dir` into `target`, and put `target` first on this
     process's and its children's import path. Returns what was done, for the summary."""
     wheels = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
     plan = plan_install(wheels, project_requirements())
-    if plan.install:
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-             "--no-cache-dir", "--upgrade", "--target", str(target), *map(str, plan.install)],
-            check=True,
-        )
-        sys.path.insert(0, str(target))
-        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH")]))
+    pip_install(plan.install, target)
     return {
         "wheel_dir": str(wheel_dir),
         "wheels_found": [w.name for w in wheels],
