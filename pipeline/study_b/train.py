@@ -271,7 +271,6 @@ def train_run(
                 on_step(done, value)
         return None
 
-    step = 0
     for step in range(1, cfg.steps + 1):
         batch = train_windows.random(cfg.batch_size, gen)
         with autocast():

@@ -25,6 +25,13 @@ CPython 3.12; issue #39):
 
 `build --dry-run` does everything but compile (the preflight is reported, not enforced): unpacking,
 patching and splitting are real, and the commands are printed. Standard library and `packaging` only.
+
+A session lent the H200 has 15 minutes of device time, machine start-ups included, so: here, `make
+gpu-wheels mamba-sdists`; device call 1, `bash tools/gpucheck/build_mamba_wheels.sh` with `.sdist` carried
+and `timeout_s` 600 (≈ 9–10 min by the measured compile times); here, `adopt` the files that came back
+(the wheelhouse then travels with the tree); device call 2 on the still-warm machine, `make gpu-check
+GPU_CHECK_ARGS="--only Mamba --only 'training step' --budget-s 150"` with `.whl` carried. The full check is
+a later session's first call.
 """
 
 from __future__ import annotations
