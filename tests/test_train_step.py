@@ -83,7 +83,7 @@ def test_the_compiled_loss_keeps_bf16_logits_and_row_statistics_only() -> None:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = fn(x, labels)
         loss.backward()
-        return float(loss), x.grad, saved
+        return loss.item(), x.grad, saved
 
     eager_loss, eager_grad, eager_saved = run(next_token_loss)
     fused_loss, fused_grad, fused_saved = run(fused_next_token_loss())
