@@ -281,7 +281,8 @@ class RecipeOptimizer:
             optimizer.step()
         if before is not None:
             assert self.budget is not None and radius is not None
-            self.last_head_scale = cap_step(self.head, before, self.budget(self.steps_taken) / radius)
+            # float(): the cap reads the step's diameter on the host anyway (a synchronisation on CUDA)
+            self.last_head_scale = cap_step(self.head, before, self.budget(self.steps_taken) / float(radius))
         self._last_lrs = self._current_lrs()
         for scheduler in self.schedulers.values():
             scheduler.step()
