@@ -155,7 +155,7 @@ def rehearse(name: str, size: Slice, device: str = "cpu", seed: int = 0, threads
 
 def _extract(model, tokens: np.ndarray, layer: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Extraction of every layer (what the stage writes), keeping `h_layer` and `h_{layer+1}` (n, d)."""
-    from pipeline.core.store import arrow_to_vectors
+    from pipeline.core.contracts import arrow_to_vectors
     from pipeline.study_a.extract import extract_batches
 
     kept: dict[int, list[np.ndarray]] = {layer: [], layer + 1: []}

@@ -23,9 +23,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.core.contracts import FIT_METRICS, RunSpec
+from pipeline.core.contracts import FIT_METRICS, RunSpec, arrow_to_vectors
 from pipeline.core.progress import StepClock
-from pipeline.core.store import arrow_to_vectors
 from pipeline.models.config import ModelSize
 from pipeline.models.registry import build_model
 from pipeline.study_a.classes import FIT_CLASSES
