@@ -184,11 +184,19 @@ def _fits_md(scales: list[dict[str, Any]]) -> list[str]:
              "full sort of the distances, `lstsq` / SVD per anchor, full d × d SVD of each local operator), "
              "on the same synthetic layer (a tanh update plus a cross-token term, float32-rounded)."), ""]
     for scale in scales:
-        s = scale["scale"]
-        lines += [f"**{s['label']}**: pool {scale['pool']}, {s['anchors']} anchors, {s['repeats']} repetitions.", ""]
-        lines += _table(["class", "fit_layer s", "reference s", "speed-up", "max abs diff", "null mismatches"], [
+        s, t = scale["scale"], scale["threads"]
+        lines += [(f"**{s['label']}**: pool {scale['pool']}, {s['anchors']} anchors, k = {scale['k']}, "
+                   f"{s['repeats']} repetitions; torch.matmul's float64 rate {_num(scale['matmul_flop_s'] / 1e9)} "
+                   f"GFLOP/s. Threads: torch {t['torch']} (the fits), "
+                   + ", ".join(f"{name}={t[name]}" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                              "OPENBLAS_NUM_THREADS"))
+                   + f" (the reference's NumPy/OpenBLAS){'' if t['pinned'] else ': **not the same on both sides**'}."),
+                  ""]  # fmt: skip
+        lines += _table(["class", "fit_layer s", "reference s", "speed-up", "FLOP/s / matmul's", "identified",
+                         "max abs diff", "null mismatches"], [
             [fn, _num(c["timings"]["fit_layer"]["median_s"]), _num(c["timings"]["reference"]["median_s"]),
-             _num(c["speedup"]) + "×", _num(c["max_abs_diff"]), str(c["null_mismatches"])]
+             _num(c["speedup"]) + "×", _num(c["flop_rate_ratio"]), f"{c['identified']}/{s['anchors']}",
+             _num(c["max_abs_diff"]), str(c["null_mismatches"])]
             for fn, c in scale["classes"].items()])
         lines += ["", _mlp_step_md(scale["mlp_step"]), ""]
     return lines
