@@ -3,6 +3,7 @@ encodings it could write (why the stored one was chosen)."""
 
 from __future__ import annotations
 
+import math
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -78,7 +79,7 @@ def extraction_throughput(size: ExtractionSize, batch_size: int, threads: int) -
         timings = interleaved(cases, size.repeats)
         ratio = 1 / timings.ratio("extract_path", "bare_forward")  # throughput ratio
         verdict = bar("extraction: extract path / bare HF forward (tokens/s)", ratio, ">=", EXTRACTION_BAR,
-                      note=f"{len(tokens) // batch_size} forwards of {batch_size} sequences per shard")
+                      note=f"{math.ceil(len(tokens) / batch_size)} forward(s) of ≤ {batch_size} sequences per shard")
         profile = [] if verdict.passed else profile_top(cases["extract_path"])
     n_tokens = tokens.size
     return {

@@ -169,12 +169,20 @@ def _extraction_md(section: dict[str, Any]) -> list[str]:
              f"{m['params'] / 1e6:.2g} M parameters), {section['tokens_per_repeat']} tokens per repetition "
              f"(one shard of {m['n_seq']} sequences × {m['seq_len']}), batch {section['batch_size']}. "
              "The extract path is `extract_batches` (forward with hooks on the blocks) streamed through "
-             "`ShardWriter` into Parquet in a temporary directory; the baseline is the base model's "
+             "`ShardWriter` into Parquet in a temporary directory (one writer thread per layer's file, hashed and "
+             "flushed as it grows, overlapping the next forward); the baseline is the base model's "
              "forward with `output_hidden_states=True` on the same batches (no head, no KV cache)."), ""]
     lines += _table(["path", "tokens/s (median)"], [[c, _num(v, 4)] for c, v in section["tokens_per_s"].items()])
     lines += ["", "Peak RSS of a fresh process (model built, tokens extracted), nothing subtracted:", ""]
     lines += _table(["tokens", "RSS after setup", "peak RSS"], [
         [str(r["tokens"]), _mib(r["rss_after_setup_bytes"]), _mib(r["peak_rss_bytes"])] for r in section["peak_rss"]])
+    v = section["vector_encodings"]
+    lines += ["", (f"Vector encodings, the same {v['rows']} × {v['d']} float32 vectors with the activations' ids, "
+                   "written to and read from files in the page cache (no fsync), interleaved; GB/s of vector bytes "
+                   f"(same vectors read back: {'yes' if v['same_vectors'] else '**no**'}). Stored: format 2."), ""]
+    lines += _table(["encoding", "write GB/s", "read GB/s", "file MiB"], [
+        [name, _num(e["write_gb_s"]), _num(e["read_gb_s"]), _num(e["file_bytes"] / 2**20)]
+        for name, e in v["encodings"].items()])
     return lines + [""]
 
 
