@@ -98,8 +98,8 @@ class Products(Lapack):
     """The same factorisations from batched products and batched Cholesky factorisations (see the module)."""
 
     name = "products"
-    MAX_POLAR_STEPS = 80  # from the smallest floor (2⁻⁵²) the schedule needs 42
-    EXTRA_POLAR_STEPS = 2  # plain Newton–Schulz steps after the schedule: the last rounding of the convergence
+    MAX_POLAR_STEPS = 80  # from the smallest floor (2⁻⁵²) the schedule needs 42 steps; from 1e-8, 24
+    POLAR_TOLERANCE = 1e-14  # ‖XᵀX − I‖_F / √d at which a matrix is done
     OVERSAMPLING = 16  # block vectors beyond the m wanted: the iteration converges like (λ_{m+17} / λ_m)^(4t)
     MAX_BLOCK_STEPS = 200
     RESIDUAL_TOLERANCE = 1e-12  # ‖M v − λ v‖ / ‖M‖_F of every wanted Ritz pair at which the iteration stops
@@ -109,22 +109,28 @@ class Products(Lapack):
         """Scaled Newton–Schulz from `X₀ = C / ‖C‖_F`: with every singular value of `X` in `[ℓ, 1]`, the cubic
         `f(x) = (3x − x³)/2` applied to `α x` with `α = √(3 / (1 + ℓ + ℓ²))` maps `[ℓ, 1]` into `[f(αℓ), 1]`
         (`f(αℓ) = f(α)`: the optimal cubic step), so the lower end grows ~2.6× a step while small and converges
-        quadratically near 1. `floor` (A,) bounds from below the singular values that must converge, relative to
-        ‖C‖_F (an anchor whose smallest lies below it is unidentified anyway); the iteration runs until every
-        matrix's `ℓ` is 1 to rounding, then `EXTRA_POLAR_STEPS` plain steps."""
+        quadratically near 1. Each matrix steps from its own `ℓ`: an estimate of `σ_min(C) / ‖C‖_F` (inverse
+        iteration on `CᵀC`, halved) where that is above `floor` (A,), a lower bound on the singular values that
+        must converge (an anchor whose smallest lies below it is unidentified anyway). A matrix is done when
+        `‖XᵀX − I‖_F` is at rounding level, or when the same steps have provably brought every singular value
+        above `floor` to 1 (tracked from `floor`: the step maps `[ℓ', 1]` into `[min(f(αℓ'), f(α)), 1]`)."""
         norm = torch.linalg.matrix_norm(c).clamp_min(torch.finfo(c.dtype).tiny)
         x = c / norm[:, None, None]
-        low = floor.to(c.dtype).clamp(min=torch.finfo(c.dtype).eps, max=1.0)
+        eps = torch.finfo(c.dtype).eps
+        bound = floor.to(c.dtype).clamp(min=eps, max=1.0)
+        low = torch.maximum(bound, (self._smallest(x.mT @ x).sqrt() / 2).clamp(max=1.0))
         eye = torch.eye(c.shape[-1], dtype=c.dtype, device=c.device)
-        steps = 0
-        while steps < self.MAX_POLAR_STEPS and bool((low < 1 - 4 * torch.finfo(c.dtype).eps).any()):
-            alpha = torch.sqrt(3 / (1 + low + low**2))
-            # f(αX) = X (a I + b XᵀX) with a = 3α/2, b = −α³/2
-            x = x @ ((1.5 * alpha)[:, None, None] * eye - (0.5 * alpha**3)[:, None, None] * (x.mT @ x))
-            low = (1.5 * alpha * low - 0.5 * (alpha * low) ** 3).clamp(max=1.0)
-            steps += 1
-        for _ in range(self.EXTRA_POLAR_STEPS):
-            x = x @ (1.5 * eye - 0.5 * (x.mT @ x))
+        tolerance = self.POLAR_TOLERANCE * c.shape[-1] ** 0.5
+        for _ in range(self.MAX_POLAR_STEPS):
+            gram = x.mT @ x
+            done = (torch.linalg.matrix_norm(gram - eye) <= tolerance) | (bound >= 1 - 4 * eps)
+            if bool(done.all()):
+                break
+            alpha = torch.where(done, torch.ones_like(low), torch.sqrt(3 / (1 + low + low**2)))
+            # f(αX) = X (a I + b XᵀX) with a = 3α/2, b = −α³/2 (a finished matrix takes a plain step: it stays)
+            x = x @ ((1.5 * alpha)[:, None, None] * eye - (0.5 * alpha**3)[:, None, None] * gram)
+            low = _cubic(alpha, low).clamp(max=1.0)
+            bound = torch.minimum(_cubic(alpha, bound), _cubic(alpha, torch.ones_like(bound))).clamp(max=1.0)
         h = x.mT @ c
         h = (h + h.mT) / 2
         return Polar(x, h.diagonal(dim1=-2, dim2=-1).sum(dim=-1), self._smallest(h))
@@ -200,6 +206,11 @@ class Products(Lapack):
         return torch.where(info == 0, quotient.clamp_min(0), torch.zeros_like(quotient))
 
 
+def _cubic(alpha: Tensor, x: Tensor) -> Tensor:
+    """`f(αx)` with `f(x) = (3x − x³)/2`, elementwise: the Newton–Schulz step on a singular value."""
+    return 1.5 * alpha * x - 0.5 * (alpha * x) ** 3
+
+
 def _eye_like(batch: Tensor) -> Tensor:
     return torch.eye(batch.shape[-1], dtype=batch.dtype, device=batch.device).expand_as(batch)
 
@@ -210,7 +221,7 @@ def _orthonormal(block: Tensor) -> Tensor:
     for _ in range(2):
         gram = block.mT @ block
         shift = 1e-14 * gram.diagonal(dim1=-2, dim2=-1).sum(dim=-1).clamp_min(torch.finfo(block.dtype).tiny)
-        factor = torch.linalg.cholesky(gram + shift[..., None, None] * _eye_like(gram))
+        factor = torch.linalg.cholesky_ex(gram + shift[..., None, None] * _eye_like(gram)).L  # no sync to check
         block = torch.linalg.solve_triangular(factor.mT, block, upper=True, left=False)
     return block
 
