@@ -80,7 +80,7 @@ def full_sizes() -> Sizes:
         ceilings=CeilingRun(disk_bytes=2 << 30, transfer_bytes=1 << 30, repeats=2),
         extraction=ModelRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 256, batch=8, repeats=3),
         knn=KnnRun(pool=65536, d=768, anchors=2048, chunk=4096, repeats=2),
-        fits=FitRun(d=768, k=768 + 64, n_seq=32, seq_len=64, anchors=64, repeats=2),
+        fits=FitRun(d=768, k=768 + 64, n_seq=32, seq_len=64, anchors=64, repeats=1),
         patching=PatchRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 256, n_seq=16, copies_per_seq=8, batch=32, repeats=2),
         steps=ModelRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 1024, batch=8, repeats=5),
         mamba=ModelRun("mamba", ModelSize(d_model=768, n_layers=4, d_state=16, expand=2), GPT2_VOCAB, 256, batch=4,
