@@ -60,7 +60,8 @@ class _OnHost(NamedTuple):
 class _DeviceToHost:
     """Copies of captured states to host memory. On CUDA: into pinned (page-locked) host memory, asynchronously,
     on a stream of their own, so that a batch's copies run while the next batch's forward computes (the DMA
-    engine and the SMs work at once); on the CPU the states are host memory already and nothing is copied.
+    engine and the SMs work at once); on the CPU the states are host memory already and nothing is copied (any
+    other device copies them, blocking).
 
     Pinned blocks come from torch's caching host allocator: one is reused only once the copy into it has
     completed and nothing refers to it any more, i.e. once the writer is done with the Arrow column that views it
@@ -71,8 +72,8 @@ class _DeviceToHost:
         self.in_flight = 0 if self.stream is None else 1  # batches whose rows wait for the next forward's launch
 
     def start(self, seq_ids: np.ndarray, tokens: np.ndarray, states: list[torch.Tensor]) -> _OnHost:
-        if self.stream is None:
-            return _OnHost(seq_ids, tokens, states, None)
+        if self.stream is None:  # `cpu()` copies from another device, and is the tensor itself on the CPU
+            return _OnHost(seq_ids, tokens, [state.cpu() for state in states], None)
         self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the forward that made them
         on_host = []
         with torch.cuda.stream(self.stream):
