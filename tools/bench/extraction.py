@@ -3,8 +3,10 @@ encodings it could write (why the stored one was chosen)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,8 @@ def _extraction_model(size: ExtractionSize) -> Any:
 
 def extract_to_parquet(model: Any, tokens: np.ndarray, batch_size: int, root: Path, half: bool = False) -> int:
     """The extract stage's path for one shard: hooks, Arrow batches, `ShardWriter` (atomic, manifest); float16
-    vectors with `half`."""
+    vectors with `half`. Timed repeatedly, give each call a `root` of its own (`fresh_roots`): a shard written
+    again first deletes its previous files, which the stage does only when it redoes a shard."""
     from pipeline.core.store import ManifestKey, ShardWriter
     from pipeline.study_a.extract import extract_batches
 
@@ -44,6 +47,12 @@ def extract_to_parquet(model: Any, tokens: np.ndarray, batch_size: int, root: Pa
             writer.write({"model": "bench", "layer": layer}, batch)
             rows += batch.num_rows
     return rows
+
+
+def fresh_roots(folder: Path) -> Callable[[], Path]:
+    """A new, empty folder under `folder` at each call."""
+    calls = itertools.count()
+    return lambda: folder / str(next(calls))
 
 
 def bare_forward(model: Any, tokens: np.ndarray, batch_size: int) -> int:
@@ -73,7 +82,7 @@ def extraction_throughput(size: ExtractionSize, batch_size: int, threads: int) -
     tokens = token_ids(size.n_seq, size.seq_len, size.vocab, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
         cases = {
-            "extract_path": lambda: extract_to_parquet(model, tokens, batch_size, Path(tmp)),
+            "extract_path": lambda roots=fresh_roots(Path(tmp)): extract_to_parquet(model, tokens, batch_size, roots()),
             "bare_forward": lambda: bare_forward(model, tokens, batch_size),
         }
         timings = interleaved(cases, size.repeats)

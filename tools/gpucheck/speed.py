@@ -38,7 +38,7 @@ from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.optim import build_optimizers, partition_parameters, resolve_head_step
 from pipeline.study_b.recipes import RECIPES
 from pipeline.study_b.train import HeadInputs
-from tools.bench.extraction import extract_to_parquet
+from tools.bench.extraction import extract_to_parquet, fresh_roots
 from tools.bench.measure import interleaved
 from tools.bench.recipe_costs import COSTS
 from tools.bench.sizes import fit_bench_classes
@@ -210,8 +210,9 @@ def extraction_speed(run: ModelRun, ceiling: CeilingRun, device: torch.device) -
     model = _build(run, device).eval()
     tokens = token_ids(run.batch * 4, run.seq_len, run.vocab, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        cases = {"extract_path": lambda: extract_to_parquet(model, tokens, run.batch, Path(tmp) / "f32"),
-                 "extract_path_float16": lambda: extract_to_parquet(model, tokens, run.batch, Path(tmp) / "f16", True),
+        roots = fresh_roots(Path(tmp))
+        cases = {"extract_path": lambda: extract_to_parquet(model, tokens, run.batch, roots()),
+                 "extract_path_float16": lambda: extract_to_parquet(model, tokens, run.batch, roots(), True),
                  "bare_forward": lambda: _bare_forward(model, tokens, run.batch, device)}  # fmt: skip
         timings = interleaved(_synced(cases, device), run.repeats)
     per_s = {case: tokens.size / timings.median(case) for case in cases}
