@@ -8,7 +8,14 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.core.contracts import ACTIVATIONS, external_table_id, path_id, trained_model_id
+from pipeline.core.contracts import (
+    ACTIVATIONS,
+    check_stored_vectors,
+    external_table_id,
+    path_id,
+    trained_model_id,
+    vector_shape,
+)
 from pipeline.core.errors import InputError
 from pipeline.core.store import folder_digest, verified_files
 from pipeline.params import Params
@@ -82,7 +89,9 @@ def activation_shapes(layout: Layout, files: list[Path]) -> dict[str, tuple[int,
     shapes: dict[str, tuple[int, int]] = {}
     for path in files:
         values = ACTIVATIONS.partition_values(path.relative_to(layout.activations))
-        width = pq.read_schema(path).field("h").type.list_size
+        stored = pq.read_schema(path).field("h").type
+        check_stored_vectors(path, ACTIVATIONS, stored)
+        width = vector_shape(stored)[0]
         top, _ = shapes.get(values["model"], (0, width))
         shapes[values["model"]] = (max(top, values["layer"]), width)
     return shapes

@@ -265,15 +265,23 @@ def rehearse(
     device: Annotated[str, typer.Option(help="cpu, or cuda on a GPU node")] = "cpu",
     threads: Annotated[int, typer.Option(min=1, help="torch threads")] = 1,
     preset: Annotated[Path, typer.Option(help="the study whose cost is extrapolated")] = Path("presets/seed.yaml"),
+    render: Annotated[
+        Optional[Path],
+        typer.Option("--render", help="measure nothing: the report again from a rehearsal's JSON (docs/scale.json), "
+                                      "e.g. after a GPU check was committed (reports/gpu.json)"),
+    ] = None,
     params: ParamsOpt = Path("params.yaml"),
 ) -> None:
     """Run the seed's model configurations (random weights) through extract, fit and perturb on a slice;
-    print the per-unit costs, peak memory and the extrapolated cost of the preset's study."""
+    print the per-unit costs, peak memory and the extrapolated cost of the preset's study (its GPU column from
+    the GPU check's reports/gpu.json)."""
     from tools.rehearse import rehearse as run_rehearsal
 
     loaded = _load(params)
+    if render is not None and not render.is_file():
+        fail(f"--render {render}: no such rehearsal JSON; `lmgeo rehearse --write docs/scale.md` writes one")
     try:
-        typer.echo(run_rehearsal(loaded, preset, write, only, device, threads))
+        typer.echo(run_rehearsal(loaded, preset, write, only, device, threads, render))
     except ParamsError as err:
         fail(about(preset, err))
 

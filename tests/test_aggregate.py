@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.core.contracts import FIT_METRICS, parse_run_id, run_id
+from pipeline.core.contracts import FIT_METRICS, parse_run_id, run_id, vectors_to_arrow
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
@@ -182,7 +182,7 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                     **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
                     "value_identified": np.ones(n, bool), "subspace_tied": np.zeros(n, bool),
                     "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
-                    "patched": pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * 3, np.float32)), 3),
+                    "patched": vectors_to_arrow(np.ones((n, 3))),
                 })  # fmt: skip
                 partition = {"model": model, "layer": layer, "fn": fn}
                 # Two shards, the second with float32 metrics: the reader unifies them.
@@ -245,7 +245,7 @@ def write_random_stratum(
     n = DEFAULT_ANCHORS
     seq = np.arange(n, dtype=np.int32)
     d = DEFAULT.train.model.d_model  # the width of `patched`: the classes' capacities are computed at it
-    patched = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(n * d, np.float32)), d)
+    patched = vectors_to_arrow(np.zeros((n, d)))
     parts = []
     for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
         rel = rng.uniform(0.1, 0.9, n)
@@ -654,7 +654,7 @@ def write_tradeoff_study(data_dir: Path, rng: np.random.Generator) -> dict[tuple
                 kl = rel + rng.normal(0, 0.05 * (1 + i), n)
                 planted[(model, layer, fn)] = (rel, kl)
                 partition = {"model": model, "layer": layer, "fn": fn}
-                patched = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(n * WIDTH, np.float32)), WIDTH)
+                patched = vectors_to_arrow(np.ones((n, WIDTH)))
                 with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
                     writer.write(partition, pa.table({"sample": ["real"] * n, "seq_id": seq, "pos": seq,
                                                       "locality": np.full(n, 0.25 + 0.5 * layer + 0.1 * seed),

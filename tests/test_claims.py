@@ -16,6 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from pipeline.core.contracts import vectors_to_arrow
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import build_tables, load_sources
 from pipeline.results.config import ReportConfig
@@ -281,9 +282,7 @@ def test_null_patches_have_the_residuals_norm_and_the_stated_count_of_directions
     rng = np.random.default_rng(5)
     clean = rng.normal(size=(6, 4))
     patched = clean - rng.normal(size=(6, 4))
-    column = pa.FixedSizeListArray.from_arrays(
-        pa.array(patched.astype(np.float32).ravel()), 4, mask=pa.array([False] * 5 + [True])
-    )
+    column = vectors_to_arrow(patched, null=np.array([False] * 5 + [True]))
     patches = null_patches(column, clean, rng, directions=9)
     assert patches.valid.tolist() == [True] * 5 + [False]
     assert patches.random.shape == (5, 9, 4) and patches.other.shape == (5, 4)
@@ -299,9 +298,7 @@ def test_null_patches_have_the_residuals_norm_and_the_stated_count_of_directions
 def test_the_other_anchor_null_needs_two_anchors():
     rng = np.random.default_rng(6)
     clean = rng.normal(size=(3, 4))
-    column = pa.FixedSizeListArray.from_arrays(
-        pa.array((clean - 1).astype(np.float32).ravel()), 4, mask=pa.array([False, True, True])
-    )
+    column = vectors_to_arrow(clean - 1, null=np.array([False, True, True]))
     patches = null_patches(column, clean, rng, directions=8)
     assert patches.valid.sum() == 1 and patches.other is None and patches.random.shape == (1, 8, 4)
 

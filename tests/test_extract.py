@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import SEQ_LEN, VOCAB, tiny_size
 
+from pipeline.core.contracts import arrow_to_vectors, vector_type
 from pipeline.models.hooks import block_input, block_output
 from pipeline.models.registry import blocks_of, build_model, final_norm_of, head_of
 from pipeline.study_a.extract import extract_batches
@@ -30,7 +31,7 @@ def _extract(model, tokens, batch_size=2) -> dict[int, np.ndarray]:
     """layer → (n_seq, seq_len, d), assembled from the streamed batches (after checking their rows)."""
     per_layer: dict[int, list[np.ndarray]] = {}
     for layer, batch in extract_batches(model, tokens, np.arange(100, 100 + N_SEQ), batch_size, "cpu"):
-        h = batch.column("h").flatten().to_numpy().reshape(-1, SEQ_LEN, TINY.d_model)
+        h = arrow_to_vectors(batch.column("h")).reshape(-1, SEQ_LEN, TINY.d_model)
         per_layer.setdefault(layer, []).append(h)
     return {layer: np.concatenate(parts) for layer, parts in per_layer.items()}
 
@@ -113,7 +114,7 @@ def test_rows_cover_every_position_of_every_sequence(model, tokens):
         assert table.schema.field("seq_id").type == pa.int32()
         assert table.schema.field("pos").type == pa.int32()
         assert table.schema.field("token_id").type == pa.int32()
-        assert table.schema.field("h").type == pa.list_(pa.float32(), TINY.d_model)
+        assert table.schema.field("h").type == vector_type(TINY.d_model)
         assert table.column("seq_id").to_pylist() == np.repeat(seq_ids, SEQ_LEN).tolist()
         assert table.column("pos").to_pylist() == list(range(SEQ_LEN)) * N_SEQ
         assert table.column("token_id").to_pylist() == tokens.reshape(-1).tolist()
@@ -128,10 +129,7 @@ def test_extraction_restores_training_mode(tokens):
 def test_half_precision_vectors_are_opt_in(model, tokens):
     full = dict(extract_batches(model, tokens[:2], np.arange(2), batch_size=2))
     half = dict(extract_batches(model, tokens[:2], np.arange(2), batch_size=2, half=True))
-    assert full[1].schema.field("h").type == pa.list_(pa.float32(), TINY.d_model)
-    assert half[1].schema.field("h").type == pa.list_(pa.float16(), TINY.d_model)
-    np.testing.assert_allclose(
-        half[1].column("h").flatten().to_numpy().astype(np.float32),
-        full[1].column("h").flatten().to_numpy(),
-        rtol=1e-3, atol=1e-4,
-    )
+    assert full[1].schema.field("h").type == vector_type(TINY.d_model)
+    assert half[1].schema.field("h").type == vector_type(TINY.d_model, half=True)
+    full_h = arrow_to_vectors(full[1].column("h"))
+    np.testing.assert_array_equal(arrow_to_vectors(half[1].column("h")), full_h.astype(np.float16).astype(np.float32))

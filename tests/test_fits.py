@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pipeline.core.contracts import FIT_METRICS as METRICS
-from pipeline.core.contracts import FITS
+from pipeline.core.contracts import FITS, arrow_to_vectors, vector_type
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.diag_psd import fit_diag_psd
 from pipeline.study_a.classes.lowrank import fit_lowrank
@@ -50,9 +50,11 @@ def assert_rows_match(table, rows, tol=1e-4):
         assert [g is None for g in got] == [w is None for w in want], name
         present = np.array([(g, w) for g, w in zip(got, want) if g is not None]).reshape(-1, 2)
         np.testing.assert_allclose(present[:, 0], present[:, 1], atol=tol, rtol=tol, err_msg=name)
-    got = [g for g in table.column("patched").to_pylist() if g is not None]
+    patched = table.column("patched")
+    assert patched.is_null().to_pylist() == [r["patched"] is None for r in rows]
+    got = arrow_to_vectors(patched.filter(patched.is_valid()))
     want = [r["patched"] for r in rows if r["patched"] is not None]
-    np.testing.assert_allclose(np.array(got), np.array(want), atol=tol, rtol=tol)
+    np.testing.assert_allclose(got, np.array(want).reshape(got.shape), atol=tol, rtol=tol)
 
 
 # ------------------------------------------------------------------------------------------- data
@@ -115,6 +117,8 @@ def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
     chunked = fit_one(x, y, seq, pos, tok, anchors, fn, cfg)[0]
     for name in chunked.column_names:
         got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
+        if name == "patched":  # stored vectors: compare the decoded values
+            got, want = (_vectors_or_none(table.column(name)) for table in (chunked, whole))
         if name in ("sample", "value_identified", "operator_identified", "converged", "subspace_tied", "seq_id",
                     "pos", "token_id", "k", "input_rank"):
             assert got == want, name
@@ -125,6 +129,13 @@ def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
                 np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-12, err_msg=name)
 
 
+def _vectors_or_none(column):
+    """A vector column as one array per row, None where the row is null."""
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    values = iter(arrow_to_vectors(column.filter(column.is_valid())))
+    return [next(values) if known else None for known in valid]
+
+
 def test_schema_is_the_contract():
     assert FITS.file_schema(3).names == [
         "sample", "seq_id", "pos", "token_id", "k", "locality", "rel_err", "rel_err_state", "cos_full_tok",
@@ -132,7 +143,7 @@ def test_schema_is_the_contract():
         "norm_res", "input_rank", "value_identified", "operator_identified", "converged", "subspace_tied", "patched",
         "n_nonfinite", "n_distinct",
     ]
-    assert FITS.file_schema(3).field("patched").type == pa.list_(pa.float32(), 3)
+    assert FITS.file_schema(3).field("patched").type == vector_type(3)
 
 
 # ---------------------------------------------------------------------------------- class checks
@@ -206,7 +217,7 @@ def test_a_scaled_rotation_is_recovered_and_never_flagged():
                           ["similarity", "orthogonal"], cfg)  # fmt: skip
     sim = tables["similarity"]
     assert all(sim.column("value_identified").to_pylist()) and all(sim.column("operator_identified").to_pylist())
-    patched = np.array(sim.column("patched").to_pylist())
+    patched = arrow_to_vectors(sim.column("patched"))
     np.testing.assert_allclose(patched, y[anchors].astype(np.float32), rtol=0, atol=1e-5 * np.abs(y).max())
     assert max(sim.column("rel_err").to_pylist()) < 1e-3
     assert min(tables["orthogonal"].column("rel_err").to_pylist()) > 0.24  # ‖0.4 Qx‖ / ‖0.6 Qx − x‖ ≥ 0.4 / 1.6
@@ -239,7 +250,7 @@ def test_fits_recover_the_tokenwise_map_and_leave_the_cross_token_term(fn):
     cfg = AnalysisConfig(k=1500, anchors=20, rank=2, p=2, ridge=1e-6)
     anchors = choose_anchors(len(x), 20, seed=0)
     table, _ = fit_one(x, y, seq, np.zeros_like(seq), seq, anchors, fn, cfg)
-    patched = np.array(table.column("patched").to_pylist())
+    patched = arrow_to_vectors(table.column("patched"))
     residual = y[anchors] - patched
     c = cross[anchors]
     map_error = np.linalg.norm(patched - mapped[anchors], axis=1) / np.linalg.norm(c, axis=1)

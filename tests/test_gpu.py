@@ -16,6 +16,7 @@ from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_b import hilbert
 from pipeline.study_b.baseline import baseline
+from tools.bench.sizes import identifiable_k
 from tools.gpucheck import compare
 
 pytestmark = [
@@ -24,7 +25,7 @@ pytestmark = [
 ]
 CUDA = torch.device("cuda")
 STUDY_A = compare.StudyAShape("tiny", tiny_size(), VOCAB, SEQ_LEN, n_seq=6, batch=3, anchors=16, patch_anchors=4,
-                              knn_chunk=32)
+                              knn_chunk=32, k=identifiable_k(tiny_size().d_model))
 TRAIN = compare.TrainShape("tiny", tiny_size(), VOCAB, SEQ_LEN, batch=2, steps=3, save_checkpoints=True)
 
 

@@ -76,6 +76,53 @@ def test_the_hilbert_invariant_counts_violations_and_sampled_diameters():
     assert found == {"logged": 3, "held": 1, "max_ratio": pytest.approx(1.1)}
 
 
+# ------------------------------------------------------------------------------ fit comparisons
+def _fit_table():
+    from pipeline.study_a.config import AnalysisConfig
+    from pipeline.study_a.fits import choose_anchors, fit_layer
+    from tools.bench.synthetic import synthetic_states
+
+    states = synthetic_states(n_seq=8, seq_len=12, d=6, n_layers=1, seed=2)
+    seq = np.repeat(np.arange(8), 12)
+    cfg = AnalysisConfig(k=12, anchors=6, rank=2, p=2)
+    anchors = choose_anchors(96, 6, seed=0)
+    return fit_layer(states[0], states[1], seq, seq, seq, anchors, ["orthogonal"], cfg)[0]["orthogonal"]
+
+
+def _with(table: pa.Table, name: str, values: list) -> pa.Table:
+    return table.set_column(table.schema.get_field_index(name), name, pa.array(values, table.schema.field(name).type))
+
+
+def test_fit_comparisons_are_null_aware_and_leave_tied_anchors_out_of_the_subspace_columns():
+    from pipeline.core.contracts import arrow_to_vectors, vectors_to_arrow
+    from tools.gpucheck.compare import compare_fit_tables
+
+    cpu = _fit_table()
+    assert all(cpu["operator_identified"].to_pylist())  # k = 2d: every anchor is compared
+    same = compare_fit_tables(cpu, cpu)
+    assert not same.mismatched and same.tied == 0 and all(a.passed for a in same.values.values())
+    # A tied anchor (on either device) is left out of proj_full / proj_res, whatever its values there.
+    tied_flag = [True] + cpu["subspace_tied"].to_pylist()[1:]
+    off = [v + 0.5 for v in cpu["proj_res"].to_pylist()]
+    both = compare_fit_tables(_with(_with(cpu, "proj_res", off), "subspace_tied", tied_flag),
+                              _with(cpu, "subspace_tied", tied_flag))
+    assert both.tied == 1 and not both.values["proj_res"].passed  # the other anchors' values are off
+    only_tied = [v + 0.5 if i == 0 else v for i, v in enumerate(cpu["proj_res"].to_pylist())]
+    left_out = compare_fit_tables(_with(_with(cpu, "proj_res", only_tied), "subspace_tied", tied_flag),
+                                  _with(cpu, "subspace_tied", tied_flag))
+    assert left_out.values["proj_res"].passed and left_out.values["proj_res"].size == len(only_tied) - 1
+    # A flag that differs is named (the tie itself must agree)...
+    assert "subspace_tied" in compare_fit_tables(_with(cpu, "subspace_tied", tied_flag), cpu).mismatched
+    # ...so is a column null on one device only; its values are compared where both have one.
+    nulled = compare_fit_tables(_with(cpu, "rel_err", [None] + cpu["rel_err"].to_pylist()[1:]), cpu)
+    assert nulled.mismatched == ["rel_err"] and nulled.values["rel_err"].passed
+    vectors = arrow_to_vectors(cpu["patched"]).copy()
+    vectors[2, 0] += 1e-2
+    moved = compare_fit_tables(cpu.set_column(cpu.schema.get_field_index("patched"), "patched",
+                                              vectors_to_arrow(vectors)), cpu)
+    assert not moved.values["patched"].passed and not moved.mismatched
+
+
 # ---------------------------------------------------------------------------- runner and summary
 def _raise() -> Outcome:
     raise RuntimeError("boom")

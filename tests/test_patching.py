@@ -9,6 +9,7 @@ from conftest import SEQ_LEN, VOCAB, tiny_size
 from scipy.special import log_softmax
 from transformers import DynamicCache
 
+from pipeline.core.contracts import vectors_to_arrow
 from pipeline.models.hooks import block_output
 from pipeline.models.registry import blocks_of, build_model, head_of
 from pipeline.study_a import patching
@@ -225,19 +226,17 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     seq = np.repeat(np.arange(N_SEQ, dtype=np.int32), SEQ_LEN)
     pos = np.tile(np.arange(SEQ_LEN, dtype=np.int32), N_SEQ)
     h_next = states[layer + 1].reshape(-1, d)
-    vectors = lambda rows: pa.FixedSizeListArray.from_arrays(pa.array(rows.ravel()), d)  # noqa: E731
     anchors = np.array([3, 20, 41])
     rng = np.random.default_rng(4)
     patched = (h_next[anchors] + rng.normal(0, 1.0, (3, d))).astype(np.float32)
     fits = {
         "diag_psd": pa.table({"sample": ["real"] * 3, "seq_id": seq[anchors], "pos": pos[anchors],
-                              "patched": vectors(patched)}),
+                              "patched": vectors_to_arrow(patched)}),
         "lowrank": pa.table({"sample": ["real"] * 2, "seq_id": seq[anchors[:2]], "pos": pos[anchors[:2]],
-                             "patched": pa.FixedSizeListArray.from_arrays(pa.array(patched[:2].ravel()), d,
-                                                                          mask=pa.array([False, True]))}),
+                             "patched": vectors_to_arrow(patched[:2], null=np.array([False, True]))}),
     }  # fmt: skip
     tokens_rows = pa.table({"seq_id": seq, "token_id": tokens.ravel().astype(np.int32)})
-    outputs = pa.table({"seq_id": seq, "pos": pos, "h": vectors(h_next.astype(np.float32))})
+    outputs = pa.table({"seq_id": seq, "pos": pos, "h": vectors_to_arrow(h_next)})
     tables = perturb_layer(model, tokens_rows, outputs, fits, layer, seed=7, batch_size=5, directions=8)
     full = tables["diag_psd"].to_pydict()
     assert full["n_random"] == [8, 8, 8] and all(v is not None for v in full["kl_other"])

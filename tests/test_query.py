@@ -8,10 +8,12 @@ import json
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from test_aggregate import CFG, KEY, sources, write_tiny_study
 
+from pipeline.core.contracts import vectors_to_arrow
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import aggregate
 from pipeline.results.query import QueryError, check_read_only
@@ -245,6 +247,31 @@ def test_params_and_stored_vectors_are_queryable(workspace: Path) -> None:
     )
     assert vectors.to_pylist() == [{"model": "gpt2-muon-s0@final", "d": 3, "cos": pytest.approx(1.0)}]
     assert "patched" not in query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()
+
+
+@pytest.mark.parametrize("half", [False, True])
+def test_the_vector_views_decode_the_stored_bytes_and_keep_null_rows(tmp_path: Path, half: bool) -> None:
+    vectors = np.random.default_rng(3).standard_normal((4, 5)).astype(np.float32)
+    stored = vectors.astype(np.float16).astype(np.float32) if half else vectors
+    with ShardWriter(tmp_path / "data" / "activations", "m/seq=0", KEY) as writer:
+        writer.write({"model": "m", "layer": 0}, pa.table({
+            "seq_id": pa.array([0, 0, 1, 1], pa.int32()), "pos": pa.array([0, 1, 0, 1], pa.int32()),
+            "token_id": pa.array([5, 6, 7, 8], pa.int32()),
+            "h": vectors_to_arrow(vectors, half=half, null=np.array([False, False, True, False]))}))  # fmt: skip
+    rows = query_table("SELECT seq_id, pos, h FROM activation_vectors ORDER BY seq_id, pos", None, tmp_path)
+    assert rows["h"].to_pylist() == [*stored[:2].tolist(), None, stored[3].tolist()]
+    assert query_table("SELECT count(*) AS n FROM activations", None, tmp_path)["n"].to_pylist() == [4]
+
+
+def test_vectors_in_the_old_format_are_named_with_the_command_that_rewrites_them(tmp_path: Path) -> None:
+    old = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(6, np.float32)), 3)
+    with ShardWriter(tmp_path / "data" / "activations", "m/seq=0", KEY) as writer:
+        writer.write({"model": "m", "layer": 0}, pa.table({"seq_id": pa.array([0, 1], pa.int32()),
+                                                           "pos": pa.array([0, 0], pa.int32()), "h": old}))
+    with pytest.raises(QueryError, match=r"vectors stored as fixed_size_list.*`lmgeo extract`") as refused:
+        query_table("SELECT h FROM activation_vectors", None, tmp_path)
+    assert "\n" not in str(refused.value)
+    assert query_table("SELECT count(*) AS n FROM activations", None, tmp_path)["n"].to_pylist() == [2]  # scalars
 
 
 def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: Path, monkeypatch) -> None:

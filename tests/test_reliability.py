@@ -53,6 +53,7 @@ from reliability_helpers import (
     write_raw_params,
 )
 
+from pipeline.core.contracts import arrow_to_vectors, vectors_to_arrow
 from pipeline.core.store import manifest_path, verify_shard
 
 pytestmark = pytest.mark.slow
@@ -352,11 +353,10 @@ def test_nonfinite_activations_are_counted_and_excluded(extracted, tmp_path):
     def poison(partition: dict[str, str], table: pa.Table) -> pa.Table:
         if partition["layer"] != "1":
             return table
-        h = np.array(table["h"].combine_chunks().flatten().to_numpy(), dtype=np.float32).reshape(table.num_rows, -1)
+        h = arrow_to_vectors(table["h"]).copy()
         for row, value in poisoned.items():
             h[row, row % h.shape[1]] = value  # one bad coordinate is enough to exclude the token
-        column = pa.FixedSizeListArray.from_arrays(pa.array(h.reshape(-1)), h.shape[1])
-        return table.set_column(table.schema.get_field_index("h"), "h", column)
+        return table.set_column(table.schema.get_field_index("h"), "h", vectors_to_arrow(h))
 
     shard = f"{MODEL}/seq=0"
     rewrite_shard(workspace / "data" / "activations", shard, poison)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -23,7 +24,19 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.core import store
-from pipeline.core.contracts import VECTOR, Dataset, read
+from pipeline.core.contracts import (
+    VECTOR,
+    Dataset,
+    OldVectorFormat,
+    arrow_to_vectors,
+    is_vector_type,
+    read,
+    stored_vector_dtype,
+    vector_shape,
+    vector_type,
+    vectors_as_lists,
+    vectors_to_arrow,
+)
 from pipeline.core.errors import InputError
 from pipeline.core.store import (
     PLAN_FILE,
@@ -31,7 +44,6 @@ from pipeline.core.store import (
     ManifestKey,
     ShardWriter,
     StaleShardError,
-    arrow_to_vectors,
     atomic_path,
     dataset_digest,
     file_sha256,
@@ -39,8 +51,6 @@ from pipeline.core.store import (
     prune_shards,
     shard_complete,
     shard_slug,
-    vector_type,
-    vectors_to_arrow,
     verified_files,
     verify_shard,
     write_plan,
@@ -83,9 +93,12 @@ MANIFESTS = store.MANIFEST_DIR
 
 
 # ------------------------------------------------------------------------------------- vectors
-def test_vector_types() -> None:
-    assert vector_type(8) == pa.list_(pa.float32(), 8)
-    assert vector_type(8, half=True) == pa.list_(pa.float16(), 8)
+def test_vector_types_are_fixed_width_bytes_naming_their_element_type() -> None:
+    assert vector_type(8).storage_type == pa.binary(32) and vector_shape(vector_type(8)) == (8, "float32")
+    half = vector_type(8, half=True)
+    assert half.storage_type == pa.binary(16) and vector_shape(half) == (8, "float16")
+    assert is_vector_type(vector_type(8)) and not is_vector_type(pa.binary(32))
+    assert vector_type(8) != vector_type(8, half=True) and vector_type(8) != vector_type(4)
     with pytest.raises(ValueError):
         vector_type(0)
 
@@ -96,35 +109,72 @@ def test_vectors_round_trip_through_parquet_and_duckdb(tmp_path: Path, half: boo
     expected = x.astype(np.float16).astype(np.float32) if half else x
     column = vectors_to_arrow(x, half=half)
     assert column.type == vector_type(5, half)
+    # The documented encoding: each row's values as little-endian bytes, nothing else.
+    little_endian = x.astype("<f2" if half else "<f4")
+    assert [v.as_py() for v in column.storage] == [row.tobytes() for row in little_endian]
     assert np.array_equal(arrow_to_vectors(column), expected)
     pq.write_table(pa.table({"h": column}), tmp_path / "v.parquet")
+    assert pq.read_schema(tmp_path / "v.parquet").field("h").type == vector_type(5, half)  # self-describing
     assert np.array_equal(arrow_to_vectors(pq.read_table(tmp_path / "v.parquet")["h"]), expected)
-    # DuckDB hands back a variable-size list (Parquet has no fixed-size list); it converts all the same.
-    from_duckdb = duckdb.sql(f"SELECT h FROM '{tmp_path / 'v.parquet'}'").to_arrow_table()["h"]
-    assert pa.types.is_list(from_duckdb.type)
-    out = arrow_to_vectors(from_duckdb)
+    # DuckDB sees the raw bytes (BLOB); the views of `lmgeo query` decode them to FLOAT[], which converts back.
+    blobs = duckdb.sql(f"SELECT h FROM '{tmp_path / 'v.parquet'}'").to_arrow_table()["h"]
+    lists = vectors_as_lists(blobs, "float16" if half else "float32")
+    assert pa.types.is_list(lists.type) and lists.to_pylist() == expected.tolist()
+    out = arrow_to_vectors(lists)
     assert out.dtype == np.float32 and np.array_equal(out, expected)
+
+
+def test_null_vectors_stay_null_through_every_decoder() -> None:
+    x = np.arange(12, dtype=np.float32).reshape(4, 3)
+    column = vectors_to_arrow(x, null=np.array([False, True, False, False]))
+    assert column.is_null().to_pylist() == [False, True, False, False]
+    with pytest.raises(ValueError, match="1 null rows"):
+        arrow_to_vectors(column)
+    assert np.array_equal(arrow_to_vectors(column.filter(column.is_valid())), x[[0, 2, 3]])
+    blobs = pa.array([b.as_py() for b in column.storage], pa.binary())  # as DuckDB hands them over
+    assert vectors_as_lists(blobs.slice(1), "float32").to_pylist() == [None, [6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]
 
 
 def test_arrow_to_vectors_is_zero_copy_for_one_float32_chunk_and_honours_slices() -> None:
     x = np.arange(24, dtype=np.float32).reshape(8, 3)
     column = vectors_to_arrow(x)
     out = arrow_to_vectors(column)
-    buffer = np.frombuffer(column.values.buffers()[1], dtype=np.float32)
-    assert np.shares_memory(out, buffer)
+    assert np.shares_memory(out, x)  # neither the encoder nor the decoder copied
     assert np.array_equal(arrow_to_vectors(column.slice(2, 3)), x[2:5])
     chunked = pa.chunked_array([column.slice(0, 3), column.slice(3, 5)])
     assert np.array_equal(arrow_to_vectors(chunked), x)
     assert arrow_to_vectors(pa.chunked_array([], vector_type(3))).shape == (0, 3)
 
 
-def test_arrow_to_vectors_refuses_ragged_or_null_rows() -> None:
+def test_arrow_to_vectors_refuses_ragged_lists_and_non_vectors() -> None:
     with pytest.raises(ValueError, match="different lengths"):
         arrow_to_vectors(pa.array([[1.0, 2.0], [3.0]], pa.list_(pa.float32())))
-    with pytest.raises(ValueError, match="null"):
-        arrow_to_vectors(pa.array([[1.0, 2.0], None], vector_type(2)))
+    with pytest.raises(TypeError, match="vector column"):
+        arrow_to_vectors(pa.array([1.0, 2.0]))
     with pytest.raises(ValueError, match=r"\(n, d\)"):
         vectors_to_arrow(np.zeros(3))
+
+
+def test_vectors_survive_pickling_as_through_rays_object_store() -> None:
+    table = pa.table({"h": vectors_to_arrow(np.eye(3), half=True)})
+    back = pickle.loads(pickle.dumps(table))
+    assert back.schema.field("h").type == vector_type(3, half=True) and np.array_equal(arrow_to_vectors(back["h"]),
+                                                                                         np.eye(3))
+
+
+def test_vectors_in_the_old_list_format_are_refused_naming_the_command_that_rewrites_them(tmp_path: Path) -> None:
+    old = pa.FixedSizeListArray.from_arrays(pa.array(np.zeros(6, np.float32)), 3)
+    with pytest.raises(OldVectorFormat, match=r"before vector format 2.*`lmgeo extract`"):
+        arrow_to_vectors(old)
+    with ShardWriter(tmp_path, "s", KEY) as writer:
+        writer.write({"model": "m", "layer": 0}, pa.table({"seq_id": pa.array([0, 1], pa.int32()),
+                                                           "pos": pa.array([0, 0], pa.int32()), "h": old}))
+    files = verified_files(tmp_path)
+    with pytest.raises(OldVectorFormat, match=r"part-.*\.parquet: vectors stored as fixed_size_list.*`lmgeo extract`"):
+        read(tmp_path, ROWS, files, {"layer": 0})
+    with pytest.raises(OldVectorFormat, match="`lmgeo extract`"):
+        stored_vector_dtype(files, ROWS, "h")
+    assert str(read(tmp_path, ROWS, files, {"layer": 0}, columns=["seq_id"])["seq_id"].type) == "int32"  # scalars
 
 
 # ---------------------------------------------------------------------------------------- hashes
@@ -219,6 +269,27 @@ def test_queued_writes_land_in_order_whatever_the_queue_depth(tmp_path: Path, mo
     assert np.array_equal(arrow_to_vectors(table["h"]), want)
 
 
+def test_parallel_partition_files_have_the_bytes_of_one_sequential_writer_and_their_hashes(tmp_path: Path) -> None:
+    """Each partition's file is written on its own thread and hashed while it grows: the bytes are those a
+    plain sequential `ParquetWriter` writes from the same batches, and the manifest holds their sha256."""
+    with ShardWriter(tmp_path / "threads", "s", KEY) as writer:
+        for seq in range(5):
+            for layer in range(3):
+                writer.write({"model": "m", "layer": layer}, rows(10 * seq + layer, n=50, d=16))
+    manifest = json.loads(store.manifest_path(tmp_path / "threads", "s").read_text())
+    for entry in manifest["files"]:
+        written = tmp_path / "threads" / entry["path"]
+        layer = ROWS.partition_values(Path(entry["path"]))["layer"]
+        assert entry["sha256"] == hashlib.sha256(written.read_bytes()).hexdigest() and entry["rows"] == 250
+        batches = [rows(10 * seq + layer, n=50, d=16) for seq in range(5)]
+        schema = batches[0].schema.with_metadata(pq.read_schema(written).metadata)
+        plain = tmp_path / f"plain-{layer}.parquet"
+        with pq.ParquetWriter(plain, schema, **store._encoding(schema)) as sequential:
+            for batch in batches:
+                sequential.write_table(batch)
+        assert plain.read_bytes() == written.read_bytes()
+
+
 def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None:
     write_shard(tmp_path, "s", layers=(0, 1))
     write_shard(tmp_path, "other", layers=(0,))
@@ -235,6 +306,7 @@ WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np, pyarrow as pa
     from pipeline.core import store
+    from pipeline.core.contracts import vectors_to_arrow
     root, shard, moment = sys.argv[1], sys.argv[2], sys.argv[3]
     key = store.ManifestKey({"activations": "abc123"}, "p1", "c1")
     if moment == "before-manifest":  # die after the renames, before the manifest
@@ -242,7 +314,7 @@ WRITER = textwrap.dedent("""
     with store.ShardWriter(root, shard, key) as writer:
         for i in range(10 if moment == "before-manifest" else 10**9):
             table = pa.table({"seq_id": pa.array([i] * 4, pa.int32()), "pos": pa.array(range(4), pa.int32()),
-                              "h": store.vectors_to_arrow(np.ones((4, 3)))})
+                              "h": vectors_to_arrow(np.ones((4, 3)))})
             writer.write({"model": "m", "layer": i % 2}, table)
             if i == 20:
                 print("writing", flush=True)

@@ -252,7 +252,7 @@ def probe_tokens(model, seed: int = 1) -> np.ndarray:
 
 def extract_and_check(model, n_blocks: int, width: int) -> list[np.ndarray]:
     """Extraction's rows for every layer 0..L, as (n_seq, seq_len, d) arrays."""
-    from pipeline.core.store import arrow_to_vectors
+    from pipeline.core.contracts import arrow_to_vectors
     from pipeline.study_a.extract import extract_batches
 
     tokens = probe_tokens(model)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -155,7 +155,7 @@ def rehearse(name: str, size: Slice, device: str = "cpu", seed: int = 0, threads
 
 def _extract(model, tokens: np.ndarray, layer: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
     """Extraction of every layer (what the stage writes), keeping `h_layer` and `h_{layer+1}` (n, d)."""
-    from pipeline.core.store import arrow_to_vectors
+    from pipeline.core.contracts import arrow_to_vectors
     from pipeline.study_a.extract import extract_batches
 
     kept: dict[int, list[np.ndarray]] = {layer: [], layer + 1: []}
@@ -257,8 +257,14 @@ def rehearse_all(names: list[str], size: Slice, device: str = "cpu", threads: in
     return [run_fresh(rehearse, threads, name=name, size=size, device=device) for name in names]
 
 
-def as_json(results: list[Measured], size: Slice) -> dict[str, Any]:
-    return {"slice": asdict(size), "models": [asdict(r) for r in results]}
+def as_json(results: list[Measured], size: Slice, header: dict[str, Any]) -> dict[str, Any]:
+    """The measurements and what the report's header states about them (`header`: command, machine, threads),
+    so that `lmgeo rehearse --render` can write the report again without measuring."""
+    return {**header, "slice": asdict(size), "models": [asdict(r) for r in results]}
+
+
+def from_json(document: dict[str, Any]) -> tuple[list[Measured], Slice]:
+    return [Measured(**m) for m in document["models"]], Slice(**document["slice"])
 
 
 # ------------------------------------------------------------------------------------------ extrapolation
@@ -321,11 +327,64 @@ class Study:
 
 
 @dataclass(frozen=True)
-class Node:
-    """What one GPU node is assumed to do, relative to what was measured here."""
+class GpuCosts:
+    """Per-unit costs the GPU check measured on one GPU (`python -m tools.gpucheck`, its `gpu.json` committed as
+    `reports/gpu.json`), at GPT-2 small (d = 768): the GPU column is built from these alone, scaled to each
+    model as the CPU's are. Without them the column says it is not measured."""
 
-    forward_flops: float = 20e12  # sustained float32 FLOP/s of a model's forward (H100: 67 peak; no TF32)
-    fit_speedup: float = 50.0  # the fits' batched float64 factorisations, against one core here (a guess)
+    device: str
+    started_utc: str
+    commit: str
+    extract_s_per_token: float  # the extract path (float32, to disk), GPT-2 small
+    fit_s_per_anchor: float  # the local classes fitted in closed form, each alone (its own kNN), summed
+    fit_k: int
+    fit_width: int
+    fit_s_per_layer: float  # the layer-wide classes, summed, on a pool of `fit_pool`
+    fit_pool: int
+    knn_s_per_anchor: float  # on a pool of `knn_pool` × `fit_width`
+    knn_pool: int
+    perturb_s_per_copy: float  # one patched copy of `perturb_seq_len` tokens at the middle block
+    perturb_seq_len: int
+    train_tokens_per_s: dict[str, float]  # a training step of GPT-2 small per recipe (reported only)
+
+    @classmethod
+    def from_check(cls, document: dict[str, Any]) -> GpuCosts | None:
+        """The costs in a CUDA run's `gpu.json`, or None (a CPU stand-in, or an item that did not run)."""
+        if not str(document.get("mode", "")).startswith("CUDA"):
+            return None
+        found = {r["name"]: r["detail"] for r in document.get("results", [])
+                 if r["section"].startswith("measurements") and r["status"] in ("pass", "FAIL", "measured")}
+        needed = ("extraction vs bare forward", "fits, device vs cpu", "patching", "kNN, device vs cpu")
+        if not all(name in found for name in needed):
+            return None
+        extraction, fits, patching, knn = (found[name] for name in needed)
+        per_class = {row[0]: row[1] / 1e3 for row in fits["tables"]["fit_layer per class"]["rows"]}
+        local = [fn for fn in per_class if _local(fn) and not _iterative(fn)]
+        layer_wide = [fn for fn in per_class if not _local(fn)]
+        run = fits["run"]
+        steps = found.get("training step per recipe", {}).get("per_recipe", {})
+        tokens = found.get("training step per recipe", {}).get("run", {})
+        return cls(
+            str(document.get("device")), str(document.get("started_utc")), str(document.get("commit", "unknown")),
+            1 / extraction["tokens_per_s"]["extract_path"],
+            sum(per_class[fn] for fn in local), run["k"], run["d"],
+            sum(per_class[fn] * run["anchors"] for fn in layer_wide), run["n_seq"] * run["seq_len"],
+            knn["timings"]["device"]["median_s"] / knn["run"]["anchors"], knn["run"]["pool"],
+            patching["seconds"] / patching["copies"], patching["run"]["seq_len"],
+            {r: tokens.get("batch", 0) * tokens.get("seq_len", 0) / v["median_s"] for r, v in steps.items()},
+        )  # fmt: skip
+
+
+def _local(fn: str) -> bool:
+    from pipeline.study_a.classes import FIT_CLASSES
+
+    return FIT_CLASSES[fn].local
+
+
+def _iterative(fn: str) -> bool:
+    from pipeline.study_a.classes import FIT_CLASSES
+
+    return FIT_CLASSES[fn].iterative
 
 
 def _shape(config) -> dict[str, float]:
@@ -343,11 +402,13 @@ def _shape(config) -> dict[str, float]:
     return {"n_params": n_params, "d": d, "layers": config.num_hidden_layers, "vocab": vocab, "flops": flops}
 
 
-def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict[str, Any]]:
-    """Each of the paper's models' cost, in core-seconds of this machine and in hours of one GPU node, scaled from
-    the rehearsed configuration of its kind: extraction and patching by forward FLOPs (and tokens per copy),
+def extrapolate(measured: list[Measured], study: Study, gpu: GpuCosts | None = None) -> list[dict[str, Any]]:
+    """Each of the paper's models' cost, in core-seconds of this machine and (with `gpu`) in hours of one GPU
+    node, scaled from the configuration measured: extraction and patching by forward FLOPs (and tokens per copy),
     the local classes' fits per anchor by `k·d² + d³` (products with the neighbourhood and d × d
-    factorisations), the layer-wide ones per layer by `pool·d² + d³`, a neighbour search per anchor by pool × d."""
+    factorisations), the layer-wide ones per layer by `pool·d² + d³`, a neighbour search per anchor by pool × d.
+    The GPU's costs were measured on GPT-2 small and carry over to the attention families only; a Mamba's GPU
+    hours are not measured (its forward on the device is not one the check times)."""
     by_name = {m.model: m for m in measured}
     rows = []
     for hub_id in study.models:
@@ -355,39 +416,74 @@ def extrapolate(measured: list[Measured], study: Study, node: Node) -> list[dict
         if make is None or rehearsed not in by_name:
             continue  # not a configuration this rehearsal knows, or its kind was not rehearsed
         ref, shape = by_name[rehearsed], _shape(make())
-        ref_flops = _shape(SEED_CONFIGS[rehearsed]())["flops"]
-        fwd = shape["flops"] / ref_flops
-        d, layers, pool = shape["d"], shape["layers"], study.eval_sequences * study.seq_len
-        per_anchor = (study.k * d**2 + d**3) / (ref.k * ref.width**2 + ref.width**3)
-        per_layer = (pool * d**2 + d**3) / (ref.pool * ref.width**2 + ref.width**3)
-        tokens = study.eval_sequences * study.seq_len
-        extract = tokens * ref.extract_s_per_token * fwd
-        local = study.anchors * ref.fit_local_s_per_anchor * per_anchor
-        layer_wide = sum(ref.fit_s_per_layer.values()) * per_layer
-        knn = 2 * study.anchors * ref.knn_s_per_anchor * (pool / ref.pool) * (d / ref.width)  # real and gaussian pools
-        fit = layers * (study.samples * (local + layer_wide) + knn)
-        copies = layers * study.anchors * study.classes * study.copies
-        perturb = copies * ref.perturb_s_per_copy * fwd * study.seq_len / Slice().seq_len
-        cpu_rate = ref_flops / ref.extract_s_per_token  # FLOP/s of a forward on one core here
-        node_s = {"extract": extract * cpu_rate / node.forward_flops, "fit": fit / node.fit_speedup,
-                  "perturb": perturb * cpu_rate / node.forward_flops}  # fmt: skip
-        rows.append({
-            "model": hub_id, "rehearsed as": rehearsed, "params": shape["n_params"], "d": d, "layers": layers,
-            "extract core-h": extract / 3600, "fit core-h": fit / 3600, "perturb core-h": perturb / 3600,
-            **{f"{stage} node-h": seconds / 3600 for stage, seconds in node_s.items()},
-            "GPU-node h": sum(node_s.values()) / 3600,
-        })  # fmt: skip
+        here = _stage_seconds(study, shape, _Units.of(ref), _shape(SEED_CONFIGS[rehearsed]())["flops"])
+        row = {"model": hub_id, "rehearsed as": rehearsed, "params": shape["n_params"], "d": shape["d"],
+               "layers": shape["layers"], **{f"{stage} core-h": seconds / 3600 for stage, seconds in here.items()}}
+        on_gpu = None if gpu is None or rehearsed == "mamba-370m" else _stage_seconds(
+            study, shape, _Units.on_gpu(gpu), _shape(SEED_CONFIGS["gpt2"]())["flops"])  # fmt: skip
+        for stage in STAGES:
+            row[f"{stage} node-h"] = None if on_gpu is None else on_gpu[stage] / 3600
+        row["GPU-node h"] = None if on_gpu is None else sum(on_gpu.values()) / 3600
+        rows.append(row)
     return rows
+
+
+class _Units(NamedTuple):
+    """Per-unit costs measured on one configuration (`width`, `k`, `pool`, its forward's `flops`), in seconds."""
+
+    extract_s_per_token: float
+    fit_s_per_anchor: float  # every local class
+    fit_s_per_layer: float  # every layer-wide class
+    knn_s_per_anchor: float
+    perturb_s_per_copy: float  # one patched copy of `seq_len` tokens
+    width: int
+    k: int
+    pool: int  # of the layer-wide fits
+    knn_pool: int
+    seq_len: int
+
+    @classmethod
+    def of(cls, ref: Measured) -> _Units:
+        return cls(ref.extract_s_per_token, ref.fit_local_s_per_anchor, sum(ref.fit_s_per_layer.values()),
+                   ref.knn_s_per_anchor, ref.perturb_s_per_copy, ref.width, ref.k, ref.pool, ref.pool,
+                   Slice().seq_len)  # fmt: skip
+
+    @classmethod
+    def on_gpu(cls, gpu: GpuCosts) -> _Units:
+        return cls(gpu.extract_s_per_token, gpu.fit_s_per_anchor, gpu.fit_s_per_layer, gpu.knn_s_per_anchor,
+                   gpu.perturb_s_per_copy, gpu.fit_width, gpu.fit_k, gpu.fit_pool, gpu.knn_pool,
+                   gpu.perturb_seq_len)  # fmt: skip
+
+
+def _stage_seconds(study: Study, shape: dict[str, float], units: _Units, unit_flops: float) -> dict[str, float]:
+    """Seconds of each stage for one model of `shape`, from per-unit costs measured on a model of forward FLOPs
+    `unit_flops` per token."""
+    fwd = shape["flops"] / unit_flops
+    d, layers, pool = shape["d"], shape["layers"], study.eval_sequences * study.seq_len
+    per_anchor = (study.k * d**2 + d**3) / (units.k * units.width**2 + units.width**3)
+    per_layer = (pool * d**2 + d**3) / (units.pool * units.width**2 + units.width**3)
+    extract = pool * units.extract_s_per_token * fwd
+    local = study.anchors * units.fit_s_per_anchor * per_anchor
+    layer_wide = units.fit_s_per_layer * per_layer
+    knn = 2 * study.anchors * units.knn_s_per_anchor * (pool / units.knn_pool) * (d / units.width)  # real, gaussian
+    fit = layers * (study.samples * (local + layer_wide) + knn)
+    copies = layers * study.anchors * study.classes * study.copies
+    perturb = copies * units.perturb_s_per_copy * fwd * study.seq_len / units.seq_len
+    return {"extract": extract, "fit": fit, "perturb": perturb}
 
 
 STAGES = ("extract", "fit", "perturb")
 
 
 def stage_shares(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each stage's share of the study's total, in core-hours here (`core-h`) and on one GPU node (`node-h`)."""
+    """Each stage's share of the study's total, in core-hours here (`core-h`) and on one GPU node (`node-h`,
+    over the rows whose GPU hours were measured; absent when none was)."""
     shares = {}
     for unit in ("core-h", "node-h"):
-        totals = {stage: sum(r[f"{stage} {unit}"] for r in rows) for stage in STAGES}
+        counted = [r for r in rows if r.get(f"{STAGES[0]} {unit}") is not None]
+        if not counted:
+            continue
+        totals = {stage: sum(r[f"{stage} {unit}"] for r in counted) for stage in STAGES}
         whole = sum(totals.values())
         shares[unit] = {stage: total / whole if whole else math.nan for stage, total in totals.items()}
     return shares
@@ -399,8 +495,11 @@ def _shares_lines(rows: list[dict[str, Any]]) -> list[str]:
         return []
     lines = ["Where the time goes (share of the total; the stage that dominates in bold):", "",
              "| cost | " + " | ".join(STAGES) + " | dominates |", "|---|" + "---|" * (len(STAGES) + 1)]  # fmt: skip
-    for unit, label in (("core-h", "core-hours here"), ("node-h", "one GPU node, hours")):
-        share = stage_shares(rows)[unit]
+    shares = stage_shares(rows)
+    for unit, label in (("core-h", "core-hours here"), ("node-h", "one GPU node, hours (measured rows)")):
+        if unit not in shares:
+            continue
+        share = shares[unit]
         top = max(STAGES, key=lambda stage: share[stage])
         cells = [f"**{share[s]:.0%}**" if s == top else f"{share[s]:.0%}" for s in STAGES]
         lines.append(f"| {label} | " + " | ".join(cells) + f" | **{top}** |")
@@ -436,20 +535,61 @@ _FINDINGS = (
 )
 
 
+def _gpu_lines(gpu: GpuCosts | None) -> list[str]:
+    """Where the GPU column comes from: the GPU check's measured costs, or a plain statement that it has none."""
+    if gpu is None:
+        return [
+            "**The GPU column is not measured.** It is built only from per-unit costs the GPU check measures on the "
+            "device (`python -m tools.gpucheck` on a CUDA machine, its `gpu.json` committed as `reports/gpu.json`: "
+            "extraction, fits per anchor and per layer, the neighbour search, patching; training steps beside "
+            "them), and no such run has been committed. An earlier version assumed the fits ran 50× faster on "
+            "one GPU than on one core here; the first check on an H200 measured about 3× for the Procrustes "
+            "classes (torch 2.11 runs batched `svd`/`eigh` above 32 × 32 as one solver call per matrix, issue 38), "
+            "so that assumption is withdrawn rather than replaced by another."]
+    trained = ", ".join(f"{recipe} {rate:,.0f}" for recipe, rate in gpu.train_tokens_per_s.items())
+    return [
+        f"GPU column: per-unit costs measured by the GPU check on {gpu.device}, {gpu.started_utc}, at commit "
+        f"`{gpu.commit}` (`reports/gpu.json`), on GPT-2 small (d = {gpu.fit_width}) and scaled to each model as the "
+        f"CPU's are: extraction {gpu.extract_s_per_token * 1e6:.3g} µs per token (float32, written and fsynced), "
+        f"the closed-form local classes {gpu.fit_s_per_anchor * 1e3:.3g} ms per anchor at k = {gpu.fit_k} (each "
+        f"class alone with its own neighbour search, summed; the `mlp` class is not in it), the layer-wide classes "
+        f"{gpu.fit_s_per_layer:.3g} s per layer at a pool of {gpu.fit_pool:,}, the neighbour search "
+        f"{gpu.knn_s_per_anchor * 1e6:.3g} µs per anchor in a pool of {gpu.knn_pool:,}, patching "
+        f"{gpu.perturb_s_per_copy * 1e3:.3g} ms per copy of {gpu.perturb_seq_len} tokens"
+        + (f"; training steps (tokens/s) {trained}" if trained else "") + ". The attention families only: a "
+        "Mamba's forward on the device is not measured (without the `mamba-ssm` kernels transformers runs a "
+        "sequential scan), so its GPU hours are not given. Stages run one after another; Ray and reading "
+        "Parquet are not counted."]
+
+
+def _hours(value: float | None, gpu: GpuCosts | None) -> str:
+    return _g(value) if value is not None else ("not measured" if gpu is None else "not measured (Mamba)")
+
+
+def _total_hours(rows: list[dict[str, Any]], gpu: GpuCosts | None) -> str:
+    measured = [r["GPU-node h"] for r in rows if r["GPU-node h"] is not None]
+    if not measured:
+        return "not measured"
+    return _g(sum(measured)) + ("" if len(measured) == len(rows) else " (measured rows)")
+
+
 def render_markdown(
-    results: list[Measured], size: Slice, study: Study, node: Node, command: str, machine: dict[str, Any], threads: int
+    results: list[Measured], size: Slice, study: Study, gpu: GpuCosts | None, command: str, machine: dict[str, Any],
+    threads: int, rendered_by: str | None = None,
 ) -> str:
     local = list(results[0].fit_s_per_anchor) if results else []
     layer_wide = list(results[0].fit_s_per_layer) if results else []
-    rows = extrapolate(results, study, node)
+    rows = extrapolate(results, study, gpu)
     lines = [
         "# Paper-scale rehearsal: what Study A costs at the Study A paper's sizes",
         "",
-        f"Generated by `{command}` (`tools/rehearsal.py`); do not edit by hand. Measured on "
+        f"Generated by `{command}` (`tools/rehearsal.py`)"
+        + (f", written again from its JSON by `{rendered_by}`" if rendered_by else "")
+        + "; do not edit by hand. Measured on "
         f"{machine.get('cpu')} ({machine.get('logical_cores')} logical cores, {machine.get('memory_gib')} GiB; "
         f"load average {machine.get('load_average')} at the end), with {threads} torch thread(s). **This machine is "
         "shared with other jobs and noisy**: repeated runs differ by up to 2–3×, so read the numbers as orders "
-        "of magnitude. Re-run the command on the node that will do the work for its own numbers (`--device cuda`).",
+        "of magnitude. The GPU column comes from the GPU check's own measurements (below), never from this machine.",
         "",
         "## What ran",
         "",
@@ -521,24 +661,20 @@ def render_markdown(
         "`pool·d² + d³`; a neighbour search per anchor by pool × d (searched for the real and the Gaussian pool; "
         "the shuffled pairs share the real neighbours).",
         "",
-        "Assumptions for one GPU node (one GPU): forwards run at "
-        f"{node.forward_flops / 1e12:g} TFLOP/s sustained in float32 (an H100 peaks at 67 without TF32, which "
-        f"torch leaves off by default); the fits' batched float64 factorisations run {node.fit_speedup:g}× faster "
-        "than one core here (the weakest assumption: measure it with `--device cuda`); Mamba's forwards need "
-        "the `mamba-ssm` kernels on the node (transformers' fallback is a sequential scan, about 10× slower); "
-        "stages run one after another, and Ray's overhead and reading Parquet are not counted.",
+        *_gpu_lines(gpu),
         "",
         "| model | rehearsed as | params | d | layers | extract core-h | fit core-h | perturb core-h "
         "| one GPU node, h |",
         "|---|---|---|---|---|---|---|---|---|",
         *(
             f"| {r['model']} | {r['rehearsed as']} | {r['params'] / 1e6:.0f}M | {r['d']} | {r['layers']} | "
-            f"{_g(r['extract core-h'])} | {_g(r['fit core-h'])} | {_g(r['perturb core-h'])} | {_g(r['GPU-node h'])} |"
+            f"{_g(r['extract core-h'])} | {_g(r['fit core-h'])} | {_g(r['perturb core-h'])} | "
+            f"{_hours(r['GPU-node h'], gpu)} |"
             for r in rows
         ),
         f"| **total** | | | | | {_g(sum(r['extract core-h'] for r in rows))} | "
         f"{_g(sum(r['fit core-h'] for r in rows))} | "
-        f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_g(sum(r['GPU-node h'] for r in rows))}** |",
+        f"{_g(sum(r['perturb core-h'] for r in rows))} | **{_total_hours(rows, gpu)}** |",
         "",
         *_shares_lines(rows),
         *_FINDINGS,

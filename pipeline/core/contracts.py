@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
@@ -133,8 +134,147 @@ def table_id_sql(column: str) -> str:
     )
 
 
+# ------------------------------------------------------------------------------------------- vectors
+# How a vector column is stored (SPEC §1): each row's d values as one fixed-size binary value of d·itemsize
+# bytes (little-endian float32, or float16 for `analysis.vector_dtype: float16`), typed by Arrow's canonical
+# `arrow.opaque` extension with the vendor `lmgeo.vector` and the element type as its type name: self-describing
+# in every file and column, and implemented in Arrow's C++ (a Python extension type needs the GIL wherever a
+# C++ thread reads a file's schema, which deadlocked DuckDB's multi-threaded scans). Not a Parquet list: a list
+# column carries a repetition and a definition level per float, which made writing 2.5–4× and reading 3–4×
+# slower (`lmgeo bench --only extraction`, docs/benchmarks.md). `vectors_to_arrow` is the one encoder;
+# `arrow_to_vectors` (NumPy) and `vectors_as_lists` (the DuckDB views of `lmgeo query`) the decoders.
+VECTOR_FORMAT = 2  # 1: `fixed_size_list<float32>[d]` (until this format; refused with how to rewrite the data)
+VECTOR_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+VECTOR_VENDOR = "lmgeo.vector"
+
+
+class OldVectorFormat(InputError):
+    """Vectors written in an earlier storage format than `VECTOR_FORMAT`."""
+
+
+def vector_type(d: int, half: bool = False) -> pa.DataType:
+    """The type of a stored vector column of dimension `d` (float16 with `half`)."""
+    dtype = "float16" if half else "float32"
+    if d < 1:
+        raise ValueError(f"vector dimension must be >= 1, got {d}")
+    return pa.opaque(pa.binary(d * VECTOR_DTYPES[dtype].itemsize), type_name=dtype, vendor_name=VECTOR_VENDOR)
+
+
+def is_vector_type(kind: pa.DataType) -> bool:
+    return isinstance(kind, pa.OpaqueType) and kind.vendor_name == VECTOR_VENDOR
+
+
+def vector_shape(kind: pa.DataType) -> tuple[int, str]:
+    """(d, element type) of a stored vector column's type."""
+    item = VECTOR_DTYPES[kind.type_name]
+    return kind.storage_type.byte_width // item.itemsize, kind.type_name
+
+
+def vectors_to_arrow(x: np.ndarray, half: bool = False, null: np.ndarray | None = None) -> pa.ExtensionArray:
+    """An `(n, d)` array as a column of `vector_type(d, half)`; rows where `null` is true are null. Zero-copy
+    for a C-contiguous float32 array (the column keeps a reference to it)."""
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] < 1:
+        raise ValueError(f"expected an (n, d) array with d >= 1, got shape {x.shape}")
+    kind = vector_type(x.shape[1], half)
+    values = np.ascontiguousarray(x, dtype=VECTOR_DTYPES[kind.type_name])
+    validity = None if null is None or not np.any(null) else pa.array(~np.asarray(null, dtype=bool)).buffers()[1]
+    storage = pa.Array.from_buffers(kind.storage_type, len(x), [validity, pa.py_buffer(values)])
+    return pa.ExtensionArray.from_storage(kind, storage)
+
+
+def arrow_to_vectors(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """A vector column as an `(n, d)` float32 array.
+
+    Takes a stored column (`vector_type`) and the plain `list<float>` that DuckDB returns for one (the
+    vector views of `lmgeo query`), as long as every row has the same length. A single float32 chunk is
+    returned without copying, as a read-only view of the Arrow buffer. Null rows are refused."""
+    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
+    parts = [_chunk_to_vectors(chunk) for chunk in chunks if len(chunk)]
+    if len(parts) == 1:
+        return parts[0]
+    if not parts:
+        _check_vector_type(col.type)
+        return np.empty((0, vector_shape(col.type)[0] if is_vector_type(col.type) else 0), dtype=np.float32)
+    if len({p.shape[1] for p in parts}) > 1:
+        raise ValueError(f"vector column mixes lengths {sorted({p.shape[1] for p in parts})}")
+    return np.concatenate(parts)
+
+
+def _check_vector_type(kind: pa.DataType, rewrite: str = "") -> None:
+    """Refuse a column that is not a vector column, naming the command that rewrites one in an old format."""
+    if is_vector_type(kind) or pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        return
+    if pa.types.is_fixed_size_list(kind):
+        raise OldVectorFormat(
+            f"vectors stored as {kind}, lmgeo's storage before vector format {VECTOR_FORMAT}: rewrite them with "
+            + (rewrite or "the stage that wrote them (`lmgeo extract` for activations, `lmgeo fit` for fits; "
+                          "`dvc repro` redoes both)")
+        )
+    raise TypeError(f"expected a vector column (`{VECTOR_VENDOR}`, or a list from DuckDB), got {kind}")
+
+
+def _chunk_to_vectors(chunk: pa.Array) -> np.ndarray:
+    _check_vector_type(chunk.type)
+    if chunk.null_count:
+        raise ValueError(f"vector column has {chunk.null_count} null rows")
+    if is_vector_type(chunk.type):
+        (d, dtype), storage = vector_shape(chunk.type), chunk.storage
+        data = np.frombuffer(storage.buffers()[1], VECTOR_DTYPES[dtype], count=len(chunk) * d,
+                             offset=storage.offset * chunk.type.storage_type.byte_width)  # fmt: skip
+        return data.reshape(-1, d).astype(np.float32, copy=False)
+    lengths = np.unique(chunk.value_lengths().to_numpy())
+    if len(lengths) != 1:
+        raise ValueError(f"vector column has rows of different lengths {lengths.tolist()}")
+    values = chunk.flatten()  # honours the chunk's offset when it is a slice
+    return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, int(lengths[0]))
+
+
+def vectors_as_lists(blobs: pa.Array | pa.ChunkedArray, dtype: str) -> pa.ListArray:
+    """Stored vectors of element type `dtype` as DuckDB hands them to a function (`BLOB`: Arrow `binary`,
+    the raw bytes) → `list<float32>`, null rows kept: the decoding behind `lmgeo query`'s vector views."""
+    blobs = blobs.combine_chunks() if isinstance(blobs, pa.ChunkedArray) else blobs
+    item = VECTOR_DTYPES[dtype]
+    wide = pa.types.is_large_binary(blobs.type)
+    offsets = np.frombuffer(blobs.buffers()[1], np.int64 if wide else np.int32, count=len(blobs) + 1,
+                            offset=blobs.offset * (8 if wide else 4))  # fmt: skip
+    raw = np.frombuffer(blobs.buffers()[2] or b"", np.uint8)[offsets[0] : offsets[-1]]
+    values = raw.view(item).astype(np.float32, copy=False)
+    starts = ((offsets - offsets[0]) // item.itemsize).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(starts), pa.array(values), mask=blobs.is_null())
+
+
+def stored_vector_dtype(files: Sequence[Path], dataset: Dataset, column: str) -> str | None:
+    """The element type of the stored vector `column` in every one of `files` (read from their Parquet
+    footers), None without files; `OldVectorFormat` for a file in an earlier format, and an error for a
+    dataset that mixes element types."""
+    found: dict[str, Path] = {}
+    for path in files:
+        schema = pq.read_schema(path)
+        if column not in schema.names:  # a file without the column reads it as null
+            continue
+        kind = schema.field(column).type
+        check_stored_vectors(path, dataset, kind)
+        found.setdefault(vector_shape(kind)[1], path)
+    if len(found) > 1:
+        raise InputError(f"{dataset.name}: vectors of {column!r} are stored as {', '.join(sorted(found))} in one "
+                         f"dataset ({', '.join(map(str, found.values()))}); re-run `lmgeo {dataset.written_by}`")
+    return next(iter(found), None)
+
+
+def check_stored_vectors(path: Path, dataset: Dataset, kind: pa.DataType) -> None:
+    """A vector column read from `path` must be stored as `lmgeo.vector` (the current format)."""
+    if not is_vector_type(kind):
+        try:
+            _check_vector_type(kind, f"`lmgeo {dataset.written_by}` (or `dvc repro`)")
+        except OldVectorFormat as err:
+            raise OldVectorFormat(f"{path}: {err}") from None
+        raise InputError(f"{path}: a vector column of {dataset.name} is stored as {kind}, not `{VECTOR_VENDOR}`; "
+                         f"re-run `lmgeo {dataset.written_by}`")
+
+
 # ------------------------------------------------------------------------------------------ datasets
-VECTOR = pa.list_(pa.float32())  # placeholder type of a vector column: fixed_size_list<float32>[d] on disk
+VECTOR = pa.binary()  # placeholder type of a vector column in a declaration: `vector_type(d)` in a file
 
 
 @dataclass(frozen=True)
@@ -169,10 +309,9 @@ class Dataset:
 
     def file_schema(self, d: int | None = None, half: bool = False) -> pa.Schema:
         """The schema a shard file is written with; vectors of dimension `d` (float16 with `half`)."""
-        element = pa.float16() if half else pa.float32()
         if self.vectors and d is None:
             raise ValueError(f"{self.name}: the vector dimension d is needed for its file schema")
-        return pa.schema([pa.field(f.name, pa.list_(element, d)) if f.type == VECTOR else f for f in self.fields])
+        return pa.schema([pa.field(f.name, vector_type(d, half)) if f.type == VECTOR else f for f in self.fields])
 
     def partition_values(self, relative: Path) -> dict[str, Any]:
         """`{"model": "m", "layer": 3}` from a file path `model=m/layer=3/part-….parquet`, typed."""
@@ -302,11 +441,15 @@ def read(
     root: Path, dataset: Dataset, files: Sequence[Path], where: dict[str, Any], columns: Sequence[str] | None = None
 ) -> pa.Table:
     """The rows of `dataset` in the partition `where`, from the verified `files` of `root`, in the
-    dataset's row order. Vector columns come back as `fixed_size_list` (as written)."""
+    dataset's row order. Vector columns come back as written (`arrow_to_vectors` decodes them)."""
     chosen = select(root, dataset, files, where)
     if not chosen:
         raise InputError(f"{root}: no data for {where}; run `lmgeo {dataset.written_by}` first")
-    table = pa.concat_tables([pq.read_table(f, columns=list(columns) if columns else None) for f in chosen])
+    parts = [pq.read_table(f, columns=list(columns) if columns else None) for f in chosen]
+    for path, part in zip(chosen, parts, strict=True):
+        for name in set(dataset.vectors) & set(part.column_names):
+            check_stored_vectors(path, dataset, part.schema.field(name).type)
+    table = pa.concat_tables(parts)
     order = [(c, "ascending") for c in dataset.order if c in table.column_names]
     return table.sort_by(order) if order else table
 
@@ -322,7 +465,8 @@ def scan(
     root: Path, dataset: Dataset, files: Sequence[Path], filesystem: Any = None, vectors: bool = False
 ) -> ds.Dataset:
     """A lazy Arrow dataset over the verified `files` of `root` with the dataset's scalar columns (and its
-    vector columns as `list<float>`, with `vectors`) and its typed partition columns, for DuckDB. Other
+    vector columns as their stored bytes, `binary`, with `vectors`: `vectors_as_lists` decodes them) and its
+    typed partition columns, for DuckDB. Other
     columns are never read, missing columns read as null, narrower types (float32) are cast up. No files
     gives an empty dataset with the same columns, so every query runs unchanged on a study not run."""
     columns = [f for f in dataset.fields if vectors or f.type != VECTOR]

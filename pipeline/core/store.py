@@ -40,7 +40,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -55,60 +54,6 @@ MANIFEST_FORMAT = 2
 PLAN_FILE = "_plan.json"
 
 log = logging.getLogger(__name__)
-
-
-# ------------------------------------------------------------------------------------ vectors
-def vector_type(d: int, half: bool = False) -> pa.DataType:
-    """``fixed_size_list<float32>[d]`` (``float16`` with ``half``), the type of every stored vector."""
-    if d < 1:
-        raise ValueError(f"vector dimension must be >= 1, got {d}")
-    return pa.list_(pa.float16() if half else pa.float32(), d)
-
-
-def vectors_to_arrow(x: np.ndarray, half: bool = False) -> pa.FixedSizeListArray:
-    """An ``(n, d)`` array as a column of ``vector_type(d, half)``."""
-    x = np.asarray(x)
-    if x.ndim != 2 or x.shape[1] < 1:
-        raise ValueError(f"expected an (n, d) array with d >= 1, got shape {x.shape}")
-    flat = np.ascontiguousarray(x, dtype=np.float16 if half else np.float32).reshape(-1)
-    return pa.FixedSizeListArray.from_arrays(pa.array(flat), x.shape[1])
-
-
-def arrow_to_vectors(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """A vector column as an ``(n, d)`` float32 array.
-
-    Besides ``fixed_size_list`` it takes the plain ``list`` that DuckDB returns for such a column
-    (Parquet has no fixed-size list), as long as every row has the same length. A single float32
-    chunk is returned without copying, as a read-only view of the Arrow buffer.
-    """
-    t = col.type
-    if not (pa.types.is_fixed_size_list(t) or pa.types.is_list(t) or pa.types.is_large_list(t)):
-        raise TypeError(f"expected a list column of vectors, got {col.type}")
-    chunks = col.chunks if isinstance(col, pa.ChunkedArray) else [col]
-    parts = [_chunk_to_vectors(chunk) for chunk in chunks if len(chunk)]
-    if len(parts) == 1:
-        return parts[0]
-    if not parts:
-        d = col.type.list_size if pa.types.is_fixed_size_list(col.type) else 0
-        return np.empty((0, d), dtype=np.float32)
-    if len({p.shape[1] for p in parts}) > 1:
-        raise ValueError(f"vector column mixes lengths {sorted({p.shape[1] for p in parts})}")
-    return np.concatenate(parts)
-
-
-def _chunk_to_vectors(chunk: pa.Array) -> np.ndarray:
-    if chunk.null_count:
-        raise ValueError(f"vector column has {chunk.null_count} null rows")
-    if pa.types.is_fixed_size_list(chunk.type):
-        d = chunk.type.list_size
-    else:
-        lengths = np.unique(chunk.value_lengths().to_numpy())
-        if len(lengths) != 1:
-            raise ValueError(f"vector column has rows of different lengths {lengths.tolist()}")
-        d = int(lengths[0])
-    values = chunk.flatten()  # honours the chunk's offset when it is a slice
-    return values.to_numpy(zero_copy_only=False).astype(np.float32, copy=False).reshape(-1, d)
-
 
 
 # ------------------------------------------------------------------------------------- hashes
@@ -447,11 +392,11 @@ def partition_dir(partition: Mapping[str, str | int]) -> Path:
 
 def _encoding(schema: pa.Schema) -> dict[str, Any]:
     """Parquet options per column: dictionaries, compression and page statistics for the scalar columns only.
-    Float vectors neither repeat nor compress nor get filtered by value: dictionaries made extraction writes ~8x
-    slower; snappy and statistics took 9% of a shard's write (25.5 → 23.3 ms for 5 layers of 2048 × 256
-    float32) and snappy saved 0.45% of its bytes."""
-    scalars = [f.name for f in schema if not pa.types.is_fixed_size_list(f.type) and not pa.types.is_list(f.type)]
-    vectors = [f.name for f in schema if f.name not in scalars]
+    Vectors (fixed-width binary, `pipeline.core.contracts.vectors_to_arrow`) neither repeat nor compress nor get
+    filtered by value: dictionaries made extraction writes ~8x slower; snappy and statistics took 9% of a
+    shard's write (25.5 → 23.3 ms for 5 layers of 2048 × 256 float32) and snappy saved 0.45% of its bytes."""
+    vectors = [f.name for f in schema if pa.types.is_fixed_size_binary(getattr(f.type, "storage_type", f.type))]
+    scalars = [f.name for f in schema if f.name not in vectors]
     return {"use_dictionary": scalars, "write_statistics": scalars,
             "compression": {**dict.fromkeys(scalars, "snappy"), **dict.fromkeys(vectors, "none")}}
 
@@ -460,21 +405,89 @@ def _temporary(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
 
+class _PartFile:
+    """One Parquet file of a shard being written, with its own writer thread: the files of a shard (one per
+    partition: an extract shard's layers) are encoded and written in parallel, each in the order its batches
+    were given. After each batch the thread reads the new bytes back into the file's sha256 (as a reader
+    will read them), and once `SYNC_BYTES` have gathered it flushes them to disk, so hashing and the disk's
+    work overlap the caller's next batches instead of all waiting for the commit (a small file is flushed
+    once, when it is finished)."""
+
+    SYNC_BYTES = 64 << 20
+
+    def __init__(self, temp: Path, schema: pa.Schema) -> None:
+        self.temp = temp
+        self.writer = pq.ParquetWriter(temp, schema, **_encoding(schema))
+        self.rows = 0
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix="lmgeo-shard-writer")
+        self.in_flight: deque[Future[None]] = deque()
+        self._readback = open(temp, "rb")  # closed by `finish` or `discard`
+        self._sha256 = hashlib.sha256()
+        self._unsynced = 0
+
+    def submit(self, table: pa.Table, limit: int) -> None:
+        """Queue `table`, first waiting while `limit` batches of this file are queued (memory stays bounded)."""
+        while len(self.in_flight) >= limit:
+            self.in_flight.popleft().result()
+        self.rows += table.num_rows
+        self.in_flight.append(self.thread.submit(self._write, table))
+
+    def _write(self, table: pa.Table) -> None:
+        self.writer.write_table(table)
+        self._absorb(sync=False)
+
+    def _absorb(self, sync: bool) -> None:
+        """Hash the bytes written since the last call, read back from the file; flush them to disk with `sync`
+        or once `SYNC_BYTES` are waiting."""
+        while chunk := self._readback.read(1 << 24):
+            self._sha256.update(chunk)
+            self._unsynced += len(chunk)
+        if sync or self._unsynced >= self.SYNC_BYTES:
+            os.fdatasync(self._readback.fileno())
+            self._unsynced = 0
+
+    def finish(self) -> Future[tuple[int, str]]:
+        """Wait for the queued batches (the first failure raises), then write the footer and flush it on the
+        file's own thread (the files of a shard finish in parallel): the file's size and sha256, to come."""
+        while self.in_flight:
+            self.in_flight.popleft().result()
+        return self.thread.submit(self._close)
+
+    def _close(self) -> tuple[int, str]:
+        self.writer.close()
+        self._absorb(sync=True)
+        self._readback.close()
+        self.thread.shutdown(wait=False)
+        return self.temp.stat().st_size, self._sha256.hexdigest()
+
+    def discard(self) -> None:
+        """Cancel what is queued, close everything and delete the file."""
+        self.in_flight.clear()
+        self.thread.shutdown(wait=True, cancel_futures=True)
+        try:
+            self.writer.close()
+        except Exception:  # noqa: BLE001 - the shard is being discarded; its file goes next
+            log.debug("closing a discarded Parquet writer failed", exc_info=True)
+        self._readback.close()
+        self.temp.unlink(missing_ok=True)
+
+
 class ShardWriter:
     """Writes one shard of the dataset under ``root``; use as a context manager.
 
     Entering removes whatever an earlier attempt left of this shard. ``write`` streams record batches
-    into one temporary Parquet file per partition; the encoding and writing run on a background thread,
-    in order, off the caller's critical path (a forward overlaps the previous batch's write), with at most
-    ``WRITES_IN_FLIGHT`` batches queued so memory is bounded by them. ``directory`` gives a temporary
-    folder to fill (a checkpoint). A clean exit waits for the writes, fsyncs and hashes the files (in
-    parallel: the fsyncs share the journal's commits), renames everything into place and then writes the
-    manifest; an exception (the caller's or a write's) deletes everything of the shard and writes no
-    manifest. ``metadata`` goes into every Parquet file's key-value metadata, with the shard key, params
-    hash and code version.
+    into one temporary Parquet file per partition, each file on its own background thread (`_PartFile`:
+    encoding, writing, hashing and flushing run off the caller's critical path, so a forward overlaps the
+    previous batch's writes, and the partitions' files are written in parallel), with at most
+    ``WRITES_IN_FLIGHT`` batches queued per file so memory is bounded by them. ``directory`` gives a
+    temporary folder to fill (a checkpoint). A clean exit waits for the writes, finishes every file (footer,
+    hash, fsync) and hashes the folders' files, renames everything into place and then writes the manifest;
+    an exception (the caller's or a write's) deletes everything of the shard and writes no manifest.
+    ``metadata`` goes into every Parquet file's key-value metadata, with the shard key, params hash and
+    code version.
     """
 
-    WRITES_IN_FLIGHT = 8
+    WRITES_IN_FLIGHT = 2  # per file: the batch being written and the next
 
     def __init__(self, root: Path, shard: str, key: ManifestKey, metadata: dict[str, str] | None = None) -> None:
         self.root = Path(root)
@@ -487,15 +500,13 @@ class ShardWriter:
             "lmgeo.code_version": key.code_version,
             **(metadata or {}),
         }
-        self._open: dict[Path, tuple[Path, pq.ParquetWriter]] = {}  # final path -> (temp path, writer)
-        self._rows: dict[Path, int] = {}
+        self._open: dict[Path, _PartFile] = {}  # final path -> the file being written
         self._folders: dict[Path, Path] = {}  # final folder -> filled temporary folder
-        self._writes: ThreadPoolExecutor | None = None  # one thread: the writes run in the order given
-        self._in_flight: deque[Future[None]] = deque()
+        self._entered = False
 
     def __enter__(self) -> ShardWriter:
         remove_shard(self.root, self.shard)
-        self._writes = ThreadPoolExecutor(1, thread_name_prefix="lmgeo-shard-writer")
+        self._entered = True
         return self
 
     def write(
@@ -503,25 +514,20 @@ class ShardWriter:
     ) -> None:
         """Append ``data`` to the shard's file in ``partition`` (named ``part-<slug>.parquet`` unless ``name``).
         Returns once the write is queued; a failed write raises here, at a later ``write``, or on exit."""
-        if self._writes is None:
+        if not self._entered:
             raise RuntimeError("ShardWriter.write outside its `with` block")
         table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
         final = self.root / partition_dir(partition) / (name or f"part-{self._slug}.parquet")
         if final not in self._open:
             final.parent.mkdir(parents=True, exist_ok=True)
-            temp = _temporary(final)
             schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self._metadata})
-            self._open[final] = (temp, pq.ParquetWriter(temp, schema, **_encoding(schema)))
-            self._rows[final] = 0
-        self._rows[final] += table.num_rows
-        while len(self._in_flight) >= self.WRITES_IN_FLIGHT:
-            self._in_flight.popleft().result()
-        self._in_flight.append(self._writes.submit(self._open[final][1].write_table, table))
+            self._open[final] = _PartFile(_temporary(final), schema)
+        self._open[final].submit(table, self.WRITES_IN_FLIGHT)
 
     @contextmanager
     def directory(self, relative: str) -> Iterator[Path]:
         """A temporary folder to fill; it becomes ``root/relative`` when the shard commits."""
-        if self._writes is None:
+        if not self._entered:
             raise RuntimeError("ShardWriter.directory outside its `with` block")
         final = self.root / relative
         temp = _temporary(final)
@@ -537,6 +543,7 @@ class ShardWriter:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        self._entered = False
         if exc_type is not None:
             self._abort()
             return
@@ -546,52 +553,36 @@ class ShardWriter:
             self._abort()
             raise
 
-    def _stop_writes(self) -> None:
-        """Wait for the queued writes (cancelling those not started when aborting) and end the thread."""
-        if self._writes is not None:
-            self._writes.shutdown(wait=True, cancel_futures=True)
-            self._writes = None
-
     def _commit(self) -> None:
-        while self._in_flight:
-            self._in_flight.popleft().result()  # the first failed write, if any, aborts the shard
-        self._stop_writes()
-        for _, writer in self._open.values():
-            writer.close()
-        # Every file as (temporary path, final path); a filled folder's files keep their relative paths.
-        files = {temp: final for final, (temp, _) in self._open.items()} | {
-            file: final / file.relative_to(temp) for final, temp in self._folders.items() for file in _walk_files(temp)
-        }
+        finished = {final: part.finish() for final, part in self._open.items()}  # the first failed write aborts
+        synced = {final: done.result() for final, done in finished.items()}
+        # A filled folder's files keep their relative paths.
+        files = {file: final / file.relative_to(temp) for final, temp in self._folders.items()
+                 for file in _walk_files(temp)}  # fmt: skip
         with ThreadPoolExecutor(min(8, len(files) or 1)) as pool:
-            synced = dict(zip(files.values(), pool.map(_synced_size_and_sha256, files), strict=True))
-        renames = {final: temp for final, (temp, _) in self._open.items()} | self._folders
+            synced |= dict(zip(files.values(), pool.map(_synced_size_and_sha256, files), strict=True))
+        renames = {final: part.temp for final, part in self._open.items()} | self._folders
         for final, temp in renames.items():
             _remove(final)  # a leftover of a killed attempt; os.replace cannot replace a folder
             os.replace(temp, final)
         with ThreadPoolExecutor(min(8, len(renames) or 1)) as pool:
             list(pool.map(_fsync_dir, {final.parent for final in renames}))
+        rows = {final: part.rows for final, part in self._open.items()}
         self._open.clear()
         self._folders.clear()
         manifest = {"format": MANIFEST_FORMAT, "shard": self.shard, **asdict(self.key),
-                    "files": [self._entry(path, *synced[path]) for path in sorted(synced)]}  # fmt: skip
+                    "files": [self._entry(path, *synced[path], rows.get(path)) for path in sorted(synced)]}  # fmt: skip
         atomic_write(manifest_path(self.root, self.shard), json.dumps(manifest, indent=1, sort_keys=True))
 
-    def _entry(self, path: Path, size: int, sha256: str) -> dict[str, Any]:
+    def _entry(self, path: Path, size: int, sha256: str, rows: int | None) -> dict[str, Any]:
         entry: dict[str, Any] = {"path": path.relative_to(self.root).as_posix(), "bytes": size, "sha256": sha256}
-        if path in self._rows:
-            entry["rows"] = self._rows[path]
+        if rows is not None:
+            entry["rows"] = rows
         return entry
 
     def _abort(self) -> None:
-        self._in_flight.clear()
-        self._stop_writes()
-        for _, writer in self._open.values():
-            try:
-                writer.close()
-            except Exception:  # noqa: BLE001 - the shard is being discarded; its files go next
-                log.debug("closing a discarded Parquet writer failed", exc_info=True)
-        for temp, _ in self._open.values():
-            temp.unlink(missing_ok=True)
+        for part in self._open.values():
+            part.discard()
         for temp in self._folders.values():
             _remove(temp)
         self._open.clear()

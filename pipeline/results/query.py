@@ -3,7 +3,10 @@
 Views, named as the files or datasets they come from (``sources`` says where each lives in the workspace):
 - one per result table ``<tables>/<name>.parquet`` (``runs``, ``curves``, ``recipes``, ``geometry``, ...);
 - ``steps``, ``fits``, ``perturb`` and ``activations`` (scalar columns only; vectors are not exposed) over
-  the hive-partitioned datasets, with ``model`` as in the tables (``<run>@final``, hub ids with ``/``).
+  the hive-partitioned datasets, with ``model`` as in the tables (``<run>@final``, hub ids with ``/``), and
+  ``activation_vectors`` and ``fit_vectors`` with the stored vectors too, decoded to ``FLOAT[]``
+  (``pipeline.core.contracts.vectors_as_lists``; a dataset in an older vector format is named, with the command
+  that rewrites it, when the SQL names its view).
   Only files that shard manifests list are read, each checked against its size and sha256, and a dataset
   that mixes the shards of two runs of its stage is refused (``pipeline.core.store.verified_files``).
 
@@ -32,7 +35,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -48,10 +51,13 @@ from pipeline.core.contracts import (
     PERTURB,
     RUN_ID_PATTERN,
     STEPS,
+    VECTOR_DTYPES,
     Dataset,
     read_result_tables,
     scan,
+    stored_vector_dtype,
     table_id_sql,
+    vectors_as_lists,
 )
 from pipeline.core.errors import InputError
 from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
@@ -75,6 +81,7 @@ _CHECKPOINT_GROUP = re.compile(RUN_ID_PATTERN).groups + 1
 MODEL_PARTS = {"arch": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', 1), '')",
                "seed": f"TRY_CAST(regexp_extract(model, '{_MODEL_ID}', 3) AS INTEGER)",
                "checkpoint": f"NULLIF(regexp_extract(model, '{_MODEL_ID}', {_CHECKPOINT_GROUP}), '')"}  # fmt: skip
+_VECTOR_DECODER = "lmgeo_vector_"  # + the element type: the SQL function that decodes a stored vector
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
@@ -118,6 +125,10 @@ def query_table(
         else:
             snapshots = [_snapshot(workspace, None, sources)]
         ctrl_c.check()
+        for snapshot in snapshots:
+            named = [why for view, why in snapshot.unreadable.items() if _mentions(sql, view)]
+            if named:
+                raise QueryError(named[0])
         con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
         ctrl_c.check()
         try:
@@ -253,6 +264,8 @@ class _Snapshot:
     tables: dict[str, pa.Table]
     datasets: dict[str, ds.Dataset]
     has_results: bool  # result tables or a dataset folder: something a stage wrote
+    decoded: dict[str, list[str]]  # vector view -> its columns' decoding (`column` → FLOAT[]), as SQL
+    unreadable: dict[str, str]  # vector view -> why its vectors cannot be read (an older format)
 
 
 def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str, str]) -> _Snapshot:
@@ -354,7 +367,7 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
             tables["params"] = _params_table(root / sources["params"])
         except InputError as err:
             raise QueryError(f"{where}: cannot read {sources['params']}: {cause(err)}") from None
-    datasets = {}
+    datasets, decoded, unreadable = {}, {}, {}
     for name, (dataset, vectors) in DATASETS.items():
         if dataset.name not in sources:
             continue
@@ -364,8 +377,15 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
+        if vectors:
+            try:
+                decoded[name] = [f"{_VECTOR_DECODER}{stored_vector_dtype(files, dataset, c) or 'float32'}({c}) AS {c}"
+                                 for c in dataset.vectors]  # fmt: skip
+            except InputError as err:
+                unreadable[name] = f"{where}: cannot read the vectors of {sources[dataset.name]}: {cause(err)}"
+                del datasets[name]
     written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
-    return _Snapshot(rev, tables, datasets, written)
+    return _Snapshot(rev, tables, datasets, written, decoded, unreadable)
 
 
 def _params_table(path: Path) -> pa.Table:
@@ -397,13 +417,17 @@ def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -
     """Result tables are copied into DuckDB's memory; per-token datasets stay lazy Arrow scans behind views
     (their registered sources `_<name>_<i>` remain visible to SHOW TABLES)."""
     con = duckdb.connect(":memory:", config={"temp_directory": str(temp)})
+    for dtype in VECTOR_DTYPES:  # the decoders of the vector views: pure functions of the bytes they are given
+        con.create_function(f"{_VECTOR_DECODER}{dtype}", _decoder(dtype), [duckdb.sqltypes.BLOB],
+                            duckdb.list_type(duckdb.sqltypes.FLOAT), type="arrow")  # fmt: skip
     for name in sorted({n for s in snapshots for n in s.tables}):
-        sources = [(i, s.rev, s.tables[name]) for i, s in enumerate(snapshots) if name in s.tables]
+        sources = [(i, s.rev, s.tables[name], []) for i, s in enumerate(snapshots) if name in s.tables]
         con.execute(f'CREATE TABLE "{name}" AS {_union(con, name, sources, with_rev)}')
-        for i, _, _ in sources:
+        for i, *_ in sources:
             con.unregister(f"_{name}_{i}")
     for name in DATASETS:
-        sources = [(i, s.rev, s.datasets[name]) for i, s in enumerate(snapshots) if name in s.datasets]
+        sources = [(i, s.rev, s.datasets[name], s.decoded.get(name, [])) for i, s in enumerate(snapshots)
+                   if name in s.datasets]  # fmt: skip
         if sources:
             con.execute(f'CREATE VIEW "{name}" AS {_union(con, name, sources, with_rev)}')
     for setting in _LOCKDOWN:
@@ -411,19 +435,26 @@ def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -
     return con
 
 
+def _decoder(dtype: str) -> Callable[[pa.Array], pa.ListArray]:
+    """`vectors_as_lists` for one element type, as a function of one argument (DuckDB counts them)."""
+    return lambda blobs: vectors_as_lists(blobs, dtype)
+
+
 def _union(
-    con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, str | None, Any]], with_rev: bool
+    con: duckdb.DuckDBPyConnection, name: str, sources: list[tuple[int, str | None, Any, list[str]]], with_rev: bool
 ) -> str:
-    """SELECT over the revisions' sources of ``name`` (registered here), united by column name."""
+    """SELECT over the revisions' sources of ``name`` (registered here), united by column name, each with its
+    columns replaced as given (the vectors decoded) and ``model`` relabelled as in the tables."""
     parts = []
-    for i, rev, source in sources:
+    for i, rev, source, replaced in sources:
         con.register(f"_{name}_{i}", source)
         relabel = name in DATASETS and "model" in source.schema.names
-        columns = f"* REPLACE ({table_id_sql('model')} AS model)" if relabel else "*"
+        replaced = [*replaced, f"{table_id_sql('model')} AS model"] if relabel else replaced
+        columns = f"* REPLACE ({', '.join(replaced)})" if replaced else "*"
         label = f"{_sql_string(rev or '')} AS rev, " if with_rev else ""
         parts.append(f"SELECT {label}{columns} FROM _{name}_{i}")
     union = " UNION ALL BY NAME ".join(parts)
-    names = set().union(*(source.schema.names for _, _, source in sources))
+    names = set().union(*(source.schema.names for _, _, source, _ in sources))
     parts_of_model = [f"{sql} AS {column}" for column, sql in MODEL_PARTS.items() if column not in names]
     if "model" not in names or not parts_of_model:
         return union

@@ -8,8 +8,9 @@ resolves; `pipeline.study_a.verify` checks, per model, that these captures are t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from pipeline.core.store import vectors_to_arrow
+from pipeline.core.contracts import vectors_to_arrow
 from pipeline.models.hooks import block_input, block_output, eval_mode, hooks, model_device
 from pipeline.models.registry import blocks_of
 
@@ -46,18 +47,56 @@ def capture_states(model: PreTrainedModel, input_ids: torch.Tensor) -> list[torc
     return states
 
 
-def _layer_batch(seq_ids: np.ndarray, token_ids: np.ndarray, h: torch.Tensor, half: bool) -> pa.RecordBatch:
-    n_seq, seq_len = token_ids.shape
-    vectors = h.detach().to(device="cpu", dtype=torch.float32).reshape(n_seq * seq_len, -1).numpy()
-    return pa.RecordBatch.from_arrays(
-        [
-            pa.array(np.repeat(seq_ids.astype(np.int32), seq_len)),
-            pa.array(np.tile(np.arange(seq_len, dtype=np.int32), n_seq)),
-            pa.array(token_ids.astype(np.int32).reshape(-1)),
-            vectors_to_arrow(vectors, half=half),
-        ],
-        names=list(ACTIVATION_COLUMNS),
-    )
+class _OnHost(NamedTuple):
+    """One batch's states on their way to host memory: `states` (batch, seq_len, d) each, readable once `ready`
+    (None: already readable) has completed."""
+
+    seq_ids: np.ndarray
+    tokens: np.ndarray
+    states: list[torch.Tensor]
+    ready: torch.cuda.Event | None
+
+
+class _DeviceToHost:
+    """Copies of captured states to host memory. On CUDA: into pinned (page-locked) host memory, asynchronously,
+    on a stream of their own, so that a batch's copies run while the next batch's forward computes (the DMA
+    engine and the SMs work at once); on the CPU the states are host memory already and nothing is copied (any
+    other device copies them, blocking).
+
+    Pinned blocks come from torch's caching host allocator: one is reused only once the copy into it has
+    completed and nothing refers to it any more, i.e. once the writer is done with the Arrow column that views it
+    (the NumPy view keeps the tensor alive)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.in_flight = 0 if self.stream is None else 1  # batches whose rows wait for the next forward's launch
+
+    def start(self, seq_ids: np.ndarray, tokens: np.ndarray, states: list[torch.Tensor]) -> _OnHost:
+        if self.stream is None:  # `cpu()` copies from another device, and is the tensor itself on the CPU
+            return _OnHost(seq_ids, tokens, [state.cpu() for state in states], None)
+        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))  # after the forward that made them
+        on_host = []
+        with torch.cuda.stream(self.stream):
+            for state in states:
+                state.record_stream(self.stream)  # its device memory is not reused before the copy is done
+                host = torch.empty(state.shape, dtype=state.dtype, pin_memory=True)
+                on_host.append(host.copy_(state, non_blocking=True))
+        return _OnHost(seq_ids, tokens, on_host, self.stream.record_event())
+
+
+def _rows(batch: _OnHost, half: bool) -> Iterator[tuple[int, pa.RecordBatch]]:
+    """(layer, rows) of one batch, rows ordered by (seq_id, pos); the vectors are views of the host states."""
+    if batch.ready is not None:
+        batch.ready.synchronize()
+    n_seq, seq_len = batch.tokens.shape
+    ids = [
+        pa.array(np.repeat(batch.seq_ids.astype(np.int32), seq_len)),
+        pa.array(np.tile(np.arange(seq_len, dtype=np.int32), n_seq)),
+        pa.array(batch.tokens.astype(np.int32).reshape(-1)),
+    ]
+    for layer, h in enumerate(batch.states):
+        vectors = vectors_to_arrow(h.reshape(n_seq * seq_len, -1).numpy(), half=half)
+        yield layer, pa.RecordBatch.from_arrays([*ids, vectors], names=list(ACTIVATION_COLUMNS))
 
 
 def extract_batches(
@@ -71,14 +110,24 @@ def extract_batches(
     """Yield (layer, rows) for layers 0..L of each batch of sequences, rows ordered by (seq_id, pos).
 
     `token_ids` is (n_seq, seq_len); `seq_ids` names each row. One batch of sequences is in memory at a
-    time, so peak memory does not grow with the number of sequences. The model must be on `device`
-    (default: where its parameters are). `half` stores the vectors as float16 (SPEC §1 opt-in).
+    time (two on CUDA: a batch's rows are yielded once the next batch's forward has been launched, so its
+    copy to the host overlaps that forward), so peak memory does not grow with the number of sequences. The
+    model must be on `device` (default: where its parameters are). `half` stores the vectors as float16
+    (SPEC §1 opt-in), converted on the device, so half as many bytes cross to the host.
     """
     if token_ids.ndim != 2 or len(seq_ids) != len(token_ids):
         raise ValueError(f"token_ids {token_ids.shape} must be (n_seq, seq_len) with one seq_id per row")
     device = model_device(model) if device is None else torch.device(device)
+    dtype = torch.float16 if half else torch.float32
+    to_host = _DeviceToHost(device)
+    pending: deque[_OnHost] = deque()
     for start in range(0, len(token_ids), batch_size):
         tokens = token_ids[start : start + batch_size]
-        input_ids = torch.as_tensor(tokens, dtype=torch.long, device=device)
-        for layer, h in enumerate(capture_states(model, input_ids)):
-            yield layer, _layer_batch(seq_ids[start : start + batch_size], tokens, h, half)
+        input_ids = torch.as_tensor(tokens, dtype=torch.long)
+        input_ids = input_ids.pin_memory() if to_host.stream is not None else input_ids
+        states = [h.to(dtype) for h in capture_states(model, input_ids.to(device, non_blocking=True))]
+        pending.append(to_host.start(seq_ids[start : start + batch_size], tokens, states))
+        while len(pending) > to_host.in_flight:
+            yield from _rows(pending.popleft(), half)
+    while pending:
+        yield from _rows(pending.popleft(), half)

@@ -41,8 +41,7 @@ import pyarrow as pa
 import torch
 from torch import Tensor
 
-from pipeline.core.contracts import FIT_METRICS, FITS, VALUE_METRICS
-from pipeline.core.store import arrow_to_vectors
+from pipeline.core.contracts import FIT_METRICS, FITS, VALUE_METRICS, arrow_to_vectors, vectors_to_arrow
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.config import AnalysisConfig
@@ -340,10 +339,7 @@ def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, poo
     columns["converged"] = _optional(update.converged, n, pa.bool_())
     tied = update.basis.tied.expand(n) if update.basis.tied.numel() == 1 else update.basis.tied
     columns["subspace_tied"] = pa.array(tied.cpu().numpy(), mask=no_operator)
-    patched = (x_a + update.delta_tok).float().cpu().numpy()
-    flat = pa.FixedSizeListArray.from_arrays(pa.array(patched.reshape(-1), pa.float32()), d)
-    masked = pa.FixedSizeListArray.from_arrays(flat.values, d, mask=pa.array(no_value)) if no_value.any() else flat
-    columns["patched"] = masked
+    columns["patched"] = vectors_to_arrow((x_a + update.delta_tok).float().cpu().numpy(), null=no_value)
     columns["n_nonfinite"] = pa.array(np.full(n, pool.n_nonfinite, dtype=np.int32))
     columns["n_distinct"] = pa.array(np.full(n, pool.n_distinct, dtype=np.int32))
     return pa.Table.from_pydict(columns, schema=schema)

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from pipeline.study_a.solvers import solver_for
+
 F64 = torch.float64
 # Singular values (and eigenvalues of Gram matrices) below this fraction of the largest are zero.
 _RCOND = 1e-12
@@ -121,9 +123,9 @@ def _energy_fraction(v: Tensor, n_v: Tensor, basis: Subspace, has_basis: Tensor)
 
 def top_left_singular(left: Tensor, core: Tensor, p: int) -> Columns:
     """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns, as the
-    columns of `left @ U` kept by `dominant` (the others zeroed)."""
-    svd = torch.linalg.svd(core, full_matrices=False)
-    return Columns(left @ (svd.U * dominant(svd.S, p)[..., None, :]), tied(svd.S, p))
+    columns of `left @ U` kept by `dominant` (the others zeroed); the SVD from the device's solver."""
+    u, singular = solver_for(core.device).left_singular(core)
+    return Columns(left @ (u * dominant(singular, p)[..., None, :]), tied(singular, p))
 
 
 def coordinate_basis(diag: Tensor, p: int) -> CoordinateAxes:
@@ -138,6 +140,12 @@ def dominant(singular: Tensor, p: int) -> Tensor:
     """Which of the descending singular values span the dominant subspace: the first `p`, never a zero one."""
     first = torch.arange(singular.shape[-1], device=singular.device) < p
     return first & (singular > _RCOND * singular[..., :1])
+
+
+def leading_values_read(p: int) -> int:
+    """How many of the leading singular values `dominant` and `tied` read (the largest, the first `p` and the
+    next): a solver that finds only the leading ones (`pipeline.study_a.solvers`) finds at least these."""
+    return p + 1
 
 
 def tied(singular: Tensor, p: int) -> Tensor:

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-U32 = 2.0**-24  # float32 unit roundoff: the relative rounding of every stored activation value
+from pipeline.study_a.solvers import LAPACK, U32, GramSpectrum, solver_for
 
 
 class GramEigen(NamedTuple):
@@ -51,14 +51,24 @@ class NeighbourhoodGram:
     def __init__(self, xn: Tensor) -> None:
         self.primal = xn.shape[1] > xn.shape[2]
         self.matrix = xn.mT @ xn if self.primal else xn @ xn.mT
-        self._values: Tensor | None = None
+        self._spectrum: GramSpectrum | None = None
         self._eigen: GramEigen | None = None
+
+    def spectrum(self) -> GramSpectrum:
+        """What identification reads of the eigenvalues (trace, which are kept, the smallest), from the device's
+        solver (`pipeline.study_a.solvers`: every eigenvalue on the CPU, a Cholesky test on CUDA)."""
+        if self._spectrum is None:
+            self._spectrum = solver_for(self.matrix.device).spectrum(self.matrix)
+        return self._spectrum
 
     @property
     def values(self) -> Tensor:
-        if self._values is None:
-            self._values = torch.linalg.eigvalsh(self.matrix).clamp_min(0)
-        return self._values
+        """Every eigenvalue (ascending, clamped at 0): the spectrum's where its solver computed them."""
+        found = self.spectrum().values
+        if found is None:
+            found = LAPACK.eigenvalues(self.matrix)
+            self._spectrum = self._spectrum._replace(values=found)
+        return found
 
     def eigen(self) -> GramEigen:
         if self._eigen is None:
@@ -77,11 +87,11 @@ class NeighbourhoodGram:
 def identify(xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram) -> Identification:
     """The input rank of each neighbourhood `xn` (A, k, d) and whether its anchor's input `x_a` (A, d) lies
     in the span of the neighbours' inputs, at the float32 resolution of the stored values."""
-    values = gram.values
-    frobenius_sq = values.sum(dim=-1, keepdim=True)  # ‖X‖_F²
-    kept = values > U32**2 * frobenius_sq
-    rank = kept.sum(dim=-1)
-    smallest_kept = values.where(kept, torch.inf).amin(dim=-1)  # σ_r² (inf when r = 0)
+    spectrum = gram.spectrum()
+    frobenius_sq = spectrum.trace[..., None]  # ‖X‖_F²
+    kept = spectrum.kept
+    rank = spectrum.rank
+    smallest_kept = spectrum.smallest_kept  # σ_r² (inf when r = 0)
     x_sq = x_a.square().sum(dim=-1)
     if gram.primal:  # the component along the dropped right singular vectors: none where every one is kept
         outside_sq = x_sq.new_zeros(x_sq.shape)
@@ -96,7 +106,7 @@ def identify(xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram) -> Identification
                 outside_sq = outside
     else:  # ‖x_a‖² − ‖P_r x_a‖², P_r x_a's coordinates `uᵢᵀ X x_a / σᵢ` on the kept left singular vectors
         along = (gram.eigen().vectors.mT @ (xn @ x_a[..., None]))[..., 0].square()  # kept for `lowrank`
-        inside_sq = (along / values.where(kept, 1.0)).where(kept, 0.0).sum(dim=-1)
+        inside_sq = (along / gram.values.where(kept, 1.0)).where(kept, 0.0).sum(dim=-1)
         outside_sq = (x_sq - inside_sq).clamp_min(0)
     ratio = (frobenius_sq[..., 0] / smallest_kept).sqrt()  # ‖X‖_F / σ_r (0 when r = 0)
     allowed = U32 * (1 + ratio)
@@ -106,7 +116,7 @@ def identify(xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram) -> Identification
 
 def smallest_singular(gram: NeighbourhoodGram, d: int) -> Tensor:
     """`σ_d(X)` of each neighbourhood's inputs (A,): zero when it has fewer than `d` rows."""
-    values = gram.values
-    if values.shape[-1] < d:
-        return values.new_zeros(values.shape[:-1])
-    return values[..., 0].sqrt()
+    smallest = gram.spectrum().smallest
+    if gram.matrix.shape[-1] < d:
+        return smallest.new_zeros(smallest.shape)
+    return smallest.sqrt()

@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pipeline.core.store import arrow_to_vectors
+from pipeline.core.contracts import arrow_to_vectors
 
 
 class NullPatches(NamedTuple):

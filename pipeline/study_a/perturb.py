@@ -19,8 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from transformers import PreTrainedModel
 
-from pipeline.core.contracts import PERTURB
-from pipeline.core.store import arrow_to_vectors
+from pipeline.core.contracts import PERTURB, arrow_to_vectors
 from pipeline.study_a.nulls import null_patches
 from pipeline.study_a.patching import patch_kl_anchors
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
+from pipeline.core.determinism import THREAD_VARIABLES
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.config import AnalysisConfig
 from tools.bench.measure import (
@@ -26,10 +28,16 @@ from tools.bench.synthetic import synthetic_states
 def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, float | int]:
     """Max |fit_layer − reference| over every metric value and `patched`, and null-pattern mismatches."""
     from pipeline.core.contracts import FIT_METRICS as METRICS
+    from pipeline.core.contracts import arrow_to_vectors
 
     worst, mismatched = 0.0, 0
-    for name in (*METRICS, "patched"):  # scalars, and the patched vectors: one null pattern, one worst case
-        for g, w in zip(table.column(name).to_pylist(), (r[name] for r in rows), strict=True):
+    patched = table.column("patched")
+    valid = patched.is_valid().to_numpy(zero_copy_only=False)
+    decoded = iter(arrow_to_vectors(patched.filter(patched.is_valid())))
+    columns = {name: table.column(name).to_pylist() for name in METRICS}
+    columns["patched"] = [next(decoded) if known else None for known in valid]
+    for name, got in columns.items():  # scalars, and the patched vectors: one null pattern, one worst case
+        for g, w in zip(got, (r[name] for r in rows), strict=True):
             if (g is None) != (w is None):
                 mismatched += 1
             elif g is not None:
@@ -38,23 +46,33 @@ def compare_with_reference(table: Any, rows: list[dict[str, Any]]) -> dict[str, 
 
 
 def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dict[str, Any]:
-    """`fit_layer` vs the per-anchor reference on the same synthetic layer, per class."""
+    """`fit_layer` vs the per-anchor reference on the same synthetic layer, per class, at `k = identifiable_k(d)`
+    whatever the params say, and each class's float64 FLOP/s over `torch.matmul`'s beside its speed-up.
+
+    Run it in a fresh process (`run_fresh`): NumPy's OpenBLAS, which the reference's LAPACK calls run on, reads
+    its thread count once, when it loads. A process started without `OPENBLAS_NUM_THREADS` runs the reference
+    on every core while `torch.set_num_threads` holds the fits to `threads`: on the shared 2-core machine that
+    made the reference 10–60× slower at d = 64 (its calls are small and its threads wait for each other), and
+    the speed-up 10–60× larger, than a full `lmgeo bench` measured (docs/benchmarks.md). So both sides' thread
+    counts are checked and recorded, and a speed bar holds only when they are `threads` and every anchor was
+    identified (an all-null comparison agrees exactly and times nothing the study runs)."""
     import torch
 
     from pipeline.study_a.fits import choose_anchors, fit_layer
     from pipeline.study_a.reference import reference_rows
 
     torch.set_num_threads(threads)
+    threading = thread_counts(threads)
     states = synthetic_states(scale.n_seq, scale.seq_len, scale.d, n_layers=1, seed=3)
     x32, y32 = states[0], states[1]
     x64, y64 = x32.astype(np.float64), y32.astype(np.float64)  # the reference sees the same float32 values
     seq = np.repeat(np.arange(scale.n_seq), scale.seq_len)
     pos = np.tile(np.arange(scale.seq_len), scale.n_seq)
     anchors = choose_anchors(len(x32), scale.anchors, cfg.seed)
-    cfg = cfg.model_copy(update={"k": max(cfg.k, identifiable_k(scale.d))})
+    cfg = cfg.model_copy(update={"k": identifiable_k(scale.d)})
     matmul_rate = matmul_flop_rate()
-    out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "classes": {}, "bars": [], "profile": {},
-                           "matmul_flop_s": matmul_rate}  # fmt: skip
+    out: dict[str, Any] = {"scale": asdict(scale), "pool": len(x32), "k": cfg.k, "threads": threading,
+                           "classes": {}, "bars": [], "profile": {}, "matmul_flop_s": matmul_rate}  # fmt: skip
     for fn in fit_bench_classes():
         cases = {
             "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, [fn], cfg)[0][fn],
@@ -63,27 +81,56 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
         cases["fit_layer"]()  # warm-up: the first call pays lazy initialisation of torch's linalg
         reference_rows(x64, y64, seq, anchors[:1], FIT_CLASSES[fn], cfg)
         timings = interleaved(cases, scale.repeats, warmup=0)
-        agreement = compare_with_reference(timings.results["fit_layer"][-1], timings.results["reference"][-1])
+        fitted = timings.results["fit_layer"][-1]
+        agreement = compare_with_reference(fitted, timings.results["reference"][-1])
+        identified = int(np.sum(fitted["operator_identified"].to_numpy(zero_copy_only=False)))
         speedup = timings.ratio("reference", "fit_layer")
-        speed_bar = bar(f"fits {fn}, {scale.label}: speed-up over per-anchor reference", speedup, ">=", 20)
-        same_bar = bar(
+        rate = fit_flops(fn, cfg.k, scale.d, cfg) * len(anchors) / timings.median("fit_layer") / matmul_rate
+        comparable = threading["pinned"] and identified == len(anchors)
+        context = (f"k = {cfg.k}, {identified}/{len(anchors)} anchors identified, {threads} thread(s) both sides"
+                   + ("" if threading["pinned"] else f" — NOT: {threading['why']}"))
+        if scale.rate_bar:  # matrix-product bound at k = 1.5·d: the bar is the rate, the speed-up beside it
+            out["bars"].append(bar(
+                f"fits {fn}, {scale.label}: float64 FLOP/s over torch.matmul's", rate, ">=", RATE_BAR, unit="",
+                note=f"{speedup:.3g}× the per-anchor reference; matmul {matmul_rate / 1e9:.1f} GFLOP/s; {context}",
+                extra_ok=comparable))  # fmt: skip
+        else:
+            out["bars"].append(bar(
+                f"fits {fn}, {scale.label}: speed-up over per-anchor reference", speedup, ">=", SPEEDUP_BAR,
+                note=f"at {rate:.2g} of torch.matmul's float64 rate ({matmul_rate / 1e9:.1f} GFLOP/s); {context}",
+                extra_ok=comparable))  # fmt: skip
+        out["bars"].append(bar(
             f"fits {fn}, {scale.label}: max |fit_layer − reference|", agreement["max_abs_diff"], "<=", 1e-4,
             unit="", note=f"{agreement['null_mismatches']} null-pattern mismatches",
             extra_ok=agreement["null_mismatches"] == 0,
-        )
-        rate = fit_flops(fn, cfg.k, scale.d, cfg) * len(anchors) / timings.median("fit_layer") / matmul_rate
-        rate_bar = bar(f"fits {fn}, {scale.label}: float64 FLOP/s over torch.matmul's", rate, ">=", 0.3, unit="",
-                       note=f"torch.matmul {matmul_rate / 1e9:.1f} GFLOP/s") if scale.rate_bar else None  # fmt: skip
-        out["classes"][fn] = {"speedup": speedup, "flop_rate_ratio": rate, **agreement, "timings": timings.summary()}
-        out["bars"] += [speed_bar, same_bar] + ([rate_bar] if rate_bar else [])
-        if not speed_bar.passed:
-            out["profile"][speed_bar.name] = profile_top(cases["fit_layer"])
+        ))  # fmt: skip
+        out["classes"][fn] = {"speedup": speedup, "flop_rate_ratio": rate, "identified": identified, **agreement,
+                              "timings": timings.summary()}  # fmt: skip
+        if not out["bars"][-2].passed:
+            out["profile"][out["bars"][-2].name] = profile_top(cases["fit_layer"])
     out["mlp_step"], mlp_bar = mlp_step_ratio(x64, y64, anchors, cfg, scale.repeats, scale.label)
     out["bars"].append(mlp_bar)
     out["identification"] = identification_share(x32, y32, anchors, cfg)
     out["bars"].append(bar(f"fits, {scale.label}: identification's share of the local classes' fits",
                            out["identification"]["share"], "<=", 0.1, unit=""))  # fmt: skip
     return out
+
+
+# The bars of SPEC §7: at d = 64 the batched fits against the per-anchor reference; at GPT-2 width, where both
+# sides are matrix-product bound at k = 1.5·d, the fits' achieved float64 rate against the core's own.
+SPEEDUP_BAR, RATE_BAR = 20.0, 0.3
+
+
+def thread_counts(threads: int) -> dict[str, Any]:
+    """The threads each side of a comparison runs with: torch's (the fits) and the environment every BLAS and
+    OpenMP layer read when it loaded (NumPy's OpenBLAS: the reference). `pinned`: all of them are `threads`."""
+    import torch
+
+    variables = {name: os.environ.get(name) for name in THREAD_VARIABLES}
+    unset = [name for name, value in variables.items() if value != str(threads)]
+    why = f"{', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not {threads} (run it in a fresh process)"
+    return {"torch": torch.get_num_threads(), **variables,
+            "pinned": torch.get_num_threads() == threads and not unset, "why": why if unset else ""}
 
 
 def matmul_flop_rate(n: int = 1024, repeats: int = 5) -> float:

@@ -12,7 +12,7 @@ import numpy as np
 from pipeline.study_a.config import AnalysisConfig
 from tools.bench.extraction import _extraction_model, extract_to_parquet, forward_flops_per_token
 from tools.bench.measure import interleaved
-from tools.bench.sizes import BenchSizes, ExtractionSize, FitScale, KnnSize, fit_bench_classes
+from tools.bench.sizes import BenchSizes, ExtractionSize, FitScale, KnnSize, fit_bench_classes, identifiable_k
 from tools.bench.synthetic import synthetic_states, token_ids
 
 
@@ -95,6 +95,7 @@ def _gpu_fits(scale: FitScale, cfg: AnalysisConfig, device: Any) -> dict[str, An
     states = synthetic_states(scale.n_seq, scale.seq_len, scale.d, n_layers=1, seed=3)
     seq = np.repeat(np.arange(scale.n_seq), scale.seq_len)
     anchors = choose_anchors(states.shape[1], scale.anchors, cfg.seed)
+    cfg = cfg.model_copy(update={"k": identifiable_k(scale.d)})  # as the CPU section: every anchor identified
     seconds = {}
     for fn in fit_bench_classes():
         def fit(fn: str = fn) -> None:

@@ -169,12 +169,20 @@ def _extraction_md(section: dict[str, Any]) -> list[str]:
              f"{m['params'] / 1e6:.2g} M parameters), {section['tokens_per_repeat']} tokens per repetition "
              f"(one shard of {m['n_seq']} sequences × {m['seq_len']}), batch {section['batch_size']}. "
              "The extract path is `extract_batches` (forward with hooks on the blocks) streamed through "
-             "`ShardWriter` into Parquet in a temporary directory; the baseline is the base model's "
+             "`ShardWriter` into Parquet in a temporary directory (one writer thread per layer's file, hashed and "
+             "flushed as it grows, overlapping the next forward); the baseline is the base model's "
              "forward with `output_hidden_states=True` on the same batches (no head, no KV cache)."), ""]
     lines += _table(["path", "tokens/s (median)"], [[c, _num(v, 4)] for c, v in section["tokens_per_s"].items()])
     lines += ["", "Peak RSS of a fresh process (model built, tokens extracted), nothing subtracted:", ""]
     lines += _table(["tokens", "RSS after setup", "peak RSS"], [
         [str(r["tokens"]), _mib(r["rss_after_setup_bytes"]), _mib(r["peak_rss_bytes"])] for r in section["peak_rss"]])
+    v = section["vector_encodings"]
+    lines += ["", (f"Vector encodings, the same {v['rows']} × {v['d']} float32 vectors with the activations' ids, "
+                   "written to and read from files in the page cache (no fsync), interleaved; GB/s of vector bytes "
+                   f"(same vectors read back: {'yes' if v['same_vectors'] else '**no**'}). Stored: format 2."), ""]
+    lines += _table(["encoding", "write GB/s", "read GB/s", "file MiB"], [
+        [name, _num(e["write_gb_s"]), _num(e["read_gb_s"]), _num(e["file_bytes"] / 2**20)]
+        for name, e in v["encodings"].items()])
     return lines + [""]
 
 
@@ -184,11 +192,19 @@ def _fits_md(scales: list[dict[str, Any]]) -> list[str]:
              "full sort of the distances, `lstsq` / SVD per anchor, full d × d SVD of each local operator), "
              "on the same synthetic layer (a tanh update plus a cross-token term, float32-rounded)."), ""]
     for scale in scales:
-        s = scale["scale"]
-        lines += [f"**{s['label']}**: pool {scale['pool']}, {s['anchors']} anchors, {s['repeats']} repetitions.", ""]
-        lines += _table(["class", "fit_layer s", "reference s", "speed-up", "max abs diff", "null mismatches"], [
+        s, t = scale["scale"], scale["threads"]
+        lines += [(f"**{s['label']}**: pool {scale['pool']}, {s['anchors']} anchors, k = {scale['k']}, "
+                   f"{s['repeats']} repetitions; torch.matmul's float64 rate {_num(scale['matmul_flop_s'] / 1e9)} "
+                   f"GFLOP/s. Threads: torch {t['torch']} (the fits), "
+                   + ", ".join(f"{name}={t[name]}" for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS",
+                                                              "OPENBLAS_NUM_THREADS"))
+                   + f" (the reference's NumPy/OpenBLAS){'' if t['pinned'] else ': **not the same on both sides**'}."),
+                  ""]  # fmt: skip
+        lines += _table(["class", "fit_layer s", "reference s", "speed-up", "FLOP/s / matmul's", "identified",
+                         "max abs diff", "null mismatches"], [
             [fn, _num(c["timings"]["fit_layer"]["median_s"]), _num(c["timings"]["reference"]["median_s"]),
-             _num(c["speedup"]) + "×", _num(c["max_abs_diff"]), str(c["null_mismatches"])]
+             _num(c["speedup"]) + "×", _num(c["flop_rate_ratio"]), f"{c['identified']}/{s['anchors']}",
+             _num(c["max_abs_diff"]), str(c["null_mismatches"])]
             for fn, c in scale["classes"].items()])
         lines += ["", _mlp_step_md(scale["mlp_step"]), ""]
     return lines

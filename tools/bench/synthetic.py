@@ -31,7 +31,7 @@ def activation_batch(states: np.ndarray, seq_len: int, tokens: np.ndarray) -> li
     """One Arrow record batch per layer in the activation schema (SPEC §4.1) for synthetic `states`."""
     import pyarrow as pa
 
-    from pipeline.core.store import vectors_to_arrow
+    from pipeline.core.contracts import vectors_to_arrow
     from pipeline.study_a.extract import ACTIVATION_COLUMNS
 
     n = states.shape[1]

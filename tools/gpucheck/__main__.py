@@ -31,6 +31,13 @@ def cuda_missing() -> str | None:
     return "torch does not import: " + (done.stderr.strip().splitlines() or ["?"])[-1]
 
 
+def checked_commit() -> str:
+    """The commit the check runs: git's, or `LMGEO_COMMIT` where the tree came without its .git (the device
+    machine gets a copy of the working tree); `docs/scale.md` cites it with the figures."""
+    done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=wheels.REPO, capture_output=True, text=True, check=False)
+    return done.stdout.strip() if done.returncode == 0 else os.environ.get("LMGEO_COMMIT", "unknown")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpucheck", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
@@ -79,6 +86,7 @@ def run(args: argparse.Namespace, install: dict) -> int:
         "command": " ".join(["python -m tools.gpucheck", *sys.argv[1:]]),
         "device": torch.cuda.get_device_name(device) if cuda else "the CPU",
         "started_utc": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": checked_commit(),
         "budget_s": args.budget_s,
         "machine": machine(),
         "versions": compat.versions(),

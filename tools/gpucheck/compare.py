@@ -17,15 +17,14 @@ import gc
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import torch
 
-from pipeline.core.contracts import FIT_METRICS, RunSpec
+from pipeline.core.contracts import FIT_METRICS, RunSpec, arrow_to_vectors
 from pipeline.core.progress import StepClock
-from pipeline.core.store import arrow_to_vectors
 from pipeline.models.config import ModelSize
 from pipeline.models.registry import build_model
 from pipeline.study_a.classes import FIT_CLASSES
@@ -39,7 +38,7 @@ from pipeline.study_b.config import TrainConfig
 from pipeline.study_b.train import INVARIANT_RTOL, train_run
 from tools.bench.synthetic import token_ids
 from tools.gpucheck.summary import Outcome
-from tools.gpucheck.tolerances import TOLERANCES, agree, combine, largest
+from tools.gpucheck.tolerances import TOLERANCES, Agreement, agree, combine, largest
 
 CPU = torch.device("cpu")
 
@@ -55,6 +54,7 @@ class StudyAShape:
     anchors: int  # fitted anchors
     patch_anchors: int  # of those, patched
     knn_chunk: int  # small enough that the kNN merges several chunks
+    k: int  # neighbours of a fit: more than d, so that every local class is identified and compared (SPEC §4.5)
 
 
 @dataclass(frozen=True)
@@ -142,36 +142,74 @@ def compare_knn(arch: str, shape: StudyAShape, device: torch.device) -> Outcome:
 
 
 def compare_fit(fn: str, arch: str, shape: StudyAShape, device: torch.device) -> Outcome:
+    """Every column of `fit_layer` on the device against the CPU, null-aware (`compare_fit_tables`)."""
     ids, x, y, layer = _transition(arch, shape)
-    cfg = AnalysisConfig(anchors=shape.anchors, knn_chunk=shape.knn_chunk)
+    cfg = AnalysisConfig(anchors=shape.anchors, knn_chunk=shape.knn_chunk, k=shape.k)
     anchors = choose_anchors(len(x), cfg.anchors, cfg.seed, finite_rows(x, y))
     args = (x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, [fn], cfg)
     cpu = fit_layer(*args, device=CPU)[0][fn]
     dev = fit_layer(*args, device=device)[0][fn]
-    parts = {name: agree(_floats(dev[name]), _floats(cpu[name]), TOLERANCES["fits"]) for name in FIT_METRICS}
-    parts["patched"] = agree(arrow_to_vectors(dev["patched"]), arrow_to_vectors(cpu["patched"]), TOLERANCES["fits"])
-    overall = combine(parts)
-    worst = max(parts, key=lambda name: parts[name].worst_ratio)
+    found = compare_fit_tables(dev, cpu)
+    overall = combine(found.values)
+    worst = max(found.values, key=lambda name: found.values[name].worst_ratio)
+    identified = int(np.sum(cpu["operator_identified"].to_numpy(zero_copy_only=False)))
     return Outcome(
-        f"layer {layer}→{layer + 1}, {len(anchors)} anchors, d = {x.shape[1]}: {overall.describe()}, worst: {worst}",
-        {"per_column": parts},
-        overall.passed,
+        f"layer {layer}→{layer + 1}, {len(anchors)} anchors, d = {x.shape[1]}, k = {cfg.k} ({identified} identified, "
+        f"{found.tied} tied left out of proj_*): {overall.describe()}, worst: {worst}"
+        + (f"; validity differs in {', '.join(found.mismatched)}" if found.mismatched else ""),
+        {"per_column": found.values, "validity_mismatches": found.mismatched, "tied": found.tied,
+         "identified": identified},
+        overall.passed and not found.mismatched,
     )
 
 
-def _floats(column: pa.ChunkedArray) -> np.ndarray:
-    """A nullable float column with nulls as NaN (a null must be null on both devices)."""
-    return column.to_numpy(zero_copy_only=False).astype(np.float64)
+# Columns that need the map itself (its dominant subspace), left out where the Study A rule leaves them out:
+# at an anchor flagged `subspace_tied` the top-p subspace is one choice among several (tests/test_fits.py does
+# the same). An anchor where either device flags a tie is left out; the flags themselves must agree.
+SUBSPACE_COLUMNS = ("proj_full", "proj_res")
+FLAG_COLUMNS = ("input_rank", "value_identified", "operator_identified", "converged", "subspace_tied")
+
+
+class FitComparison(NamedTuple):
+    values: dict[str, Agreement]  # per column, on the rows valid on both devices
+    mismatched: list[str]  # columns whose validity (null) mask or flag values differ between the devices
+    tied: int  # anchors left out of the subspace columns
+
+
+def compare_fit_tables(dev: pa.Table, cpu: pa.Table) -> FitComparison:
+    """Null-aware: each column must be null on the same rows on both devices (a column that is not is named in
+    `mismatched`), and its values are compared on the rows valid on both; the flags must be equal. The subspace
+    columns leave out the anchors flagged `subspace_tied` on either device (`SUBSPACE_COLUMNS`); with a
+    selection rule under which no tie occurs, nothing is left out."""
+    mismatched = [name for name in FLAG_COLUMNS if dev[name].to_pylist() != cpu[name].to_pylist()]
+    tied = np.asarray(cpu["subspace_tied"].fill_null(False)) | np.asarray(dev["subspace_tied"].fill_null(False))
+    values = {}
+    for name in (*FIT_METRICS, "patched"):
+        valid_dev, valid_cpu = (np.asarray(t[name].is_valid()) for t in (dev, cpu))
+        if not np.array_equal(valid_dev, valid_cpu):
+            mismatched.append(name)
+        keep = valid_dev & valid_cpu & (~tied if name in SUBSPACE_COLUMNS else True)
+        picked = pa.array(keep)
+        if name == "patched":
+            on_dev, on_cpu = (arrow_to_vectors(t[name].filter(picked)) for t in (dev, cpu))
+        else:
+            on_dev, on_cpu = (t[name].filter(picked).to_numpy(zero_copy_only=False).astype(np.float64)
+                              for t in (dev, cpu))  # fmt: skip
+        values[name] = agree(on_dev, on_cpu, TOLERANCES["fits"])
+    return FitComparison(values, mismatched, int(tied.sum()))
 
 
 def compare_patching(arch: str, shape: StudyAShape, device: torch.device) -> Outcome:
     """The KLs of the same patches (the CPU fit of the first registered class) on both devices."""
     tokens, _ = cpu_states(arch, shape)
     ids, x, y, layer = _transition(arch, shape)
-    cfg = AnalysisConfig(anchors=shape.patch_anchors, knn_chunk=shape.knn_chunk)
+    cfg = AnalysisConfig(anchors=shape.patch_anchors, knn_chunk=shape.knn_chunk, k=shape.k)
     anchors = choose_anchors(len(x), cfg.anchors, cfg.seed, finite_rows(x, y))
     fn = FIT_CLASSES.names()[0]
     fit = fit_layer(x, y, ids[:, 0], ids[:, 1], ids[:, 2], anchors, [fn], cfg, device=CPU)[0][fn]
+    fit = fit.filter(fit["patched"].is_valid())  # the anchors whose patch the data determine (SPEC §4.5)
+    if fit.num_rows == 0:
+        return Outcome(f"none of {len(anchors)} anchors has an identified patch at k = {cfg.k}", passed=False)
     rows, positions = fit["seq_id"].to_numpy(), fit["pos"].to_numpy()
     vectors = arrow_to_vectors(fit["patched"])
     model = _model(arch, shape)

@@ -1,12 +1,12 @@
 """What the check runs, at which sizes, in which order, and the loop that runs it within a time budget.
 
-Items run in order of what a first GPU run most needs to learn: the environment, the GPU tests, agreement
-with the CPU (Study A, then Study B) on tiny models of every family and at GPT-2-small width (V = 50,304),
-Mamba on mamba-ssm's kernels against the CPU's fallback (where the kernel wheels are installed), memory
-between shards, the measurements, and last what compiles (tens of seconds per model), which a short budget
-cuts first. Each item is isolated: an exception is recorded with its traceback and the next item
-runs, so one run reports every failure. Items are started only within the budget (the rest are recorded as
-skipped), and the summaries are rewritten after every item.
+Items run in order of what a GPU run most needs to learn (`items`): the environment, the machine's ceilings, Study
+A at the seeds' width (GPT-2 small, d = 768, V = 50,304: agreement with the CPU, then the speeds that carry the GPU
+node's bars), the GPU tests, the tiny models of every family, Study B, memory between shards, Mamba on mamba-ssm's
+kernels against the CPU's fallback (where the kernel wheels are installed), training's speeds, and last what
+compiles (tens of seconds per model), which a short budget cuts first. Each item is isolated: an exception is
+recorded with its traceback and the next item runs, so one run reports every failure. Items are started only within
+the budget (the rest are recorded as skipped), and the summaries are rewritten after every item.
 """
 
 from __future__ import annotations
@@ -30,9 +30,10 @@ from pipeline.models.registry import FAMILIES
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
+from tools.bench.sizes import identifiable_k
 from tools.gpucheck import compare, compat, speed
 from tools.gpucheck.compare import StudyAShape, TrainShape
-from tools.gpucheck.speed import FitRun, KnnRun, ModelRun
+from tools.gpucheck.speed import CeilingRun, FitRun, KnnRun, ModelRun, PatchRun
 from tools.gpucheck.summary import Outcome, Result
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,9 +55,11 @@ class Sizes:
     train: tuple[tuple[TrainShape, tuple[str, ...], tuple[str, ...]], ...]  # shape, families, recipes
     compile_families: tuple[str, ...]  # compiled training (baseline recipe), at the first train shape
     memory: tuple[StudyAShape, TrainShape]
+    ceilings: CeilingRun
     extraction: ModelRun
     knn: KnnRun
     fits: FitRun
+    patching: PatchRun
     steps: ModelRun
     mamba: ModelRun
     # Mamba on its kernels against the CPU's fallback (None: the stand-in, where both would be the fallback,
@@ -66,9 +69,11 @@ class Sizes:
 
 def full_sizes() -> Sizes:
     """The CUDA run: tiny models of every family, then GPT-2-small width; measurements at GPT-2 small."""
-    tiny_a = StudyAShape("tiny", TINY, 128, 16, n_seq=8, batch=4, anchors=32, patch_anchors=8, knn_chunk=48)
+    tiny_a = StudyAShape("tiny", TINY, 128, 16, n_seq=8, batch=4, anchors=32, patch_anchors=8, knn_chunk=48,
+                         k=identifiable_k(TINY.d_model))
+    # The seeds' width: k = d + 64 neighbours (every local class identified) among 1,024 tokens.
     real_a = StudyAShape("GPT-2 small width", GPT2_SMALL_WIDTH, GPT2_VOCAB, 128, n_seq=8, batch=4, anchors=64,
-                         patch_anchors=16, knn_chunk=256)
+                         patch_anchors=16, knn_chunk=256, k=GPT2_SMALL_WIDTH.d_model + 64)
     tiny_t = TrainShape("tiny", TINY, 128, 16, batch=4, steps=5, save_checkpoints=True)
     real_t = TrainShape("GPT-2 small width", GPT2_SMALL_WIDTH, GPT2_VOCAB, 64, batch=2, steps=2, save_checkpoints=False)
     return Sizes(
@@ -76,9 +81,11 @@ def full_sizes() -> Sizes:
         train=((tiny_t, trainable(), RECIPES.names()), (real_t, ("gpt2",), RECIPES.names())),
         compile_families=trainable(),
         memory=(tiny_a, tiny_t),
+        ceilings=CeilingRun(disk_bytes=2 << 30, transfer_bytes=1 << 30, repeats=2),
         extraction=ModelRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 256, batch=8, repeats=3),
         knn=KnnRun(pool=65536, d=768, anchors=2048, chunk=4096, repeats=2),
-        fits=FitRun(d=768, n_seq=32, seq_len=64, anchors=64, repeats=1),
+        fits=FitRun(d=768, k=768 + 64, n_seq=32, seq_len=64, anchors=64, repeats=1),
+        patching=PatchRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 256, n_seq=16, copies_per_seq=8, batch=32, repeats=2),
         steps=ModelRun("gpt2", GPT2_SMALL, GPT2_VOCAB, 1024, batch=8, repeats=5),
         mamba=ModelRun("mamba", ModelSize(d_model=768, n_layers=4, d_state=16, expand=2), GPT2_VOCAB, 256, batch=4,
                        repeats=3),
@@ -88,7 +95,8 @@ def full_sizes() -> Sizes:
 
 def standin_sizes() -> Sizes:
     """The CPU stand-in of the test suite: the same plan at sizes a 2-core machine runs in about a minute."""
-    tiny_a = StudyAShape("tiny", TINY, 128, 16, n_seq=6, batch=3, anchors=12, patch_anchors=4, knn_chunk=32)
+    tiny_a = StudyAShape("tiny", TINY, 128, 16, n_seq=6, batch=3, anchors=12, patch_anchors=4, knn_chunk=32,
+                         k=identifiable_k(TINY.d_model))
     tiny_t = TrainShape("tiny", TINY, 128, 16, batch=2, steps=2, save_checkpoints=True)
     small = ModelSize(d_model=32, n_layers=1, n_heads=4, d_state=8, expand=2)
     return Sizes(
@@ -96,9 +104,11 @@ def standin_sizes() -> Sizes:
         train=((tiny_t, ("gpt2",), RECIPES.names()), (tiny_t, trainable()[1:], (baseline().name,))),
         compile_families=(),
         memory=(tiny_a, tiny_t),
+        ceilings=CeilingRun(disk_bytes=64 << 20, transfer_bytes=0, repeats=1),
         extraction=ModelRun("gpt2", small, 256, 16, batch=2, repeats=1),
         knn=KnnRun(pool=512, d=16, anchors=32, chunk=128, repeats=1),
-        fits=FitRun(d=16, n_seq=8, seq_len=16, anchors=8, repeats=1),
+        fits=FitRun(d=16, k=16 + 64, n_seq=8, seq_len=16, anchors=8, repeats=1),
+        patching=PatchRun("gpt2", small, 256, 16, n_seq=2, copies_per_seq=2, batch=4, repeats=1),
         steps=ModelRun("gpt2", small, 256, 16, batch=2, repeats=1),
         mamba=ModelRun("mamba", small, 256, 16, batch=2, repeats=1),
         mamba_kernels=None,
@@ -115,23 +125,26 @@ class Item:
 
 
 def items(sizes: Sizes, device: torch.device) -> list[Item]:
+    """Every item, most valuable first (a budget cuts from the end): the environment; the machine's ceilings;
+    Study A at the seeds' width (GPT-2 small, d = 768), its agreement with the CPU and then its speeds, which
+    carry the GPU node's bars and `docs/scale.md`'s GPU column; the GPU tests; the tiny models of every family;
+    Study B; memory between shards; training's speeds; last what compiles."""
+    measured, compiling = f"measurements on {device.type}", "train_run compiles on CUDA only (train.compile)"
+    widest, *others = sorted(sizes.study_a, key=lambda pair: -pair[0].size.d_model)
     plan = [
         Item("environment", "every library module imports", compat.import_every_module),
         Item("environment", "private torch API of Muon", compat.private_torch_api),
+        Item(measured, "disk and host↔device ceilings", lambda: speed.ceilings(sizes.ceilings, device)),
+        *study_a_items(*widest, device),
+        Item(measured, "fits, device vs cpu", lambda: speed.fits_speed(sizes.fits, device)),
+        Item(measured, "extraction vs bare forward",
+             lambda: speed.extraction_speed(sizes.extraction, sizes.ceilings, device)),
+        Item(measured, "patching", lambda: speed.patching_speed(sizes.patching, device)),
+        Item(measured, "kNN, device vs cpu", lambda: speed.knn_speed(sizes.knn, device)),
         Item("environment", "GPU tests (pytest -m gpu)", gpu_tests),
     ]
-    for shape, families in sizes.study_a:
-        section = f"Study A on {device.type} vs cpu — {shape.label}"
-        first = families[0]
-        plan += [Item(section, f"extraction {a}", lambda a=a, s=shape: compare.compare_extraction(a, s, device))
-                 for a in families]
-        plan.append(Item(section, f"kNN ({first} activations)",
-                         lambda f=first, s=shape: compare.compare_knn(f, s, device)))
-        plan += [Item(section, f"fit {fn} ({first})",
-                      lambda fn=fn, f=first, s=shape: compare.compare_fit(fn, f, s, device))
-                 for fn in FIT_CLASSES.names()]
-        plan += [Item(section, f"patching {a}", lambda a=a, s=shape: compare.compare_patching(a, s, device))
-                 for a in families]
+    for shape, families in others:
+        plan += study_a_items(shape, families, device)
     for shape, families, recipes in sizes.train:
         section = f"Study B on {device.type} vs cpu — {shape.label}"
         plan += [Item(section, f"train {a} {r}", lambda a=a, r=r, s=shape: compare.compare_training(a, r, s, device))
@@ -142,12 +155,8 @@ def items(sizes: Sizes, device: torch.device) -> list[Item]:
     plan.append(Item("GPU memory between shards", "extract, fit, perturb, train shards",
                      lambda: compare.memory_between_shards(study_a, train, device),
                      cuda_only="CUDA's allocator counts the memory; the CPU has no counterpart"))
-    measured, compiling = f"measurements on {device.type}", "train_run compiles on CUDA only (train.compile)"
     plan += [
         Item(measured, "bf16 matmul peak", lambda: speed.matmul_peak(device), cuda_only="the peak is the GPU's"),
-        Item(measured, "extraction vs bare forward", lambda: speed.extraction_speed(sizes.extraction, device)),
-        Item(measured, "kNN, device vs cpu", lambda: speed.knn_speed(sizes.knn, device)),
-        Item(measured, "fits, device vs cpu", lambda: speed.fits_speed(sizes.fits, device)),
         Item(measured, "training step per recipe", lambda: speed.training_steps(sizes.steps, device)),
         Item(measured, "Mamba's kernel path", lambda: speed.mamba_kernel_path(device)),
         Item(measured, "Mamba training step, kernels vs fallback", lambda: speed.mamba_step(sizes.mamba, device)),
@@ -179,6 +188,19 @@ def mamba_kernel_items(shapes: tuple[StudyAShape, TrainShape], device: torch.dev
              unavailable=missing),
         Item(section, f"train mamba {recipe}", lambda: compare.compare_training("mamba", recipe, train, device),
              unavailable=missing),
+    ]
+
+
+def study_a_items(shape: StudyAShape, families: tuple[str, ...], device: torch.device) -> list[Item]:
+    """Study A's library path on the device against the CPU at one shape: extraction of every family, then on
+    the first family's activations the kNN, every fit class and the patching of every family."""
+    section, first = f"Study A on {device.type} vs cpu — {shape.label}", families[0]
+    return [
+        *(Item(section, f"extraction {a}", lambda a=a: compare.compare_extraction(a, shape, device)) for a in families),
+        Item(section, f"kNN ({first} activations)", lambda: compare.compare_knn(first, shape, device)),
+        *(Item(section, f"fit {fn} ({first})", lambda fn=fn: compare.compare_fit(fn, first, shape, device))
+          for fn in FIT_CLASSES.names()),
+        *(Item(section, f"patching {a}", lambda a=a: compare.compare_patching(a, shape, device)) for a in families),
     ]
 
 

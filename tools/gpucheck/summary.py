@@ -69,7 +69,8 @@ def markdown(header: dict[str, Any], results: list[Result]) -> str:
     lines = [
         f"# GPU check — {header['mode']}",
         "",
-        f"`{header['command']}` on {header['device']}, started {header['started_utc']}, "
+        f"`{header['command']}` on {header['device']}, started {header['started_utc']}, at commit "
+        f"`{header.get('commit', 'unknown')}`, "
         f"{header.get('wall_s', 0):.0f} s of a {header['budget_s']:.0f} s budget"
         + ("" if header.get("finished") else " (**still running or cut short**: the items below are those done)")
         + ".",

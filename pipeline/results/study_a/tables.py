@@ -14,7 +14,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipeline.core.contracts import FIT_METRICS, FITS, PERTURB_METRICS, table_id, table_id_sql
+from pipeline.core.contracts import (
+    FIT_METRICS,
+    FITS,
+    PERTURB_METRICS,
+    is_vector_type,
+    table_id,
+    table_id_sql,
+    vector_shape,
+)
 from pipeline.models.registry import FAMILIES
 from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
@@ -180,8 +188,8 @@ def capacities(fits: tuple[Path, Sequence[Path]], analysis: AnalysisConfig) -> d
         model = table_id(str(FITS.partition_values(f.relative_to(root))["model"]))
         schema = pq.read_schema(f) if model not in widths else None
         vector = schema.field("patched").type if schema is not None and "patched" in schema.names else None
-        if vector is not None and pa.types.is_fixed_size_list(vector):
-            widths[model] = vector.list_size
+        if vector is not None and is_vector_type(vector):
+            widths[model] = vector_shape(vector)[0]
     return {model: {c.name: c.parameters(d, analysis) for c in FIT_CLASSES if c.local and c.tokenwise}
             for model, d in sorted(widths.items())}  # fmt: skip
 

@@ -22,8 +22,9 @@ from torch import Tensor
 
 from pipeline.study_a.classes.base import FitClass, FitContext, RefContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import F64, Columns, Update, dominant, tied
+from pipeline.study_a.geometry import F64, Columns, Update, dominant, leading_values_read, tied
 from pipeline.study_a.identification import U32, NeighbourhoodGram, smallest_singular
+from pipeline.study_a.solvers import solver_for
 
 
 class OrthogonalFit(NamedTuple):
@@ -42,7 +43,8 @@ class OrthogonalFit(NamedTuple):
         an eigenvalue `μ` near 1 would cancel, and sorted (the order of `μ` flips with the sign of `s`)."""
         eye = torch.eye(self.rotation.shape[-1], dtype=self.rotation.dtype, device=self.rotation.device)
         core = self.scale[:, None, None] * self.rotation - eye
-        vectors = torch.linalg.eigh((self.rotation + self.rotation.transpose(1, 2)) / 2).eigenvectors
+        symmetric = (self.rotation + self.rotation.transpose(1, 2)) / 2
+        vectors = solver_for(core.device).normal_singular_vectors(core, symmetric, leading_values_read(p))
         singular, order = (core @ vectors).norm(dim=1).sort(dim=1, descending=True, stable=True)
         vectors = vectors.gather(2, order[:, None, :].expand_as(vectors))
         return Columns(vectors * dominant(singular, p)[:, None, :], tied(singular, p))
@@ -52,15 +54,16 @@ def fit_orthogonal(xn: Tensor, yn: Tensor, with_scale: bool, gram: Neighbourhood
     """The (scaled) Procrustes maps; `gram` is `NeighbourhoodGram(xn)`, made here when not given."""
     gram = NeighbourhoodGram(xn) if gram is None else gram
     cross = yn.transpose(1, 2) @ xn  # Σ y_j x_jᵀ
-    svd = torch.linalg.svd(cross)
-    rotation = svd.U @ svd.Vh  # polar factor
     energy = (xn * xn).sum(dim=(1, 2))  # ‖X‖_F²
     smallest = smallest_singular(gram, xn.shape[2])  # σ_d(X), 0 with fewer than d neighbours
-    unidentified = (smallest == 0) | (svd.S[:, -1] <= U32 * (yn * yn).sum(dim=(1, 2)).sqrt() * smallest)
+    threshold = U32 * (yn * yn).sum(dim=(1, 2)).sqrt() * smallest  # σ_d(C) at most this: not identified
+    floor = threshold / torch.linalg.matrix_norm(cross).clamp_min(torch.finfo(F64).tiny)
+    polar = solver_for(xn.device).polar(cross, floor)  # the polar factor, Σ σ(C) and σ_d(C)
+    unidentified = (smallest == 0) | (polar.smallest <= threshold)
     if not with_scale:
-        return OrthogonalFit(rotation, xn.new_ones(xn.shape[0]), unidentified)
-    scale = svd.S.sum(dim=1) / energy.clamp_min(torch.finfo(F64).tiny)  # ⟨C, Q⟩ = tr(Σ_C)
-    return OrthogonalFit(rotation, scale, unidentified)
+        return OrthogonalFit(polar.rotation, xn.new_ones(xn.shape[0]), unidentified)
+    scale = polar.singular_sum / energy.clamp_min(torch.finfo(F64).tiny)  # ⟨C, Q⟩ = tr(Σ_C)
+    return OrthogonalFit(polar.rotation, scale, unidentified)
 
 
 def fit(xn: Tensor, yn: Tensor, x_a: Tensor, cfg: AnalysisConfig, context: FitContext) -> Update:
