@@ -129,6 +129,12 @@ def _run_stage(
         if not isinstance(err.cause, InputError):  # a bug or a crash: keep the traceback
             raise
         fail(f"shard {err.key!r}: {err.cause}")
+    except OSError as err:
+        from pipeline.core.store import is_disk_full
+
+        if not is_disk_full(err):
+            raise
+        fail(f"{err.filename or 'a write'}: no space left on the device; free some space and re-run ({err})")
 
 
 def _stage_command(stage: str, summary: str) -> None:

@@ -22,6 +22,7 @@ with a ``ShardWriter`` (SPEC §1).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -829,13 +830,25 @@ class ShardParts:
             self.folders[relative] = read_folder(Path(scratch))
 
     def commit(self, root: Path, shard: str, key: ManifestKey) -> None:
-        """Write the shard under ``root`` (atomically, its manifest last)."""
-        with ShardWriter(root, shard, key, metadata=self.metadata) as writer:
-            for partition, table, name in self.tables:
-                writer.write(partition, table, name)
-            for relative, files in self.folders.items():
-                with writer.directory(relative) as folder:
-                    write_folder(folder, files)
+        """Write the shard under ``root`` (atomically, its manifest last); a full disk is a ``DiskFull`` naming
+        the dataset and the shard's size (the writer has removed what it wrote)."""
+        try:
+            with ShardWriter(root, shard, key, metadata=self.metadata) as writer:
+                for partition, table, name in self.tables:
+                    writer.write(partition, table, name)
+                for relative, files in self.folders.items():
+                    with writer.directory(relative) as folder:
+                        write_folder(folder, files)
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            raise disk_full(Path(root), f"shard {shard!r}", self.size()) from None
+
+    def size(self) -> int:
+        """The shard's bytes as computed (its tables in memory, its folders' files): about what it takes on disk."""
+        return sum(table.nbytes for _, table, _ in self.tables) + sum(
+            len(content) for files in self.folders.values() for content in files.values()
+        )
 
 
 def read_folder(path: Path) -> dict[str, bytes]:
@@ -881,12 +894,41 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
 
 def atomic_write(path: Path, content: str | bytes) -> None:
-    """Write ``content`` to ``path`` atomically (see ``atomic_path``)."""
-    with atomic_path(path) as temp:
-        if isinstance(content, bytes):
-            temp.write_bytes(content)
-        else:
-            temp.write_text(content)
+    """Write ``content`` to ``path`` atomically (see ``atomic_path``); a full disk is a ``DiskFull``."""
+    data = content if isinstance(content, bytes) else content.encode()
+    try:
+        with atomic_path(path) as temp:
+            temp.write_bytes(data)
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise disk_full(Path(path).parent, Path(path).name, len(data)) from None
+
+
+class DiskFull(InputError):
+    """No space left on the device a write went to; the message names the folder and the space needed."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An error of a write to a full device: errno ENOSPC (or EDQUOT), as Python raises it, or in the text of
+    an ``OSError`` that Arrow raises for a failed write."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in (errno.ENOSPC, errno.EDQUOT) or "[errno 28]" in str(err).lower()
+
+
+def disk_full(folder: Path, what: str, needed: int) -> DiskFull:
+    """The error for `what` (about `needed` bytes) that did not fit in `folder` (nothing of it was kept)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    return DiskFull(
+        f"{folder}: no space left on the device for {what} (about {_size(needed)} needed, {_size(free)} free); free "
+        "some space (or move the workspace to a larger disk) and re-run: what is complete is kept"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
 def _remove(path: Path) -> None:
