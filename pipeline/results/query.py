@@ -280,7 +280,9 @@ def _failure(err: Exception, no_results: bool) -> QueryError:
     results, rather than DuckDB's "did you mean duckdb_constraints?"."""
     if no_results and "does not exist" in str(err):
         return QueryError("no results yet: run `dvc repro`")
-    return QueryError(f"query failed: {escape(str(err))}{_hint(err)}")
+    # DuckDB's advice for memory (`SET memory_limit`) does not apply: the configuration is locked
+    text = _first_line(err) if isinstance(err, duckdb.OutOfMemoryException) else str(err)
+    return QueryError(f"query failed: {escape(text)}{_hint(err)}")
 
 
 def _hint(err: Exception) -> str:
