@@ -102,16 +102,21 @@ def plant_outside_path(fits: Path, shard: str, victim: Path, shape: str) -> Path
     elif shape == "absolute":
         name = str(victim)
     elif shape == "symlinked folder":
-        (fits / "model=m" / "escape").symlink_to(victim.parent, target_is_directory=True)
         name = f"model=m/escape/{victim.name}"
+        link(fits / "model=m" / "escape", victim.parent)
     else:
-        (fits / "model=m" / "linked.parquet").symlink_to(victim)
         name = "model=m/linked.parquet"
+        link(fits / name, victim)
 
     def point(manifest: dict) -> None:
         manifest["files"][0] = {**entry_for(manifest, victim), "path": name}
 
     return edit_manifest(fits, shard, point)
+
+
+def link(path: Path, target: Path) -> None:
+    if not path.is_symlink():
+        path.symlink_to(target, target_is_directory=target.is_dir())
 
 
 @pytest.fixture
@@ -146,7 +151,7 @@ def test_1_a_manifest_naming_a_path_outside_its_dataset_deletes_nothing_outside_
     assert "corrupt shard" in caplog.text and str(manifest) in caplog.text
     remove_shard(fits, "m/layer=0")
     write_fits(fits, "m/layer=0", 0, 0.5)  # the redone shard (its writer removes the old one first)
-    plant_outside_path(fits, "m/layer=1", victim, "parent")
+    plant_outside_path(fits, "m/layer=1", victim, shape)
     assert prune_shards(fits, {"m/layer=0", "m/layer=1"}) == 0
     assert {p: state(p) for p in victim.parent.iterdir()} == outside
     assert not manifest_path(fits, "m/layer=1").exists()  # the corrupt manifest went, without its files' namesakes
@@ -520,11 +525,13 @@ def test_7_rev_values_that_name_no_commit_are_one_error(tmp_path: Path) -> None:
         query_table("SELECT 1", tmp_path, ["HEAD\x1b[2J"])
     repo = tmp_path / "repo"
     repo.mkdir()
-    for command in (["init", "-q"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-q", "--allow-empty",
-                                     "-m", "empty"]):  # fmt: skip
+    (repo / "README.md").write_text("a file: its blob is no commit\n")
+    for command in (["init", "-q"], ["add", "README.md"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm",
+                                                            "one"]):  # fmt: skip
         subprocess.run(["git", *command], cwd=repo, check=True)
     for rev in ("HEAD^{tree}", "HEAD:README.md"):
-        with pytest.raises(QueryError, match=r"does not name a commit|revision 'HEAD"):
+        with pytest.raises(QueryError, match=rf"^revision {re.escape(repr(rev))} does not name a commit \(.*\); give a "
+                                             r"commit, branch, tag, DVC experiment, or `workspace`$"):  # fmt: skip
             query_table("SELECT 1", repo, [rev])
 
 

@@ -12,6 +12,7 @@ content is all a reader has.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.core.config import parse_yaml
 from pipeline.core.store import Committed
 
 LOCK_FILE = "dvc.lock"
@@ -54,7 +56,7 @@ def committed(workspace: Path, root: Path) -> Committed | None:
 def _recorded_out(lock: Path, relative: str) -> dict[str, Any] | None:
     """The entry of `dvc.lock` for the output at `relative` (a folder: its md5 ends in `.dir`), or None."""
     try:
-        stages = yaml.safe_load(lock.read_text()).get("stages", {})
+        stages = parse_yaml(lock.read_text()).get("stages", {})  # no aliases: DVC writes none
         outs = [out for stage in stages.values() for out in stage.get("outs", [])]
     except (OSError, yaml.YAMLError, AttributeError, TypeError):
         return None
@@ -63,11 +65,15 @@ def _recorded_out(lock: Path, relative: str) -> dict[str, Any] | None:
     return found[0] if isinstance(md5, str) and md5.endswith(".dir") else None
 
 
+@functools.lru_cache(maxsize=8)
 def _cache(workspace: Path, legacy: bool) -> Any:
-    """The workspace's local DVC cache (DVC 3's, or the legacy one of outputs DVC 2 recorded)."""
-    from dvc.exceptions import DvcException
-    from dvc.repo import Repo
-
+    """The workspace's local DVC cache (DVC 3's, or the legacy one of outputs DVC 2 recorded); None without DVC
+    (a machine that runs tasks only) or outside a DVC repository. Opened once per workspace and process."""
+    try:
+        from dvc.exceptions import DvcException
+        from dvc.repo import Repo
+    except ImportError:
+        return None
     try:
         with Repo(str(workspace)) as repo:
             return repo.cache.legacy if legacy else repo.cache.local

@@ -170,7 +170,7 @@ def check_revision(rev: str) -> None:
         raise QueryError(f"--rev {rev[:40]!r}{'…' if len(rev) > 40 else ''}: a revision is 1 to {MAX_REV_CHARS} "
                          "characters (a commit, branch, tag, DVC experiment, or `workspace`)")  # fmt: skip
     if rev.startswith("-") or any(c.isspace() or not c.isprintable() for c in rev):
-        raise QueryError(f"--rev {escape(rev)!r}: not a revision name (no leading '-', whitespace or control "
+        raise QueryError(f"--rev {rev!r}: not a revision name (no leading '-', whitespace or control "
                          "characters); give a commit, branch, tag, DVC experiment, or `workspace`")  # fmt: skip
 
 
