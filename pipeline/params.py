@@ -223,7 +223,13 @@ def parse_params(raw: Any, source: str = "params.yaml") -> Params:
 
 
 def load_params(path: str | Path = "params.yaml") -> Params:
-    return parse_params(load_yaml(path), str(path))
+    raw = load_yaml(path)
+    if raw is None:  # an empty file (or comments only) would silently be every default
+        raise ParamsError(
+            f"{path}: empty: it names no params section; write the study's params (the repository's params.yaml is "
+            "the default study), or `{}` for every default"
+        )
+    return parse_params(raw, str(path))
 
 
 def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
@@ -240,12 +246,18 @@ def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
     return parse_params(raw, "overrides")
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value as an error names it: its repr, cut short (a long list must not flood the message)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}… ({len(text)} characters)"
+
+
 def _describe(err: ValidationError, source: str) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"])
         got = e.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r})"
+        shown = "" if isinstance(got, dict) else f" (got {_shown(got)})"
         message = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             lines.append(f"{source}: unknown key {loc!r}")

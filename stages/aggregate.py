@@ -17,7 +17,7 @@ def code_spec(layout: Layout) -> CodeSpec:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.config import digest
-    from pipeline.core.store import ManifestKey, dataset_digest
+    from pipeline.core.store import ManifestKey, dataset_digest, lineage_of
     from pipeline.results.aggregate import aggregate, load_sources
     from stages.sharded import planned_keys, versioned
 
@@ -29,5 +29,5 @@ def run(params: Params, ray_address: str | None = None) -> None:
     read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
     key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
                       versioned(code_spec(layout), layout)[1])  # fmt: skip
-    aggregate(sources, layout.reports, params.report, key, params.analysis)
+    aggregate(sources, layout.reports, params.report, key, params.analysis, lineage_of(list(read.values())))
     print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)

@@ -17,7 +17,7 @@ from pipeline.core.contracts import (
     vector_shape,
 )
 from pipeline.core.errors import InputError
-from pipeline.core.store import folder_digest, verified_files
+from pipeline.core.store import verified_files
 from pipeline.params import Params
 from stages.layout import Layout
 
@@ -77,8 +77,11 @@ def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
 
 def external_model(params: Params, layout: Layout, ref: str, revision: str | None) -> AnalysedModel:
     """An external model, its source checked (paths, remote code, budget) and its weights digested."""
+    from pipeline.models.weights import weights_digest
+
     source = model_source(layout, params, ref, revision)
-    digest = folder_digest(Path(source)) if Path(source).is_dir() else f"hub:{revision or 'main'}"
+    allowed = params.security.allow_outside_paths
+    digest = weights_digest(Path(source), allowed) if Path(source).is_dir() else f"hub:{revision or 'main'}"
     return AnalysedModel(external_table_id(ref), ref, revision, None, digest)
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from pipeline.core.config import ParamsError, load_yaml
-from pipeline.core.errors import InputError
+from pipeline.core.errors import InputError, escape
 from pipeline.params import Params, load_params
 
 app = typer.Typer(
@@ -46,6 +46,9 @@ def main_options(
     """Geometry of updates in language models: DVC stages dispatching Ray tasks."""
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]
+# `lmgeo query` stops a query after this long unless --timeout says otherwise: a mistyped join must not run
+# for hours.
+DEFAULT_QUERY_TIMEOUT_S = 600.0
 RayAddressOpt = Annotated[
     Optional[str],
     typer.Option("--ray-address", envvar="RAY_ADDRESS", help="join this Ray cluster instead of an embedded one"),
@@ -53,8 +56,22 @@ RayAddressOpt = Annotated[
 
 
 def fail(message: str) -> None:
-    typer.echo(f"lmgeo: error: {message}", err=True)
+    typer.echo(f"lmgeo: error: {escape(message)}", err=True)
     raise typer.Exit(code=2)
+
+
+def warnings_to_stderr() -> None:
+    """What the library logs as a warning (a shard redone, a dataset read without its finished plan, a table
+    left out of a query) reaches the user as `lmgeo: warning: ...` lines."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("lmgeo: warning: %(message)s"))
+    library = logging.getLogger("pipeline")
+    if not library.handlers:
+        library.addHandler(handler)
+        library.setLevel(logging.WARNING)
+        library.propagate = False
 
 
 def about(path: Path, err: Exception) -> str:
@@ -98,6 +115,7 @@ def _run_stage(
     that fans out over Ray as a stage does); bad input exits with code 2."""
     params = _load(params_path)
     quiet_logs()
+    warnings_to_stderr()
     module = importlib.import_module(module_name or f"stages.{stage}")
     from pipeline.core.execution import ShardFailed
 
@@ -111,6 +129,12 @@ def _run_stage(
         if not isinstance(err.cause, InputError):  # a bug or a crash: keep the traceback
             raise
         fail(f"shard {err.key!r}: {err.cause}")
+    except OSError as err:
+        from pipeline.core.store import is_disk_full
+
+        if not is_disk_full(err):
+            raise
+        fail(f"{err.filename or 'a write'}: no space left on the device; free some space and re-run ({err})")
 
 
 def _stage_command(stage: str, summary: str) -> None:
@@ -147,20 +171,29 @@ def query(
     ] = None,
     fmt: Annotated[str, typer.Option("--format", help="table | csv | json")] = "table",
     timeout: Annotated[
-        Optional[float], typer.Option("--timeout", help="stop the query after this many seconds")
+        float, typer.Option("--timeout", help="stop the query after this many seconds")
+    ] = DEFAULT_QUERY_TIMEOUT_S,
+    memory_limit: Annotated[
+        Optional[str], typer.Option("--memory-limit", help="DuckDB's memory limit, e.g. 8GB (default: 1/4 of RAM)")
+    ] = None,
+    temp_limit: Annotated[
+        Optional[str],
+        typer.Option("--temp-limit", help="DuckDB's temp-disk limit, e.g. 20GB (default: 1/4 of the free space)"),
     ] = None,
 ) -> None:
     """Run read-only SQL over the result tables, at the working tree or at given revisions."""
     if fmt not in ("table", "csv", "json"):
-        fail(f"--format must be one of table, csv, json (got {fmt!r})")
-    if timeout is not None and timeout <= 0:
-        fail(f"--timeout must be positive (got {timeout})")
-    from pipeline.results.query import QueryError, run_query
+        fail(f"--format must be one of table, csv, json (got {escape(fmt)!r})")
+    if not 0 < timeout < float("inf"):
+        fail(f"--timeout must be a positive number of seconds (got {timeout})")
+    warnings_to_stderr()
+    from pipeline.results.query import Limits, QueryError, run_query
     from stages.layout import Layout
 
     layout = Layout.enclosing()
     try:
-        typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, timeout))
+        limits = Limits(memory_limit, temp_limit, timeout)
+        typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, limits))
     except QueryError as err:
         fail(str(err))
     except KeyboardInterrupt:

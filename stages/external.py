@@ -19,13 +19,15 @@ from stages.layout import Layout
 
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.contracts import external_table_id
-    from pipeline.core.store import atomic_write, folder_digest
+    from pipeline.core.store import atomic_write
+    from pipeline.models.weights import weights_digest
 
     layout = Layout.here()
     models = {}
     for model in params.analysis.external_models:
         local = (layout.root / model.id).resolve()
-        digest = folder_digest(local) if local.is_dir() else None  # a hub id: its revision is its identity
+        # a hub id: its revision is its identity; a folder: every file, its weights index naming only them
+        digest = weights_digest(local, params.security.allow_outside_paths) if local.is_dir() else None
         models[external_table_id(model.id)] = {"id": model.id, "revision": model.revision, "files": digest}
     text = json.dumps(models, indent=2, sort_keys=True) + "\n"
     target = layout.external

@@ -99,4 +99,5 @@ def plan(params: Params, layout: Layout) -> Plan:
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
     check_external_models(params, layout)
-    run_sharded_stage("extract", params, ray_address, [layout.activations], plan(params, layout))
+    run_sharded_stage("extract", params, ray_address, layout, plan(params, layout), [layout.activations],
+                      [layout.models])

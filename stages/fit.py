@@ -104,4 +104,4 @@ def check_identifiable(a: AnalysisConfig, model: str, width: int) -> None:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
-    run_sharded_stage("fit", params, ray_address, [layout.fits], plan(params, layout))
+    run_sharded_stage("fit", params, ray_address, layout, plan(params, layout), [layout.fits], [layout.activations])

@@ -12,7 +12,8 @@ from typing import Any
 
 from pipeline.core.errors import InputError
 from pipeline.core.execution import Load
-from pipeline.core.store import folder_digest, read_folder, sha256_cached, verify_shard, write_folder
+from pipeline.core.store import read_folder, sha256_cached, verify_shard, write_folder
+from pipeline.models.weights import weights_digest
 from pipeline.params import Params
 from stages.analysis_set import AnalysedModel, analysed_models, model_label, model_source, model_tokenizer
 from stages.layout import Layout
@@ -52,7 +53,7 @@ def verify_weights(layout: Layout, params: Params, model: AnalysedModel) -> str:
             )
         return model.ref
     source = model_source(layout, params, model.ref, model.revision)
-    if Path(source).is_dir() and folder_digest(Path(source)) != model.digest:
+    if Path(source).is_dir() and weights_digest(Path(source), params.security.allow_outside_paths) != model.digest:
         raise InputError(
             f"{model_label(model.ref, source)}: its files changed after the stage was planned; run the stage again"
         )

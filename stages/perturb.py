@@ -98,4 +98,5 @@ def plan(params: Params, layout: Layout) -> Plan:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
-    run_sharded_stage("perturb", params, ray_address, [layout.perturb], plan(params, layout))
+    run_sharded_stage("perturb", params, ray_address, layout, plan(params, layout), [layout.perturb],
+                      [layout.fits, layout.activations, layout.models])

@@ -18,8 +18,10 @@ from pipeline.core.fingerprint import CodeSpec, code_version, index_members
 from pipeline.core.store import (
     ManifestKey,
     ShardParts,
+    dataset_digest,
+    incomplete_shards,
+    lineage_of,
     prune_shards,
-    shard_complete,
     verified_files,
     write_plan,
 )
@@ -94,23 +96,29 @@ def write_to(root: Path, shard: str, key: ManifestKey) -> Callable[[ShardParts],
 
 
 def run_sharded_stage(
-    stage: str, params: Params, ray_address: str | None, roots: Sequence[Path], plan: Plan
+    stage: str, params: Params, ray_address: str | None, layout: Layout, plan: Plan, writes: Sequence[Path],
+    reads: Sequence[Path] = (),
 ) -> dict[str, Any]:
-    """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
-    writes; a shard is complete when its manifest has the planned key); first remove shards that are no
-    longer in the plan; last, record the plan as complete in each root (`write_plan`). Returns each run
-    task's result."""
+    """Run the planned shards that are not complete in every one of `writes` (the datasets the stage
+    writes; a shard is complete when its manifest has the planned key, its files are intact and it is what
+    the workspace's dvc.lock records of it, `pipeline.core.committed`); first remove shards that are no
+    longer in the plan; last, record the plan as complete in each dataset (`write_plan`), with the lineage
+    of the datasets it `reads` and of those it writes beside it. Returns each run task's result."""
+    from pipeline.core.committed import committed
     from stages.runtime import check_reachable, start_ray
 
     check_reachable(params.ray, ray_address)  # before the prune: a stage that cannot run changes nothing
     keep = {shard.key for shard, _ in plan}
-    removed = max((prune_shards(root, keep) for root in roots), default=0)
-    todo = [shard for shard, key in plan if not all(shard_complete(root, shard.key, key) for root in roots)]
+    removed = max((prune_shards(root, keep) for root in writes), default=0)
+    keys = {shard.key: key for shard, key in plan}
+    redo = set().union(*(incomplete_shards(root, keys, committed(layout.root, root)) for root in writes))
+    todo = [shard for shard, _ in plan if shard.key in redo]
     print(
         f"{stage}: {len(plan) - len(todo)}/{len(plan)} shards complete, {len(todo)} to do"
         + (f", {removed} stale removed" if removed else ""),
         flush=True,
     )
+    lineage = lineage_of(reads)  # what the tasks read: before they run
     results: dict[str, Any] = {}
     if todo:
         start_ray(params.ray, ray_address)
@@ -122,6 +130,7 @@ def run_sharded_stage(
             label=stage,
             shards_per_task=params.ray.shards_per_task,
         )
-    for root in roots:  # every planned shard is complete: what a reader without a plan checks against
-        write_plan(root, {shard.key: key for shard, key in plan})
+    for root in writes:  # every planned shard is complete: what a reader without a plan checks against
+        beside = {other.name: dataset_digest(other) for other in writes if other != root}
+        write_plan(root, keys, lineage | beside)
     return results

@@ -126,8 +126,8 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
         ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
         ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
         # configuration: values reach shards through their params hash, not through the code version
-        ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2)] = 32", "k: Annotated[int, Field(ge=2)] = 16",
-         set()),
+        ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 32",
+         "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 16", set()),
     ],
 )
 def test_an_edit_changes_exactly_the_shards_that_run_it(workspace: Path, relative, old, new, expected) -> None:

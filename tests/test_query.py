@@ -221,13 +221,11 @@ def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_te
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "corrupt")
     with pytest.raises(QueryError) as err:
-        query_table("SELECT count(*) FROM fits", ["HEAD"], repo)
+        query_table("SELECT count(*) FROM params", ["HEAD"], repo)
     assert str(err.value) == (
         "revision 'HEAD': cannot read params.yaml: params.yaml: expected a mapping of sections at the top level"
     )
-    (repo / "params.yaml").write_text("analysis: {k: 8}\n")
-    git(repo, "commit", "-qam", "params")
-    with pytest.raises(QueryError) as err:
+    with pytest.raises(QueryError) as err:  # the unreadable params fail only a query that reads them
         query_table("SELECT count(*) FROM fits", ["HEAD"], repo)
     message = str(err.value)
     assert message.startswith(f"revision 'HEAD': cannot read data/fits: {victim}: corrupt shard: 10 bytes"), message
@@ -293,7 +291,7 @@ def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: P
     try:
         with pytest.raises(KeyboardInterrupt):
             query_in("SELECT count(*) FROM range(100000000) a, range(100000000) b", None, tmp_path,
-                     {"tables": "tables", "params": "params.yaml"}, timeout_s=60)  # fmt: skip
+                     {"tables": "tables", "params": "params.yaml"}, query.Limits(timeout_s=60))  # fmt: skip
     finally:
         ctrl_c.cancel()
     assert time.monotonic() - started < 30

@@ -25,6 +25,8 @@ from pipeline.params import Params, apply_overrides
 from stages.layout import Layout
 
 STAGES = ("prepare", "extract", "fit", "perturb")
+# Marks a folder this command made its workspace: a re-run may resume there, and nothing else is written over.
+MADE_BY_ANALYSE = ".lmgeo-analyse"
 
 
 def run(params: Params, ray_address: str | None = None, *, model_dir: Path, out: Path | None = None) -> Path:
@@ -33,7 +35,7 @@ def run(params: Params, ray_address: str | None = None, *, model_dir: Path, out:
     out = out or Path(f"analyse-{model.name}")
     if not model.is_dir():
         raise InputError(f"{model_dir}: not a folder; give a model folder saved with `save_pretrained`")
-    out.mkdir(parents=True, exist_ok=True)
+    claim_workspace(out)
     study = one_model_study(params, Path(os.path.relpath(model, out.resolve())))
     with contextlib.chdir(out):
         layout = Layout.here()
@@ -48,6 +50,26 @@ def run(params: Params, ray_address: str | None = None, *, model_dir: Path, out:
         report = write_report(layout, model)
         print(f"analyse: wrote {out / report.name} in {time.monotonic() - started:.0f} s", flush=True)
     return out / report.name
+
+
+def claim_workspace(out: Path) -> None:
+    """`out` as this command's workspace: a new or empty folder (marked as made here), or one this command made
+    before (a re-run resumes there); never a study's workspace, nor a folder holding anything else, whose
+    `params.yaml`, data and reports the analysis would replace."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out}: not a folder; give a new or empty folder")
+    if any((out / name).exists() for name in ("dvc.yaml", ".dvc", ".git")):
+        raise InputError(
+            f"--out {out}: a study's workspace, whose params.yaml, data and reports `lmgeo analyse` would replace; "
+            "give a new or empty folder (the default is analyse-<model folder name>)"
+        )
+    if out.is_dir() and any(out.iterdir()) and not (out / MADE_BY_ANALYSE).is_file():
+        raise InputError(
+            f"--out {out}: a folder that is not empty and that `lmgeo analyse` did not make; give a new or empty "
+            "folder (the default is analyse-<model folder name>)"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MADE_BY_ANALYSE).touch()
 
 
 def one_model_study(params: Params, model: Path) -> Params:
@@ -80,7 +102,7 @@ def check(params: Params, layout: Layout) -> None:
 def write_tables(params: Params, layout: Layout) -> None:
     """The result tables of `lmgeo aggregate`, from the fits and KLs alone (no training logs to expect)."""
     from pipeline.core.config import digest
-    from pipeline.core.store import ManifestKey, dataset_digest
+    from pipeline.core.store import ManifestKey, dataset_digest, lineage_of
     from pipeline.results.aggregate import aggregate, load_sources
     from stages import aggregate as aggregate_stage
     from stages.sharded import planned_keys, versioned
@@ -91,7 +113,7 @@ def write_tables(params: Params, layout: Layout) -> None:
     inputs = {name: dataset_digest(root) for name, root in (("fits", layout.fits), ("perturb", layout.perturb))}
     code = versioned(aggregate_stage.code_spec(layout), layout)[1]
     aggregate(sources, layout.reports, params.report, ManifestKey(inputs, digest(params.report), code),
-              params.analysis)
+              params.analysis, lineage_of([layout.fits, layout.perturb]))
 
 
 def write_report(layout: Layout, model: Path) -> Path:

@@ -24,8 +24,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.core.errors import InputError
 
-PositiveInt = Annotated[int, Field(ge=1)]
-NonNegInt = Annotated[int, Field(ge=0)]
+# Every count and size has an upper bound: a mistyped exponent must fail validation, not allocate. Counts are
+# stored as int32 (ids, ranks, sizes in the datasets), so that is the widest any can be.
+MAX_COUNT = 2**31 - 1
+PositiveInt = Annotated[int, Field(ge=1, le=MAX_COUNT)]
+NonNegInt = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 # Seeds feed numpy and torch generators, which take at most 64 bits (numpy's SeedSequence takes more, torch
 # does not): a larger value must fail validation, not the task that uses it.
 Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
@@ -33,13 +36,17 @@ Seed = Annotated[int, Field(ge=0, le=2**63 - 1)]
 # an overflow error, which would fail the whole stage instead of marking one run diverged.
 FLOAT32_MAX = 3.4028234663852886e38
 PositiveFloat = Annotated[float, Field(gt=0, le=FLOAT32_MAX)]
+NonNegFloat = Annotated[float, Field(ge=0, le=FLOAT32_MAX)]
 Fraction = Annotated[float, Field(gt=0, lt=1)]
+Sha256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]  # a hex digest, as `sha256sum` prints it
+# CPUs, GPUs or a custom resource of one Ray task: no node has more.
+TaskAmount = Annotated[float, Field(ge=0, le=4096)]
 
 
 class Section(BaseModel):
-    """Base of every params section: unknown keys and type coercion are errors."""
+    """Base of every params section: unknown keys, type coercion and non-finite numbers are errors."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
 
 
 @dataclass(frozen=True)
@@ -59,7 +66,8 @@ def unique_non_empty(name: str, values: list[Any]) -> None:
     if not values:
         raise ValueError(f"{name} must not be empty")
     if len(set(values)) != len(values):
-        raise ValueError(f"{name} has duplicates: {values}")
+        twice = sorted({value for value in values if values.count(value) > 1}, key=str)
+        raise ValueError(f"{name} has duplicates: {twice}")
 
 
 # ------------------------------------------------------------------------------------------- ray
@@ -67,9 +75,9 @@ StageName = Literal["train", "extract", "fit", "perturb"]
 
 
 class TaskResources(Section):
-    num_cpus: Annotated[float, Field(ge=0)] = 1.0
-    num_gpus: Annotated[float, Field(ge=0)] = 0.0
-    resources: dict[str, Annotated[float, Field(ge=0)]] = {}
+    num_cpus: TaskAmount = 1.0
+    num_gpus: TaskAmount = 0.0
+    resources: dict[str, TaskAmount] = {}
 
     @property
     def threads(self) -> int:
@@ -86,7 +94,7 @@ class RayConfig(Section):
     # Consecutive shards run one after another in one task (CPU tasks only), so small shards share a
     # task's fixed cost: scheduling, reading inputs, loading a model.
     shards_per_task: PositiveInt = 8
-    connect_timeout_s: Annotated[float, Field(gt=0)] = 30.0  # joining a cluster gives up after this
+    connect_timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0  # joining a cluster gives up after this
     tasks: dict[StageName, TaskResources] = {}
 
     def resources_for(self, stage: str) -> TaskResources:
@@ -97,7 +105,7 @@ class SecurityConfig(Section):
     trust_remote_code: bool = False
     allow_outside_paths: bool = False  # paths in params must stay inside the workspace unless true
     # A model whose config describes more parameters is refused before anything is allocated.
-    max_model_parameters: PositiveInt = 10_000_000_000
+    max_model_parameters: Annotated[int, Field(ge=1, le=10**14)] = 10_000_000_000
 
 
 # --------------------------------------------------------------------------------------- hashing
@@ -126,7 +134,28 @@ _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    """YAML as params are written: no anchors or aliases (`&a`, `*a`, `<<: *a`: a few lines of them expand to
+    billions of values, and a value named twice is easy to miss), and no key twice in one mapping (YAML keeps
+    the last silently)."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+            raise yaml.composer.ComposerError(
+                None, None, "anchors and aliases (&name, *name) are not allowed: write each value out", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} is given twice in one mapping", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT, list("-+0123456789."))
@@ -142,6 +171,8 @@ def load_yaml(path: str | Path) -> Any:
         return parse_yaml(path.read_text())
     except FileNotFoundError:
         raise ParamsError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise ParamsError(f"{path}: unreadable ({err})") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
 

@@ -454,11 +454,24 @@ def read(
     return table.sort_by(order) if order else table
 
 
-def read_result_tables(folder: Path) -> dict[str, pa.Table]:
-    """The result tables under `folder` (`RESULT_TABLES`, and any other the manifest lists), verified."""
+def read_result_tables(
+    folder: Path, committed: Any = None, bad: dict[Path, Exception] | None = None
+) -> dict[str, pa.Table]:
+    """The result tables under `folder` (`RESULT_TABLES`, and any other the manifest lists), verified (and
+    checked against what `committed` records, when given). With `bad`, a table that fails its check is left
+    out and recorded there, so that it fails only the readers that need it."""
     from pipeline.core.store import verified_files  # the store imports nothing of this module's readers
 
-    return {path.stem: pq.read_table(path) for path in verified_files(folder, rebuild="`lmgeo aggregate`")}
+    files = verified_files(folder, rebuild="`lmgeo aggregate`", committed=committed, bad=bad)
+    tables = {}
+    for path in files:
+        try:
+            tables[path.stem] = pq.read_table(path)
+        except (OSError, pa.ArrowException) as err:
+            if bad is None:
+                raise InputError(f"{path}: unreadable result table ({err}); run `lmgeo aggregate`") from None
+            bad[path] = err
+    return tables
 
 
 def scan(

@@ -74,11 +74,29 @@ class CodeMismatch(InputError):
 
 
 class ShardError(Exception):
-    """Raised in a worker: shard ``key`` of a batch failed with ``cause`` (arguments kept for pickling)."""
+    """Raised in a worker: shard ``key`` of a batch failed with ``cause`` (arguments kept for pickling). A cause
+    that does not survive pickling (a third party's exception whose constructor takes other arguments than it
+    keeps) travels as its message, as an ``InputError`` when it was one, so the driver still reports it."""
 
     def __init__(self, key: str, cause: BaseException) -> None:
+        cause = cause if _round_trips(cause) else _stand_in(cause)
         super().__init__(key, cause)
         self.key, self.cause = key, cause
+
+
+def _round_trips(err: BaseException) -> bool:
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(err))
+    except Exception:  # noqa: BLE001 - any failure to rebuild the exception is what is tested
+        return False
+    return True
+
+
+def _stand_in(err: BaseException) -> BaseException:
+    message = f"{type(err).__name__}: {err}"
+    return InputError(str(err)) if isinstance(err, InputError) else RuntimeError(message)
 
 
 @functools.cache
@@ -125,6 +143,9 @@ def _fetched(ray: Any, values: Iterable[Any]) -> list[Any]:
 
 class ShardFailed(RuntimeError):
     """A shard's task raised (or its worker died more often than ``max_retries``)."""
+
+    def __reduce__(self) -> tuple[type, tuple[str, BaseException]]:
+        return type(self), (self.key, self.cause)
 
     def __init__(self, key: str, cause: BaseException) -> None:
         original = getattr(cause, "cause", None) or cause  # RayTaskError wraps the task's exception

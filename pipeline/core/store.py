@@ -22,6 +22,7 @@ with a ``ShardWriter`` (SPEC §1).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -31,7 +32,7 @@ import shutil
 import tempfile
 import time
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pipeline.core.errors import InputError
+from pipeline.core.paths import OutsidePath, contained, unsafe_name
 
 MANIFEST_DIR = "_manifests"
 MANIFEST_FORMAT = 2
@@ -119,21 +121,40 @@ def manifest_path(root: Path, shard: str) -> Path:
     return Path(root) / MANIFEST_DIR / f"{shard_slug(shard)}.json"
 
 
-def shard_complete(root: Path, shard: str, key: ManifestKey) -> bool:
-    """True when the shard's manifest has ``key`` and its files are intact (size and sha256).
+def shard_complete(root: Path, shard: str, key: ManifestKey, committed: Committed | None = None) -> bool:
+    """True when the shard is complete (``incomplete_shards``)."""
+    return not incomplete_shards(root, {shard: key}, committed)
+
+
+def incomplete_shards(
+    root: Path, planned: Mapping[str, ManifestKey], committed: Committed | None = None
+) -> list[str]:
+    """The shards of ``planned`` (shard → key) that are not complete under ``root``, in order. A shard is
+    complete when its manifest has the planned key, lists every file the last finished plan recorded for it
+    (a manifest that drops a planned partition is not), its files are intact (size and sha256), and it is
+    what ``committed`` (what dvc.lock records of the dataset, when known) says it was.
 
     A corrupt shard is reported in the log and counts as incomplete, so the caller redoes it.
     """
-    try:
-        if manifest_key(_read_manifest(Path(root), shard)) != key:
-            return False
-        verify_shard(root, shard)
-    except FileNotFoundError:
-        return False
-    except CorruptShardError as err:
-        log.warning("%s; redoing the shard", err)
-        return False
-    return True
+    root = Path(root)
+    record = _finished_plan(root)
+    todo = []
+    for shard, key in planned.items():
+        try:
+            manifest = _read_manifest(root, shard)
+            if manifest_key(manifest) != key:
+                todo.append(shard)
+                continue
+            _check_planned_files(root, manifest, record)
+            _check_files(root, manifest)
+            if committed is not None:
+                _check_committed(root, manifest, committed)
+        except FileNotFoundError:
+            todo.append(shard)
+        except CorruptShardError as err:
+            log.warning("%s; redoing the shard", err)
+            todo.append(shard)
+    return todo
 
 
 def verify_shard(root: Path, shard: str) -> list[Path]:
@@ -142,7 +163,8 @@ def verify_shard(root: Path, shard: str) -> list[Path]:
 
 
 def verified_files(
-    root: Path, expected: Mapping[str, ManifestKey] | None = None, *, rebuild: str = "its stage"
+    root: Path, expected: Mapping[str, ManifestKey] | None = None, *, rebuild: str = "its stage",
+    committed: Committed | None = None, bad: dict[Path, Exception] | None = None,
 ) -> list[Path]:
     """The files of the dataset under ``root`` that a reader may use, each checked (size and sha256).
 
@@ -151,38 +173,169 @@ def verified_files(
     that rebuilds it (``rebuild``); shards outside the plan are never read. Without it (reading a
     result as it was written, e.g. at an old revision), the shards of the plan its stage last completed
     (``write_plan``) are read, each with the key that plan gave it, so a dataset a stage left half-redone
-    is an error; a dataset without such a record must have one params hash and one code version.
+    is an error. Either way a shard must list every file that plan recorded for it, and be what
+    ``committed`` records of it, when given. A dataset without such a record (its stage never finished)
+    must have one params hash and one code version, and is read with a warning saying so. With ``bad``, a
+    file that fails its check is recorded there and left out (a reader of independent files, such as the
+    result tables), instead of failing the whole read.
     """
     root = Path(root)
-    manifests = {m["shard"]: m for m in map(_load_manifest, sorted((root / MANIFEST_DIR).glob("*.json")))}
-    if expected is None and (root / PLAN_FILE).is_file():
-        expected = read_plan(root)
+    manifests = {m["shard"]: m for m in map(_load_manifest, _manifest_files(root))}
+    record = _finished_plan(root)
+    if expected is None and record is not None:
+        expected = record.keys
     if expected is None:
         _check_unmixed(root, manifests.values(), rebuild)
+        if manifests:
+            log.warning(
+                "%s: no record of a finished run of its stage (%s is missing: the stage was interrupted or is "
+                "running); reading the %d complete shard(s) found, which may be fewer than planned; run %s to "
+                "finish it", root, root / PLAN_FILE, len(manifests), rebuild,
+            )
         chosen = list(manifests.values())
     else:
         chosen = [_planned(root, manifests.get(shard), shard, key, rebuild) for shard, key in expected.items()]
-    return [path for manifest in chosen for path in _check_files(root, manifest)]
+    for manifest in chosen:
+        _check_planned_files(root, manifest, record)
+        if committed is not None:
+            _check_committed(root, manifest, committed)
+    return [path for manifest in chosen for path in _check_files(root, manifest, bad)]
 
 
-def write_plan(root: Path, planned: Mapping[str, ManifestKey]) -> None:
-    """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are)."""
-    keys = {shard: asdict(key) for shard, key in sorted(planned.items())}
-    atomic_write(
-        Path(root) / PLAN_FILE, json.dumps({"format": MANIFEST_FORMAT, "shards": keys}, indent=1, sort_keys=True)
-    )
+@dataclass(frozen=True)
+class PlanRecord:
+    """``root/_plan.json``: the plan a stage last completed in ``root`` — each shard's key (``keys``) and the
+    files its manifest listed then (``files``) — and the dataset's ``lineage``: the ``dataset_digest`` of
+    every dataset it was computed from, directly or further up, and of those its stage wrote beside it,
+    by folder name (``lineage``), so that a reader can tell datasets of two runs apart."""
+
+    keys: dict[str, ManifestKey]
+    files: dict[str, list[str]]
+    lineage: dict[str, str]
 
 
-def read_plan(root: Path) -> dict[str, ManifestKey]:
+def write_plan(root: Path, planned: Mapping[str, ManifestKey], lineage: Mapping[str, str] | None = None) -> None:
+    """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are),
+    with the files each one's manifest lists and the dataset's `lineage` (`lineage_of`)."""
+    root = Path(root)
+    files = {shard: sorted(f["path"] for f in _read_manifest(root, shard)["files"]) for shard in sorted(planned)}
+    record = {"format": MANIFEST_FORMAT, "shards": {shard: asdict(key) for shard, key in sorted(planned.items())},
+              "files": files, "lineage": dict(sorted((lineage or {}).items()))}  # fmt: skip
+    atomic_write(root / PLAN_FILE, json.dumps(record, indent=1, sort_keys=True))
+
+
+def read_plan(root: Path) -> PlanRecord:
+    """The record ``write_plan`` wrote (one written before it recorded files and lineage has none of either)."""
     path = Path(root) / PLAN_FILE
     try:
         record = json.loads(path.read_text())
-        return {shard: ManifestKey(**key) for shard, key in record["shards"].items()}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        keys = {shard: ManifestKey(**key) for shard, key in record["shards"].items()}
+        files = record.get("files", {})
+        lineage = record.get("lineage", {})
+        if not (_str_map(lineage) and isinstance(files, dict)
+                and all(isinstance(v, list) and all(isinstance(f, str) for f in v) for v in files.values())
+                and all(isinstance(v, str) for key in keys.values() for v in (key.params_hash, key.code_version))):
+            raise ValueError("its files or lineage are not lists and maps of strings")  # fmt: skip
+        return PlanRecord(keys, files, lineage)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptShardError(
             f"{path}: unreadable record of the last plan of the stage that writes {root} ({err}); re-run that "
             "stage (`dvc repro`, or its `lmgeo` command)"
         ) from None
+
+
+def lineage_of(read: Sequence[Path]) -> dict[str, str]:
+    """The lineage of a dataset computed from the datasets ``read``: each one's digest, by folder name, and
+    the lineage each one's plan records."""
+    lineage: dict[str, str] = {}
+    for root in map(Path, read):
+        record = _finished_plan(root)
+        lineage |= record.lineage if record is not None else {}
+        lineage[root.name] = dataset_digest(root)
+    return lineage
+
+
+def check_one_run(roots: Sequence[Path]) -> None:
+    """Refuse datasets that come from different runs of the pipeline: for every two of ``roots``, each
+    dataset either names (in its lineage) is the same for both, the datasets themselves as they are now
+    included. (A dataset without a finished plan has no lineage: it is read with the warning
+    ``verified_files`` gives.)"""
+    lineages = {}
+    for root in map(Path, roots):
+        record = _finished_plan(root)
+        lineages[root] = {**(record.lineage if record is not None else {}), root.name: dataset_digest(root)}
+    ordered = list(lineages)
+    for i, first in enumerate(ordered):
+        for second in ordered[i + 1 :]:
+            differ = sorted(name for name in lineages[first].keys() & lineages[second].keys()
+                            if lineages[first][name] != lineages[second][name])  # fmt: skip
+            if differ:
+                raise StaleShardError(
+                    f"{first.name} ({first}) and {second.name} ({second}) come from different runs of the pipeline: "
+                    f"they were computed from different versions of {', '.join(differ)} (a `dvc repro` was "
+                    "interrupted or is running, or a stage was run alone); run `dvc repro` to bring them up to "
+                    "date, or query them one at a time"
+                )
+
+
+def _finished_plan(root: Path) -> PlanRecord | None:
+    return read_plan(root) if (root / PLAN_FILE).is_file() else None
+
+
+def _str_map(value: Any) -> bool:
+    return isinstance(value, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+def _check_planned_files(root: Path, manifest: dict[str, Any], record: PlanRecord | None) -> None:
+    """A shard of the same key as the last finished plan gave it lists every file that plan recorded for it."""
+    shard = manifest["shard"]
+    if record is None or record.keys.get(shard) != manifest_key(manifest):
+        return  # a shard redone since (its stage's next plan records its files)
+    missing = sorted(set(record.files.get(shard, ())) - {f["path"] for f in manifest["files"]})
+    if missing:
+        own = manifest_path(root, shard)
+        shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise _corrupt(own, own, f"shard {shard!r} lacks {shown}, which its stage's finished plan ({root / PLAN_FILE}) "
+                                 "recorded (a manifest edited by hand?)")
+
+
+@dataclass(frozen=True)
+class Committed:
+    """What version control records of a dataset: DVC's own listing of the output in dvc.lock (``listing``:
+    relative path → md5) and ``content(md5)``, a recorded file's bytes from the DVC cache (None where the
+    cache lacks it). ``source`` names the record in messages (``dvc.lock (data/fits: <md5>.dir)``)."""
+
+    source: str
+    listing: Mapping[str, str]
+    content: Callable[[str], bytes | None]
+
+
+def _check_committed(root: Path, manifest: dict[str, Any], committed: Committed) -> None:
+    """The shard is what ``committed`` records of it, when it records this shard with this key.
+
+    Its manifest is compared (md5, as DVC lists it); its files were checked against the manifest (sha256).
+    A shard that the record lacks was written since (a run DVC has not recorded yet), and one the record
+    holds with another key was redone since for a change of params or code: for both the verified content
+    is all there is to check. The same key with other content is a shard rewritten outside its stage."""
+    own = manifest_path(root, manifest["shard"])
+    recorded = committed.listing.get(own.relative_to(root).as_posix())
+    if recorded is None or file_md5(own) == recorded:
+        return
+    old = committed.content(recorded)
+    try:
+        old_key = manifest_key(json.loads(old)) if old is not None else None
+    except (ValueError, KeyError, TypeError):
+        old_key = None
+    if old_key is not None and old_key != manifest_key(manifest):
+        return
+    raise _corrupt(own, own, f"differs from the manifest {committed.source} records for it, with the same key "
+                             "(a shard rewritten outside its stage)")
+
+
+def file_md5(path: Path) -> str:
+    """The md5 DVC lists a file with."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:
@@ -231,7 +384,7 @@ def dataset_digest(root: Path, prefix: str = "") -> str:
     (each file's recorded sha256), so no data file is read.
     """
     shards = []
-    for path in sorted((Path(root) / MANIFEST_DIR).glob("*.json")):
+    for path in _manifest_files(Path(root)):
         manifest = _load_manifest(path)
         if manifest["shard"].startswith(prefix):
             shards.append([manifest["shard"], [[f["path"], f["sha256"]] for f in manifest["files"]]])
@@ -244,20 +397,22 @@ def prune_shards(root: Path, keep: set[str]) -> int:
 
     A stage calls it before fanning out (after its plan validated), so results of shards that are no
     longer planned (a model removed from params) never reach a reader, and leftovers of killed writes
-    and stray files are swept. Returns the number of shards removed.
+    and stray files are swept. Only files inside ``root`` are ever removed: a manifest naming a path that
+    leads out is corrupt, and goes without its files. Returns the number of shards removed.
     """
     root = Path(root)
     removed = 0
     listed: set[Path] = set()
-    for path in sorted((root / MANIFEST_DIR).glob("*.json")):
+    for path in _manifest_files(root):
         try:
             manifest = _load_manifest(path)
+            files = _files_of(root, manifest)
         except CorruptShardError as err:  # its key is unknown: its files are unlisted and go below
             log.warning("%s; removing the shard", err)
             path.unlink()
             continue
         if manifest["shard"] in keep:
-            listed.update(root / f["path"] for f in manifest["files"])
+            listed.update(files)
         else:
             path.unlink()
             removed += 1
@@ -271,15 +426,17 @@ def prune_shards(root: Path, keep: set[str]) -> int:
 def remove_shard(root: Path, shard: str) -> None:
     """Delete a shard: its manifest first (so it stops counting as complete), then the files it lists
     and any temporaries of a killed attempt. Emptied folders stay: tasks of the same stage run
-    concurrently and may be about to write into one (`prune_shards`, before the fan-out, sweeps them)."""
+    concurrently and may be about to write into one (`prune_shards`, before the fan-out, sweeps them).
+    A corrupt manifest goes without its files (they may not be the shard's: `prune_shards` sweeps what
+    no manifest lists)."""
     root = Path(root)
     path = manifest_path(root, shard)
     listed: list[Path] = []
     if path.exists():
         try:
-            listed = [root / f["path"] for f in _load_manifest(path)["files"]]
-        except CorruptShardError:
-            listed = []
+            listed = _files_of(root, _load_manifest(path))
+        except CorruptShardError as err:
+            log.warning("%s; removing the manifest only", err)
         path.unlink()
     for file in listed:
         file.unlink(missing_ok=True)
@@ -289,6 +446,17 @@ def remove_shard(root: Path, shard: str) -> None:
     for temp in _walk_files(root):
         if temp.name.startswith((f".{slug}.json.tmp-", f".part-{slug}.parquet.tmp-")):
             temp.unlink(missing_ok=True)
+
+
+def _manifest_files(root: Path) -> list[Path]:
+    """The manifests of the dataset under ``root``; its manifest folder must be a folder inside it."""
+    folder = root / MANIFEST_DIR
+    if folder.is_symlink():
+        raise CorruptShardError(
+            f"{folder}: a symlink (to {folder.resolve()}), not the dataset's manifest folder; remove it and re-run "
+            f"the stage that writes {root} (`dvc repro`, or its `lmgeo` command)"
+        )
+    return sorted(folder.glob("*.json"))
 
 
 def _data_files_on_disk(root: Path) -> list[Path]:
@@ -314,7 +482,10 @@ def _read_manifest(root: Path, shard: str) -> dict[str, Any]:
     path = manifest_path(root, shard)
     if not path.exists():
         raise FileNotFoundError(f"{path}: shard {shard!r} has no manifest (never completed)")
-    return _load_manifest(path)
+    manifest = _load_manifest(path)
+    if manifest["shard"] != shard:
+        raise _corrupt(path, path, f"the manifest of shard {manifest['shard']!r}, under the name of {shard!r}")
+    return manifest
 
 
 def _load_manifest(path: Path) -> dict[str, Any]:
@@ -326,18 +497,28 @@ def _load_manifest(path: Path) -> dict[str, Any]:
         raise _corrupt(path, path, "not a manifest of this format (written by another lmgeo version?)")
     if not _well_formed(manifest):  # readers index these fields: a KeyError would name no file
         raise _corrupt(path, path, "a manifest without its shard, key or list of files (edited by hand?)")
+    for entry in manifest["files"]:  # containment (pipeline.core.paths), before any file is touched
+        problem = unsafe_name(entry["path"]) or _reserved(entry["path"])
+        if problem:
+            raise _corrupt(path, path, f"it lists {entry['path']!r}, {problem}, not a file of the shard")
     return manifest
+
+
+def _reserved(name: str) -> str | None:
+    if name == PLAN_FILE or name.split("/")[0] == MANIFEST_DIR:
+        return "the dataset's own record"
+    return None
 
 
 def _well_formed(manifest: dict[str, Any]) -> bool:
     files = manifest.get("files")
     return (
         isinstance(manifest.get("shard"), str)
-        and isinstance(manifest.get("inputs"), dict)
+        and _str_map(manifest.get("inputs"))
         and isinstance(manifest.get("params_hash"), str)
         and isinstance(manifest.get("code_version"), str)
         and isinstance(files, list)
-        and all(isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+        and all(isinstance(f, dict) and isinstance(f.get("path"), str) and type(f.get("bytes")) is int
                 and isinstance(f.get("sha256"), str) for f in files)
     )
 
@@ -346,19 +527,37 @@ def manifest_key(manifest: dict[str, Any]) -> ManifestKey:
     return ManifestKey(manifest["inputs"], manifest["params_hash"], manifest["code_version"])
 
 
-def _check_files(root: Path, manifest: dict[str, Any]) -> list[Path]:
-    own_manifest = manifest_path(root, manifest["shard"])
+def _files_of(root: Path, manifest: dict[str, Any]) -> list[Path]:
+    """The paths of the files a manifest lists, each inside ``root`` (``pipeline.core.paths.contained``)."""
     paths = []
     for entry in manifest["files"]:
-        path = root / entry["path"]
-        if path.is_symlink() or not path.is_file():
-            raise _corrupt(path, own_manifest, f"missing file of shard {manifest['shard']!r}")
-        size = path.stat().st_size
-        if size != entry["bytes"]:
-            raise _corrupt(path, own_manifest, f"{size} bytes where {entry['bytes']} were written (truncated?)")
-        if sha256_cached(path) != entry["sha256"]:
-            raise _corrupt(path, own_manifest, "content differs from what was written (sha256 mismatch)")
-        paths.append(path)
+        try:
+            paths.append(contained(root, entry["path"]))
+        except OutsidePath as err:
+            own = manifest_path(root, manifest["shard"])
+            raise _corrupt(own, own, f"it lists a path that is not a file of the shard: {err}") from None
+    return paths
+
+
+def _check_files(root: Path, manifest: dict[str, Any], bad: dict[Path, Exception] | None = None) -> list[Path]:
+    """The shard's files, each checked against its manifest entry; a bad one raises, or with ``bad`` is
+    recorded there and left out."""
+    own_manifest = manifest_path(root, manifest["shard"])
+    paths = []
+    for path, entry in zip(_files_of(root, manifest), manifest["files"], strict=True):
+        problem = None
+        if not path.is_file():
+            problem = f"missing file of shard {manifest['shard']!r}"
+        elif (size := path.stat().st_size) != entry["bytes"]:
+            problem = f"{size} bytes where {entry['bytes']} were written (truncated?)"
+        elif sha256_cached(path) != entry["sha256"]:
+            problem = "content differs from what was written (sha256 mismatch)"
+        if problem is None:
+            paths.append(path)
+        elif bad is None:
+            raise _corrupt(path, own_manifest, problem)
+        else:
+            bad[path] = _corrupt(path, own_manifest, problem)
     return paths
 
 
@@ -622,13 +821,25 @@ class ShardParts:
             self.folders[relative] = read_folder(Path(scratch))
 
     def commit(self, root: Path, shard: str, key: ManifestKey) -> None:
-        """Write the shard under ``root`` (atomically, its manifest last)."""
-        with ShardWriter(root, shard, key, metadata=self.metadata) as writer:
-            for partition, table, name in self.tables:
-                writer.write(partition, table, name)
-            for relative, files in self.folders.items():
-                with writer.directory(relative) as folder:
-                    write_folder(folder, files)
+        """Write the shard under ``root`` (atomically, its manifest last); a full disk is a ``DiskFull`` naming
+        the dataset and the shard's size (the writer has removed what it wrote)."""
+        try:
+            with ShardWriter(root, shard, key, metadata=self.metadata) as writer:
+                for partition, table, name in self.tables:
+                    writer.write(partition, table, name)
+                for relative, files in self.folders.items():
+                    with writer.directory(relative) as folder:
+                        write_folder(folder, files)
+        except OSError as err:
+            if not is_disk_full(err):
+                raise
+            raise disk_full(Path(root), f"shard {shard!r}", self.size()) from None
+
+    def size(self) -> int:
+        """The shard's bytes as computed (its tables in memory, its folders' files): about what it takes on disk."""
+        return sum(table.nbytes for _, table, _ in self.tables) + sum(
+            len(content) for files in self.folders.values() for content in files.values()
+        )
 
 
 def read_folder(path: Path) -> dict[str, bytes]:
@@ -674,12 +885,41 @@ def atomic_path(path: Path) -> Iterator[Path]:
 
 
 def atomic_write(path: Path, content: str | bytes) -> None:
-    """Write ``content`` to ``path`` atomically (see ``atomic_path``)."""
-    with atomic_path(path) as temp:
-        if isinstance(content, bytes):
-            temp.write_bytes(content)
-        else:
-            temp.write_text(content)
+    """Write ``content`` to ``path`` atomically (see ``atomic_path``); a full disk is a ``DiskFull``."""
+    data = content if isinstance(content, bytes) else content.encode()
+    try:
+        with atomic_path(path) as temp:
+            temp.write_bytes(data)
+    except OSError as err:
+        if not is_disk_full(err):
+            raise
+        raise disk_full(Path(path).parent, Path(path).name, len(data)) from None
+
+
+class DiskFull(InputError):
+    """No space left on the device a write went to; the message names the folder and the space needed."""
+
+
+def is_disk_full(err: BaseException) -> bool:
+    """An error of a write to a full device: errno ENOSPC (or EDQUOT), as Python raises it, or in the text of
+    an ``OSError`` that Arrow raises for a failed write."""
+    if not isinstance(err, OSError):
+        return False
+    return err.errno in (errno.ENOSPC, errno.EDQUOT) or "[errno 28]" in str(err).lower()
+
+
+def disk_full(folder: Path, what: str, needed: int) -> DiskFull:
+    """The error for `what` (about `needed` bytes) that did not fit in `folder` (nothing of it was kept)."""
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    return DiskFull(
+        f"{folder}: no space left on the device for {what} (about {_size(needed)} needed, {_size(free)} free); free "
+        "some space (or move the workspace to a larger disk) and re-run: what is complete is kept"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB" if n < 2**30 else f"{n / 2**30:.2f} GiB"
 
 
 def _remove(path: Path) -> None:

@@ -6,15 +6,18 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from pipeline.core.config import PositiveInt, Section
+from pipeline.core.config import Section
 
 
 class ModelSize(Section):
-    d_model: Annotated[int, Field(ge=8)] = 64
-    n_layers: PositiveInt = 2
-    n_heads: PositiveInt = 4  # transformers only
-    d_state: PositiveInt = 16  # Mamba only
-    expand: PositiveInt = 2  # Mamba only
+    """The size of a trained model; the bounds are far above any model this study trains on one node (the
+    largest a preset names is 768 wide): a mistyped exponent fails here, not while allocating the model."""
+
+    d_model: Annotated[int, Field(ge=8, le=65536)] = 64
+    n_layers: Annotated[int, Field(ge=1, le=1024)] = 2
+    n_heads: Annotated[int, Field(ge=1, le=1024)] = 4  # transformers only
+    d_state: Annotated[int, Field(ge=1, le=4096)] = 16  # Mamba only
+    expand: Annotated[int, Field(ge=1, le=64)] = 2  # Mamba only
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> ModelSize:

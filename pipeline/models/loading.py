@@ -13,13 +13,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from pipeline.core.errors import InputError
 from pipeline.models.registry import UnsupportedArchitecture, structure_of
-
-
-class ModelLoadError(InputError):
-    """A model reference that cannot be loaded safely; the message names the cause."""
-
+from pipeline.models.weights import WEIGHTS_INDEX, ModelLoadError, indexed_weights
 
 
 # ------------------------------------------------------------------------------------------ loading
@@ -74,8 +69,11 @@ def check_budget(n_parameters: int, ref: str, max_parameters: int, dtype: torch.
         )
 
 
-def _check_local_weights(path: Path) -> None:
-    if any(path.glob("*.safetensors")) or (path / "model.safetensors.index.json").exists():
+def _check_local_weights(path: Path, allow_outside_paths: bool) -> None:
+    if (path / WEIGHTS_INDEX).exists():
+        indexed_weights(path, allow_outside_paths)
+        return
+    if any(path.glob("*.safetensors")):
         return
     if any(path.glob("pytorch_model*.bin")) or any(path.glob("*.pt")) or any(path.glob("*.pth")):
         raise ModelLoadError(
@@ -132,7 +130,7 @@ def check_model(
     structure_of(skeleton)  # no blocks, final norm or head: refused before any weight is read
     check_budget(sum(p.numel() for p in skeleton.parameters()), ref, max_parameters, dtype)
     if local is not None:
-        _check_local_weights(local)
+        _check_local_weights(local, allow_outside_paths)
     return str(local) if local is not None else ref
 
 

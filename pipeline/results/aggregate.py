@@ -40,7 +40,7 @@ import duckdb
 import pyarrow as pa
 
 from pipeline.core.contracts import FITS, PERTURB, STEPS, RunRecord, scan
-from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified_files
+from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified_files, write_plan
 from pipeline.results.config import ReportConfig
 from pipeline.results.study_a import tables as study_a
 from pipeline.results.study_b import tables as study_b
@@ -122,16 +122,19 @@ def build_tables(sources: Sources, cfg: ReportConfig, analysis: AnalysisConfig |
 
 
 def aggregate(
-    sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey, analysis: AnalysisConfig | None = None
+    sources: Sources, out_dir: Path, cfg: ReportConfig, key: ManifestKey, analysis: AnalysisConfig | None = None,
+    lineage: Mapping[str, str] | None = None,
 ) -> None:
     """Write ``out_dir/tables/*.parquet`` and ``out_dir/metrics.json`` (module docstring).
 
     The tables are one shard of the store under ``key``, so their readers (the report, ``lmgeo query``)
-    verify every file against the manifest, as for any dataset."""
+    verify every file against the manifest, as for any dataset; its finished plan records the ``lineage``
+    of the datasets they were computed from (``pipeline.core.store.lineage_of``)."""
     tables = build_tables(sources, cfg, analysis)
     with ShardWriter(out_dir / "tables", "tables", key) as writer:
         for name, table in tables.items():
             writer.write({}, table, name=f"{name}.parquet")
+    write_plan(out_dir / "tables", {"tables": key}, lineage)
     atomic_write(out_dir / "metrics.json", json.dumps(metrics(tables), indent=2) + "\n")
 
 

@@ -10,6 +10,6 @@ from pipeline.core.config import Fraction, Section, Seed
 
 
 class ReportConfig(Section):
-    bootstrap: Annotated[int, Field(ge=10)] = 1000
+    bootstrap: Annotated[int, Field(ge=10, le=10**7)] = 1000
     ci: Fraction = 0.95
     seed: Seed = 0

@@ -28,9 +28,11 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import math
 import os
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -44,11 +46,13 @@ import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 
+from pipeline.core.committed import committed
 from pipeline.core.contracts import (
     ACTIVATIONS,
     CHECKPOINTS,
     FITS,
     PERTURB,
+    RESULT_TABLES,
     RUN_ID_PATTERN,
     STEPS,
     VECTOR_DTYPES,
@@ -59,10 +63,11 @@ from pipeline.core.contracts import (
     table_id_sql,
     vectors_as_lists,
 )
-from pipeline.core.errors import InputError
-from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
+from pipeline.core.errors import InputError, escape
+from pipeline.core.store import Committed, CorruptShardError, StaleShardError, check_one_run, verified_files
 
 Format = Literal["table", "csv", "json"]
+MAX_REV_CHARS = 255
 # Views over the per-token datasets: name -> (dataset, with its vector columns). `sources[dataset.name]` is
 # the dataset's workspace-relative folder. Vectors come as `FLOAT[]` in their own views, so that a plain
 # `SELECT *` over `fits` or `activations` never reads them.
@@ -94,26 +99,41 @@ _LOCKDOWN = (
 )
 
 
+log = logging.getLogger(__name__)
+
+
 class QueryError(InputError):
     """A query that cannot run: not read-only, bad SQL, an unknown revision or unreadable data."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one query may take: DuckDB's memory and temp-disk limits (DuckDB size strings, e.g. `4GB`; None:
+    `default_limits`'s) and a wall-clock time-out in seconds (None: none)."""
+
+    memory: str | None = None
+    temp_disk: str | None = None
+    timeout_s: float | None = None
+
+
 def run_query(
     sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], fmt: Format = "table",
-    timeout_s: float | None = None,
+    limits: Limits = Limits(),
 ) -> str:
     """Run one read-only statement and render the result as ``fmt`` (table | csv | json)."""
-    return format_result(query_table(sql, revs, workspace, sources, timeout_s), fmt)
+    return format_result(query_table(sql, revs, workspace, sources, limits), fmt)
 
 
 def query_table(
-    sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], timeout_s: float | None = None
+    sql: str, revs: Sequence[str] | None, workspace: Path, sources: dict[str, str], limits: Limits = Limits()
 ) -> pa.Table:
     """Run one read-only statement over the working tree (no ``revs``) or over the given revisions.
     ``sources`` maps ``tables``, ``params``, ``tokenizer`` and each dataset name to its workspace-relative
-    path; the revision ``workspace`` is the working tree. A statement still running after ``timeout_s`` is
-    interrupted."""
+    path; the revision ``workspace`` is the working tree. A statement still running after
+    ``limits.timeout_s`` is interrupted."""
     statement = check_read_only(sql)
+    for rev in revs or ():
+        check_revision(rev)
     # Outside the workspace, private, emptied afterwards: DuckDB may read its own temp folder even with
     # external access off, so it must never be one a workspace (or a symlink in it) controls.
     with tempfile.TemporaryDirectory(prefix="lmgeo-query-") as tmp, _ctrl_c_deferred() as ctrl_c:
@@ -123,22 +143,42 @@ def query_table(
                 snapshots.append(_revision(sql, workspace, rev, Path(tmp) / str(i), sources))
                 ctrl_c.check()
         else:
-            snapshots = [_snapshot(workspace, None, sources)]
+            snapshots = [_snapshot(workspace, None, sources, sql, anchored=True)]
         ctrl_c.check()
-        for snapshot in snapshots:
-            named = [why for view, why in snapshot.unreadable.items() if _mentions(sql, view)]
-            if named:
-                raise QueryError(named[0])
-        con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
+        con = _locked_connection(
+            snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb", limits=limits
+        )
         ctrl_c.check()
         try:
             no_results = not any(s.has_results for s in snapshots)
-            return _run_interruptibly(con, statement, timeout_s, ctrl_c, no_results)
+            return _run_interruptibly(con, statement, limits, ctrl_c, no_results)
         finally:
             # After an interrupt DuckDB can still count the stopped call as running and refuse to close;
             # the in-memory database goes with the process either way.
             with contextlib.suppress(duckdb.Error):
                 con.close()
+
+
+def default_limits(temp: Path) -> tuple[str, str]:
+    """DuckDB's memory and temp-disk limits when none is given: a quarter of this machine's memory and of
+    the free space where the query's temp folder is, so that one mistyped join fails with an error naming
+    the limit instead of taking the machine's memory and then its disk."""
+    import psutil
+
+    memory = psutil.virtual_memory().total // 4
+    disk = shutil.disk_usage(temp if temp.exists() else temp.parent).free // 4
+    return f"{max(memory // 2**20, 64)}MiB", f"{max(disk // 2**20, 64)}MiB"
+
+
+def check_revision(rev: str) -> None:
+    """A `--rev` that can name a revision: at most 255 characters, no leading `-` (never an option), no
+    whitespace or control character (git's own rule for ref names)."""
+    if not rev or len(rev) > MAX_REV_CHARS:
+        raise QueryError(f"--rev {rev[:40]!r}{'…' if len(rev) > 40 else ''}: a revision is 1 to {MAX_REV_CHARS} "
+                         "characters (a commit, branch, tag, DVC experiment, or `workspace`)")  # fmt: skip
+    if rev.startswith("-") or any(c.isspace() or not c.isprintable() for c in rev):
+        raise QueryError(f"--rev {rev!r}: not a revision name (no leading '-', whitespace or control "
+                         "characters); give a commit, branch, tag, DVC experiment, or `workspace`")  # fmt: skip
 
 
 class _CtrlC:
@@ -175,7 +215,7 @@ def _ctrl_c_deferred() -> Iterator[_CtrlC]:
 
 
 def _run_interruptibly(
-    con: duckdb.DuckDBPyConnection, statement: str, timeout_s: float | None, ctrl_c: _CtrlC, no_results: bool
+    con: duckdb.DuckDBPyConnection, statement: str, limits: Limits, ctrl_c: _CtrlC, no_results: bool
 ) -> pa.Table:
     """Run the statement in a thread, so the main thread can stop it (DuckDB does not see Python's signals
     while it computes in another thread) by `con.interrupt()`: at the deadline, or on Ctrl-C."""
@@ -184,8 +224,8 @@ def _run_interruptibly(
     def execute() -> None:
         try:
             result = con.sql(statement)
-            outcome["table"] = result.to_arrow_table() if result is not None else pa.table({})
-        except duckdb.Error as err:
+            outcome["table"] = _exact(result).to_arrow_table() if result is not None else pa.table({})
+        except (duckdb.Error, pa.ArrowException) as err:
             outcome["error"] = err
         finally:
             outcome["done"] = True
@@ -196,6 +236,7 @@ def _run_interruptibly(
             con.interrupt()
             time.sleep(0.05)
 
+    timeout_s = limits.timeout_s
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     threading.Thread(target=execute, daemon=True).start()
     while "done" not in outcome:
@@ -205,34 +246,77 @@ def _run_interruptibly(
             raise KeyboardInterrupt
         if deadline is not None and time.monotonic() > deadline and "done" not in outcome:
             stop()
-            raise QueryError(f"the query ran longer than --timeout {timeout_s:g} s and was stopped")
+            raise QueryError(
+                f"the query ran longer than --timeout {timeout_s:g} s and was stopped (raise --timeout to let it run)"
+            )
     if "error" in outcome:
         raise _failure(outcome["error"], no_results)
     return outcome["table"]
 
 
-def _failure(err: duckdb.Error, no_results: bool) -> QueryError:
+# DuckDB types whose values reach Arrow and Python exactly; any other column (a 128-bit integer, a BIT string,
+# an interval, a time or date Python cannot hold, ...) is rendered by DuckDB itself as text.
+_EXACT_TYPES = {"boolean", "tinyint", "smallint", "integer", "bigint", "utinyint", "usmallint", "uinteger", "ubigint",
+                "float", "double", "decimal", "varchar", "blob", "uuid"}  # fmt: skip
+
+
+def _exact(result: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """The result with every column whose type Arrow or Python would render wrongly cast to DuckDB's text."""
+    if all(map(_is_exact, result.types)):
+        return result
+    columns = [
+        f"#{i}" if _is_exact(kind) else f"CAST(#{i} AS VARCHAR)"
+        for i, kind in enumerate(result.types, start=1)
+    ]
+    return result.project(", ".join(f"{column} AS {_sql_identifier(name)}" for column, name in zip(
+        columns, result.columns, strict=True)))  # fmt: skip
+
+
+def _is_exact(kind: Any) -> bool:
+    if kind.id in ("list", "array", "struct", "map"):
+        return all(_is_exact(child) for _, child in kind.children if not isinstance(child, int))
+    return kind.id in _EXACT_TYPES
+
+
+def _sql_identifier(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def _failure(err: Exception, no_results: bool) -> QueryError:
     """A table the SQL names is missing because nothing has run yet (a fresh clone): say how to make the
     results, rather than DuckDB's "did you mean duckdb_constraints?"."""
     if no_results and "does not exist" in str(err):
         return QueryError("no results yet: run `dvc repro`")
-    return QueryError(f"query failed: {err}{_hint(err)}")
+    # DuckDB's advice for memory (`SET memory_limit`) does not apply: the configuration is locked
+    text = _first_line(err) if isinstance(err, duckdb.OutOfMemoryException) else str(err)
+    return QueryError(f"query failed: {escape(text)}{_hint(err)}")
 
 
-def _hint(err: duckdb.Error) -> str:
-    """A per-token dataset is a view at a revision only when the SQL names it literally (it is copied
-    then); say so when the missing table is one of them."""
+def _hint(err: Exception) -> str:
+    """A per-token dataset is a view only when the SQL names it literally (it is verified, or at a revision
+    fetched, then); say so when the missing table is one of them. A query past its memory or temp-disk
+    limit: say which option raises it."""
     missing = [name for name in DATASETS if f"Table with name {name} does not exist" in str(err)]
-    return f" (at a revision, name {missing[0]!r} literally in the SQL so that it is fetched)" if missing else ""
+    if missing:
+        return f" (name {missing[0]!r} literally in the SQL so that it is read)"
+    if isinstance(err, duckdb.OutOfMemoryException):
+        which = "--temp-limit" if "temp" in str(err).lower() else "--memory-limit"
+        return f" (the query's limits stopped it: narrow the query, or raise {which})"
+    return ""
 
 
 # --------------------------------------------------------------------------------- read-only check
 def check_read_only(sql: str) -> str:
     """The single statement of ``sql`` when it can only read; ``QueryError`` otherwise."""
     try:
+        sql.encode()
+    except UnicodeEncodeError as err:  # argv bytes the locale could not decode reach Python as surrogates
+        undecoded = err.object[err.start : err.end].encode(errors="surrogateescape")
+        raise QueryError(f"the SQL is not UTF-8 text ({undecoded!r} at character {err.start})") from None
+    try:
         statements = duckdb.extract_statements(sql)
     except duckdb.Error as err:
-        raise QueryError(f"SQL does not parse: {err}") from None
+        raise QueryError(f"SQL does not parse: {escape(str(err))}") from None
     if len(statements) != 1:
         raise QueryError(f"expected exactly one SQL statement, got {len(statements)}")
     statement = statements[0]
@@ -252,7 +336,10 @@ def _reads_only(statement: duckdb.Statement) -> bool:
         return bool(_READ_ONLY_PRAGMA.match(statement.query))
     if kind == duckdb.StatementType.EXPLAIN:
         # EXPLAIN ANALYZE executes its statement, so what is explained must itself be read-only.
-        inner = duckdb.extract_statements(_EXPLAIN_PREFIX.sub("", statement.query, count=1))
+        try:
+            inner = duckdb.extract_statements(_EXPLAIN_PREFIX.sub("", statement.query, count=1))
+        except duckdb.Error:
+            return False
         return len(inner) == 1 and _reads_only(inner[0])
     return False
 
@@ -265,19 +352,18 @@ class _Snapshot:
     datasets: dict[str, ds.Dataset]
     has_results: bool  # result tables or a dataset folder: something a stage wrote
     decoded: dict[str, list[str]]  # vector view -> its columns' decoding (`column` → FLOAT[]), as SQL
-    unreadable: dict[str, str]  # vector view -> why its vectors cannot be read (an older format)
 
 
 def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str, str]) -> _Snapshot:
     """The data of ``rev``: the working tree itself for ``workspace``, else a copy made by DVC of the tables,
     the params, and what the SQL names of the datasets and the tokenizer (``tokens``)."""
     if rev == WORKSPACE:
-        return _snapshot(workspace, rev, sources)
+        return _snapshot(workspace, rev, sources, sql, anchored=True)
     named = {DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)}
     wanted = ["tables", "params", *sorted(named), *(["tokenizer"] if _mentions(sql, "tokens") else [])]
     # params.yaml is git's: DVC fetches only the rest
     copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted], [sources[w] for w in wanted if w != "params"])
-    return _snapshot(copy, rev, {w: sources[w] for w in wanted})
+    return _snapshot(copy, rev, {w: sources[w] for w in wanted}, sql, anchored=False)
 
 
 def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str], outputs: Sequence[str]) -> Path:
@@ -303,6 +389,15 @@ def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
 
     try:
         fs = DVCFileSystem(str(workspace), rev=rev)
+        fs.isdir(".")  # resolves the revision: a tree or a blob is no commit
+    except DvcException as err:
+        raise QueryError(f"revision {rev!r}: {escape(_first_line(err))}") from None
+    except Exception as err:  # noqa: BLE001 - scmrepo's backends fail on a non-commit with their own types
+        raise QueryError(
+            f"revision {rev!r} does not name a commit ({type(err).__name__}: {escape(_first_line(err))}); give a "
+            "commit, branch, tag, DVC experiment, or `workspace`"
+        ) from None
+    try:
         for path in wanted:
             if fs.isdir(path):
                 fs.get(path, str(dest / path), recursive=True)
@@ -332,48 +427,75 @@ def _fetch(workspace: Path, rev: str, outputs: Sequence[str]) -> bool:
 
 
 def _not_local(rev: str, err: BaseException) -> QueryError:
-    first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return _NotCached(
         f"revision {rev!r}: its results are in neither the local DVC cache nor the default remote "
-        f"({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`), or rebuild "
-        f"them with `git checkout {rev} && dvc repro`"
+        f"({type(err).__name__}: {escape(_first_line(err))}); push them from where they were computed (`dvc push`), "
+        f"or rebuild them with `git checkout {rev} && dvc repro`"
     )
+
+
+def _first_line(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
 
 
 def _mentions(sql: str, name: str) -> bool:
     return re.search(rf"\b{re.escape(name)}\b", sql, re.IGNORECASE) is not None
 
 
-def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot:
-    """The tables (read into memory; they are small) and lazy, verified datasets found under ``root``."""
+def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, anchored: bool) -> _Snapshot:
+    """The tables (read into memory; they are small) and lazy, verified datasets found under ``root``: every
+    result table, and the datasets the SQL names (a dataset is verified, every file hashed, only for a query
+    that reads it). A table or dataset that cannot be read fails the query that names it and is left out,
+    with a warning, of any other. The datasets and tables the SQL names must come from one run of the
+    pipeline (``pipeline.core.store.check_one_run``). ``anchored``: ``root`` is a workspace whose shards are
+    also checked against what its dvc.lock records (``pipeline.core.committed``)."""
     where = f"revision {rev!r}" if rev else str(root)
 
     def cause(err: BaseException) -> str:
         # At a revision `root` is a temporary copy, gone once the query ends: the paths the cause names
         # (the file refused, its manifest) are shown relative to it, as they are in the workspace at `rev`.
-        return str(err).replace(f"{root}{os.sep}", "") if rev else str(err)
+        return escape(str(err).replace(f"{root}{os.sep}", "") if rev else str(err))
 
+    def unusable(names: Sequence[str], what: str, err: BaseException) -> None:
+        if any(_mentions(sql, name) for name in names):
+            raise QueryError(f"{where}: cannot read {what}: {cause(err)}") from None
+        log.warning("%s: %s left out of this query, which does not name it: %s", where, what, cause(err))
+
+    def anchor(folder: Path) -> Committed | None:
+        return committed(root, folder) if anchored else None
+
+    tables, used = {}, []
     folder = root / sources["tables"]
+    bad: dict[Path, Exception] = {}
     try:
-        found = read_result_tables(folder) if folder.is_dir() else {}
-    except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
-        raise QueryError(f"{where}: cannot read {sources['tables']}: {cause(err)}") from None
+        found = read_result_tables(folder, anchor(folder), bad) if folder.is_dir() else {}
+    except (CorruptShardError, StaleShardError, OSError) as err:
+        unusable(RESULT_TABLES, sources["tables"], err)
+        found = {}
+    for path, err in bad.items():
+        unusable([path.stem], path.relative_to(root).as_posix(), err)
     tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
+    if any(_mentions(sql, name) for name in tables):
+        used.append(folder)
     vocabulary = root / sources.get("tokenizer", "") / "tokenizer.json"
     if "tokenizer" in sources and vocabulary.is_file():
-        tables["tokens"] = _tokens_table(vocabulary)
+        try:
+            tables["tokens"] = _tokens_table(vocabulary)
+        except Exception as err:  # noqa: BLE001 - tokenizers raises its own exception types for a bad file
+            unusable(["tokens"], vocabulary.relative_to(root).as_posix(), err)
     if (root / sources["params"]).is_file():
         try:
             tables["params"] = _params_table(root / sources["params"])
         except InputError as err:
-            raise QueryError(f"{where}: cannot read {sources['params']}: {cause(err)}") from None
-    datasets, decoded, unreadable = {}, {}, {}
+            unusable(["params"], sources["params"], err)
+    datasets, decoded = {}, {}
     for name, (dataset, vectors) in DATASETS.items():
-        if dataset.name not in sources:
+        if dataset.name not in sources or not _mentions(sql, name):
             continue
         folder = root / sources[dataset.name]
         try:
-            files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`") if folder.is_dir() else []
+            files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`", committed=anchor(folder)) \
+                if folder.is_dir() else []
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
@@ -382,10 +504,14 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
                 decoded[name] = [f"{_VECTOR_DECODER}{stored_vector_dtype(files, dataset, c) or 'float32'}({c}) AS {c}"
                                  for c in dataset.vectors]  # fmt: skip
             except InputError as err:
-                unreadable[name] = f"{where}: cannot read the vectors of {sources[dataset.name]}: {cause(err)}"
-                del datasets[name]
+                raise QueryError(f"{where}: cannot read the vectors of {sources[dataset.name]}: {cause(err)}") from None
+        used.append(folder)
+    try:
+        check_one_run([folder for folder in dict.fromkeys(used) if folder.is_dir()])
+    except StaleShardError as err:
+        raise QueryError(f"{where}: {cause(err)}") from None
     written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
-    return _Snapshot(rev, tables, datasets, written, decoded, unreadable)
+    return _Snapshot(rev, tables, datasets, written, decoded)
 
 
 def _params_table(path: Path) -> pa.Table:
@@ -413,10 +539,19 @@ def _tokens_table(path: Path) -> pa.Table:
     })  # fmt: skip
 
 
-def _locked_connection(snapshots: list[_Snapshot], with_rev: bool, temp: Path) -> duckdb.DuckDBPyConnection:
+def _locked_connection(
+    snapshots: list[_Snapshot], with_rev: bool, temp: Path, limits: Limits
+) -> duckdb.DuckDBPyConnection:
     """Result tables are copied into DuckDB's memory; per-token datasets stay lazy Arrow scans behind views
-    (their registered sources `_<name>_<i>` remain visible to SHOW TABLES)."""
-    con = duckdb.connect(":memory:", config={"temp_directory": str(temp)})
+    (their registered sources `_<name>_<i>` remain visible to SHOW TABLES). The memory and temp-disk limits
+    are set before the configuration is locked."""
+    memory, disk = default_limits(temp)
+    config = {"temp_directory": str(temp), "memory_limit": limits.memory or memory,
+              "max_temp_directory_size": limits.temp_disk or disk}  # fmt: skip
+    try:
+        con = duckdb.connect(":memory:", config=config)
+    except duckdb.Error as err:
+        raise QueryError(f"--memory-limit / --temp-limit: {err}") from None
     for dtype in VECTOR_DTYPES:  # the decoders of the vector views: pure functions of the bytes they are given
         con.create_function(f"{_VECTOR_DECODER}{dtype}", _decoder(dtype), [duckdb.sqltypes.BLOB],
                             duckdb.list_type(duckdb.sqltypes.FLOAT), type="arrow")  # fmt: skip
@@ -467,17 +602,23 @@ def _sql_string(text: str) -> str:
 
 # ----------------------------------------------------------------------------------------- output
 def format_result(table: pa.Table, fmt: Format) -> str:
+    """The result as text. Columns are read one by one (a result may repeat a column name), and every
+    control character of a name or a value is written as an escape (JSON escapes them itself), so that no
+    value of a table can act on the terminal that shows it."""
+    header = [escape(name, lines=fmt == "csv") for name in table.column_names]
+    columns = [column.to_pylist() for column in table.columns]
+    rows = [list(row) for row in zip(*columns, strict=True)] if columns else []
     if fmt == "json":
-        rows = [{k: _json_value(v) for k, v in row.items()} for row in table.to_pylist()]
-        return json.dumps(rows, indent=1, default=str)
+        records = [{name: _json_value(v) for name, v in zip(table.column_names, row, strict=True)} for row in rows]
+        return json.dumps(records, indent=1, default=str)
     if fmt == "csv":
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
-        writer.writerow(table.column_names)
-        writer.writerows([["" if v is None else v for v in row.values()] for row in table.to_pylist()])
+        writer.writerow(header)
+        writer.writerows([["" if v is None else _text(v, lines=True) for v in row] for row in rows])
         return out.getvalue().rstrip("\n")
     if fmt == "table":
-        return _text_table(table)
+        return _text_table(header, [[_cell(v) for v in row] for row in rows])
     raise QueryError(f"unknown format {fmt!r}: use table, csv or json")
 
 
@@ -485,17 +626,19 @@ def _json_value(v: Any) -> Any:
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def _text(v: Any, lines: bool) -> str:
+    return escape(v if isinstance(v, str) else str(v), lines=lines)
+
+
 def _cell(v: Any) -> str:
     if v is None:
         return "NULL"
     if isinstance(v, float):
         return f"{v:.6g}"
-    return str(v)
+    return _text(v, lines=False)
 
 
-def _text_table(table: pa.Table) -> str:
-    header = table.column_names
-    body = [[_cell(v) for v in row.values()] for row in table.to_pylist()]
+def _text_table(header: list[str], body: list[list[str]]) -> str:
     widths = [max([len(h)] + [len(r[i]) for r in body]) for i, h in enumerate(header)]
     line = "  ".join("-" * w for w in widths)
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)), line]

@@ -7,8 +7,10 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from pipeline.core.config import (
+    MAX_COUNT,
     FamilyName,
     FitClassName,
+    NonNegFloat,
     PositiveInt,
     RecipeName,
     Section,
@@ -56,14 +58,14 @@ class AnalysisConfig(Section):
     vector_dtype: Literal["float32", "float16"] = "float32"
     anchors: PositiveInt = 256
     pool_size: PositiveInt | None = None  # null = every stored token
-    k: Annotated[int, Field(ge=2)] = 32
+    k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 32
     distance: Literal["euclidean", "cosine"] = "euclidean"
     exclude_same_sequence: bool = False
     # Checked against the registry (and each class's constraints on this section) by `pipeline.params`, which
     # also fills in every registered class when left out: the classes import this module.
     classes: list[FitClassName] = []
     rank: PositiveInt = 4  # lowrank
-    ridge: Annotated[float, Field(ge=0)] = 1e-6
+    ridge: NonNegFloat = 1e-6
     mlp_hidden: PositiveInt = 8
     mlp_steps: PositiveInt = 300  # at most; training stops earlier once every anchor meets mlp_tol
     mlp_tol: Annotated[float, Field(gt=0, lt=1)] = 1e-3  # relative decrease of the objective over 20 steps
@@ -71,7 +73,7 @@ class AnalysisConfig(Section):
     nulls: list[Literal["shuffled", "gaussian"]] = ["shuffled", "gaussian"]
     # Random directions per anchor whose mean KL is the functional claim's random null (`kl_random`): one
     # direction is a noisy, skewed null, so at least 8.
-    null_directions: Annotated[int, Field(ge=8)] = 8
+    null_directions: Annotated[int, Field(ge=8, le=MAX_COUNT)] = 8
     p: PositiveInt = 4  # dominant tokenwise subspace dimension
     knn_chunk: PositiveInt = 4096
     seed: Seed = 0

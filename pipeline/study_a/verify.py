@@ -46,7 +46,10 @@ class VerificationFailed(InputError):
 
     def __init__(self, check: str, detail: str) -> None:
         super().__init__(f"verification failed: {check}: {detail}")
-        self.check = check
+        self.check, self.detail = check, detail
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # rebuilt from both arguments across Ray
+        return type(self), (self.check, self.detail)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 
 from pipeline.core.config import (
     FamilyName,
+    NonNegFloat,
     NonNegInt,
     PositiveFloat,
     PositiveInt,
@@ -86,7 +87,7 @@ class TrainConfig(Section):
     batch_size: PositiveInt = 16
     hidden_lr: PositiveFloat = 0.02  # Muon on hidden 2-D matrices
     adamw_lr: PositiveFloat = 3e-3  # AdamW on embeddings, norms, biases (and everything for `adamw`)
-    weight_decay: Annotated[float, Field(ge=0)] = 0.0
+    weight_decay: NonNegFloat = 0.0
     grad_clip: PositiveFloat | None = 1.0
     schedule: Schedule = Schedule()
     recipe_overrides: dict[RecipeName, RecipeConfig] = {}

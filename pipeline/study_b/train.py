@@ -47,6 +47,11 @@ class InvariantViolated(AssertionError):
     """hilbert_realized exceeded hilbert_bound with an exact diameter: a bug, never a data issue."""
 
 
+class NumericBlowUp(ArithmeticError):
+    """A head step whose update or geometry is not finite: the run has diverged (a step size too large for
+    float32), which the run records; the invariant speaks of finite numbers only."""
+
+
 def pick_device(preference: str) -> torch.device:
     if preference == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -168,6 +173,8 @@ def head_step_geometry(
     """SPEC §3.3 geometry of the realised head update ΔW: on the probe batch's final hidden states, on the
     training batch's (`train_h`, the batch the step was computed from), and against its gradient `grad`."""
     delta = delta.float()
+    if not bool(torch.isfinite(delta).all()):
+        raise NumericBlowUp("the head update is not finite")
     sampled = delta.shape[0] > cfg.diam_exact_max_rows
     if sampled:
         diam = hilbert.diam_sampled(delta, cfg.diam_exact_max_rows, seed=0)
@@ -176,6 +183,8 @@ def head_step_geometry(
     h = probe_h.float().flatten(0, -2)
     realized = float(hilbert.osc(h @ delta.T).max())
     bound = float(h.norm(dim=-1).max()) * float(diam)
+    if not (math.isfinite(realized) and math.isfinite(bound)):
+        raise NumericBlowUp(f"hilbert_realized {realized:.6g}, hilbert_bound {bound:.6g}")
     if not sampled and realized > bound * (1 + INVARIANT_RTOL) + 1e-7:
         raise InvariantViolated(f"hilbert_realized {realized:.6g} > hilbert_bound {bound:.6g}")
     small = delta.numel() <= 4_000_000  # the spectral norm is optional; skip it where it costs
@@ -299,7 +308,12 @@ def train_run(
                "train_loss": None, "head_step_scale": optimizer.last_head_scale}
         if geometry_step:
             delta = head.weight.detach() - w_before
-            row |= head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows) | {
+            try:
+                geometry = head_step_geometry(delta, grad, probe_h, train_h, cfg, equi_rows)
+            except NumericBlowUp:  # before the invariant: a blown-up step diverges the run, it is no bug
+                diverged_at = step
+                break
+            row |= geometry | {
                 "equi_ratio_random": hilbert.equi_ratio_random(len(equi_rows), cfg.model.d_model, seed=step),
                 "equi_ratio_bound": spread_bound,
             }

@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from pipeline.core.config import Fraction, PositiveInt, Section, Seed
+from pipeline.core.config import Fraction, PositiveInt, Section, Seed, Sha256
 
 
 class CorpusConfig(Section):
@@ -16,7 +16,7 @@ class CorpusConfig(Section):
     paths: list[str] = []
     text_column: str = "text"
     # sha256 of the corpus text as read (after normalisation); null = do not check.
-    sha256: str | None = None
+    sha256: Sha256 | None = None
     max_chars: PositiveInt | None = None
 
     @model_validator(mode="after")
