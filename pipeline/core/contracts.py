@@ -212,11 +212,12 @@ SAMPLES = ("real", "shuffled", "gaussian")
 # Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
 # a layer-wide fit), whether the map's value at the anchor is determined by the data (else the value metrics,
 # `patched` and the KLs are null) and whether the map itself is (else `proj_full`, `proj_res` and
-# `subspace_tied` are null), whether an iterative fit met its convergence criterion (null for a closed form),
-# and whether the p-th singular value of the local operator is tied with the next (top-p is then a choice).
+# `subspace_tied`, `subspace_dim` are null), whether an iterative fit met its convergence criterion (null for a
+# closed form), whether the dominant subspace's cut went past p to keep a tie of singular values whole, and the
+# dimension it kept (`pipeline.study_a.geometry.dominant`).
 FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("value_identified", pa.bool_()),
              pa.field("operator_identified", pa.bool_()), pa.field("converged", pa.bool_()),
-             pa.field("subspace_tied", pa.bool_()))  # fmt: skip
+             pa.field("subspace_tied", pa.bool_()), pa.field("subspace_dim", pa.int32()))  # fmt: skip
 # The metrics that need only the map's value at the anchor (the rest, `proj_full` and `proj_res`, need the map).
 VALUE_METRICS = tuple(name for name in FIT_METRICS if name not in ("proj_full", "proj_res"))
 FITS = Dataset(

@@ -238,7 +238,7 @@ def reference(
 
 
 def needs_rank(d: int) -> int:
-    return d  # fewer independent inputs than dimensions: W₁'s off-span columns keep their random start
+    return d  # centred inputs of lower rank: W₁'s components off their span are set by its start, not the data
 
 
 def parameters(d: int, cfg: AnalysisConfig) -> int:
@@ -247,5 +247,5 @@ def parameters(d: int, cfg: AnalysisConfig) -> int:
 
 CLASS = FitClass(
     "mlp", local=True, fit=fit, reference=reference, summary="T(x) = x + MLP(x), one tanh hidden layer",
-    parameters=parameters, iterative=True, needs_rank=needs_rank, value_from_span=False,
+    parameters=parameters, iterative=True, needs_rank=needs_rank, centres_inputs=True,
 )
