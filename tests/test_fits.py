@@ -22,7 +22,7 @@ from pipeline.study_a.classes.diag_psd import fit_diag_psd
 from pipeline.study_a.classes.lowrank import fit_lowrank
 from pipeline.study_a.classes.orthogonal import fit_orthogonal
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer
+from pipeline.study_a.fits import choose_anchors, fit_layer, null_sample
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_a.reference import reference_rows
 
@@ -425,3 +425,18 @@ def test_every_class_mlp_included_is_fitted_on_every_sample():
         assert tables[fn].column("sample").to_pylist() == ["real"] * 4 + ["shuffled"] * 4 + ["gaussian"] * 4, fn
     real, shuffled = (tables["mlp"].filter(pa.compute.equal(tables["mlp"]["sample"], s)) for s in ("real", "shuffled"))
     assert real.column("rel_err").to_pylist() != shuffled.column("rel_err").to_pylist()
+
+
+def test_the_gaussian_pool_has_the_pools_moments_and_a_singular_covariance_is_kept_singular():
+    """`gaussian` draws from the Gaussian with the pool's joint mean and covariance of (h_l, h_{l+1}): on 20,000
+    pairs whose outputs are a linear map of the inputs (a singular joint covariance) the draws' mean and
+    covariance match the pool's, and the draws keep the map exactly where the pool had it."""
+    rng = np.random.default_rng(30)
+    x = torch.from_numpy(rng.normal(size=(20000, 3)) * [1.0, 2.0, 0.5] + [1.0, -1.0, 0.0])
+    y = x @ torch.from_numpy(rng.normal(size=(3, 3)))
+    xs, ys = null_sample(x, y, "gaussian", seed=0)
+    joint, drawn = torch.cat([x, y], 1), torch.cat([xs, ys], 1)
+    torch.testing.assert_close(drawn.mean(0), joint.mean(0), atol=0.05, rtol=0)
+    torch.testing.assert_close(torch.cov(drawn.T), torch.cov(joint.T), atol=0.1, rtol=0.05)
+    mapping = torch.linalg.lstsq(x - x.mean(0), y - y.mean(0)).solution
+    torch.testing.assert_close(ys - ys.mean(0), (xs - xs.mean(0)) @ mapping, atol=1e-8, rtol=0)

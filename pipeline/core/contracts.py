@@ -232,12 +232,14 @@ FITS = Dataset(
 )
 # `kl`, `kl_seq`: the real patch T(h_l); `kl_random`, `kl_other`: the null patches h_{l+1} − r̃ with r̃ a
 # random direction (the mean KL over `n_random` of them), or another anchor's residual (null where the layer
-# has fewer than two patched anchors), rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
+# has fewer than two patched anchors), rescaled to ‖r‖ (SPEC §4.5); `kl_directions`: the KL of each of the
+# `n_random` random directions, in draw order (the claims compare the real patch with one direction at a time).
+# Rows of the `real` sample only.
 PERTURB_METRICS = ("kl", "kl_seq", "kl_random", "kl_other")
 PERTURB = Dataset(
     "perturb",
     fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64())
-    + (pa.field("n_random", pa.int32()),),
+    + (pa.field("n_random", pa.int32()), pa.field("kl_directions", pa.list_(pa.float64()))),
     partitions=FITS.partitions,
     written_by="perturb",
     order=("seq_id", "pos"),
@@ -247,7 +249,7 @@ SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
 RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
-                 "claims", "claim_tests", "expressivity")
+                 "claims", "claim_tests", "expressivity", "paper_values")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

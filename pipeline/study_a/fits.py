@@ -48,7 +48,7 @@ from pipeline.core.store import arrow_to_vectors
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import Update, as_float64, global_basis, update_metrics
+from pipeline.study_a.geometry import RCOND, Update, as_float64, global_basis, update_metrics
 from pipeline.study_a.identification import Identification, NeighbourhoodGram, identify
 from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 
@@ -146,9 +146,14 @@ def null_sample(x: Tensor, y: Tensor, sample: str, seed: int) -> tuple[Tensor, T
         joint = torch.cat([x, y], dim=1)
         mean = joint.mean(dim=0)
         values, vectors = torch.linalg.eigh(torch.cov(joint.T))
-        root = vectors * values.clamp_min(0).sqrt()  # cov = root rootᵀ, also when it is singular
+        # cov's symmetric square root (cov = root², also when it is singular): unique, so the draws do not depend
+        # on the basis an eigensolver picks among close eigenvalues, which rounding of the pool would move; and
+        # an eigenvalue at rounding level is 0 (a square root would move with its rounding: y tokenwise in x
+        # makes the joint covariance singular)
+        values = values.where(values > RCOND * values.amax(), 0.0)
+        root = (vectors * values.sqrt()) @ vectors.T
         normal = torch.randn(joint.shape, generator=generator, dtype=joint.dtype).to(joint.device)
-        drawn = mean + normal @ root.T
+        drawn = mean + normal @ root
         return drawn[:, : x.shape[1]].contiguous(), drawn[:, x.shape[1] :].contiguous()
     raise ValueError(f"unknown sample {sample!r}")
 

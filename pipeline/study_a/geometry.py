@@ -23,7 +23,7 @@ from torch import Tensor
 
 F64 = torch.float64
 # Singular values (and eigenvalues of Gram matrices) below this fraction of the largest are zero.
-_RCOND = 1e-12
+RCOND = 1e-12
 # Consecutive singular values closer than this fraction of the largest are tied: the dominant subspace never
 # separates them. Exact ties (a rotation plane's pair, clamped diagonal entries) differ by float64 rounding,
 # ~1e-15 of the largest; distinct singular values of a d × d operator lie ~1/d of the largest apart. A cut at a
@@ -156,7 +156,7 @@ def dominant(singular: Tensor, p: int) -> Tensor:
     (`σ > 1e-12 · σ_1`; a value at or below it counts as 0 in the gap test too). With fewer than `p` non-zero
     values the subspace is the operator's range; with `σ_1 = 0`, empty."""
     top = singular[..., :1]
-    values = singular.where(singular > _RCOND * top, 0.0)
+    values = singular.where(singular > RCOND * top, 0.0)
     after = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
     index = torch.arange(values.shape[-1], device=values.device)
     cuttable = ((values - after > TIE * top) | (after == 0)) & (index >= p - 1)  # a cut after index j keeps j + 1
@@ -180,7 +180,7 @@ def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:
 def ridge_reciprocal(g: Tensor, ridge: float) -> Tensor:
     """`1/(g + λ)` for eigenvalues `g ≥ 0` of a Gram matrix, zero where `g + λ` is numerically zero."""
     total = g + ridge
-    cutoff = _RCOND * total.amax(dim=-1, keepdim=True)
+    cutoff = RCOND * total.amax(dim=-1, keepdim=True)
     return torch.where(total > cutoff, 1 / total.where(total > cutoff, 1.0), 0.0)
 
 

@@ -66,6 +66,11 @@ class FitClass:
     tokenwise: bool = True  # False when Δ_tok ≡ 0 (`identity`): the alignment claims are undefined
     # Fitted by an optimiser (not in closed form): agreement with its reference is to its tolerance.
     iterative: bool = False
+    # A linear map of x (every class but the MLP): the expressivity trade-off compares each local class that is
+    # not with each that is (the paper: "small MLPs instead of linear maps").
+    linear: bool = True
+    # Tested and reported beside the paper's classes, but never deciding a claim's verdict (SPEC §4.5).
+    diagnostic: bool = False
     # A reason the analysis params cannot be used with this class, or None.
     check_config: Callable[[AnalysisConfig], str | None] = _no_constraint
     # The rank the neighbours' inputs need, in width d, for the local map itself to be determined by the data

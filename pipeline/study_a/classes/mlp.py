@@ -247,5 +247,5 @@ def parameters(d: int, cfg: AnalysisConfig) -> int:
 
 CLASS = FitClass(
     "mlp", local=True, fit=fit, reference=reference, summary="T(x) = x + MLP(x), one tanh hidden layer",
-    parameters=parameters, iterative=True, needs_rank=needs_rank, centres_inputs=True,
+    parameters=parameters, iterative=True, linear=False, needs_rank=needs_rank, centres_inputs=True,
 )

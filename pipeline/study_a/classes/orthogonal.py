@@ -124,7 +124,9 @@ def parameters(d: int, cfg: AnalysisConfig) -> int:
     return d * (d - 1) // 2  # the orthogonal group's dimension
 
 
+# A diagnostic, not one of the paper's classes: without a scale it cannot follow the residual stream's growth in
+# norm (rel_err 0.8 where `similarity` leaves 0.2), so it would decide claims by its misfit alone.
 CLASS = FitClass(
     "orthogonal", local=True, fit=fit, reference=reference, summary="T(x) = Q x, Q orthogonal (Procrustes)",
-    parameters=parameters, needs_rank=needs_rank,
+    parameters=parameters, needs_rank=needs_rank, diagnostic=True,
 )
