@@ -182,3 +182,14 @@ def test_spearman_rows_is_scipys_spearman_row_by_row():
     want = [np.nan if i == 2 else spearmanr(x[i], y[i]).statistic for i in range(6)]
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
     assert np.isnan(got[2]) and np.isfinite(np.delete(got, 2)).all()
+
+
+def test_average_ranks_are_scipys_rankdata_with_ties():
+    from pipeline.results.stats import average_ranks
+
+    rng = np.random.default_rng(4)
+    values = rng.integers(0, 5, size=(3, 4, 20)).astype(float)
+    values[0, 0] = 2.0  # one row all tied
+    np.testing.assert_array_equal(average_ranks(values), rankdata(values, axis=-1))
+    continuous = rng.normal(size=(7, 33))
+    np.testing.assert_array_equal(average_ranks(continuous), rankdata(continuous, axis=-1))

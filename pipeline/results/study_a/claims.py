@@ -48,7 +48,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import parse_run_id
-from pipeline.results.stats import holm, spearman_rows
+from pipeline.results.stats import average_ranks, holm, pearson_rows
 from pipeline.study_a.classes import FIT_CLASSES
 
 MIN_ANCHORS = 10
@@ -99,8 +99,8 @@ def _draws(c: Columns, idx: np.ndarray, source: str) -> np.ndarray:
 
 
 def _rho(x: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """Spearman's ρ of `x` (n,) with each row of `draws` (J, n)."""
-    return spearman_rows(np.broadcast_to(x, draws.shape), draws)
+    """Spearman's ρ of `x` (n,) with each row of `draws` (J, n) (`x` ranked once)."""
+    return pearson_rows(average_ranks(x)[None], average_ranks(draws))
 
 
 def _spearman_with(kl: str) -> Statistic:
@@ -282,13 +282,16 @@ def anchor_groups(n: int) -> list[np.ndarray]:
     return np.array_split(np.arange(n), ANCHOR_GROUPS)
 
 
-def stratum_effect(stratum: Stratum, test: Test) -> Effect | None:
+def stratum_effect(stratum: Stratum, test: Test, groups: bool = True) -> Effect | None:
     """The effect of one test in one stratum over its anchors where every column is defined, or None when a
-    column is missing or fewer than `MIN_ANCHORS` anchors remain."""
+    column is missing or fewer than `MIN_ANCHORS` anchors remain; with `groups`, also on each block of its
+    anchors (else those are NaN: a subject with several models does not use them)."""
     if any(c not in stratum.columns for c in test.columns):
         return None
     values = [stratum.columns[c] for c in test.columns]
-    complete = np.all([np.isfinite(v).all(axis=1) if v.ndim == 2 else np.isfinite(v) for v in values], axis=0)
+    # a 2-D column (one draw per direction) is complete where it has draws, all finite
+    complete = np.all([np.isfinite(v).all(axis=1) & (v.shape[1] > 0) if v.ndim == 2 else np.isfinite(v)
+                       for v in values], axis=0)  # fmt: skip
     n = int(complete.sum())
     if n < MIN_ANCHORS:
         return None
@@ -301,11 +304,19 @@ def stratum_effect(stratum: Stratum, test: Test) -> Effect | None:
             return test.statistic(cols, idx), null
 
     statistic, null = effect(np.arange(n))
-    groups = []
-    for block in anchor_groups(len(complete)):
+    blocks = np.full(ANCHOR_GROUPS, math.nan)
+    for i, block in enumerate(anchor_groups(len(complete)) if groups else []):
         idx = kept_in[block[complete[block]]]
-        groups.append(np.subtract(*effect(idx)) if len(idx) >= MIN_GROUP_ANCHORS else math.nan)
-    return Effect(statistic, null, statistic - null, np.array(groups), n)
+        blocks[i] = np.subtract(*effect(idx)) if len(idx) >= MIN_GROUP_ANCHORS else math.nan
+    return Effect(statistic, null, statistic - null, blocks, n)
+
+
+def one_model_subjects(strata: Sequence[Stratum]) -> set[str]:
+    """The subjects with a single model (an external model, `lmgeo analyse`): their replicates are anchor blocks."""
+    models: dict[str, set[str]] = {}
+    for s in strata:
+        models.setdefault(s.subject, set()).add(s.model)
+    return {subject for subject, found in models.items() if len(found) == 1}
 
 
 def verdict(p_below: float, p_above_margin: float, p_below_margin: float, alpha: float) -> str:
@@ -347,12 +358,12 @@ def claim_tests(strata: Sequence[Stratum], ci: float) -> pa.Table:
     """Every claim against each of its nulls: per (subject, class, layer) over the subject's models (scope
     `layer`), and over its layers and models (scope `stratified`); the p-values Holm-adjusted over the rows of
     one (subject, claim, scope, layer) and the verdicts read from them. Nothing here is drawn at random."""
-    rows = []
+    rows, alone = [], one_model_subjects(strata)
     for claim in CLAIMS:
         for null, test in claim.tests.items():
             effects: Effects = {}
             for s in strata:
-                if _applies(claim, s.fn) and (effect := stratum_effect(s, test)) is not None:
+                if _applies(claim, s.fn) and (effect := stratum_effect(s, test, s.subject in alone)) is not None:
                     effects.setdefault((s.subject, s.fn), {}).setdefault(s.model, {})[s.layer] = effect
             rows += _rows(effects, claim, null, ci)
     return pa.Table.from_pylist(_read(rows, (1 - ci) / 2), schema=CLAIM_TESTS_SCHEMA)

@@ -29,6 +29,7 @@ from pipeline.results.study_a.claims import (
     Test,
     claim_tests,
     mean_over_layers,
+    one_model_subjects,
     stratum_effect,
     subject_of,
     summarise,
@@ -220,9 +221,10 @@ def expressivity_table(strata: list[Stratum], capacity: Capacities, ci: float) -
     the mean over layers (never pooled) and seeds, with the claims' t-interval (over seeds, or a one-model
     subject's anchor blocks)."""
     effects: dict[tuple[str, str], dict[str, dict[str, list[Effect]]]] = {}  # (subject, fn) -> part -> model -> layers
+    alone = one_model_subjects(strata)
     for s in _common_anchors(strata):
         for part, test in EXPRESSIVITY_PARTS.items():
-            if (effect := stratum_effect(s, test)) is not None:
+            if (effect := stratum_effect(s, test, s.subject in alone)) is not None:
                 effects.setdefault((s.subject, s.fn), {}).setdefault(part, {}).setdefault(s.model, []).append(effect)
     rows = []
     for (subject, fn), parts in effects.items():
