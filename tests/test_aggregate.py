@@ -238,7 +238,8 @@ def write_default_shape_study(data_dir: Path) -> None:
 
 
 def write_random_stratum(
-    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True
+    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True,
+    distinct: int = 4000,
 ) -> None:
     """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches (with the
     null patches' KLs unless `null_patches` is false)."""
@@ -256,7 +257,7 @@ def write_random_stratum(
             "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
             "k": np.full(n, 96, np.int32), **cols, "value_identified": rng.random(n) >= 0.05,
             "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
-            "n_distinct": np.full(n, 4000, np.int32), "patched": patched,
+            "n_distinct": np.full(n, distinct, np.int32), "patched": patched,
         }))  # fmt: skip
     partition = {"model": model, "layer": layer, "fn": fn}
     with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
@@ -533,6 +534,22 @@ def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(null_st
     assert not rows(tests, claim="partial_spearman_rel_err_kl")  # nor the partial correlation
     assert not rows(tests, fn="identity")  # Δ_tok = 0: the alignment claims are undefined
     assert {r["scope"] for r in tests.to_pylist()} <= {"layer", "stratified"}
+
+
+def test_a_layer_that_is_not_well_posed_is_left_out_of_every_claim(tmp_path: Path) -> None:
+    """Layer 1's pool has 900 distinct inputs, fewer than 10·k = 960: no claim reads it (no per-layer row, and the
+    stratified rows rest on layer 0 alone), while its fits stay in the descriptive tables."""
+    rng = np.random.default_rng(2)
+    for seed in (0, 1):
+        for layer, distinct in ((0, 4000), (1, 900)):
+            for fn in ("lowrank", "mlp"):
+                write_random_stratum(tmp_path, f"gpt2-muon-s{seed}.final", layer, fn, rng, distinct=distinct)
+    tables = build_tables(sources(tmp_path), CFG)
+    tests = tables["claim_tests"].to_pylist()
+    assert tests and {t["layer"] for t in tests if t["scope"] == "layer"} == {0}
+    assert {t["n_layers"] for t in tests if t["scope"] == "stratified"} == {1}
+    assert {(g["layer"], g["fn"]) for g in tables["geometry"].to_pylist()} >= {(1, "lowrank"), (1, "mlp")}
+    assert {v["n_layers"] for v in tables["paper_values"].to_pylist()} == {1}
 
 
 def test_study_b_claims(tables: dict[str, pa.Table]) -> None:

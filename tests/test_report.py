@@ -592,3 +592,54 @@ def test_the_sweep_says_when_its_runs_are_shorter_than_the_comparison() -> None:
 
     assert "**The sweep's runs take 60 steps, the comparison above 200**" in _shorter_note([60], [200])
     assert _shorter_note([200], [200]) == ""
+
+
+def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effect(default_study) -> None:
+    """"Reproduces at toy scale" and "specific against a null" read apart: a row per statistic as the paper states
+    it, per architecture its raw value (from `paper_values`) and its verdict with the deciding effect; the
+    summary says the models are small ones trained here."""
+    text, out, _ = default_study
+    summary = section(text, "## Summary")
+    header = next(line for line in summary.splitlines() if line.startswith("| the paper states |"))
+    assert header.count("here (raw)") == header.count("vs fair null") == len(DEFAULT_ARCHS)
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and " | median cos " in line
+            or line.startswith("| Spearman(RelErr, KL) strong")]  # fmt: skip
+    assert len(rows) == 2
+    values = pq.read_table(out.parent / "tables" / "paper_values.parquet").to_pylist()
+    cos = [v["value"] for v in values if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final"
+           and v["statistic"] == "cos_full_tok" and votes(v["fn"])]  # fmt: skip
+    assert len(cos) == 4 and f"median cos {min(cos):.2g}–{max(cos):.2g}" in rows[0]
+    assert all(re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
+               for r in rows)  # fmt: skip
+    assert "small models trained here" in summary
+
+
+LOCALITY_HEADER = "k,subject,fn,claim,null,scope,n_layers,effect,ci_low,ci_high,verdict"
+# cos_full_tok_near_1 loses its support at k = 384; proj_res_below_full keeps it; a per-layer row is no summary's.
+LOCALITY_ROWS = "\n".join(
+    [LOCALITY_HEADER]
+    + [f"{k},gpt2@final,{fn},cos_full_tok_near_1,shuffled,stratified,4,0.1,0.06,0.14,{cos}"
+       for k, cos in ((96, "supported"), (192, "supported"), (384, "inconclusive")) for fn in ("diag_psd", "lowrank")]
+    + [f"{k},gpt2@final,{fn},proj_res_below_full,shuffled,stratified,4,0.1,0.06,0.14,supported"
+       for k in (96, 192, 384) for fn in ("diag_psd", "lowrank")]
+    + ["96,gpt2@final,lowrank,cos_full_tok_near_1,shuffled,layer,1,0.1,0.0,0.2,contradicted"]
+) + "\n"  # fmt: skip
+
+
+def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verdicts_move(tmp_path: Path) -> None:
+    """The committed sweep (`docs/locality/claim_tests.csv`): each claim's verdict per k in one cell, and the
+    verdicts that change with k named; a per-layer row is not a summary's. A table without a column the report
+    reads is refused, naming it; no table: no section."""
+    path = tmp_path / "claim_tests.csv"
+    path.write_text(LOCALITY_ROWS)
+    rows = study_a_report.read_locality_sweep(path)
+    assert len(rows) == 12 and {r["scope"] for r in rows} == {"stratified"}
+    text = study_a_report._locality_sweep(rows)
+    assert "| claim | gpt2: 96 / 192 / 384 |" in text
+    assert "| supported / supported / inconclusive |" in text and "| supported / supported / supported |" in text
+    assert f"The verdicts that move with k: {CLAIMS[0].label} (gpt2)." in text
+    path.write_text(LOCALITY_ROWS.replace(",verdict\n", ",reading\n", 1))
+    with pytest.raises(ValueError, match="no column verdict"):
+        study_a_report.read_locality_sweep(path)
+    assert study_a_report.read_locality_sweep(tmp_path / "absent.csv") == []
+    assert study_a_report._locality_sweep([]) == ""
