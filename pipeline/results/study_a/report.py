@@ -170,8 +170,11 @@ def _side_by_side(claims: list[ClaimSummary], values: Sequence[Row]) -> str:
         return ""
     at = {(c.subject, c.claim): c for c in claims}
     raw = _raw_values(values)
+    at_init = any(c.subject.endswith("@init") for c in claims)
     rows = []
     for statement, show, claim in SIDE_BY_SIDE:
+        if show is _with_training and not at_init:  # an external model has no initialisation to compare with
+            continue
         cells = []
         for subject in trained:
             cells.append(show(raw, subject, at))
@@ -180,7 +183,8 @@ def _side_by_side(claims: list[ClaimSummary], values: Sequence[Row]) -> str:
         rows.append([statement, *cells])
     header = ["the paper states"] + [f"{s.removesuffix('@final')}: {part}" for s in trained
                                      for part in ("here (raw)", "vs fair null")]  # fmt: skip
-    note = ("*Here (raw)*: the statistic as the paper states it, on the small models trained here (range over the "
+    where = "the small models trained here" if at_init else "the models analysed here"
+    note = (f"*Here (raw)*: the statistic as the paper states it, on {where} (range over the "
             "paper's classes `diag_psd`, `lowrank`, `similarity`, `mlp`: the mean over layers, then seeds); *vs fair "
             "null*: the claim's verdict and its deciding effect [95% CI] against a null that gives 0 where the "
             "structure is absent. A raw value can match the paper while the effect shows nothing specific, and the "
