@@ -11,6 +11,7 @@ from pathlib import Path
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
 from pipeline.results.study_a import figures as fig
 from pipeline.results.study_a.claims import (
+    ANCHOR_GROUP,
     CLAIMS,
     SUPPORTED,
     VERSUS,
@@ -44,8 +45,8 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], f
     then the table with the test that decides each verdict, and the project's own checks apart."""
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
-        why = ("no claim could be tested (no null samples, or fewer than 10 complete anchors per layer)" if fitted
-               else "Study A was not run (no fits)")  # fmt: skip
+        why = ("no claim could be tested (no null samples, no layer with 10·k distinct inputs, or fewer than 10 "
+               "complete anchors per layer)" if fitted else "Study A was not run (no fits)")  # fmt: skip
         return f"**Study A (the paper's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in PAPER
                           if any(c.claim == claim.name for c in trained))  # fmt: skip
@@ -154,7 +155,8 @@ def _claim_cell(c: ClaimSummary | None, layers: int, diagnostic: ClaimSummary | 
     effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
-    rests = f"{t['n_layers']} layers, {t['n_models']} seeds, {t['n']} anchors"
+    units = f"one model, {t['n_units']} anchor blocks" if t.get("unit") == ANCHOR_GROUP else f"{t['n_models']} seeds"
+    rests = f"{t['n_layers']} layers, {units}, {t['n']} anchors"
     few = [f"{fn} on {n} of {layers} layers" for fn, n in c.layers.items() if 2 * n < layers]
     warning = f" · **{'; '.join(few)}**" if few else ""
     beside = f" · orthogonal (diagnostic): {diagnostic.verdict}" if diagnostic else ""
