@@ -42,7 +42,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -417,7 +417,7 @@ class Interval:
     high: float
     unit: str
     n_units: int
-    p: dict[str, float] = field(default_factory=dict)  # P_COLUMNS -> unadjusted p
+    p: dict[str, float]  # P_COLUMNS -> unadjusted p
 
 
 def t_interval(effects: list[Effect], margin: float, ci: float) -> Interval:
@@ -425,7 +425,7 @@ def t_interval(effects: list[Effect], margin: float, ci: float) -> Interval:
     anchor blocks' effects around it (SE = the blocks' SD over √blocks). Fewer than two replicates: NaN."""
     from scipy.stats import t
 
-    if len(effects) >= 2:
+    if len(effects) >= 2 or not np.isfinite(effects[0].groups).any():  # a subject of several models: its seeds
         replicates = np.array([e.effect for e in effects])
         centre, unit = float(replicates.mean()), SEED
     else:
