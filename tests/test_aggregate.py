@@ -739,15 +739,18 @@ def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_w
     assert [r["parameters"] for r in without["expressivity"].to_pylist()] == [None] * 4
 
 
-def test_the_report_shows_the_tradeoff_in_capacity_order_and_the_locality_per_layer(tmp_path: Path) -> None:
+def test_the_report_shows_the_classes_in_capacity_order_the_tradeoff_pairs_and_the_locality(tmp_path: Path) -> None:
     from pipeline.results.study_a import report
 
     write_tradeoff_study(tmp_path, np.random.default_rng(4))
     tables = {name: t.to_pylist() for name, t in build_tables(sources(tmp_path), CFG, DEFAULT.analysis).items()}
     text = report._expressivity(tables["expressivity"], tables["claim_tests"])
     assert text.index("| `diag_psd` | 5 |") < text.index("| `similarity` | 11 |") < text.index("| `lowrank` | 24 |")
-    (tradeoff,) = [line for line in text.splitlines() if line.startswith("| **trade-off** |")]
-    assert re.search(r"\*\*(inconclusive|not supported)\*\* · rel_err falls .* spearman falls ", tradeoff)
+    assert text.index("| `lowrank` | 24 |") < text.index("| `mlp` | 93 |")
+    pairs = [line for line in text.splitlines() if line.startswith("| **mlp vs ")]
+    assert [re.match(r"\| \*\*mlp vs (\w+)\*\*", line)[1] for line in pairs] == ["diag_psd", "lowrank", "similarity"]
+    reading = r"\*\*(supported|not supported|contradicted|inconclusive)\*\* · rel_err -?[\d.]+ \[.*\], spearman -?[\d.]"
+    assert all(re.search(reading, line) for line in pairs), pairs
     kept = report._kept_table(tables["geometry"])
     assert "| locality |" in kept and "0.3·0.8 |" in kept  # per layer: the median over seeds 0.25/0.35, 0.75/0.85
     assert report._expressivity([], []) == ""

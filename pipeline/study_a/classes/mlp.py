@@ -16,7 +16,13 @@ is exactly one per anchor.
 Convergence criterion (stated, and recorded per anchor as `converged`): the objective fell by less than
 `mlp_tol` (relative) over the last `WINDOW` steps. Training stops when every anchor meets it, or after
 `mlp_steps` steps; an anchor that has not met it is reported as not converged (its values are kept).
-`J − I = (τ/σ) W₂ diag(tanh') W₁`."""
+`J − I = (τ/σ) W₂ diag(tanh') W₁`.
+
+Identification (SPEC §4.5) follows the one rule of every class, on the inputs the map sees, `x_j − μ`
+(`centres_inputs`): the value at `x_a` is identified where `x_a − μ` lies in the span of the centred inputs (the
+data's affine span; off it, `W₁`'s components the data never reach would decide it), the map itself where the
+centred inputs have rank `d`. Like every fit of a non-convex objective, both are also functions of the seeded
+start, which is part of the fit's definition. It is fitted on every null sample, as every class is."""
 
 from __future__ import annotations
 
