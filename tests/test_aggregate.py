@@ -238,7 +238,8 @@ def write_default_shape_study(data_dir: Path) -> None:
 
 
 def write_random_stratum(
-    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True
+    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True,
+    distinct: int = 4000,
 ) -> None:
     """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches (with the
     null patches' KLs unless `null_patches` is false)."""
@@ -256,13 +257,17 @@ def write_random_stratum(
             "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
             "k": np.full(n, 96, np.int32), **cols, "value_identified": rng.random(n) >= 0.05,
             "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
-            "n_distinct": np.full(n, 4000, np.int32), "patched": patched,
+            "n_distinct": np.full(n, distinct, np.int32), "patched": patched,
         }))  # fmt: skip
     partition = {"model": model, "layer": layer, "fn": fn}
     with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.concat_tables(parts))
     kl = np.exp(rng.normal(0, 1, n))
-    nulls = {"kl_random": kl * rng.uniform(0.3, 1.5, n), "kl_other": kl * rng.uniform(0.5, 2.0, n)}
+    directions = DEFAULT.analysis.null_directions
+    each = kl[:, None] * rng.uniform(0.3, 1.5, (n, directions))
+    nulls = {"kl_random": each.mean(axis=1), "kl_other": kl * rng.uniform(0.5, 2.0, n),
+             "kl_directions": pa.ListArray.from_arrays(pa.array(np.arange(n + 1) * directions, pa.int32()),
+                                                       pa.array(each.ravel()))}  # fmt: skip
     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.table({
             "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2, **(nulls if null_patches else {}),
@@ -517,7 +522,7 @@ def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(null_st
     assert tests.num_rows > 0  # every check below also holds for an empty table
     geometric = [c.name for c in CLAIMS if set(c.tests) == {"shuffled", "gaussian"}]
     want = {(claim, null) for claim in geometric for null in ("shuffled", "gaussian")}
-    want.add(("partial_spearman_rel_err_kl", "zero"))  # against 0: needs no null
+
     for scope, layers, n_layers in (("layer", {0, 1}, 1), ("stratified", {None}, 2)):
         found = rows(tests, subject="gpt2@final", fn="lowrank", scope=scope)
         assert {(r["claim"], r["null"]) for r in found} == want
@@ -526,8 +531,25 @@ def test_claim_tests_state_each_seed_claim_per_subject_against_its_nulls(null_st
     spearman = rows(tests, subject="gpt2@final", fn="lowrank", claim="spearman_rel_err_kl", scope="stratified")
     assert spearman == []  # no null patch in this study: nothing to test the correlation against
     assert not rows(tests, claim="residual_outweighs_null")  # nor the residual against a null patch
+    assert not rows(tests, claim="partial_spearman_rel_err_kl")  # nor the partial correlation
     assert not rows(tests, fn="identity")  # Δ_tok = 0: the alignment claims are undefined
     assert {r["scope"] for r in tests.to_pylist()} <= {"layer", "stratified"}
+
+
+def test_a_layer_that_is_not_well_posed_is_left_out_of_every_claim(tmp_path: Path) -> None:
+    """Layer 1's pool has 900 distinct inputs, fewer than 10·k = 960: no claim reads it (no per-layer row, and the
+    stratified rows rest on layer 0 alone), while its fits stay in the descriptive tables."""
+    rng = np.random.default_rng(2)
+    for seed in (0, 1):
+        for layer, distinct in ((0, 4000), (1, 900)):
+            for fn in ("lowrank", "mlp"):
+                write_random_stratum(tmp_path, f"gpt2-muon-s{seed}.final", layer, fn, rng, distinct=distinct)
+    tables = build_tables(sources(tmp_path), CFG)
+    tests = tables["claim_tests"].to_pylist()
+    assert tests and {t["layer"] for t in tests if t["scope"] == "layer"} == {0}
+    assert {t["n_layers"] for t in tests if t["scope"] == "stratified"} == {1}
+    assert {(g["layer"], g["fn"]) for g in tables["geometry"].to_pylist()} >= {(1, "lowrank"), (1, "mlp")}
+    assert {v["n_layers"] for v in tables["paper_values"].to_pylist()} == {1}
 
 
 def test_study_b_claims(tables: dict[str, pa.Table]) -> None:
@@ -633,7 +655,7 @@ def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
 
 
 # ------------------------------------------------------------------------------ the expressivity trade-off
-TRADEOFF_CLASSES = ("diag_psd", "lowrank", "similarity")
+TRADEOFF_CLASSES = ("diag_psd", "lowrank", "similarity", "mlp")
 WIDTH = 5  # the `patched` vectors' width: the models' d
 
 
@@ -668,13 +690,15 @@ def write_tradeoff_study(data_dir: Path, rng: np.random.Generator) -> dict[tuple
 def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_width(tmp_path: Path) -> None:
     """Per class: its parameters at the fits' vector width; its median rel_err and Spearman(rel_err, kl) on
     the anchors every class keeps, averaged over layers, then seeds (numpy/scipy by hand), inside its interval.
-    Without the analysis section (no capacities) nothing is ranked."""
+    The trade-off's rows: each linear class against the MLP, paired per anchor, with the t-interval over the
+    seeds. Without the analysis section the classes have no capacity (`parameters` null)."""
     planted = write_tradeoff_study(tmp_path, np.random.default_rng(4))
     analysis = DEFAULT.analysis
     tables = build_tables(sources(tmp_path), CFG, analysis)
     got = tables["expressivity"].to_pylist()
-    # d = 5, r = 4: diag_psd d = 5, similarity d(d − 1)/2 + 1 = 11, lowrank r(2d − r) = 24 (at d = 64: 64, 2017, 496)
-    assert [r["fn"] for r in got] == ["diag_psd", "similarity", "lowrank"]
+    # d = 5, r = 4, h = 8: diag_psd d = 5, similarity d(d − 1)/2 + 1 = 11, lowrank r(2d − r) = 24, mlp 2hd + h + d =
+    # 93 (at d = 64: 64, 2017, 496, 1096)
+    assert [r["fn"] for r in got] == ["diag_psd", "similarity", "lowrank", "mlp"]
     for r in got:
         assert r["subject"] == "gpt2@final" and (r["n_models"], r["n_layers"], r["n"]) == (2, 2, 4 * 23)
         assert r["parameters"] == FIT_CLASSES[r["fn"]].parameters(WIDTH, analysis)
@@ -692,22 +716,41 @@ def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_w
             assert r[part] == pytest.approx(np.mean(values)), part
             assert r[f"{part}_low"] <= r[part] <= r[f"{part}_high"]
     tradeoff = rows(tables["claim_tests"], claim="expressivity_tradeoff", scope="stratified")
-    assert {(t["fn"], t["null"]) for t in tradeoff} == {("by capacity", "rel_err"), ("by capacity", "spearman")}
-    # three classes: one order in 6 falls perfectly by chance, so the permuted order keeps it from "supported"
-    assert all(t["p_above"] >= 1 / 6 and t["verdict"] != "supported" for t in tradeoff)
+    pairs = {f"mlp vs {fn}" for fn in TRADEOFF_CLASSES if fn != "mlp"}
+    assert {(t["fn"], t["null"]) for t in tradeoff} == {(pair, part) for pair in pairs for part in ("rel_err",
+                                                                                                    "spearman")}
+    for t in tradeoff:  # paired per anchor on the anchors both keep, each model's mean over layers, then seeds
+        linear = t["fn"].split(" vs ")[1]
+        per_model = []
+        for seed in (0, 1):
+            layers = []
+            for layer in (0, 1):
+                (rel, kl), (rel_mlp, kl_mlp) = (planted[(f"gpt2-muon-s{seed}.final", layer, fn)]
+                                                for fn in (linear, "mlp"))  # fmt: skip
+                both = np.isfinite(rel) & np.isfinite(rel_mlp)
+                layers.append(np.median(rel[both] - rel_mlp[both]) if t["null"] == "rel_err" else
+                              sps.spearmanr(rel[both], kl[both]).statistic
+                              - sps.spearmanr(rel_mlp[both], kl_mlp[both]).statistic)  # fmt: skip
+            per_model.append(np.mean(layers))
+        low, high = sps.t.interval(CFG.ci, 1, loc=np.mean(per_model), scale=sps.sem(per_model))
+        assert (t["effect"], t["ci_low"], t["ci_high"]) == pytest.approx((np.mean(per_model), low, high))
+        assert (t["unit"], t["n_units"]) == ("seed", 2)
     without = build_tables(sources(tmp_path), CFG)
-    assert without["expressivity"].num_rows == 0 and not rows(without["claim_tests"], claim="expressivity_tradeoff")
+    assert [r["parameters"] for r in without["expressivity"].to_pylist()] == [None] * 4
 
 
-def test_the_report_shows_the_tradeoff_in_capacity_order_and_the_locality_per_layer(tmp_path: Path) -> None:
+def test_the_report_shows_the_classes_in_capacity_order_the_tradeoff_pairs_and_the_locality(tmp_path: Path) -> None:
     from pipeline.results.study_a import report
 
     write_tradeoff_study(tmp_path, np.random.default_rng(4))
     tables = {name: t.to_pylist() for name, t in build_tables(sources(tmp_path), CFG, DEFAULT.analysis).items()}
     text = report._expressivity(tables["expressivity"], tables["claim_tests"])
     assert text.index("| `diag_psd` | 5 |") < text.index("| `similarity` | 11 |") < text.index("| `lowrank` | 24 |")
-    (tradeoff,) = [line for line in text.splitlines() if line.startswith("| **trade-off** |")]
-    assert re.search(r"\*\*(inconclusive|not supported)\*\* · rel_err falls .* spearman falls ", tradeoff)
+    assert text.index("| `lowrank` | 24 |") < text.index("| `mlp` | 93 |")
+    pairs = [line for line in text.splitlines() if line.startswith("| **mlp vs ")]
+    assert [re.match(r"\| \*\*mlp vs (\w+)\*\*", line)[1] for line in pairs] == ["diag_psd", "lowrank", "similarity"]
+    reading = r"\*\*(supported|not supported|contradicted|inconclusive)\*\* · rel_err -?[\d.]+ \[.*\], spearman -?[\d.]"
+    assert all(re.search(reading, line) for line in pairs), pairs
     kept = report._kept_table(tables["geometry"])
     assert "| locality |" in kept and "0.3·0.8 |" in kept  # per layer: the median over seeds 0.25/0.35, 0.75/0.85
     assert report._expressivity([], []) == ""

@@ -22,7 +22,7 @@ from pipeline.study_a.classes.diag_psd import fit_diag_psd
 from pipeline.study_a.classes.lowrank import fit_lowrank
 from pipeline.study_a.classes.orthogonal import fit_orthogonal
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer
+from pipeline.study_a.fits import choose_anchors, fit_layer, null_sample
 from pipeline.study_a.knn import nearest_neighbours
 from pipeline.study_a.reference import reference_rows
 
@@ -36,17 +36,13 @@ def fit_one(x, y, seq, pos, tok, anchors, fn, cfg, samples=("real",)):
 
 # ------------------------------------------------------------------------------------- reference
 def assert_rows_match(table, rows, tol=1e-4):
-    """Every column, except the local projections of an anchor whose top-p subspace splits a tie (strict
-    top-p then picks one of several equally good subspaces, and two implementations may pick others)."""
+    """Every column, the local projections of tied anchors included: the dominant subspace keeps a tie whole,
+    so it is unique and two implementations agree on it."""
     assert table.num_rows == len(rows)
-    for flag in ("value_identified", "operator_identified"):
+    for flag in ("value_identified", "operator_identified", "subspace_tied", "subspace_dim"):
         assert table.column(flag).to_pylist() == [r[flag] for r in rows], flag
-    tied = table.column("subspace_tied").to_pylist()
-    assert tied == [r["subspace_tied"] for r in rows]
     for name in METRICS:
-        local = name in ("proj_full", "proj_res")
-        got = [None if local and t else g for g, t in zip(table.column(name).to_pylist(), tied)]
-        want = [None if local and t else r[name] for r, t in zip(rows, tied)]
+        got, want = table.column(name).to_pylist(), [r[name] for r in rows]
         assert [g is None for g in got] == [w is None for w in want], name
         present = np.array([(g, w) for g, w in zip(got, want) if g is not None]).reshape(-1, 2)
         np.testing.assert_allclose(present[:, 0], present[:, 1], atol=tol, rtol=tol, err_msg=name)
@@ -119,8 +115,8 @@ def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
         got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
         if name == "patched":  # stored vectors: compare the decoded values
             got, want = (_vectors_or_none(table.column(name)) for table in (chunked, whole))
-        if name in ("sample", "value_identified", "operator_identified", "converged", "subspace_tied", "seq_id",
-                    "pos", "token_id", "k", "input_rank"):
+        if name in ("sample", "value_identified", "operator_identified", "converged", "subspace_tied", "subspace_dim",
+                    "seq_id", "pos", "token_id", "k", "input_rank"):
             assert got == want, name
         else:
             assert [g is None for g in got] == [w is None for w in want], name
@@ -140,7 +136,8 @@ def test_schema_is_the_contract():
     assert FITS.file_schema(3).names == [
         "sample", "seq_id", "pos", "token_id", "k", "locality", "rel_err", "rel_err_state", "cos_full_tok",
         "cos_full_res", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global", "norm_full",
-        "norm_res", "input_rank", "value_identified", "operator_identified", "converged", "subspace_tied", "patched",
+        "norm_res", "input_rank", "value_identified", "operator_identified", "converged", "subspace_tied",
+        "subspace_dim", "patched",
         "n_nonfinite", "n_distinct",
     ]
     assert FITS.file_schema(3).field("patched").type == vector_type(3)
@@ -427,11 +424,30 @@ def test_capacity_orders_the_classes():
     assert order.index("diag_psd") < order.index("lowrank") < order.index("orthogonal") < order.index("global_linear")
 
 
-def test_iterative_classes_are_fitted_on_the_real_pairs_only():
+def test_every_class_mlp_included_is_fitted_on_every_sample():
+    """`mlp` gets the null samples every class gets (the claims test it against them), locally and layer-wide."""
     rng = np.random.default_rng(16)
     x, y, seq, pos, tok = random_layer(rng)
     cfg = AnalysisConfig(**CONFIGS["euclid"])
     anchors = choose_anchors(len(x), 4, 2)
-    tables, _ = fit_layer(x, y, seq, pos, tok, anchors, ["mlp", "diag_psd"], cfg, samples=("real", "shuffled"))
-    assert set(tables["mlp"].column("sample").to_pylist()) == {"real"} == set(tables["mlp.layer"]["sample"].to_pylist())
-    assert set(tables["diag_psd"].column("sample").to_pylist()) == {"real", "shuffled"}
+    tables, _ = fit_layer(x, y, seq, pos, tok, anchors, ["mlp", "diag_psd"], cfg,
+                          samples=("real", "shuffled", "gaussian"))  # fmt: skip
+    for fn in ("mlp", "mlp.layer", "diag_psd"):
+        assert tables[fn].column("sample").to_pylist() == ["real"] * 4 + ["shuffled"] * 4 + ["gaussian"] * 4, fn
+    real, shuffled = (tables["mlp"].filter(pa.compute.equal(tables["mlp"]["sample"], s)) for s in ("real", "shuffled"))
+    assert real.column("rel_err").to_pylist() != shuffled.column("rel_err").to_pylist()
+
+
+def test_the_gaussian_pool_has_the_pools_moments_and_a_singular_covariance_is_kept_singular():
+    """`gaussian` draws from the Gaussian with the pool's joint mean and covariance of (h_l, h_{l+1}): on 20,000
+    pairs whose outputs are a linear map of the inputs (a singular joint covariance) the draws' mean and
+    covariance match the pool's, and the draws keep the map exactly where the pool had it."""
+    rng = np.random.default_rng(30)
+    x = torch.from_numpy(rng.normal(size=(20000, 3)) * [1.0, 2.0, 0.5] + [1.0, -1.0, 0.0])
+    y = x @ torch.from_numpy(rng.normal(size=(3, 3)))
+    xs, ys = null_sample(x, y, "gaussian", seed=0)
+    joint, drawn = torch.cat([x, y], 1), torch.cat([xs, ys], 1)
+    torch.testing.assert_close(drawn.mean(0), joint.mean(0), atol=0.05, rtol=0)
+    torch.testing.assert_close(torch.cov(drawn.T), torch.cov(joint.T), atol=0.1, rtol=0.05)
+    mapping = torch.linalg.lstsq(x - x.mean(0), y - y.mean(0)).solution
+    torch.testing.assert_close(ys - ys.mean(0), (xs - xs.mean(0)) @ mapping, atol=1e-8, rtol=0)

@@ -12,9 +12,9 @@ import torch
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.classes.lowrank import fit_lowrank
-from pipeline.study_a.classes.orthogonal import fit_orthogonal
+from pipeline.study_a.classes.orthogonal import fit_orthogonal, procrustes_reference
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import Fitted, _identified
+from pipeline.study_a.fits import Fitted, _identifications, _identified
 from pipeline.study_a.identification import U32, NeighbourhoodGram, identify
 from pipeline.study_a.reference import identification
 
@@ -71,8 +71,8 @@ def refit(fn, xn, yn, x_a, cfg):
     xt, yt, at = (torch.from_numpy(v)[None] for v in (xn, yn, x_a))
     gram = NeighbourhoodGram(xt)
     update = FIT_CLASSES[fn].fit(xt, yt, at[0], cfg, FitContext(0, gram))
-    fitted = _identified(fn, update, identify(xt, at[0], gram), None)
-    return fitted, (at[0] + update.delta_tok)[0].numpy()
+    seen = _identifications(xt, at[0], gram, [fn])[FIT_CLASSES[fn].centres_inputs]
+    return _identified(fn, update, seen, None), (at[0] + update.delta_tok)[0].numpy()
 
 
 def perturbed(rng, a):
@@ -135,3 +135,49 @@ def test_an_anchor_among_copies_is_kept():
     assert isinstance(fitted, Fitted)
     assert fitted.input_rank.tolist() == [1]
     assert fitted.value_identified.tolist() == [True] and fitted.operator_identified.tolist() == [False]
+
+
+def test_the_mlp_is_identified_by_the_same_rule_on_the_inputs_it_sees():
+    """The MLP sees its inputs centred on the neighbours' mean, so the one span rule is applied to `x_j − μ`:
+    inputs on an affine plane of dimension 5 (off the origin) span 6 dimensions linearly but 5 centred. An
+    anchor on the plane: kept by every class, the MLP's operator not identified (centred rank 5 < d = 8). An
+    anchor in the linear span but off the plane: kept by the linear classes, flagged for the MLP (its centred
+    value is not a fact of the data)."""
+    rng = np.random.default_rng(11)
+    k, d, plane = 30, 8, 5
+    offset, directions = rng.normal(size=d), rng.normal(size=(plane, d))
+    xn = float32(offset + rng.normal(size=(k, plane)) @ directions)
+    yn = float32(xn + 0.3 * np.tanh(xn))
+    cfg = AnalysisConfig(k=k, rank=2, p=2, mlp_hidden=3, mlp_steps=5)
+    on_plane = float32(offset + rng.normal(size=plane) @ directions)
+    off_plane = float32(2 * offset + rng.normal(size=plane) @ directions)
+    for x_a, mlp_kept in ((on_plane, True), (off_plane, False)):
+        mlp, _ = refit("mlp", xn, yn, x_a, cfg)
+        assert mlp.value_identified.tolist() == [mlp_kept]
+        assert mlp.input_rank.tolist() == [plane] and mlp.operator_identified.tolist() == [False]
+        linear, _ = refit("lowrank", xn, yn, x_a, cfg)
+        assert linear.value_identified.tolist() == [True] and linear.input_rank.tolist() == [plane + 1]
+
+
+def test_procrustes_is_unidentified_where_inputs_and_outputs_of_full_rank_meet_at_a_right_angle():
+    """k > d: `X` and `Y` both of rank d = 5 in R^12, `Y`'s column space holding a direction orthogonal to all of
+    `X`'s. Then `C = YᵀX` is singular (σ_d(C) = 0 < σ_d(Y) σ_d(X), so the inequality the old note relied on is
+    false for k > d) and `Q` is not unique: flagged, by the batched fit and by SciPy's principal angles in the
+    reference. Tilting that direction back towards `X`'s column space by well more than the rounding's reach
+    makes `Q` unique: identified."""
+    rng = np.random.default_rng(12)
+    k, d = 12, 5
+    basis = np.linalg.qr(rng.normal(size=(k, k)))[0]
+    x = float32(basis[:, :d] @ rng.normal(size=(d, d)))
+    for tilt, identified in ((0.0, False), (1e-2, True)):
+        outputs = np.concatenate([basis[:, : d - 1], (basis[:, d] + tilt * basis[:, d - 1])[:, None]], axis=1)
+        y = float32(outputs @ rng.normal(size=(d, d)))
+        assert np.linalg.matrix_rank(x) == np.linalg.matrix_rank(y) == d
+        singular = np.linalg.svd(y.T @ x, compute_uv=False)
+        smallest = [np.linalg.svd(v, compute_uv=False)[-1] for v in (x, y)]
+        if not identified:
+            assert singular[-1] < 1e-6 * singular[0] and smallest[0] * smallest[1] > 1e-3
+        for with_scale in (False, True):
+            fit = fit_orthogonal(torch.from_numpy(x)[None], torch.from_numpy(y)[None], with_scale)
+            assert fit.unidentified.tolist() == [not identified]
+            assert procrustes_reference(x, y, with_scale)[1] is identified

@@ -214,9 +214,9 @@ def test_each_clean_sequence_runs_once(model, tokens, states):
 
 
 def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, model, tokens, states):
-    """`kl_random` is the mean KL over `n_random` seeded random directions (recomputed here one direction at
-    a time with the full forward), `kl_other` needs two patched anchors, and an anchor without a patch has
-    null KLs."""
+    """`kl_directions` holds the KL of each of `n_random` seeded random directions, `kl_random` their mean (both
+    recomputed here one direction at a time with the full forward), `kl_other` needs two patched anchors, and
+    an anchor without a patch has null KLs."""
     import pyarrow as pa
 
     from pipeline.study_a.nulls import null_patches
@@ -244,10 +244,12 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     rows, positions = np.repeat(seq[anchors], 8), np.repeat(pos[anchors], 8)
     one_by_one, _ = patch_kl_anchors(model, tokens, rows, positions, layer, expected.random.reshape(-1, d),
                                      batch_size=1, mode="full")  # fmt: skip
+    np.testing.assert_allclose(np.array(full["kl_directions"]), one_by_one.reshape(3, 8), rtol=1e-4, atol=1e-8)
     np.testing.assert_allclose(full["kl_random"], one_by_one.reshape(3, 8).mean(axis=1), rtol=1e-4, atol=1e-8)
     single = tables["lowrank"].to_pydict()  # one patched anchor: no other anchor to borrow a residual from
     assert single["n_random"] == [8, None] and single["kl_other"] == [None, None]
     assert single["kl"][0] is not None and single["kl"][1] is None and single["kl_random"][1] is None
+    assert len(single["kl_directions"][0]) == 8 and single["kl_directions"][1] is None
 
 
 @pytest.mark.parametrize("arch", ["mamba"], scope="module")  # the stepped path is the recurrent families'

@@ -43,8 +43,8 @@ from pipeline.results.study_a.claims import (
     NOT_SUPPORTED,
     SUPPORTED,
     ClaimSummary,
-    in_summary,
     summarise,
+    votes,
 )
 from pipeline.results.study_a.tables import HEADLINE
 from pipeline.results.study_b import figures as fig_b
@@ -135,11 +135,15 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
 def test_the_summary_reads_words_then_the_heat_map_then_the_numbers(default_study) -> None:
     text, _, rendered = default_study
     summary = section(text, "## Summary")
-    assert summary.startswith(f"\n**In short.** {rendered.findings}\n") and "Study A (" in rendered.findings
-    for claim in CLAIMS:  # a sentence per claim, naming every architecture with its verdict
+    assert summary.startswith(f"\n**In short.** {rendered.findings}\n")
+    assert "Study A, on the small models trained here (" in rendered.findings
+    paper = [claim for claim in CLAIMS if claim.source == "paper"]
+    for claim in paper:  # a sentence per claim of the paper, naming every architecture with its verdict
         sentence = next(line for line in summary.splitlines() if line.startswith(f"- {claim.plain} ("))
         assert all(re.search(rf"\b{arch}\b[^;]*: \*\*", sentence) for arch in DEFAULT_ARCHS), sentence
-    last_sentence = summary.index(f"- {CLAIMS[-1].plain}")
+    assert not any(line.startswith(f"- {claim.plain} (") for claim in CLAIMS if claim.source != "paper"
+                   for line in summary.splitlines())  # fmt: skip
+    last_sentence = summary.index(f"- {paper[-1].plain}")
     assert last_sentence < summary.index("figures/study_a_claims_by_layer.png") < summary.index("| claim |")
     assert "figures/study_b_vs_muon.png" in summary  # Study B's forest plot in the summary, shown once
     assert text.count("figures/study_a_claims_by_layer.png") == text.count("figures/study_b_vs_muon.png") == 1
@@ -156,7 +160,7 @@ def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -
         for claim in CLAIM_NAMES:
             rows = [t for t in tests  # the baselines (global_linear, <class>.layer) decide no cell
                     if t["scope"] == "stratified" and t["subject"] == f"{arch}@final" and t["claim"] == claim
-                    and in_summary(t["fn"])]  # fmt: skip
+                    and votes(t["fn"])]  # fmt: skip
             assert rows
             worst = min(strength[t["verdict"]] for t in rows)
             decisive = min((t for t in rows if strength[t["verdict"]] == worst), key=lambda t: t["ci_low"])
@@ -479,21 +483,27 @@ def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the
     assert all(0 < len(c.label) <= 30 for c in CLAIMS) and len({c.label for c in CLAIMS}) == len(CLAIMS)
 
 
-def test_study_a_finding_counts_the_claims_supported_on_every_some_and_no_architecture() -> None:
+def test_study_a_finding_counts_the_papers_claims_on_every_some_and_no_architecture() -> None:
     planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
                CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
     claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
               for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
               for checkpoint in ("final", "init")]  # fmt: skip
     assert study_a_report.finding(claims) == (
-        f"Study A (a, b), the paper's 3 claims: 1 (“{CLAIMS[0].label}”) supported on every architecture, 1 on "
-        f"some, 1 (“{CLAIMS[2].label}”) on none.")  # fmt: skip
+        f"Study A, on the small models trained here (a, b), the paper's 3 claims: 1 (“{CLAIMS[0].label}”) "
+        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.")  # fmt: skip
     # A claim that one fit class supports on one architecture is still supported on none, and counted apart.
     partly = [ClaimSummary(f"{arch}@final", CLAIMS[3].name, {"lowrank": SUPPORTED if arch == "a" else INCONCLUSIVE,
-                                                              "orthogonal": INCONCLUSIVE}, {}, {}) for arch in "ab"]
+                                                              "similarity": INCONCLUSIVE}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + partly) == (
-        f"Study A (a, b), the paper's 4 claims: 1 (“{CLAIMS[0].label}”) supported on every architecture, 1 on "
-        f"some, 2 (“{CLAIMS[2].label}”, “{CLAIMS[3].label}”) on none, 1 of them by some of the fit classes.")
+        f"Study A, on the small models trained here (a, b), the paper's 4 claims: 1 (“{CLAIMS[0].label}”) "
+        f"supported on every architecture, 1 on some, 2 (“{CLAIMS[2].label}”, “{CLAIMS[3].label}”) on none, 1 of "
+        "them by some of the fit classes.")  # fmt: skip
+    # The project's own checks are named apart, outside the paper's count.
+    own = next(c for c in CLAIMS if c.source == "project")
+    extra = [ClaimSummary(f"{arch}@final", own.name, {"lowrank": SUPPORTED}, {}, {}) for arch in "ab"]
+    assert study_a_report.finding(claims + extra).endswith(
+        f"on none. The project's own checks, not the paper's claims: “{own.label}” supported on every architecture.")
     assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
 
 
@@ -582,3 +592,54 @@ def test_the_sweep_says_when_its_runs_are_shorter_than_the_comparison() -> None:
 
     assert "**The sweep's runs take 60 steps, the comparison above 200**" in _shorter_note([60], [200])
     assert _shorter_note([200], [200]) == ""
+
+
+def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effect(default_study) -> None:
+    """"Reproduces at toy scale" and "specific against a null" read apart: a row per statistic as the paper states
+    it, per architecture its raw value (from `paper_values`) and its verdict with the deciding effect; the
+    summary says the models are small ones trained here."""
+    text, out, _ = default_study
+    summary = section(text, "## Summary")
+    header = next(line for line in summary.splitlines() if line.startswith("| the paper states |"))
+    assert header.count("here (raw)") == header.count("vs fair null") == len(DEFAULT_ARCHS)
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and " | median cos " in line
+            or line.startswith("| Spearman(RelErr, KL) strong")]  # fmt: skip
+    assert len(rows) == 2
+    values = pq.read_table(out.parent / "tables" / "paper_values.parquet").to_pylist()
+    cos = [v["value"] for v in values if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final"
+           and v["statistic"] == "cos_full_tok" and votes(v["fn"])]  # fmt: skip
+    assert len(cos) == 4 and f"median cos {min(cos):.2g}–{max(cos):.2g}" in rows[0]
+    assert all(re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
+               for r in rows)  # fmt: skip
+    assert "small models trained here" in summary
+
+
+LOCALITY_HEADER = "k,subject,fn,claim,null,scope,n_layers,effect,ci_low,ci_high,verdict"
+# cos_full_tok_near_1 loses its support at k = 384; proj_res_below_full keeps it; a per-layer row is no summary's.
+LOCALITY_ROWS = "\n".join(
+    [LOCALITY_HEADER]
+    + [f"{k},gpt2@final,{fn},cos_full_tok_near_1,shuffled,stratified,4,0.1,0.06,0.14,{cos}"
+       for k, cos in ((96, "supported"), (192, "supported"), (384, "inconclusive")) for fn in ("diag_psd", "lowrank")]
+    + [f"{k},gpt2@final,{fn},proj_res_below_full,shuffled,stratified,4,0.1,0.06,0.14,supported"
+       for k in (96, 192, 384) for fn in ("diag_psd", "lowrank")]
+    + ["96,gpt2@final,lowrank,cos_full_tok_near_1,shuffled,layer,1,0.1,0.0,0.2,contradicted"]
+) + "\n"  # fmt: skip
+
+
+def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verdicts_move(tmp_path: Path) -> None:
+    """The committed sweep (`docs/locality/claim_tests.csv`): each claim's verdict per k in one cell, and the
+    verdicts that change with k named; a per-layer row is not a summary's. A table without a column the report
+    reads is refused, naming it; no table: no section."""
+    path = tmp_path / "claim_tests.csv"
+    path.write_text(LOCALITY_ROWS)
+    rows = study_a_report.read_locality_sweep(path)
+    assert len(rows) == 12 and {r["scope"] for r in rows} == {"stratified"}
+    text = study_a_report._locality_sweep(rows)
+    assert "| claim | gpt2: 96 / 192 / 384 |" in text
+    assert "| supported / supported / inconclusive |" in text and "| supported / supported / supported |" in text
+    assert f"The verdicts that move with k: {CLAIMS[0].label} (gpt2)." in text
+    path.write_text(LOCALITY_ROWS.replace(",verdict\n", ",reading\n", 1))
+    with pytest.raises(ValueError, match="no column verdict"):
+        study_a_report.read_locality_sweep(path)
+    assert study_a_report.read_locality_sweep(tmp_path / "absent.csv") == []
+    assert study_a_report._locality_sweep([]) == ""

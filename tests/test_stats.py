@@ -13,6 +13,7 @@ from pipeline.results.stats import (
     spearman_bootstrap,
     spearman_by_layer,
     spearman_of_draws,
+    spearman_rows,
 )
 
 
@@ -168,3 +169,27 @@ def test_holm_adjusts_step_down_and_keeps_missing_values():
     # sorted 0.01, 0.03, 0.04, 0.5 → ×4, ×3, ×2, ×1, then made monotone
     assert got[0] == pytest.approx(0.04) and got[3] == pytest.approx(0.09) and got[1] == pytest.approx(0.09)
     assert got[4] == pytest.approx(0.5) and np.isnan(got[2])
+
+
+def test_spearman_rows_is_scipys_spearman_row_by_row():
+    """Rows with ties (average ranks) and a constant row (NaN), against `scipy.stats.spearmanr` on each."""
+    from scipy.stats import spearmanr
+
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(6, 15)), rng.integers(0, 4, size=(6, 15)).astype(float)
+    y[2] = 1.0
+    got = spearman_rows(x, y)
+    want = [np.nan if i == 2 else spearmanr(x[i], y[i]).statistic for i in range(6)]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert np.isnan(got[2]) and np.isfinite(np.delete(got, 2)).all()
+
+
+def test_average_ranks_are_scipys_rankdata_with_ties():
+    from pipeline.results.stats import average_ranks
+
+    rng = np.random.default_rng(4)
+    values = rng.integers(0, 5, size=(3, 4, 20)).astype(float)
+    values[0, 0] = 2.0  # one row all tied
+    np.testing.assert_array_equal(average_ranks(values), rankdata(values, axis=-1))
+    continuous = rng.normal(size=(7, 33))
+    np.testing.assert_array_equal(average_ranks(continuous), rankdata(continuous, axis=-1))

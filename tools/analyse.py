@@ -135,7 +135,8 @@ def write_report(layout: Layout, model: Path) -> Path:
     text = "\n".join([
         f"# lmgeo analyse: {model.name}\n",
         f"Study A on `{model}` with the analysis settings of `params.yaml` (beside this report), no training.\n",
-        study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures),
+        study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
+                               tables["paper_values"]),
         study_a.section(tables, claims, figures),
     ])  # fmt: skip
     out = layout.root / "report.md"

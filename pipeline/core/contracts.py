@@ -351,11 +351,12 @@ SAMPLES = ("real", "shuffled", "gaussian")
 # Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
 # a layer-wide fit), whether the map's value at the anchor is determined by the data (else the value metrics,
 # `patched` and the KLs are null) and whether the map itself is (else `proj_full`, `proj_res` and
-# `subspace_tied` are null), whether an iterative fit met its convergence criterion (null for a closed form),
-# and whether the p-th singular value of the local operator is tied with the next (top-p is then a choice).
+# `subspace_tied`, `subspace_dim` are null), whether an iterative fit met its convergence criterion (null for a
+# closed form), whether the dominant subspace's cut went past p to keep a tie of singular values whole, and the
+# dimension it kept (`pipeline.study_a.geometry.dominant`).
 FIT_FLAGS = (pa.field("input_rank", pa.int32()), pa.field("value_identified", pa.bool_()),
              pa.field("operator_identified", pa.bool_()), pa.field("converged", pa.bool_()),
-             pa.field("subspace_tied", pa.bool_()))  # fmt: skip
+             pa.field("subspace_tied", pa.bool_()), pa.field("subspace_dim", pa.int32()))  # fmt: skip
 # The metrics that need only the map's value at the anchor (the rest, `proj_full` and `proj_res`, need the map).
 VALUE_METRICS = tuple(name for name in FIT_METRICS if name not in ("proj_full", "proj_res"))
 FITS = Dataset(
@@ -370,12 +371,14 @@ FITS = Dataset(
 )
 # `kl`, `kl_seq`: the real patch T(h_l); `kl_random`, `kl_other`: the null patches h_{l+1} − r̃ with r̃ a
 # random direction (the mean KL over `n_random` of them), or another anchor's residual (null where the layer
-# has fewer than two patched anchors), rescaled to ‖r‖ (SPEC §4.5). Rows of the `real` sample only.
+# has fewer than two patched anchors), rescaled to ‖r‖ (SPEC §4.5); `kl_directions`: the KL of each of the
+# `n_random` random directions, in draw order (the claims compare the real patch with one direction at a time).
+# Rows of the `real` sample only.
 PERTURB_METRICS = ("kl", "kl_seq", "kl_random", "kl_other")
 PERTURB = Dataset(
     "perturb",
     fields=_fields("seq_id", "pos", kind=pa.int32()) + _fields(*PERTURB_METRICS, kind=pa.float64())
-    + (pa.field("n_random", pa.int32()),),
+    + (pa.field("n_random", pa.int32()), pa.field("kl_directions", pa.list_(pa.float64()))),
     partitions=FITS.partitions,
     written_by="perturb",
     order=("seq_id", "pos"),
@@ -385,7 +388,7 @@ SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
 RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
-                 "claims", "claim_tests", "expressivity")
+                 "claims", "claim_tests", "expressivity", "paper_values")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

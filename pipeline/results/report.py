@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,10 +45,11 @@ class Rendered:
 
 def render_report(
     tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any], tuning: dict[str, Any] | None = None,
-    step_times: dict[str, float] | None = None,
+    step_times: dict[str, float] | None = None, locality: Sequence[dict[str, Any]] = (),
 ) -> Rendered:
     """Write ``out_md``, ``out_md`` with suffix ``.html`` and the figures (module docstring); `step_times`
-    (run → median seconds per step) is telemetry, shown where given."""
+    (run → median seconds per step) is telemetry, shown where given; `locality`, the committed claim tests of
+    the locality sweep (`study_a.report.read_locality_sweep`), is cited where given."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -58,7 +60,7 @@ def render_report(
     sections = [
         _summary(tables, claims, figures),
         study_b.section(tables, figures, tuning),
-        study_a.section(tables, claims, figures),
+        study_a.section(tables, claims, figures, locality),
         study_b.appendix(tables, step_times or {}),
         _provenance(provenance),
     ]
@@ -91,7 +93,8 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> st
     if found := findings(tables, claims):
         out.append(f"**In short.** {found}\n")
     out.append("### The paper's claims, per architecture (Study A)\n")
-    out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures))
+    out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
+                                      tables["paper_values"]))
     out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
     out.append(study_b.summary(tables, figures))
     return "\n".join(out)

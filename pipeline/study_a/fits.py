@@ -10,12 +10,14 @@ Geometry at anchor `i` (`x, y` its `h_l, h_{l+1}`): `Δ_full = y − x`, `Δ_tok
 classes, which ignore it.
 
 Identification (SPEC §4.5, `pipeline.study_a.identification`), per anchor and per quantity, from one
-eigendecomposition of each neighbourhood's input Gram shared by every class: `value_identified` (the
-anchor's input lies in the span of its neighbours' inputs at the data's float32 resolution, so `T_i(x_a)` is
-a fact of the data; else the value metrics and `patched` are null, and the anchor takes no part in the
-layer's global subspace) and `operator_identified` (the neighbours' inputs have the rank the class needs,
-`FitClass.needs_rank`, and the class's own solve is unique, `Update.unidentified`; else `proj_full`,
-`proj_res` and `subspace_tied` are null).
+eigendecomposition of each neighbourhood's input Gram shared by every class (and one of the centred inputs,
+shared by the classes that centre them, `FitClass.centres_inputs`): `value_identified` (the anchor's input lies
+in the span of its neighbours' inputs at the data's float32 resolution, so `T_i(x_a)` is a fact of the data;
+else the value metrics and `patched` are null, and the anchor takes no part in the layer's global subspace) and
+`operator_identified` (the neighbours' inputs have the rank the class needs, `FitClass.needs_rank`, and the
+class's own solve is unique, `Update.unidentified`; else `proj_full`, `proj_res`, `subspace_tied` and
+`subspace_dim` are null). One rule for every class: a class that centres its inputs (`mlp`) is judged on
+`x_j − μ` and `x_a − μ` (the affine span).
 
 Layer-wide fits of the local classes (partition `fn = "<class>.layer"`): the same class fitted once on every
 pair of the pool (the anchor's own pair among them) and evaluated at the same anchors, identified the same
@@ -27,7 +29,7 @@ Null samples (SPEC §4.5): besides the model's own pairs (`real`), the same fits
 (`h_{l+1}` permuted across the pool: no relation between a token's input and output) and on a `gaussian`
 pool (as many pairs drawn from the Gaussian with the pool's joint mean and covariance of `(h_l, h_{l+1})`:
 its second moments, nothing more). Their rows carry the ids of the pool row they replace and the same anchors.
-The iterative classes (`mlp`) are fitted on the real pairs only.
+Every class, `mlp` included, is fitted on every sample.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pipeline.core.contracts import FIT_METRICS, FITS, VALUE_METRICS, arrow_to_v
 from pipeline.study_a.classes import FIT_CLASSES
 from pipeline.study_a.classes.base import FitContext
 from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.geometry import Update, as_float64, global_basis, update_metrics
+from pipeline.study_a.geometry import RCOND, Update, as_float64, global_basis, update_metrics
 from pipeline.study_a.identification import Identification, NeighbourhoodGram, identify
 from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
 
@@ -90,7 +92,7 @@ def fit_layer(
     samples: tuple[str, ...] = ("real",),
 ) -> tuple[dict[str, pa.Table], FitInfo]:
     """Fit every class of `classes` at every anchor (pool row indices) of one (model, layer) and measure it,
-    on the real pairs and on each null sample of `samples` (an iterative class on the real pairs only):
+    on the real pairs and on each null sample of `samples`:
     `{fn: table}` for every partition of `partitions(classes)` (each local class also fitted once for the
     layer), the samples' rows stacked.
 
@@ -125,9 +127,7 @@ def fit_layer(
         # the order of the samples; `gaussian` draws new inputs, which need their own.
         neighbours = real_neighbours() if xs is x else _neighbours(xs, anchors, seq_of_row, classes, cfg)
         pool = _pool(xs, ys, anchors, neighbours, n_nonfinite, cfg)
-        # An iterative class costs ~100× a closed form: it is fitted on the real pairs only (SPEC §4.5).
-        fitted_here = [fn for fn in classes if sample == "real" or not FIT_CLASSES[fn].iterative]
-        for fn, fitted in fit_classes(pool, fitted_here, cfg).items():
+        for fn, fitted in fit_classes(pool, classes, cfg).items():
             parts[fn].append(_fit_table(sample, ids, cfg, pool, fitted))
     info = FitInfo(x.shape[1], x.shape[0], n_nonfinite, len(kept_anchors), len(anchor_idx) - len(kept_anchors))
     return {fn: pa.concat_tables(tables) for fn, tables in parts.items()}, info
@@ -145,9 +145,14 @@ def null_sample(x: Tensor, y: Tensor, sample: str, seed: int) -> tuple[Tensor, T
         joint = torch.cat([x, y], dim=1)
         mean = joint.mean(dim=0)
         values, vectors = torch.linalg.eigh(torch.cov(joint.T))
-        root = vectors * values.clamp_min(0).sqrt()  # cov = root rootᵀ, also when it is singular
+        # cov's symmetric square root (cov = root², also when it is singular): unique, so the draws do not depend
+        # on the basis an eigensolver picks among close eigenvalues, which rounding of the pool would move; and
+        # an eigenvalue at rounding level is 0 (a square root would move with its rounding: y tokenwise in x
+        # makes the joint covariance singular)
+        values = values.where(values > RCOND * values.amax(), 0.0)
+        root = (vectors * values.sqrt()) @ vectors.T
         normal = torch.randn(joint.shape, generator=generator, dtype=joint.dtype).to(joint.device)
-        drawn = mean + normal @ root.T
+        drawn = mean + normal @ root
         return drawn[:, : x.shape[1]].contiguous(), drawn[:, x.shape[1] :].contiguous()
     raise ValueError(f"unknown sample {sample!r}")
 
@@ -266,14 +271,29 @@ def fit_classes(pool: _Pool, classes: list[str], cfg: AnalysisConfig) -> dict[st
             everywhere = torch.ones(len(pool.anchors), dtype=torch.bool, device=pool.x.device)
             fitted[fn] = Fitted(update, everywhere, everywhere, None, None)
     if local:
-        identification = identify(pool.x[None], x_a, pool_gram)
-        rank = identification.input_rank.expand(len(x_a))
+        identifications = _identifications(pool.x[None], x_a, pool_gram, local)
         for fn in local:
             update = FIT_CLASSES[fn].fit(pool.x[None], pool.y[None], x_a, cfg, FitContext(0, pool_gram))
             update = update._replace(**{name: getattr(update, name).expand(len(x_a)) for name in _PER_ANCHOR
                                         if getattr(update, name) is not None})  # fmt: skip
+            identification = identifications[FIT_CLASSES[fn].centres_inputs]
+            rank = identification.input_rank.expand(len(x_a))
             fitted[fn + LAYER_SUFFIX] = _identified(fn, update, identification._replace(input_rank=rank), None)
     return {fn: fitted[fn] for fn in partitions(classes)}
+
+
+def _identifications(
+    xn: Tensor, x_a: Tensor, gram: NeighbourhoodGram, classes: list[str]
+) -> dict[bool, Identification]:
+    """The identification of the neighbourhoods `xn` (A or 1, k, d) at the anchors' inputs `x_a` (A, d), on the
+    raw inputs (key False) and, where a class of `classes` centres them, on the inputs centred on each
+    neighbourhood's mean (key True): one rule, on what each class sees."""
+    out = {False: identify(xn, x_a, gram)}
+    if any(FIT_CLASSES[fn].centres_inputs for fn in classes):
+        mean = xn.mean(dim=1, keepdim=True)
+        centred = xn - mean
+        out[True] = identify(centred, x_a - mean[:, 0], NeighbourhoodGram(centred))
+    return out
 
 
 _PER_ANCHOR = ("unidentified", "converged")  # `Update` fields a layer-wide fit states once for every anchor
@@ -284,26 +304,27 @@ def _local_fits(pool: _Pool, local: list[str], cfg: AnalysisConfig) -> dict[str,
     and its identification decided once, for every class."""
     assert pool.neighbours is not None
     updates: dict[str, list[Update]] = {fn: [] for fn in local}
-    identifications = []
+    chunks: list[dict[bool, Identification]] = []
     for chunk in anchor_chunks(len(pool.anchors), pool.neighbours.shape[1], pool.x.shape[1]):
         index = pool.neighbours[chunk]
         xn, yn, x_a = pool.x[index], pool.y[index], pool.x[pool.anchors[chunk]]
         gram = NeighbourhoodGram(xn)
-        identifications.append(identify(xn, x_a, gram))
+        chunks.append(_identifications(xn, x_a, gram, local))
         for fn in local:
             updates[fn].append(FIT_CLASSES[fn].fit(xn, yn, x_a, cfg, FitContext(chunk.start, gram)))
-    identification = Identification(*(torch.cat(parts) for parts in zip(*identifications, strict=True)))
-    return {fn: _identified(fn, _concat(updates[fn]), identification, pool.locality) for fn in local}
+    identification = {key: Identification(*(torch.cat(parts) for parts in zip(*(c[key] for c in chunks), strict=True)))
+                      for key in chunks[0]}  # fmt: skip
+    return {fn: _identified(fn, _concat(updates[fn]), identification[FIT_CLASSES[fn].centres_inputs], pool.locality)
+            for fn in local}  # fmt: skip
 
 
 def _identified(fn: str, update: Update, identification: Identification, locality: Tensor | None) -> Fitted:
-    """What the data determine of a fit of class `fn` (SPEC §4.5)."""
+    """What the data determine of a fit of class `fn` (SPEC §4.5), from the identification of what it sees."""
     fit_class = FIT_CLASSES[fn]
     operator = identification.input_rank >= fit_class.needs_rank(update.delta_tok.shape[1])
     if update.unidentified is not None:
         operator &= ~update.unidentified
-    value = identification.in_span if fit_class.value_from_span else operator & identification.in_span
-    return Fitted(update, value, operator, identification.input_rank, locality)
+    return Fitted(update, identification.in_span, operator, identification.input_rank, locality)
 
 
 def _concat(parts: list[Update]) -> Update:
@@ -337,8 +358,9 @@ def _fit_table(sample: str, ids: dict[str, np.ndarray], cfg: AnalysisConfig, poo
     columns["value_identified"] = pa.array(~no_value)
     columns["operator_identified"] = pa.array(~no_operator)
     columns["converged"] = _optional(update.converged, n, pa.bool_())
-    tied = update.basis.tied.expand(n) if update.basis.tied.numel() == 1 else update.basis.tied
+    tied, dim = (v.expand(n) if v.numel() == 1 else v for v in (update.basis.tied, update.basis.dim()))
     columns["subspace_tied"] = pa.array(tied.cpu().numpy(), mask=no_operator)
+    columns["subspace_dim"] = pa.array(dim.cpu().numpy().astype(np.int32), mask=no_operator)
     columns["patched"] = vectors_to_arrow((x_a + update.delta_tok).float().cpu().numpy(), null=no_value)
     columns["n_nonfinite"] = pa.array(np.full(n, pool.n_nonfinite, dtype=np.int32))
     columns["n_distinct"] = pa.array(np.full(n, pool.n_distinct, dtype=np.int32))

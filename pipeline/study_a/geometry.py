@@ -1,14 +1,16 @@
 """The geometry of a tokenwise fit at its anchors (SPEC §4.2): the update `Δ_tok` and the dominant
 subspace of the local update operator `J_i − I`, and every metric column built from them.
 
-Dominant subspace: the left singular vectors of exactly the `p` largest singular values of `J_i − I` (strict
-top-`p`, in the order the decomposition returns them), never including a zero singular value (below 1e-12
-of the largest): when the operator has rank below `p`, the subspace is its range. When the `p`-th singular
-value is tied with the next (within 1e-8 relative) the top-`p` subspace is not unique: the anchor is then
-reported as `subspace_tied` (ties happen: `sQ − I` pairs its singular values per rotation plane, and every
-clamped `d_c = 0` of `diag_psd` has `|d_c − 1| = 1`). The global subspace is the same construction on the
-stacked `Δ_tok` of a layer's anchors (right singular vectors). A column is null where it is undefined: a
-zero vector in a ratio or an angle, or no non-zero singular value (e.g. `identity`, where `Δ_tok = 0`).
+Dominant subspace (`dominant`, the one definition of the cut): the left singular vectors of the largest
+singular values of `J_i − I`, at least `p` of them and cut at a gap, so that a group of tied singular values is
+kept whole: the subspace is then unique, and no value written from it depends on rounding. Ties happen:
+`sQ − I` pairs its singular values per rotation plane (and puts an unpaired `s + 1` on top where `det Q = −1`),
+and every clamped `d_c = 0` of `diag_psd` has `|d_c − 1| = 1`. A zero singular value (below 1e-12 of the
+largest) is never kept: when the operator has rank below `p`, the subspace is its range. `subspace_tied` marks
+an anchor whose cut went past `p` to keep a tie whole, `subspace_dim` the dimension kept. The global subspace is
+the same construction on the stacked `Δ_tok` of a layer's anchors (right singular vectors). A column is null
+where it is undefined: a zero vector in a ratio or an angle, or no non-zero singular value (e.g. `identity`,
+where `Δ_tok = 0`).
 """
 
 from __future__ import annotations
@@ -23,14 +25,17 @@ from pipeline.study_a.solvers import solver_for
 
 F64 = torch.float64
 # Singular values (and eigenvalues of Gram matrices) below this fraction of the largest are zero.
-_RCOND = 1e-12
-# Singular values within this relative distance of each other are tied.
-_TIE = 1e-8
+RCOND = 1e-12
+# Consecutive singular values closer than this fraction of the largest are tied: the dominant subspace never
+# separates them. Exact ties (a rotation plane's pair, clamped diagonal entries) differ by float64 rounding,
+# ~1e-15 of the largest; distinct singular values of a d × d operator lie ~1/d of the largest apart. A cut at a
+# gap of at least 1e-6 moves the subspace by at most ~1e-10 of the operator's rounding-level change (Wedin).
+TIE = 1e-6
 
 
 class Columns(NamedTuple):
     """A subspace per anchor as columns `(A or 1, d, q)` that are orthonormal or zero (all zero: none);
-    `tied` (A or 1,): the top-`p` cut splits a tie, so another choice was as good."""
+    `tied` (A or 1,): the cut went past `p` to keep a tie whole (`dominant`)."""
 
     columns: Tensor
     tied: Tensor
@@ -41,6 +46,10 @@ class Columns(NamedTuple):
 
     def is_defined(self) -> Tensor:
         return self.columns.square().sum(dim=(1, 2)) > 0
+
+    def dim(self) -> Tensor:
+        """The dimension of each subspace (its non-zero columns)."""
+        return (self.columns.square().sum(dim=1) > 0).sum(dim=1)
 
 
 class CoordinateAxes(NamedTuple):
@@ -55,6 +64,9 @@ class CoordinateAxes(NamedTuple):
 
     def is_defined(self) -> Tensor:
         return self.mask.any(dim=1)
+
+    def dim(self) -> Tensor:
+        return self.mask.sum(dim=1)
 
 
 Subspace = Columns | CoordinateAxes
@@ -122,39 +134,48 @@ def _energy_fraction(v: Tensor, n_v: Tensor, basis: Subspace, has_basis: Tensor)
 
 
 def top_left_singular(left: Tensor, core: Tensor, p: int) -> Columns:
-    """Top-`p` left singular vectors of `left @ core` when `left` has orthonormal columns, as the
-    columns of `left @ U` kept by `dominant` (the others zeroed); the SVD from the device's solver."""
+    """The dominant left singular vectors of `left @ core` (`dominant`) when `left` has orthonormal columns,
+    as the columns of `left @ U` it keeps (the others zeroed); the SVD from the device's solver."""
     u, singular = solver_for(core.device).left_singular(core)
     return Columns(left @ (u * dominant(singular, p)[..., None, :]), tied(singular, p))
 
 
 def coordinate_basis(diag: Tensor, p: int) -> CoordinateAxes:
-    """`top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|` (ties in
-    index order)."""
+    """`top_left_singular` for a diagonal operator: the coordinate axes of the largest `|diag|`, cut as
+    `dominant` cuts (a tied group of axes kept whole)."""
     values, index = diag.abs().sort(dim=1, descending=True, stable=True)
     mask = torch.zeros_like(index, dtype=torch.bool).scatter_(1, index, dominant(values, p))
     return CoordinateAxes(mask, tied(values, p))
 
 
 def dominant(singular: Tensor, p: int) -> Tensor:
-    """Which of the descending singular values span the dominant subspace: the first `p`, never a zero one."""
-    first = torch.arange(singular.shape[-1], device=singular.device) < p
-    return first & (singular > _RCOND * singular[..., :1])
+    """The cut of the dominant subspace, its one definition (every class, the layer's global subspace, and
+    any other implementation of the fits, such as a GPU solver, must reproduce it).
+
+    `singular` (..., n): singular values in descending order. Returns a mask (..., n) of those kept: the
+    first `q`, for the smallest `q ≥ p` at which the spectrum has a gap, `σ_q − σ_{q+1} > TIE · σ_1`
+    (`σ_{n+1} = 0`), so that a tied group is kept whole or not at all; and of those, only the non-zero ones
+    (`σ > 1e-12 · σ_1`; a value at or below it counts as 0 in the gap test too). With fewer than `p` non-zero
+    values the subspace is the operator's range; with `σ_1 = 0`, empty."""
+    top = singular[..., :1]
+    values = singular.where(singular > RCOND * top, 0.0)
+    after = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
+    index = torch.arange(values.shape[-1], device=values.device)
+    cuttable = ((values - after > TIE * top) | (after == 0)) & (index >= p - 1)  # a cut after index j keeps j + 1
+    count = torch.where(cuttable, index, values.shape[-1] - 1).amin(dim=-1, keepdim=True) + 1
+    return (index < count) & (values > 0)
 
 
 def leading_values_read(p: int) -> int:
-    """How many of the leading singular values `dominant` and `tied` read (the largest, the first `p` and the
-    next): a solver that finds only the leading ones (`pipeline.study_a.solvers`) finds at least these."""
+    """How many leading singular values a solver that finds only the leading ones (`pipeline.study_a.solvers`)
+    finds: the first `p` and the next, which decide `dominant`'s cut unless a tie runs past them (every value
+    found then kept); its caller then reads the whole spectrum."""
     return p + 1
 
 
 def tied(singular: Tensor, p: int) -> Tensor:
-    """Whether the `p`-th (non-zero) descending singular value equals the next within `_TIE`: the strict
-    top-`p` subspace is then one choice among several."""
-    if singular.shape[-1] <= p:
-        return torch.zeros(singular.shape[:-1], dtype=torch.bool, device=singular.device)
-    p_th, after = singular[..., p - 1], singular[..., p]
-    return (p_th > _RCOND * singular[..., 0]) & (after >= p_th * (1 - _TIE))
+    """Whether `dominant`'s cut went past `p` to keep a tie whole (the strict top `p` would have split it)."""
+    return dominant(singular, p).sum(dim=-1) > p
 
 
 def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:
@@ -168,7 +189,7 @@ def ridge_inverse(gram: Tensor, ridge: float) -> tuple[Tensor, Tensor, Tensor]:
 def ridge_reciprocal(g: Tensor, ridge: float) -> Tensor:
     """`1/(g + λ)` for eigenvalues `g ≥ 0` of a Gram matrix, zero where `g + λ` is numerically zero."""
     total = g + ridge
-    cutoff = _RCOND * total.amax(dim=-1, keepdim=True)
+    cutoff = RCOND * total.amax(dim=-1, keepdim=True)
     return torch.where(total > cutoff, 1 / total.where(total > cutoff, 1.0), 0.0)
 
 

@@ -1,7 +1,7 @@
 """The perturbation of one layer transition (SPEC §4.3, §4.5): for every fitted anchor of every class, the
 KL of the next-token distribution when block l's output at the anchor's token is replaced by the fitted
-`T_i(h_l)` (`kl`, `kl_seq`), and by the null patches of `pipeline.study_a.nulls` (`kl_random`, the mean over
-`n_random` random directions, and `kl_other`).
+`T_i(h_l)` (`kl`, `kl_seq`), and by the null patches of `pipeline.study_a.nulls` (`kl_directions`, the KL of
+each of `n_random` random directions, `kl_random` their mean, and `kl_other`).
 
 The sequences are replayed from the stored activations (layer 0 holds every token id); `h_{l+1}` at the
 anchors is the clean output the null patches are measured from. Every patched copy of every class goes
@@ -73,8 +73,9 @@ def perturb_layer(
     for fn, column, copies in kinds:
         part = slice(start, start + len(copies.rows))
         start = part.stop
-        if column == "kl_random":  # the null is the mean over the anchor's directions
-            values[fn][column] = kl[part].reshape(-1, directions).mean(axis=1)
+        if column == "kl_random":  # each direction's KL, and their mean
+            values[fn]["kl_directions"] = kl[part].reshape(-1, directions)
+            values[fn][column] = values[fn]["kl_directions"].mean(axis=1)
         else:
             values[fn][column] = kl[part]
         if column == "kl":
@@ -93,4 +94,9 @@ def _table(real: pa.Table, valid: np.ndarray, values: dict[str, np.ndarray], dir
             full[valid] = values[name]
         table[name] = pa.array(full, mask=~present)
     table["n_random"] = pa.array(np.full(len(valid), directions, dtype=np.int32), mask=~valid)
+    each = np.full((len(valid), directions), np.nan)
+    each[valid] = values["kl_directions"]
+    flat = pa.array(each.reshape(-1))
+    table["kl_directions"] = pa.ListArray.from_arrays(pa.array(np.arange(len(valid) + 1) * directions, pa.int32()),
+                                                      flat, mask=pa.array(~valid))  # fmt: skip
     return pa.table(table, schema=PERTURB.file_schema())

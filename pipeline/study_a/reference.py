@@ -19,6 +19,7 @@ import numpy as np
 
 from pipeline.core.contracts import FIT_METRICS
 from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_a.geometry import TIE  # the definition of a tie, not code under test
 
 if TYPE_CHECKING:  # the classes import this module's solvers: no import of them at import time
     from pipeline.study_a.classes.base import FitClass
@@ -70,10 +71,15 @@ def ridge_lstsq(
 
 
 def top_subspace(u: np.ndarray, s: np.ndarray, p: int) -> np.ndarray | None:
-    """Columns of `u` for the `p` largest singular values, zeros never."""
+    """Columns of `u` for the dominant singular values, walked one by one: the first `p`, then on while the
+    next is tied (closer than `TIE` of the largest), never a zero one (SPEC §4.2)."""
     if s[0] <= 0:
         return None
-    return u[:, : len(s)][:, :p][:, s[:p] > 1e-12 * s[0]]
+    nonzero = s > 1e-12 * s[0]
+    kept = min(p, len(s))
+    while kept < len(s) and nonzero[kept] and s[kept - 1] - s[kept] <= TIE * s[0]:
+        kept += 1
+    return u[:, : len(s)][:, :kept][:, nonzero[:kept]]
 
 
 def identification(inputs: np.ndarray, x_a: np.ndarray) -> tuple[int, bool]:
@@ -111,9 +117,10 @@ def reference_rows(
             nb = np.arange(len(x)) if layer_wide else ref_neighbours(
                 x, a, cfg.k, cfg.distance, seq if cfg.exclude_same_sequence else None)  # fmt: skip
             t_val, op = fit_class.reference(x[nb], y[nb], x[a], cfg, context)
-            rank, in_span = identification(x[nb], x[a])
+            centre = x[nb].mean(axis=0) if fit_class.centres_inputs else 0.0  # what the class sees
+            rank, in_span = identification(x[nb] - centre, x[a] - centre)
             determined = op is not None and rank >= fit_class.needs_rank(x.shape[1])
-            value.append(in_span if fit_class.value_from_span else in_span and determined)
+            value.append(in_span)
         else:
             (t_val, op), determined = fit_class.reference(x, y, a, cfg, context), True
             value.append(True)
@@ -126,9 +133,9 @@ def reference_rows(
     rows = []
     for a, t_val, op, known, determined in zip(anchors, patched, ops, value, operator):
         row = _row(x[a], y[a], t_val, op, global_basis, cfg.p) if known else {
-            "subspace_tied": None, "patched": None, **dict.fromkeys(FIT_METRICS)}  # fmt: skip
+            "subspace_tied": None, "subspace_dim": None, "patched": None, **dict.fromkeys(FIT_METRICS)}  # fmt: skip
         if not determined:
-            row |= {"proj_full": None, "proj_res": None, "subspace_tied": None}
+            row |= {"proj_full": None, "proj_res": None, "subspace_tied": None, "subspace_dim": None}
         rows.append(row | {"value_identified": known, "operator_identified": determined})
     return rows
 
@@ -154,6 +161,7 @@ def _row(
         "proj_res_global": energy(res, global_basis),
         "norm_full": nf,
         "norm_res": nr,
-        "subspace_tied": bool(len(s) > p and s[p - 1] > 1e-12 * s[0] and s[p] >= s[p - 1] * (1 - 1e-8)),
+        "subspace_tied": local is not None and local.shape[1] > p,
+        "subspace_dim": 0 if local is None else local.shape[1],
         "patched": t_val,
     }

@@ -1,112 +1,171 @@
 """Study A's claims as tests against nulls (SPEC §4.4, §4.5).
 
-Each claim of the seed is a statistic of a (model, layer, class) stratum's anchors and a *null*: the same
-statistic on a null sample (the fits on `shuffled` pairs, on the `gaussian` pool), on a null patch
-(`kl_random`, the mean over several random directions, `kl_other`), or zero where the statistic is itself an
-effect. The effect is statistic − null, signed so that positive is the claim's direction.
+Each claim is a statistic of a (model, layer, class) stratum's anchors and a *null* that gives zero under the
+null: the same statistic on a null sample (the fits on `shuffled` pairs, on the `gaussian` pool), on one null
+patch at a time (each random direction of `kl_directions`, whose statistics are averaged, or `kl_other`), a
+constant (0.5 for the share of null patches the real one outweighs), or zero where the statistic is itself an
+effect. Like is compared with like: `E_j ρ(rel_err, kl_j)`, never `ρ(rel_err, mean_j kl_j)` (averaging the
+directions removes their noise, and the mean of a right-skewed KL sits above its median). The effect is
+statistic − null, signed so that positive is the claim's direction.
 
-Intervals are seed-level: a subject (`<arch>@<checkpoint>`) has one model per trained seed, and its
-interval comes from a two-stage bootstrap — resample the seeds, then each drawn seed's anchors (paired: an
-anchor is drawn with its real and its null values) — so a claim that holds on one seed and not the next gets
-a wide interval. A model's effect over layers is the mean of its layers' effects (each layer resampled on its
-own, never rows of different layers ranked together); the subject's is the mean over its seeds.
+Intervals, with no random stream: a subject (`<arch>@<checkpoint>`) has one model per trained seed; a model's
+effect over layers is the mean of its layers' (never rows of different layers ranked together), the subject's
+the mean over its seeds, with the Student-t interval over the seeds' effects (their spread holds the anchors'
+noise and the seeds'). A subject with one model (an external model, `lmgeo analyse`) has no seed level: its
+replicates are `ANCHOR_GROUPS` disjoint blocks of its anchors (in stored order: sequences stay together), its
+effect the whole sample's, its t-interval the blocks' spread over √blocks ("random groups"). That interval
+says how the verdict could change with other tokens of the same model, nothing about other seeds. Each row
+carries one-sided t-test p-values, Holm-adjusted over the rows one summary cell combines (a subject's voting
+classes × nulls for the claim, at one scope and layer).
 
-Readings of an effect e with interval [lo, hi], the claim's margin m (the smallest effect worth the name)
-and one-sided bootstrap p-values, Holm-adjusted over the tests a summary cell combines (its classes and
-nulls): **supported** when e > 0 beyond chance (adjusted p) and e ≥ m; **contradicted** when e < 0 beyond
-chance (the interval on the wrong side of 0); **not supported** when e > 0 beyond chance but hi < m (an
-effect, too small to count); **inconclusive** otherwise. A stratum with fewer than `MIN_ANCHORS` complete
-anchors is left out. `global_linear` and the layer-wide fits of the local classes (`<class>.layer`) are
-baselines: their rows are tested, but a claim's summary is over the local classes only.
+Readings of an effect with the claim's margin m (the smallest effect worth the name), at one-sided α:
+**contradicted** when it is below 0 beyond chance; **supported** when it is above m beyond chance (the
+adjusted lower confidence bound above the margin); **not supported** when it is below m beyond chance (any
+effect too small to count); **inconclusive** otherwise. A stratum with fewer than `MIN_ANCHORS` complete anchors
+is left out, and so is every stratum of a layer whose pool is not well posed (`well_posed`, the one rule).
 
-The expressivity trade-off is a claim across classes (`fn` = `ACROSS`): per layer, on the anchors every local
-tokenwise class keeps, each class's median rel_err and Spearman(rel_err, kl) are ranked against the classes'
-capacity (`FitClass.parameters`); its effect is −Spearman(capacity, value), so positive is "falls with
-capacity". Besides the bootstrap, its null is the capacity order permuted (the same permutation for every layer
-and seed): its one-sided p is the larger of the two, so an ordering of few classes that chance could produce
-is never supported.
+The paper's classes vote (`votes`): the local classes but the diagnostic ones (`FitClass.diagnostic`: the
+unscaled `orthogonal`, tested and reported beside them); `global_linear` and the layer-wide fits
+(`<class>.layer`) are baselines. The paper's claims (`Claim.source == "paper"`) make the headline; the project's
+own checks are reported apart.
+
+The expressivity trade-off is the paper's statement about MLPs against linear maps: per (model, layer), each
+local class that is not linear (`mlp`) against each that is, on the anchors both keep (`fn` = `"<mlp> vs
+<linear>"`), two parts, each an effect against 0: `rel_err` = median over anchors of rel_err(linear) −
+rel_err(mlp) (paired per anchor; positive: the MLP's residual is smaller) and `spearman` = Spearman(rel_err,
+kl) of the linear class − the MLP's (positive: the MLP's residual predicts the output change less well).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import parse_run_id
-from pipeline.results.stats import holm, spearman_of_draws, spearman_rows
+from pipeline.results.stats import average_ranks, holm, pearson_rows
 from pipeline.study_a.classes import FIT_CLASSES
 
 MIN_ANCHORS = 10
+ANCHOR_GROUPS = 5  # a one-model subject's replicates: disjoint blocks of its anchors (as many as the default seeds)
+MIN_GROUP_ANCHORS = 3  # a block with fewer complete anchors has no effect (a rank correlation needs 3)
+# A pool with fewer distinct inputs than this many per neighbour repeats its tokens: statements about the layer
+# would rest on copies (the neighbourhoods of a repeated token are the same few vectors).
+DISTINCT_PER_NEIGHBOUR = 10
 SUPPORTED, NOT_SUPPORTED, CONTRADICTED, INCONCLUSIVE = "supported", "not supported", "contradicted", "inconclusive"
 LAYER_FIT = ".layer"  # `<class>.layer`: the local class fitted once for the whole layer (the locality baseline)
-ACROSS = "by capacity"  # the `fn` of a stratum across the local tokenwise classes (the expressivity trade-off)
+VERSUS = " vs "  # the `fn` of a trade-off stratum: `<nonlinear class> vs <linear class>`
+SEED, ANCHOR_GROUP = "seed", "anchor group"  # what a row's replicates are (`unit`)
 
 Columns = dict[str, np.ndarray]  # one stratum's per-anchor values: "<column>" real, "<sample>.<column>" null
-Statistic = Callable[[Columns, np.ndarray], np.ndarray]  # (columns, index rows (B, n)) -> (B,) statistics
+Statistic = Callable[[Columns, np.ndarray], float]  # (columns, anchor indices) -> the statistic on those anchors
+
+
+def well_posed(n_distinct: int, k: int) -> bool:
+    """Whether a layer's pool supports statements about the layer: at least `DISTINCT_PER_NEIGHBOUR` distinct
+    inputs per neighbour of a neighbourhood. The one rule: a layer that fails it is left out of every claim."""
+    return n_distinct >= DISTINCT_PER_NEIGHBOUR * k
 
 
 def _median(column: str) -> Statistic:
-    return lambda c, idx: np.median(c[column][idx], axis=-1)
+    return lambda c, idx: float(np.median(c[column][idx]))
 
 
 def _median_difference(a: str, b: str) -> Statistic:
-    return lambda c, idx: np.median(c[a][idx] - c[b][idx], axis=-1)
-
-
-def _spearman(x: str, y: str) -> Statistic:
-    return lambda c, idx: spearman_of_draws(c[x], c[y], idx)
-
-
-def _partial_spearman(x: str, y: str, z: str) -> Statistic:
-    """Spearman of x and y with z partialled out: the partial correlation of the ranks."""
-
-    def stat(c: Columns, idx: np.ndarray) -> np.ndarray:
-        xy, xz, yz = (spearman_of_draws(c[a], c[b], idx) for a, b in ((x, y), (x, z), (y, z)))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return (xy - xz * yz) / np.sqrt((1 - xz**2) * (1 - yz**2))
-
-    return stat
+    return lambda c, idx: float(np.median(c[a][idx] - c[b][idx]))
 
 
 def _median_acute(column: str) -> Statistic:
     """The median acute angle between the lines of two vectors, 90° − |90° − angle|: near 90° exactly when
     they are near orthogonal, whichever way each points."""
-    return lambda c, idx: np.median(90.0 - np.abs(90.0 - c[column][idx]), axis=-1)
+    return lambda c, idx: float(np.median(90.0 - np.abs(90.0 - c[column][idx])))
 
 
-def _median_log_ratio(a: str, b: str) -> Statistic:
-    return lambda c, idx: np.median(np.log(c[a][idx] / c[b][idx]), axis=-1)
+# The functional claims compare the real patch's KL (`kl`) with a null patch's: `kl_directions` (one column per
+# random direction: each is a null draw, and a statistic of the null is the mean of its draws' statistics) or
+# `kl_other` (one draw).
+RANDOM, OTHER = "kl_directions", "kl_other"
+
+
+def _draws(c: Columns, idx: np.ndarray, source: str) -> np.ndarray:
+    """The null KLs of `source` at anchors `idx`, one row per draw: (draws, anchors)."""
+    values = c[source][idx]
+    return values.T if values.ndim == 2 else values[None]
+
+
+def _rho(x: np.ndarray, draws: np.ndarray) -> np.ndarray:
+    """Spearman's ρ of `x` (n,) with each row of `draws` (J, n) (`x` ranked once)."""
+    return pearson_rows(average_ranks(x)[None], average_ranks(draws))
+
+
+def _spearman_with(kl: str) -> Statistic:
+    """Spearman(rel_err, kl), the mean over the draws of `kl` (the real `kl`: one draw)."""
+    return lambda c, idx: float(np.mean(_rho(c["rel_err"][idx], _draws(c, idx, kl))))
+
+
+def _partial_spearman_with(kl: str) -> Statistic:
+    """Partial Spearman(rel_err, kl | rel_err_state): the partial correlation of the ranks, the mean over the
+    draws of `kl`."""
+
+    def stat(c: Columns, idx: np.ndarray) -> float:
+        x, z, draws = c["rel_err"][idx], c["rel_err_state"][idx], _draws(c, idx, kl)
+        xy, yz, xz = _rho(x, draws), _rho(z, draws), float(_rho(x, z[None])[0])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return float(np.mean((xy - xz * yz) / np.sqrt((1 - xz**2) * (1 - yz**2))))
+
+    return stat
+
+
+def _share_outweighed(null: str) -> Statistic:
+    """The share of null patches whose KL is below the real patch's (ties count a half), over the draws and
+    anchors: 0.5 when the real residual is one more draw of the null."""
+
+    def stat(c: Columns, idx: np.ndarray) -> float:
+        real, draws = c["kl"][idx], _draws(c, idx, null)
+        return float(np.mean((draws < real) + 0.5 * (draws == real)))
+
+    return stat
+
+
+def _spearman_difference(c: Columns, idx: np.ndarray) -> float:
+    """Spearman(rel_err, kl) of a trade-off pair's linear class minus its non-linear class's (`nonlinear.*`),
+    on the same anchors."""
+    linear = _rho(c["rel_err"][idx], c["kl"][idx][None])
+    return float((linear - _rho(c["nonlinear.rel_err"][idx], c["nonlinear.kl"][idx][None]))[0])
 
 
 @dataclass(frozen=True)
 class Test:
-    """One null of a claim: the statistic on the real values, the same on the null (None: zero, the
-    statistic being an effect itself), and every column the two read."""
+    """One null of a claim: the statistic on the real values, the same on the null (a float: a constant, 0
+    where the statistic is itself an effect), every column the two read, and its margin where it is not the
+    claim's (the trade-off's two parts)."""
 
     statistic: Statistic
-    null: Statistic | None
+    null: Statistic | float
     columns: tuple[str, ...]
+    margin: float | None = None
 
 
 @dataclass(frozen=True)
 class Claim:
     name: str
-    text: str  # the seed's claim, as tested here
+    text: str  # the claim, as tested here
     tests: dict[str, Test]  # null name -> test
     margin: float  # the smallest effect that counts
-    seed_value: str  # what the seed reports, for the reader
-    # "tokenwise" (every class but identity), "local", or "across" (one stratum over the local tokenwise classes)
+    seed_value: str  # what the paper reports, for the reader
+    # "tokenwise" (every class but identity), "local", or "versus" (one stratum per MLP-vs-linear pair)
     classes: str = "tokenwise"
     # For a newcomer (the report's summary): the claim as one plain sentence, and as a row label of a few words
     # (the heat map's rows, the detail table's). Every claim has both (tests/test_report.py).
     plain: str = ""
     label: str = ""
+    # "paper": one of the paper's claims (the headline counts them); "project": a check this project adds.
+    source: str = "paper"
 
 
 def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, seed_value: str, plain: str,
@@ -124,9 +183,7 @@ def _geometric(name: str, text: str, columns: tuple[str, ...], margin: float, se
     return Claim(name, text, tests, margin, seed_value, plain=plain, label=label)
 
 
-def _patch(null: str) -> str:
-    return f"kl_{null}"
-
+NULL_PATCHES = {"random": RANDOM, "other": OTHER}  # a functional claim's null name -> the KLs of its patches
 
 CLAIMS: tuple[Claim, ...] = (
     _geometric("cos_full_tok_near_1", "the full update is aligned with its tokenwise part (median cos_full_tok)",
@@ -147,39 +204,45 @@ CLAIMS: tuple[Claim, ...] = (
                "significantly lower", "The same for the layer's main tokenwise directions.",
                "residual off layer subspace"),
     Claim("spearman_rel_err_kl", "the residual's size predicts the output change: Spearman(rel_err, kl) against "
-          "Spearman(rel_err, kl of a null patch of the same norm)",
-          {null: Test(_spearman("rel_err", "kl"), _spearman("rel_err", _patch(null)), ("rel_err", "kl", _patch(null)))
-           for null in ("random", "other")}, 0.1, "> 0.7, up to 0.95",
+          "the same with the KL of one null patch of the same norm (averaged over the random directions)",
+          {null: Test(_spearman_with("kl"), _spearman_with(kl), ("rel_err", "kl", kl))
+           for null, kl in NULL_PATCHES.items()}, 0.1, "> 0.7, up to 0.95",
           plain="The bigger the residual, the more removing it changes the output, more so than for a patch of the "
           "same size in another direction.", label="residual size → output change"),
-    Claim("partial_spearman_rel_err_kl", "the same with the residual's size relative to the state (rel_err_state) "
-          "partialled out: partial Spearman(rel_err, kl | rel_err_state), against 0",
-          {"zero": Test(_partial_spearman("rel_err", "kl", "rel_err_state"), None, ("rel_err", "kl", "rel_err_state"))},
-          0.1, "(not reported)", plain="The same, once the residual's size relative to the hidden state is "
-          "accounted for.", label="… beyond its relative size"),
     Claim("residual_outweighs_null", "removing the real residual moves the output more than removing a null "
-          "residual of the same norm: median log(kl / kl_null), against 0",
-          {null: Test(_median_log_ratio("kl", _patch(null)), None, ("kl", _patch(null)))
-           for null in ("random", "other")},
-          math.log(1.25), "the residual is functionally decisive",
-          plain="Removing the residual changes the output at least 25% more than removing a patch of the same size "
-          "in another direction.", label="residual moves the output"),
+          "residual of the same norm: the share of null patches whose KL is below the real one's, against 0.5",
+          {null: Test(_share_outweighed(kl), 0.5, ("kl", kl)) for null, kl in NULL_PATCHES.items()},
+          0.1, "the residual is functionally decisive",
+          plain="Removing the residual changes the output more than removing a patch of the same size in another "
+          "direction does, for at least 60% of such patches.", label="residual moves the output"),
+    # Its two parts are its "nulls", each against 0, one row per MLP-vs-linear pair: supported only when both are.
+    Claim("expressivity_tradeoff", "small MLPs instead of linear maps shrink the residual (median over anchors of "
+          "rel_err(linear) − rel_err(mlp)) but weaken its correlation with KL (Spearman(rel_err, kl) of the linear "
+          "map − the MLP's), on the anchors both keep",
+          {"rel_err": Test(_median_difference("rel_err", "nonlinear.rel_err"), 0.0,
+                           ("rel_err", "nonlinear.rel_err"), 0.05),
+           "spearman": Test(_spearman_difference, 0.0, ("rel_err", "kl", "nonlinear.rel_err", "nonlinear.kl"),
+                            0.1)},
+          0.05, "MLPs instead of linear maps: smaller residual, weaker link to KL", classes="versus",
+          plain="A small MLP leaves a smaller residual than a linear map, but one that predicts the output change "
+          "less well.", label="expressivity trade-off"),
+    Claim("partial_spearman_rel_err_kl", "the residual's size predicts the output change once its size relative "
+          "to the state (rel_err_state) is partialled out: partial Spearman(rel_err, kl | rel_err_state) against "
+          "the same with one null patch's KL", {null: Test(_partial_spearman_with("kl"), _partial_spearman_with(kl),
+                                                           ("rel_err", "kl", "rel_err_state", kl))
+                                                for null, kl in NULL_PATCHES.items()}, 0.1, "(not reported)",
+          plain="The same, once the residual's size relative to the hidden state is accounted for.",
+          label="… beyond its relative size", source="project"),
     Claim("local_beats_layer", "a local class explains more fitted per neighbourhood than the same class fitted "
           "once for the layer (same anchors, out of sample): median rel_err(<class>.layer) − rel_err(class), "
-          "against 0", {"zero": Test(_median_difference("layer.rel_err", "rel_err"), None,
+          "against 0", {"zero": Test(_median_difference("layer.rel_err", "rel_err"), 0.0,
                                      ("rel_err", "layer.rel_err"))}, 0.05,
           "(assumed: the fits are local)", classes="local",
           plain="A map fitted per neighbourhood explains the update better than the same map fitted once per layer.",
-          label="local fit beats layer fit"),
-    # Its two parts are its "nulls" (each against a permuted capacity order): supported only when both are.
-    Claim("expressivity_tradeoff", "more expressive classes shrink the residual (median rel_err falls with "
-          "capacity) but weaken its correlation with KL (Spearman(rel_err, kl) falls with capacity): "
-          "−Spearman(capacity, value) over the local classes per layer, against a permuted capacity order",
-          {}, 0.5, "more expressive classes: smaller residual, weaker link to KL", classes="across",
-          plain="More expressive fit classes leave a smaller residual, but one that predicts the output change "
-          "less well.", label="expressivity trade-off"),
+          label="local fit beats layer fit", source="project"),
 )
 CLAIM_NAMES = tuple(c.name for c in CLAIMS)
+PAPER_CLAIMS = tuple(c.name for c in CLAIMS if c.source == "paper")
 
 
 # ------------------------------------------------------------------------------------- the tests
@@ -192,7 +255,7 @@ def subject_of(model: str) -> str:
 
 @dataclass(frozen=True)
 class Stratum:
-    """One (model, layer, class): its per-anchor columns."""
+    """One (model, layer, class): its per-anchor columns, in the anchors' stored order."""
 
     model: str
     subject: str  # `<arch>@<checkpoint>` for a trained model, the model id otherwise
@@ -202,45 +265,71 @@ class Stratum:
 
 
 @dataclass(frozen=True)
-class Replicates:
-    """A stratum's effect for one (claim, null): the point values and `n_boot` bootstrap replicates."""
+class Effect:
+    """A stratum's effect for one (claim, null) on its complete anchors, and the same on each of
+    `ANCHOR_GROUPS` disjoint blocks of its anchors (NaN for a block with too few)."""
 
     statistic: float
     null: float
     effect: float
-    boot: np.ndarray  # (n_boot,) effect replicates
+    groups: np.ndarray  # (ANCHOR_GROUPS,)
     n: int
 
 
-def stratum_effect(stratum: Stratum, test: Test, n_boot: int, seed: int) -> Replicates | None:
-    """The effect of one test in one stratum over its anchors where every column is defined (and, for a
-    log ratio, positive), or None when a column is missing or fewer than `MIN_ANCHORS` anchors remain."""
+def anchor_groups(n: int) -> list[np.ndarray]:
+    """The anchors' blocks, `ANCHOR_GROUPS` consecutive slices of a stratum's stored order (sequences, then
+    positions): a model's layers share their anchors, so a block holds the same anchors at every layer."""
+    return np.array_split(np.arange(n), ANCHOR_GROUPS)
+
+
+def stratum_effect(stratum: Stratum, test: Test, groups: bool = True) -> Effect | None:
+    """The effect of one test in one stratum over its anchors where every column is defined, or None when a
+    column is missing or fewer than `MIN_ANCHORS` anchors remain; with `groups`, also on each block of its
+    anchors (else those are NaN: a subject with several models does not use them)."""
     if any(c not in stratum.columns for c in test.columns):
         return None
     values = [stratum.columns[c] for c in test.columns]
-    complete = np.all([np.isfinite(v) for v in values], axis=0)
+    # a 2-D column (one draw per direction) is complete where it has draws, all finite
+    complete = np.all([np.isfinite(v).all(axis=1) & (v.shape[1] > 0) if v.ndim == 2 else np.isfinite(v)
+                       for v in values], axis=0)  # fmt: skip
     n = int(complete.sum())
     if n < MIN_ANCHORS:
         return None
     cols = {c: v[complete] for c, v in zip(test.columns, values, strict=True)}
-    everything = np.arange(n)[None]
-    draws = np.random.default_rng(seed).integers(0, n, size=(n_boot, n))
-    null = test.null or (lambda c, idx: np.zeros(idx.shape[0]))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        point_real, point_null = float(test.statistic(cols, everything)[0]), float(null(cols, everything)[0])
-        boot = test.statistic(cols, draws) - null(cols, draws)
-    return Replicates(point_real, point_null, point_real - point_null, boot, n)
+    kept_in = np.cumsum(complete) - 1  # an anchor's index among the complete ones
+
+    def effect(idx: np.ndarray) -> tuple[float, float]:
+        with np.errstate(divide="ignore", invalid="ignore"):
+            null = test.null if isinstance(test.null, float) else test.null(cols, idx)
+            return test.statistic(cols, idx), null
+
+    statistic, null = effect(np.arange(n))
+    blocks = np.full(ANCHOR_GROUPS, math.nan)
+    for i, block in enumerate(anchor_groups(len(complete)) if groups else []):
+        idx = kept_in[block[complete[block]]]
+        blocks[i] = np.subtract(*effect(idx)) if len(idx) >= MIN_GROUP_ANCHORS else math.nan
+    return Effect(statistic, null, statistic - null, blocks, n)
 
 
-def verdict(effect: float, high: float, margin: float, p_above: float, p_below: float, alpha: float) -> str:
-    """The reading of an effect (module docstring): `p_above`, `p_below` the adjusted one-sided p-values of
-    the effect being > 0 and < 0, `high` its interval's upper end, `alpha` the one-sided level."""
-    if not all(math.isfinite(v) for v in (effect, high, p_above, p_below)):
+def one_model_subjects(strata: Sequence[Stratum]) -> set[str]:
+    """The subjects with a single model (an external model, `lmgeo analyse`): their replicates are anchor blocks."""
+    models: dict[str, set[str]] = {}
+    for s in strata:
+        models.setdefault(s.subject, set()).add(s.model)
+    return {subject for subject, found in models.items() if len(found) == 1}
+
+
+def verdict(p_below: float, p_above_margin: float, p_below_margin: float, alpha: float) -> str:
+    """The reading of an effect (module docstring) from its adjusted one-sided p-values: of being < 0, > the
+    margin and < the margin; `alpha` the one-sided level."""
+    if not all(math.isfinite(v) for v in (p_below, p_above_margin, p_below_margin)):
         return INCONCLUSIVE
     if p_below <= alpha:
         return CONTRADICTED
-    if p_above <= alpha:
-        return SUPPORTED if effect >= margin else NOT_SUPPORTED if high < margin else INCONCLUSIVE
+    if p_above_margin <= alpha:
+        return SUPPORTED
+    if p_below_margin <= alpha:
+        return NOT_SUPPORTED
     return INCONCLUSIVE
 
 
@@ -252,231 +341,155 @@ def combined_verdict(verdicts: Sequence[str]) -> str:
     return next((v for v in (CONTRADICTED, NOT_SUPPORTED) if v in verdicts), INCONCLUSIVE)
 
 
+P_COLUMNS = ("p_above", "p_below", "p_above_margin", "p_below_margin")
 CLAIM_TESTS_SCHEMA = pa.schema(
     [("subject", pa.string()), ("fn", pa.string()), ("claim", pa.string()), ("null", pa.string()),
      ("scope", pa.string()), ("layer", pa.int32()), ("n_models", pa.int64()), ("n_layers", pa.int64()),
-     ("n", pa.int64()), ("statistic", pa.float64()), ("null_statistic", pa.float64()), ("effect", pa.float64()),
-     ("ci_low", pa.float64()), ("ci_high", pa.float64()), ("p_above", pa.float64()), ("p_below", pa.float64()),
-     ("margin", pa.float64()), ("verdict", pa.string())]
+     ("n", pa.int64()), ("unit", pa.string()), ("n_units", pa.int64()), ("statistic", pa.float64()),
+     ("null_statistic", pa.float64()), ("effect", pa.float64()), ("ci_low", pa.float64()), ("ci_high", pa.float64())]
+    + [(p, pa.float64()) for p in P_COLUMNS] + [("margin", pa.float64()), ("verdict", pa.string())]
 )  # fmt: skip
 
 
-Capacities = Mapping[str, Mapping[str, int]]  # model -> local tokenwise class -> its free parameters
-Effects = dict[tuple[str, str], dict[str, dict[int, Replicates]]]  # (subject, fn) -> model -> layer -> effect
+Effects = dict[tuple[str, str], dict[str, dict[int, Effect]]]  # (subject, fn) -> model -> layer -> effect
 
 
-def claim_tests(strata: Sequence[Stratum], capacities: Capacities, n_boot: int, ci: float, seed: int) -> pa.Table:
-    """Every claim against each of its nulls: per (subject, class, layer) over the subject's models
-    (scope `layer`), and over its layers and models (scope `stratified`); the p-values Holm-adjusted over
-    the rows of one (subject, claim, scope, layer) and the verdicts read from them. The expressivity
-    trade-off is tested on the `ACROSS` strata, with the classes' `capacities` (a model without one: not
-    tested)."""
-    rows = []
-    models = sorted({s.model for s in strata})
+def claim_tests(strata: Sequence[Stratum], ci: float) -> pa.Table:
+    """Every claim against each of its nulls: per (subject, class, layer) over the subject's models (scope
+    `layer`), and over its layers and models (scope `stratified`); the p-values Holm-adjusted over the rows of
+    one (subject, claim, scope, layer) and the verdicts read from them. Nothing here is drawn at random."""
+    rows, alone = [], one_model_subjects(strata)
     for claim in CLAIMS:
         for null, test in claim.tests.items():
             effects: Effects = {}
             for s in strata:
-                if not _applies(claim, s.fn):
-                    continue
-                # One draw per model: a model's layers share their anchors, so where a layer keeps them all
-                # its resample is the same anchors' (they are not independent across layers).
-                rep = stratum_effect(s, test, n_boot, seed + models.index(s.model))
-                if rep is not None:
-                    effects.setdefault((s.subject, s.fn), {}).setdefault(s.model, {})[s.layer] = rep
-            rows += _rows(effects, claim, null, n_boot, ci, seed)
-    rows += _tradeoff_rows(class_values(strata, capacities, n_boot, seed), n_boot, ci, seed)
+                if _applies(claim, s.fn) and (effect := stratum_effect(s, test, s.subject in alone)) is not None:
+                    effects.setdefault((s.subject, s.fn), {}).setdefault(s.model, {})[s.layer] = effect
+            rows += _rows(effects, claim, null, ci)
     return pa.Table.from_pylist(_read(rows, (1 - ci) / 2), schema=CLAIM_TESTS_SCHEMA)
 
 
-def _rows(effects: Effects, claim: Claim, null: str, n_boot: int, ci: float, seed: int) -> list[dict[str, object]]:
+def _rows(effects: Effects, claim: Claim, null: str, ci: float) -> list[dict[str, object]]:
     """Per (subject, class): a row per layer over its models, and one over its layers and models."""
     rows = []
+    margin = claim.tests[null].margin if claim.tests[null].margin is not None else claim.margin
     for (subject, fn), by_model in sorted(effects.items()):
-        cell = (subject, fn, claim, null)
-        for layer in sorted({layer for reps in by_model.values() for layer in reps}):
-            at_layer = [reps[layer] for reps in by_model.values() if layer in reps]
-            rows.append(_row(*cell, "layer", layer, at_layer, 1, n_boot, ci, seed))
-        over_layers = [_mean_over_layers(list(reps.values())) for reps in by_model.values()]
-        n_layers = len({layer for reps in by_model.values() for layer in reps})
-        rows.append(_row(*cell, "stratified", None, over_layers, n_layers, n_boot, ci, seed))
+        cell = (subject, fn, claim.name, null, margin)
+        for layer in sorted({layer for layers in by_model.values() for layer in layers}):
+            at_layer = [layers[layer] for layers in by_model.values() if layer in layers]
+            rows.append(_row(*cell, "layer", layer, at_layer, 1, ci))
+        over_layers = [mean_over_layers(list(layers.values())) for layers in by_model.values()]
+        n_layers = len({layer for layers in by_model.values() for layer in layers})
+        rows.append(_row(*cell, "stratified", None, over_layers, n_layers, ci))
     return rows
-
-
-# ------------------------------------------------------------------- the expressivity trade-off
-MIN_CLASSES = 3  # a rank correlation over fewer classes orders nothing a permutation could not
-TRADEOFF = next(c for c in CLAIMS if c.classes == "across")
-# A class's value on drawn anchors (index rows (B, n)) -> (B,): what the trade-off ranks by capacity.
-PARTS: dict[str, Callable[[np.ndarray, np.ndarray, np.ndarray], np.ndarray]] = {
-    "rel_err": lambda rel_err, kl, idx: np.median(rel_err[idx], axis=-1),
-    "spearman": lambda rel_err, kl, idx: spearman_of_draws(rel_err, kl, idx),
-}
-
-
-@dataclass(frozen=True)
-class ClassValues:
-    """One (model, layer) across its local tokenwise classes, on the anchors all of them keep: per part, each
-    class's value on those anchors and its `n_boot` replicates (the same anchor draws for every class)."""
-
-    model: str
-    subject: str
-    layer: int
-    capacity: dict[str, int]  # class -> free parameters
-    point: dict[str, dict[str, float]]  # part -> class -> value
-    boot: dict[str, dict[str, np.ndarray]]  # part -> class -> (n_boot,) replicates
-    n: int
-
-
-def class_values(strata: Sequence[Stratum], capacities: Capacities, n_boot: int, seed: int) -> list[ClassValues]:
-    """The `ACROSS` strata's per-class values (columns `<class>.rel_err`, `<class>.kl`) of the models with
-    capacities; none where fewer than `MIN_CLASSES` classes or `MIN_ANCHORS` common anchors remain."""
-    models = sorted({s.model for s in strata})
-    out = []
-    for s in strata:
-        capacity = {fn: n for fn, n in capacities.get(s.model, {}).items() if f"{fn}.rel_err" in s.columns}
-        if s.fn != ACROSS or len(capacity) < MIN_CLASSES:
-            continue
-        values = {fn: (s.columns[f"{fn}.rel_err"], s.columns[f"{fn}.kl"]) for fn in capacity}
-        complete = np.all([np.isfinite(v) for pair in values.values() for v in pair], axis=0)
-        n = int(complete.sum())
-        if n < MIN_ANCHORS:
-            continue
-        draws = np.random.default_rng(seed + models.index(s.model)).integers(0, n, size=(n_boot, n))
-        point: dict[str, dict[str, float]] = {part: {} for part in PARTS}
-        boot: dict[str, dict[str, np.ndarray]] = {part: {} for part in PARTS}
-        for fn, (rel_err, kl) in values.items():
-            for part, value in PARTS.items():
-                point[part][fn] = float(value(rel_err[complete], kl[complete], np.arange(n)[None])[0])
-                boot[part][fn] = value(rel_err[complete], kl[complete], draws)
-        out.append(ClassValues(s.model, s.subject, s.layer, capacity, point, boot, n))
-    return out
-
-
-def falls_with_capacity(capacity: Mapping[str, int], values: Mapping[str, np.ndarray | float]) -> np.ndarray:
-    """−Spearman(capacity, value) over the classes, per replicate: +1 when the value falls strictly with
-    capacity, −1 when it rises."""
-    fns = sorted(capacity)
-    stacked = np.stack([np.asarray(values[fn], dtype=float) for fn in fns], axis=-1)
-    return -spearman_rows(np.broadcast_to(np.array([capacity[fn] for fn in fns], float), stacked.shape), stacked)
-
-
-def _tradeoff_rows(cells: list[ClassValues], n_boot: int, ci: float, seed: int) -> list[dict[str, object]]:
-    """The trade-off's rows (fn `ACROSS`, null = the part), each p the larger of the bootstrap's and the
-    permuted capacity order's."""
-    rows = []
-    for part in PARTS:
-        effects: Effects = {}
-        for c in cells:
-            trend = float(falls_with_capacity(c.capacity, c.point[part])[()])
-            rep = Replicates(trend, 0.0, trend, falls_with_capacity(c.capacity, c.boot[part]), c.n)
-            effects.setdefault((c.subject, ACROSS), {}).setdefault(c.model, {})[c.layer] = rep
-        for row in _rows(effects, TRADEOFF, part, n_boot, ci, seed):
-            at = [c for c in cells if c.subject == row["subject"] and row["layer"] in (None, c.layer)]
-            above, below = permutation_p(at, part)
-            row["p_above"], row["p_below"] = max(row["p_above"], above), max(row["p_below"], below)  # type: ignore[call-overload]
-            rows.append(row)
-    return rows
-
-
-def permutation_p(cells: Sequence[ClassValues], part: str) -> tuple[float, float]:
-    """One-sided p-values of the trade-off's effect (the mean over models of the mean over their layers)
-    against every permutation of the capacities among the classes (the same one in every cell; a cell
-    without every class of the others takes no part): the share of permutations whose effect is at least
-    (at most) the observed one, ties counted with the null."""
-    fns = sorted({fn for c in cells for fn in c.capacity})
-    orders = np.array(list(itertools.permutations(range(len(fns)))))  # (P, C), the identity first
-    by_model: dict[str, list[np.ndarray]] = {}
-    for c in cells:
-        if sorted(c.capacity) == fns:
-            capacity = np.array([c.capacity[fn] for fn in fns], float)[orders]
-            values = np.broadcast_to(np.array([c.point[part][fn] for fn in fns]), capacity.shape)
-            by_model.setdefault(c.model, []).append(-spearman_rows(capacity, values))
-    if not by_model:
-        return 1.0, 1.0
-    effects = np.mean([np.mean(layers, axis=0) for layers in by_model.values()], axis=0)  # (P,)
-    observed = effects[0]
-    if not math.isfinite(observed):
-        return 1.0, 1.0
-    return float(np.mean(effects >= observed - 1e-12)), float(np.mean(effects <= observed + 1e-12))
 
 
 def _applies(claim: Claim, fn: str) -> bool:
-    if fn.endswith(LAYER_FIT) or fn == ACROSS:  # a baseline of the locality claim; the trade-off's strata
+    """Whether a claim is tested on the strata of `fn`: a trade-off pair's strata for the trade-off alone, a
+    layer-wide fit's for none (it is the locality claim's baseline, a column of its local class's strata)."""
+    if fn.endswith(LAYER_FIT):
         return False
+    if VERSUS in fn or claim.classes == "versus":
+        return VERSUS in fn and claim.classes == "versus"
     if fn not in FIT_CLASSES:
         return True
     fit_class = FIT_CLASSES[fn]
     return fit_class.local if claim.classes == "local" else fit_class.tokenwise
 
 
-def _mean_over_layers(reps: list[Replicates]) -> Replicates:
-    """One model's effect over its layers: the mean of the layers' effects and of their replicates."""
+def mean_over_layers(effects: list[Effect]) -> Effect:
+    """One model's effect over its layers: the mean of the layers' effects and of their blocks' (a block
+    without an effect at a layer is left out of its mean there)."""
     mean = lambda values: float(np.mean(values))  # noqa: E731
-    return Replicates(mean([r.statistic for r in reps]), mean([r.null for r in reps]),
-                      mean([r.effect for r in reps]), np.mean([r.boot for r in reps], axis=0), sum(r.n for r in reps))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a block with no effect at any layer: NaN, silently
+        groups = np.nanmean([e.groups for e in effects], axis=0)
+    return Effect(mean([e.statistic for e in effects]), mean([e.null for e in effects]),
+                  mean([e.effect for e in effects]), groups, sum(e.n for e in effects))  # fmt: skip
 
 
-def seed_level_replicates(per_model: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
-    """The two-stage bootstrap of the mean over models (seeds): each replicate draws the models with
-    replacement, then for each drawn model one of its own anchor-level replicates (a fresh one per draw,
-    so a model drawn twice contributes two resamples of its anchors). One model: its replicates."""
-    boot = np.asarray(per_model)  # (models, n_boot)
-    n_models, n_boot = boot.shape
-    if n_models == 1:
-        return boot[0]
-    drawn = rng.integers(0, n_models, size=(n_boot, n_models))
-    which = np.stack([rng.permutation(n_boot) for _ in range(n_models)], axis=1)  # (n_boot, draws)
-    return boot[drawn, which].mean(axis=1)
+@dataclass(frozen=True)
+class Interval:
+    """An effect's Student-t interval and one-sided p-values from its replicates (module docstring)."""
+
+    centre: float
+    low: float
+    high: float
+    unit: str
+    n_units: int
+    p: dict[str, float]  # P_COLUMNS -> unadjusted p
 
 
-def percentile_interval(boot: np.ndarray, ci: float) -> tuple[float, float]:
-    """The central `ci` percentile interval of the finite replicates (NaN where none is)."""
-    finite = boot[np.isfinite(boot)]
-    if not finite.size:
-        return math.nan, math.nan
-    low, high = np.percentile(finite, [50 * (1 - ci), 50 * (1 + ci)])
-    return float(low), float(high)
+def t_interval(effects: list[Effect], margin: float, ci: float) -> Interval:
+    """Over ≥ 2 models: their effects' mean and t-interval. One model: its effect, and the t-interval of its
+    anchor blocks' effects around it (SE = the blocks' SD over √blocks). Fewer than two replicates: NaN."""
+    from scipy.stats import t
+
+    if len(effects) >= 2 or not np.isfinite(effects[0].groups).any():  # a subject of several models: its seeds
+        replicates = np.array([e.effect for e in effects])
+        centre, unit = float(replicates.mean()), SEED
+    else:
+        replicates, centre, unit = effects[0].groups[np.isfinite(effects[0].groups)], effects[0].effect, ANCHOR_GROUP
+    n = len(replicates)
+    if n < 2 or not math.isfinite(centre):
+        return Interval(centre, math.nan, math.nan, unit, n, dict.fromkeys(P_COLUMNS, math.nan))
+    se = float(np.std(replicates, ddof=1)) / math.sqrt(n)
+    half = float(t.ppf(0.5 + ci / 2, n - 1)) * se
+
+    def above(h0: float) -> float:  # P(effect ≤ h0 gives a centre this high)
+        return float(t.sf((centre - h0) / se, n - 1)) if se > 0 else float(centre <= h0)
+
+    def below(h0: float) -> float:
+        return float(t.cdf((centre - h0) / se, n - 1)) if se > 0 else float(centre >= h0)
+
+    p = {"p_above": above(0.0), "p_below": below(0.0), "p_above_margin": above(margin),
+         "p_below_margin": below(margin)}  # fmt: skip
+    return Interval(centre, centre - half, centre + half, unit, n, p)
 
 
-def _row(subject: str, fn: str, claim: Claim, null: str, scope: str, layer: int | None, reps: list[Replicates],
-         n_layers: int, n_boot: int, ci: float, seed: int) -> dict[str, object]:  # fmt: skip
-    boot = seed_level_replicates([r.boot for r in reps], np.random.default_rng([seed, n_boot, len(reps)]))
-    finite = boot[np.isfinite(boot)]
-    low, high = percentile_interval(boot, ci)
-    one_sided = lambda count: (1 + count) / (1 + finite.size) if finite.size else np.nan  # noqa: E731
+def _row(subject: str, fn: str, claim: str, null: str, margin: float, scope: str, layer: int | None,
+         effects: list[Effect], n_layers: int, ci: float) -> dict[str, object]:  # fmt: skip
+    interval = t_interval(effects, margin, ci)
     mean = lambda values: float(np.mean(values))  # noqa: E731
     return {
-        "subject": subject, "fn": fn, "claim": claim.name, "null": null, "scope": scope, "layer": layer,
-        "n_models": len(reps), "n_layers": n_layers, "n": sum(r.n for r in reps),
-        "statistic": mean([r.statistic for r in reps]), "null_statistic": mean([r.null for r in reps]),
-        "effect": mean([r.effect for r in reps]), "ci_low": float(low), "ci_high": float(high),
-        "p_above": one_sided(int((finite <= 0).sum())), "p_below": one_sided(int((finite >= 0).sum())),
-        "margin": claim.margin,
+        "subject": subject, "fn": fn, "claim": claim, "null": null, "scope": scope, "layer": layer,
+        "n_models": len(effects), "n_layers": n_layers, "n": sum(e.n for e in effects), "unit": interval.unit,
+        "n_units": interval.n_units, "statistic": mean([e.statistic for e in effects]),
+        "null_statistic": mean([e.null for e in effects]), "effect": interval.centre, "ci_low": interval.low,
+        "ci_high": interval.high, **interval.p, "margin": margin,
     }  # fmt: skip
 
 
 def _read(rows: list[dict[str, object]], alpha: float) -> list[dict[str, object]]:
-    """Holm-adjust each direction's p-values over the rows of one summary cell (subject, claim, scope,
-    layer: its classes and nulls, baselines left out), then read each row's verdict at one-sided `alpha`."""
+    """Holm-adjust each one-sided p-value over the rows of one summary cell (subject, claim, scope, layer: its
+    voting classes and nulls; the other rows over themselves alone), then read each row's verdict at `alpha`."""
     cells: dict[tuple[object, ...], list[dict[str, object]]] = {}
     for r in rows:
-        if in_summary(str(r["fn"])):
-            cells.setdefault((r["subject"], r["claim"], r["scope"], r["layer"]), []).append(r)
+        key = (r["subject"], r["claim"], r["scope"], r["layer"]) if votes(str(r["fn"])) else id(r)
+        cells.setdefault(key, []).append(r)
     for members in cells.values():
-        for column in ("p_above", "p_below"):
+        for column in P_COLUMNS:
             for r, adjusted in zip(members, holm([float(m[column]) for m in members]), strict=True):  # type: ignore[arg-type]
                 r[column] = adjusted
     for r in rows:
-        r["verdict"] = verdict(*(float(r[c]) for c in ("effect", "ci_high", "margin", "p_above", "p_below")),  # type: ignore[arg-type]
-                               alpha)  # fmt: skip
+        r["verdict"] = verdict(*(float(r[c]) for c in P_COLUMNS[1:]), alpha)  # type: ignore[arg-type]
     return rows
 
 
-def in_summary(fn: str) -> bool:
-    """Whether a class counts in a claim's summary: a local class (not a baseline)."""
+def votes(fn: str) -> bool:
+    """Whether a class's verdict counts in a claim's summary: a local class of the paper's (not a diagnostic,
+    not a baseline); for a trade-off pair, its linear class's."""
+    if VERSUS in fn:
+        return votes(fn.split(VERSUS)[1])
     if fn.endswith(LAYER_FIT):
         return False
-    return fn not in FIT_CLASSES or FIT_CLASSES[fn].local
+    return fn not in FIT_CLASSES or (FIT_CLASSES[fn].local and not FIT_CLASSES[fn].diagnostic)
+
+
+def is_diagnostic(fn: str) -> bool:
+    """A class (or trade-off pair) reported beside the paper's classes, not voting."""
+    fn = fn.split(VERSUS)[-1]
+    return fn in FIT_CLASSES and FIT_CLASSES[fn].diagnostic
 
 
 # ----------------------------------------------------------------------------------- the headline
@@ -513,11 +526,12 @@ class ClaimSummary:
         return "mixed: " + ", ".join(f"{n} {v}" for v, n in counts.items() if n)
 
 
-def summarise(tests: Sequence[dict[str, object]]) -> list[ClaimSummary]:
-    """Per (subject, claim), in `CLAIMS` order, from the stratified rows of the `claim_tests` table."""
+def summarise(tests: Sequence[dict[str, object]], voting: Callable[[str], bool] = votes) -> list[ClaimSummary]:
+    """Per (subject, claim), in `CLAIMS` order, from the stratified rows of the `claim_tests` table, over the
+    classes `voting` admits (by default the paper's: `votes`)."""
     groups: dict[tuple[str, str], list[dict[str, object]]] = {}
     for t in tests:
-        if t["scope"] == "stratified" and in_summary(str(t["fn"])):
+        if t["scope"] == "stratified" and voting(str(t["fn"])):
             groups.setdefault((str(t["subject"]), str(t["claim"])), []).append(t)
     out = []
     for (subject, claim), rows in sorted(groups.items(), key=lambda g: (g[0][0], CLAIM_NAMES.index(g[0][1]))):

@@ -11,7 +11,7 @@ from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
 
 from pipeline.results.common import Axis, Row, figure_legend, label_axes, panel_grid
-from pipeline.results.study_a.claims import CLAIMS, VERDICT_SCORE, combined_verdict, in_summary
+from pipeline.results.study_a.claims import CLAIMS, VERDICT_SCORE, combined_verdict, votes
 
 # ------------------------------------------------------------------------------------------ Study A
 # Not supported, inconclusive, supported: a diverging scale, the mixed cells (classes disagree) in between.
@@ -57,7 +57,7 @@ def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
 
 def _verdict_grid(tests: Sequence[Row], claims: list[str], layers: list[int]) -> np.ndarray:
     verdicts: dict[tuple[str, int, str], list[str]] = {}
-    for t in (t for t in tests if in_summary(t["fn"])):  # the baselines' rows are no class's verdict
+    for t in (t for t in tests if votes(t["fn"])):  # the baselines' rows are no class's verdict
         verdicts.setdefault((t["claim"], t["layer"], t["fn"]), []).append(t["verdict"])
     scores: dict[tuple[str, int], list[float]] = {}
     for (claim, layer, _), vs in verdicts.items():

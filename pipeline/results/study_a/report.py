@@ -1,44 +1,63 @@
 """Study A's part of the report (`pipeline.results.report`): the paper's claims in the summary (in words, the
-heat map, the numbers) and its one-sentence finding, and the section with the models, init vs trained and the
-functional claim's figure."""
+heat map, what reproduces beside what is specific against a null, the numbers, and the project's own checks
+apart) and its one-sentence finding, and the section with the models, the trade-off, init vs trained, the
+locality sweep and the functional claim's figure."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
 from pipeline.results.study_a import figures as fig
 from pipeline.results.study_a.claims import (
-    ACROSS,
+    ANCHOR_GROUP,
     CLAIMS,
     SUPPORTED,
+    VERSUS,
     Claim,
     ClaimSummary,
     combined_verdict,
-    in_summary,
+    is_diagnostic,
     subject_of,
+    summarise,
+    votes,
+    well_posed,
 )
 from pipeline.study_a.classes import FIT_CLASSES
 
-NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random patch",
-             "other": "other anchor's residual", "zero": "0"}  # fmt: skip
+NULL_TEXT = {"shuffled": "shuffled pairs", "gaussian": "Gaussian pool", "random": "random directions",
+             "other": "other anchor's residual", "zero": "0", "rel_err": "rel_err", "spearman": "spearman"}  # fmt: skip
 CLAIMS_BY_NAME = {claim.name: claim for claim in CLAIMS}
+PAPER = [c for c in CLAIMS if c.source == "paper"]
+PROJECT = [c for c in CLAIMS if c.source == "project"]
+INTERVALS = ("95% Student-t interval over the seeds' effects (a model with no seeds: over five blocks of its "
+             "anchors), nothing drawn at random")  # fmt: skip
+READING = ("*Supported*: above the claim's margin beyond chance (the lower end of the interval, Holm-adjusted over "
+           "the cell's classes and nulls, above the margin); *not supported*: below the margin beyond chance (any "
+           "effect too small to count); *contradicted*: below 0 beyond chance; *inconclusive*: otherwise.")
 
 
-def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], figures: Figures) -> str:
+def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], figures: Figures,
+                   paper_values: Sequence[Row] = ()) -> str:  # fmt: skip
     """The paper's claims for a newcomer: a sentence per claim with its verdict per architecture (and external
-    model), the claims × layers heat map under them, then the table with the test that decides each verdict."""
+    model), the claims × layers heat map under them, what reproduces beside what is specific against a null,
+    then the table with the test that decides each verdict, and the project's own checks apart."""
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
-        why = ("no claim could be tested (no null samples, or fewer than 10 complete anchors per layer)" if fitted
-               else "Study A was not run (no fits)")  # fmt: skip
+        why = ("no claim could be tested (no null samples, no layer with 10·k distinct inputs, or fewer than 10 "
+               "complete anchors per layer)" if fitted else "Study A was not run (no fits)")  # fmt: skip
         return f"**Study A (the paper's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
-    sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in CLAIMS
+    sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in PAPER
                           if any(c.claim == claim.name for c in trained))  # fmt: skip
     heat_map = figures.show(fig.claims_by_layer(tests), "study_a_claims_by_layer",
                             "Where each claim holds, layer by layer (rows: the claims above; a panel per model, "
                             "`@final` after training, `@init` at initialisation). Blue: supported, red: not "
                             "supported, grey: the data cannot decide; pale: the fit classes disagree, leaning that "
                             "way.")  # fmt: skip
-    return f"{sentences}\n\n{heat_map}\n{_claims_table(trained)}"
+    diagnostic = {(c.subject, c.claim): c for c in summarise(tests, voting=is_diagnostic)}
+    return "\n".join([sentences + "\n", heat_map, _side_by_side(claims, paper_values), CLAIMS_HEAD,
+                      _claims_table(trained, PAPER, diagnostic), _extra_checks(trained, diagnostic)])
 
 
 def _claim_sentence(claim: Claim, summaries: list[ClaimSummary]) -> str:
@@ -54,17 +73,18 @@ def _verdict_in_words(c: ClaimSummary) -> str:
     if len(set(c.verdicts.values())) == 1:
         return c.verdict
     supporting = sum(v == SUPPORTED for v in c.verdicts.values())
-    return f"mixed: {supporting} of {len(c.verdicts)} classes support it"
+    what = "comparisons" if any(VERSUS in fn for fn in c.verdicts) else "classes"
+    return f"mixed: {supporting} of {len(c.verdicts)} {what} support it"
 
 
 def finding(claims: list[ClaimSummary]) -> str | None:
     """Study A in one sentence: how many of the paper's claims hold on every trained architecture, on some, on
-    none (README's findings)."""
+    none; then the project's own checks, named as such (README's findings)."""
     trained = [c for c in claims if c.subject.endswith("@final")]
     if not trained:
         return None
     subjects = sorted({c.subject.removesuffix("@final") for c in trained})
-    supported = {claim.name: sum(c.verdict == SUPPORTED for c in trained if c.claim == claim.name) for claim in CLAIMS
+    supported = {claim.name: sum(c.verdict == SUPPORTED for c in trained if c.claim == claim.name) for claim in PAPER
                  if any(c.claim == claim.name for c in trained)}  # fmt: skip
     every = [CLAIMS_BY_NAME[n].label for n, k in supported.items() if k == len(subjects)]
     none = [n for n, k in supported.items() if k == 0]
@@ -75,34 +95,58 @@ def finding(claims: list[ClaimSummary]) -> str | None:
         return f"{len(labels)} ({', '.join(f'“{label}”' for label in labels)})" if labels else "0"
 
     by_some_classes = f", {partly} of them by some of the fit classes" if partly else ""
-    return (f"Study A ({', '.join(subjects)}), the paper's {len(supported)} claims: {named(every)} supported on every "
-            f"architecture, {some} on some, {named([CLAIMS_BY_NAME[n].label for n in none])} on none"
-            f"{by_some_classes}.")  # fmt: skip
+    extras = [c for c in trained if CLAIMS_BY_NAME[c.claim].source == "project"]
+    checks = "; ".join(f"“{CLAIMS_BY_NAME[name].label}” {_across(extras, name, subjects)}"
+                       for name in dict.fromkeys(c.claim for c in extras))  # fmt: skip
+    own = f" The project's own checks, not the paper's claims: {checks}." if checks else ""
+    return (f"Study A, on the small models trained here ({', '.join(subjects)}), the paper's {len(supported)} claims: "
+            f"{named(every)} supported on every architecture, {some} on some, "
+            f"{named([CLAIMS_BY_NAME[n].label for n in none])} on none{by_some_classes}.{own}")  # fmt: skip
 
 
-def _claims_table(trained: list[ClaimSummary]) -> str:
-    """One row per claim, one column per trained architecture (and external model): the verdict, and the
-    test that decides it (statistic vs null, effect with its CI)."""
+def _across(summaries: list[ClaimSummary], claim: str, subjects: list[str]) -> str:
+    """Where a claim is supported, in words: `supported on every architecture`, `on a, b`, or `on none`."""
+    where = [c.subject.removesuffix("@final") for c in summaries if c.claim == claim and c.verdict == SUPPORTED]
+    return "supported on every architecture" if len(where) == len(subjects) else \
+        f"supported on {', '.join(where)}" if where else "supported on none"  # fmt: skip
+
+
+def _claims_table(trained: list[ClaimSummary], claims: list[Claim],
+                  diagnostic: dict[tuple[str, str], ClaimSummary]) -> str:  # fmt: skip
+    """One row per claim, one column per trained architecture (and external model): the verdict over the
+    paper's classes, the test that decides it (statistic vs null, effect with its CI), and the diagnostic
+    class's verdict beside it."""
     subjects = sorted({c.subject for c in trained})
     at = {(c.subject, c.claim): c for c in trained}
     layers = {s: max(n for c in trained if c.subject == s for n in c.layers.values()) for s in subjects}
     rows = []
-    for claim in CLAIMS:
+    for claim in claims:
         if any((s, claim.name) in at for s in subjects):
-            cells = [_claim_cell(at.get((s, claim.name)), layers[s]) for s in subjects]
+            cells = [_claim_cell(at.get((s, claim.name)), layers[s], diagnostic.get((s, claim.name)))
+                     for s in subjects]  # fmt: skip
             rows.append([f"{claim.label} (`{claim.name}`; paper: {claim.seed_value})", *cells])
-    head = ("The numbers: each claim against its null over layers and seeds (stratified, never pooled), 95% "
-            "interval from a two-stage bootstrap (seeds, then anchors). A cell gives the verdict over the local fit "
-            "classes (each class must pass every null; `global_linear` and the layer-wide fits are baselines), then "
-            "the test that decides it: statistic vs null → effect [CI] (class, null; the layers, seeds and anchors "
-            "it rests on). *Supported*: above 0 beyond chance (Holm over the cell's classes and nulls) and at least "
-            "the claim's margin; *not supported*: above 0 but the interval below the margin; *contradicted*: below "
-            "0 beyond chance; *inconclusive*: otherwise. A null of *0* means the statistic is itself an effect "
-            "(tested against zero). `init` and the per-class tests are in Study A below.\n")  # fmt: skip
-    return f"{head}\n{markdown_table(['claim'] + [s.removesuffix('@final') for s in subjects], rows)}"
+    return markdown_table(["claim"] + [s.removesuffix("@final") for s in subjects], rows) if rows else ""
 
 
-def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
+CLAIMS_HEAD = (f"The numbers: each claim against its null over layers and seeds (stratified, never pooled), with its "
+               f"{INTERVALS}. A cell gives the verdict over the paper's classes (`diag_psd`, `lowrank`, `similarity`, "
+               "`mlp`; each must pass every null; `global_linear` and the layer-wide fits are baselines), then the "
+               "test that decides it: statistic vs null → effect [CI] (class, null; the layers, seeds and anchors "
+               "it rests on), and the unscaled `orthogonal` map's verdict, a diagnostic that does not vote. "
+               f"{READING} `init` and the per-class tests are in Study A below.\n")  # fmt: skip
+
+
+def _extra_checks(trained: list[ClaimSummary], diagnostic: dict[tuple[str, str], ClaimSummary]) -> str:
+    """The project's own checks, apart from the paper's claims, in the same form."""
+    table = _claims_table(trained, PROJECT, diagnostic)
+    if not table:
+        return ""
+    return ("**The project's own checks** (not claims of the paper, so not in its count): whether the residual's "
+            "size predicts the output change beyond its size relative to the state, and whether fitting per "
+            "neighbourhood beats one fit per layer.\n\n" + table)
+
+
+def _claim_cell(c: ClaimSummary | None, layers: int, diagnostic: ClaimSummary | None = None) -> str:
     """The verdict, the deciding test and what it rests on; a class whose verdict rests on fewer than half
     of the subject's `layers` is named (the others' anchors were not identified there)."""
     if c is None:
@@ -111,25 +155,144 @@ def _claim_cell(c: ClaimSummary | None, layers: int) -> str:
     effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
-    rests = f"{t['n_layers']} layers, {t['n_models']} seeds, {t['n']} anchors"
+    units = f"one model, {t['n_units']} anchor blocks" if t.get("unit") == ANCHOR_GROUP else f"{t['n_models']} seeds"
+    rests = f"{t['n_layers']} layers, {units}, {t['n']} anchors"
     few = [f"{fn} on {n} of {layers} layers" for fn, n in c.layers.items() if 2 * n < layers]
     warning = f" · **{'; '.join(few)}**" if few else ""
-    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null}; {rests}){warning}"
+    beside = f" · orthogonal (diagnostic): {diagnostic.verdict}" if diagnostic else ""
+    return f"**{c.verdict}** · {versus} → {effect} ({t['fn']}, {null}; {rests}){warning}{beside}"
 
 
-def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str:
+# ------------------------------------------------------------------------- what reproduces, side by side
+def _side_by_side(claims: list[ClaimSummary], values: Sequence[Row]) -> str:
+    """Each statistic of the paper as the paper states it, the raw value measured here, and the verdict and
+    deciding effect against the fair null: "reproduces at this scale" and "specific against a null" read apart."""
+    trained = sorted({c.subject for c in claims if not c.subject.endswith("@init")})  # and external models
+    if not trained or not values:
+        return ""
+    at = {(c.subject, c.claim): c for c in claims}
+    raw = _raw_values(values)
+    at_init = any(c.subject.endswith("@init") for c in claims)
+    rows = []
+    for statement, show, claim in SIDE_BY_SIDE:
+        if show is _with_training and not at_init:  # an external model has no initialisation to compare with
+            continue
+        cells = []
+        for subject in trained:
+            cells.append(show(raw, subject, at))
+            summary = at.get((subject, claim)) if claim else None
+            cells.append(_null_cell(summary) if claim else "–")
+        rows.append([statement, *cells])
+    header = ["the paper states"] + [f"{s.removesuffix('@final')}: {part}" for s in trained
+                                     for part in ("here (raw)", "vs fair null")]  # fmt: skip
+    where = "the small models trained here" if at_init else "the models analysed here"
+    note = (f"*Here (raw)*: the statistic as the paper states it, on {where} (range over the "
+            "paper's classes `diag_psd`, `lowrank`, `similarity`, `mlp`: the mean over layers, then seeds); *vs fair "
+            "null*: the claim's verdict and its deciding effect [95% CI] against a null that gives 0 where the "
+            "structure is absent. A raw value can match the paper while the effect shows nothing specific, and the "
+            "other way round.\n")  # fmt: skip
+    return "**What reproduces, and what is specific against a null.**\n\n" + markdown_table(header, rows) + "\n" + note
+
+
+def _null_cell(c: ClaimSummary | None) -> str:
+    if c is None:
+        return "not measured"
+    t = c.weakest
+    return f"**{c.verdict}** · {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}"
+
+
+RawValues = dict[tuple[str, str, str], float]  # (subject, class, statistic) -> value
+SummaryAt = dict[tuple[str, str], ClaimSummary]  # (subject, claim) -> its summary
+
+
+def _raw_values(values: Sequence[Row]) -> RawValues:
+    return {(v["subject"], v["fn"], v["statistic"]): v["value"] for v in values if v["value"] is not None}
+
+
+def _range(raw: RawValues, subject: str, statistic: str, scale: float = 1.0, digits: int = 2,
+           classes: Sequence[str] | None = None) -> str:  # fmt: skip
+    """The statistic's range over the paper's classes (or `classes`) for `subject`, `low–high`."""
+    found = [raw[(subject, fn, statistic)] * scale for fn in (classes or VOTING) if (subject, fn, statistic) in raw]
+    if not found:
+        return "–"
+    low, high = min(found), max(found)
+    return num(low, digits) if num(low, digits) == num(high, digits) else f"{num(low, digits)}–{num(high, digits)}"
+
+
+VOTING = [c.name for c in FIT_CLASSES if c.local and c.tokenwise and votes(c.name)]
+LINEAR = [fn for fn in VOTING if FIT_CLASSES[fn].linear]
+NONLINEAR = [fn for fn in VOTING if not FIT_CLASSES[fn].linear]
+
+
+def _supported_count(at: SummaryAt, subject: str) -> str:
+    """How many of the paper's claims `subject` supports, of those tested (– for none: an external model has no
+    initialisation)."""
+    tested = [at[(subject, c.name)] for c in PAPER if (subject, c.name) in at]
+    return f"{sum(c.verdict == SUPPORTED for c in tested)} of {len(tested)}" if tested else "–"
+
+
+def _cos(r: RawValues, s: str, at: SummaryAt) -> str:
+    return f"median cos {_range(r, s, 'cos_full_tok')}"
+
+
+def _angle(r: RawValues, s: str, at: SummaryAt) -> str:
+    return f"{_range(r, s, 'angle_over_60', 100, 2)}% of anchors > 60°"
+
+
+def _projection(r: RawValues, s: str, at: SummaryAt) -> str:
+    return f"median proj_res {_range(r, s, 'proj_res')} vs proj_full {_range(r, s, 'proj_full')}"
+
+
+def _rank_correlation(r: RawValues, s: str, at: SummaryAt) -> str:
+    return (f"ρ {_range(r, s, 'spearman')} (max {_range(r, s, 'spearman_max')}; > 0.7 in "
+            f"{_range(r, s, 'spearman_over_0.7', 100, 2)}% of layers)")  # fmt: skip
+
+
+def _decisive(r: RawValues, s: str, at: SummaryAt) -> str:
+    return f"outweighs {_range(r, s, 'outweighs_random', 100, 2)}% of random directions"
+
+
+def _mlp_against_linear(r: RawValues, s: str, at: SummaryAt) -> str:
+    parts = [f"{name} {_range(r, s, name, classes=NONLINEAR)} vs {_range(r, s, name, classes=LINEAR)}"
+             for name in ("rel_err", "spearman")]  # fmt: skip
+    return f"MLP vs linear: {'; '.join(parts)}"
+
+
+def _diagonal(r: RawValues, s: str, at: SummaryAt) -> str:
+    return (f"rel_err diag_psd {_range(r, s, 'rel_err', classes=['diag_psd'])} vs lowrank "
+            f"{_range(r, s, 'rel_err', classes=['lowrank'])} (one model size here: not a comparison of sizes)")
+
+
+def _with_training(r: RawValues, s: str, at: SummaryAt) -> str:
+    return (f"claims supported after training {_supported_count(at, s)}, at initialisation "
+            f"{_supported_count(at, s.replace('@final', '@init'))}")  # fmt: skip
+
+
+# (the paper's statement, its raw value here, the claim tested against a fair null or None)
+SIDE_BY_SIDE: tuple[tuple[str, Callable[[RawValues, str, SummaryAt], str], str | None], ...] = (
+    ("cos(Δ_full, Δ_tok) near 1", _cos, "cos_full_tok_near_1"),
+    ("the residual's angle to Δ_tok often > 60°", _angle, "angle_res_tok_near_90"),
+    ("a lower projection for the residual on the dominant subspace", _projection, "proj_res_below_full"),
+    ("Spearman(RelErr, KL) strong: often > 0.7, up to 0.95", _rank_correlation, "spearman_rel_err_kl"),
+    ("the residual is functionally decisive", _decisive, "residual_outweighs_null"),
+    ("small MLPs instead of linear maps: a smaller residual, a weaker link to KL", _mlp_against_linear,
+     "expressivity_tradeoff"),
+    ("simpler models are fitted well by diagonal maps, larger ones by low-rank", _diagonal, None),
+    ("the structure comes with training (intrinsic to learning)", _with_training, None),
+)
+
+
+def section(tables: Tables, claims: list[ClaimSummary], figures: Figures, locality: Sequence[Row] = ()) -> str:
     out = ["## Study A: layer-update geometry\n"]
     if not tables["geometry"]:
         return out[0] + "\nStudy A was not run: there are no fits.\n"
     out.append(
         "Per model and layer a tokenwise map T is fitted on each anchor's nearest neighbours; Δ_full = h_{l+1} − h_l "
-        "splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Each claim is tested against nulls (SPEC "
-        "§4.5): the geometric ones against the same fits on shuffled pairs and on a Gaussian pool, the functional "
-        "ones against patches of norm ‖r‖ in a random direction or along another anchor's residual. Effect = "
-        "statistic − null, stratified over layers and seeds, its interval from a two-stage bootstrap (seeds, then "
-        "anchors). **Supported**: above 0 beyond chance (Holm over the tests a summary cell combines) and effect ≥ "
-        "the claim's margin; **not supported**: above 0 but the interval below the margin; **contradicted**: below "
-        "0 beyond chance; **inconclusive**: otherwise.\n"
+        "splits into Δ_tok = T(h_l) − h_l and a residual r (SPEC §4.2). Each claim is tested against nulls that give "
+        "0 where the structure is absent (SPEC §4.5): the geometric ones against the same fits on shuffled pairs and "
+        "on a Gaussian pool, the functional ones against patches of norm ‖r‖, one at a time, in random directions "
+        "or along another anchor's residual. Effect = statistic − null, stratified over layers and seeds, with its "
+        f"{INTERVALS}. {READING} Layers whose pool is not well posed are left out of every claim.\n"
     )  # fmt: skip
     out.append(_models_table(tables["geometry_pooled"], tables["geometry"]))
     out.append(_kept_table(tables["geometry"]))
@@ -138,12 +301,19 @@ def section(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str
     if checkpoints:
         out.append("### Init vs trained\n")
         out.append(_init_vs_final(checkpoints))
+    out.append(_locality_sweep(locality))
     out.append(figures.show(fig.spearman_vs_null(tables["claim_tests"]), "study_a_spearman_vs_null",
-                            "Spearman(rel_err, kl) minus the same with a random patch of equal norm, per layer, "
-                            "with 95% bootstrap CI (dotted: the claim's margin)."))  # fmt: skip
+                            "Spearman(rel_err, kl) minus the same with one random direction of equal norm (the "
+                            "mean over directions), per layer, with its 95% t-interval (dotted: the claim's "
+                            "margin)."))  # fmt: skip
     out.append("Every test per class, null and layer: `lmgeo query \"SELECT * FROM claim_tests\"` "
                "(`scope = 'stratified'` for the summary's rows).\n")  # fmt: skip
     return "\n".join(part for part in out if part)
+
+
+def _local(fn: str) -> bool:
+    """A local class's own fit (not its layer-wide baseline)."""
+    return fn in FIT_CLASSES and FIT_CLASSES[fn].local
 
 
 def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
@@ -159,7 +329,7 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
         classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
         row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               f"{min(g['n_value_kept'] / g['n'] for g in layers if in_summary(g['fn'])):.0%}",
+               f"{min(g['n_value_kept'] / g['n'] for g in layers if _local(g['fn'])):.0%}",
                (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
                 f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
         for fn in fns:
@@ -184,7 +354,7 @@ def _kept_table(geometry: list[Row]) -> str:
     """Per subject (its seeds pooled) and local class, the share of anchors each layer keeps: with the value
     at the anchor identified (what rel_err, the angle and the KL claims use), and with the local operator
     identified (what proj_* use)."""
-    real = [g for g in geometry if g["sample"] == "real" and in_summary(g["fn"])]
+    real = [g for g in geometry if g["sample"] == "real" and _local(g["fn"])]
     if not real:
         return ""
     counts: dict[tuple[str, str, int], list[int]] = {}
@@ -224,28 +394,32 @@ def _locality(real: list[Row]) -> dict[tuple[str, int], float | None]:
 
 def _expressivity(classes: list[Row], tests: list[Row]) -> str:
     """One row per local tokenwise class in order of capacity, one column per subject: median rel_err and
-    Spearman(rel_err, kl) with their seed-level intervals; a last row with the trade-off's verdict (both must
-    fall with capacity) and each part's effect."""
+    Spearman(rel_err, kl) with their intervals; then a row per trade-off pair (the MLP against each linear class):
+    its verdict over the two parts and each part's effect."""
     if not classes:
         return ""
     subjects = sorted({c["subject"] for c in classes})
     at = {(c["subject"], c["fn"]): c for c in classes}
-    fns = list(dict.fromkeys(c["fn"] for c in sorted(classes, key=lambda c: (c["parameters"], c["fn"]))))
+    fns = list(dict.fromkeys(c["fn"] for c in sorted(classes, key=lambda c: (c["parameters"] or 0, c["fn"]))))
     rows = []
     for fn in fns:
         parameters = " / ".join(dict.fromkeys(str(at[(s, fn)]["parameters"]) for s in subjects if (s, fn) in at))
         cells = [_class_cell(at.get((s, fn))) for s in subjects]
         rows.append([f"`{fn}`", parameters, *cells])
-    verdicts = {(t["subject"], t["null"]): t for t in tests if t["fn"] == ACROSS and t["scope"] == "stratified"}
-    rows.append(["**trade-off**", "", *(_tradeoff_cell([verdicts.get((s, part)) for part in ("rel_err", "spearman")])
-                                        for s in subjects)])  # fmt: skip
-    note = ("More expressive classes shrink the residual (rel_err falls with capacity) but weaken its correlation "
-            "with KL (Spearman falls with capacity): the seed's claim, tested per layer on the anchors every class "
-            "keeps. Classes in order of capacity (free parameters of one map at the model's width); a cell: median "
-            "rel_err · Spearman(rel_err, kl), the mean over layers (never pooled) and seeds, 95% interval from the "
-            "two-stage bootstrap (seeds, then anchors). Each part's effect is −Spearman(capacity, value) over the "
-            "classes (+1: falls strictly), tested against the bootstrap and a permuted capacity order (p the larger "
-            "of the two, Holm over the two parts); the trade-off is supported when both parts are.\n")  # fmt: skip
+    pairs: dict[tuple[str, str], dict[str, Row]] = {}
+    for t in tests:
+        if VERSUS in t["fn"] and t["scope"] == "stratified":
+            pairs.setdefault((t["fn"], t["subject"]), {})[t["null"]] = t
+    for pair in sorted({fn for fn, _ in pairs}, key=lambda fn: (is_diagnostic(fn), fn)):
+        label = f"**{pair}**" + (" (diagnostic)" if is_diagnostic(pair) else "")
+        rows.append([label, "", *(_tradeoff_cell(pairs.get((pair, s), {})) for s in subjects)])
+    note = ("The paper: small MLPs instead of linear maps shrink the residual but weaken its correlation with KL. "
+            "Classes in order of capacity (free parameters of one map at the model's width); a cell: median rel_err · "
+            "Spearman(rel_err, kl) on the anchors every class keeps, the mean over layers (never pooled) and seeds, "
+            f"with its {INTERVALS}. A pair's row: the MLP against one linear class on the anchors both keep, its "
+            "verdict over two parts and each part's effect against 0: *rel_err* the median over anchors of the "
+            "linear class's rel_err minus the MLP's (paired per anchor; margin 0.05), *spearman* the linear class's "
+            "Spearman(rel_err, kl) minus the MLP's (margin 0.1); supported when both are.\n")  # fmt: skip
     header = ["class", "parameters", *(f"`{s}`" for s in subjects)]
     return "### Expressivity trade-off\n\n" + markdown_table(header, rows) + "\n" + note
 
@@ -257,26 +431,26 @@ def _class_cell(c: Row | None) -> str:
             f"{interval(c['spearman'], c['spearman_low'], c['spearman_high'], 2)}")  # fmt: skip
 
 
-def _tradeoff_cell(parts: list[Row | None]) -> str:
+def _tradeoff_cell(parts: dict[str, Row]) -> str:
     """The verdict over the two parts, and each part's effect [CI]."""
-    if not all(parts):
+    if set(parts) != {"rel_err", "spearman"}:
         return "not measured"
-    reading = combined_verdict([str(t["verdict"]) for t in parts if t])
-    effects = ", ".join(f"{t['null']} falls {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}" for t in parts if t)
+    reading = combined_verdict([str(t["verdict"]) for t in parts.values()])
+    effects = ", ".join(f"{part} {interval(t['effect'], t['ci_low'], t['ci_high'], 2)}" for part, t in parts.items())
     return f"**{reading}** · {effects}"
 
 
 def _ill_posed(real: list[Row]) -> str:
-    """In words, where the data cannot support per-layer statements: pools with fewer than 10·k distinct
-    inputs, and layers where some neighbourhoods cannot identify the map."""
+    """In words, where the data cannot support per-layer statements: pools with too few distinct inputs (left out
+    of every claim, `claims.well_posed`), and layers where some neighbourhoods cannot identify the map."""
     small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
-                    if g["n_distinct"] is not None and g["n_distinct"] < 10 * g["k"]})  # fmt: skip
+                    if g["n_distinct"] is not None and not well_posed(g["n_distinct"], g["k"])})  # fmt: skip
     dropped = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_value_kept"] < g["n"]})
     lines = []
     if small:
         lines.append(f"**Not well posed**: fewer than 10·k distinct inputs in {len(small)} (model, layer) pools "
-                     f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}); the claims there rest on repeated "
-                     "tokens and should not be read as evidence either way.")  # fmt: skip
+                     f"({', '.join(small[:4])}{', …' if len(small) > 4 else ''}): they rest on repeated tokens, so "
+                     "they are left out of every claim.")  # fmt: skip
     if dropped:
         lines.append(f"Anchors whose value is not identified (left out) in {len(dropped)} (model, layer) pairs: the "
                      "verdicts there rest on the remaining anchors only (Anchors kept, below).")  # fmt: skip
@@ -300,3 +474,47 @@ def _trained_vs_init(final: ClaimSummary | None, init: ClaimSummary | None) -> s
     if final is None and init is None:
         return "–"
     return f"{final.verdict if final else '–'} / {init.verdict if init else '–'}"
+
+
+# ------------------------------------------------------------------------------------- locality sweep
+LOCALITY_COLUMNS = ("k", "subject", "fn", "claim", "null", "scope", "n_layers", "effect", "ci_low", "ci_high",
+                    "verdict")  # fmt: skip
+
+
+def read_locality_sweep(path: Path) -> list[Row]:
+    """The claim tests of the locality sweep (`presets/locality.yaml`: the study at several `analysis.k`), one
+    CSV row per stratified test with `LOCALITY_COLUMNS`; none where the file is absent."""
+    from pyarrow import csv
+
+    if not path.is_file():
+        return []
+    table = csv.read_csv(path)
+    missing = [c for c in LOCALITY_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(f"{path}: no column {', '.join(missing)}; write it with the query in presets/locality.yaml")
+    return [r for r in table.select(list(LOCALITY_COLUMNS)).to_pylist() if r["scope"] == "stratified"]
+
+
+def _locality_sweep(rows: Sequence[Row]) -> str:
+    """Each claim's verdict on the trained models at every neighbourhood size of the sweep, and which move."""
+    by_k: dict[int, list[ClaimSummary]] = {}
+    for k in sorted({int(r["k"]) for r in rows}):
+        by_k[k] = [c for c in summarise([r for r in rows if r["k"] == k]) if c.subject.endswith("@final")]
+    if len(by_k) < 2:
+        return ""
+    at = {(k, c.subject, c.claim): c.verdict for k, summaries in by_k.items() for c in summaries}
+    subjects = sorted({subject for _, subject, _ in at})
+    table, moved = [], []
+    for claim in CLAIMS:
+        cells = [" / ".join(at.get((k, s, claim.name), "–") for k in by_k) for s in subjects]
+        if any(cell.replace("–", "").strip(" /") for cell in cells):
+            table.append([f"{claim.label} (`{claim.name}`)", *cells])
+        moved += [f"{claim.label} ({s.removesuffix('@final')})" for s in subjects
+                  if len({at.get((k, s, claim.name)) for k in by_k} - {None}) > 1]  # fmt: skip
+    ks = ", ".join(f"k = {k}" for k in by_k)
+    verdicts = f"The verdicts that move with k: {'; '.join(moved)}." if moved else "No verdict moves with k."
+    note = (f"The trained models' verdicts at {ks} (`presets/locality.yaml`, its committed tables in "
+            f"`docs/locality/`), each cell in that order. {verdicts} Larger neighbourhoods are less local: a map "
+            "fitted on them is closer to one fitted for the whole layer.\n")  # fmt: skip
+    header = ["claim", *(f"{s.removesuffix('@final')}: {' / '.join(str(k) for k in by_k)}" for s in subjects)]
+    return "### Locality: the claims at other neighbourhood sizes\n\n" + markdown_table(header, table) + "\n" + note

@@ -64,15 +64,19 @@ class FitClass:
     # Free parameters of one map in width d (its capacity: the claims order classes by it).
     parameters: Callable[[int, AnalysisConfig], int]
     tokenwise: bool = True  # False when Δ_tok ≡ 0 (`identity`): the alignment claims are undefined
-    # Fitted by an optimiser (not in closed form): agreement is to its tolerance, and it is fitted on the real
-    # pairs only (the null samples would triple a cost ~100× a closed form's).
+    # Fitted by an optimiser (not in closed form): agreement with its reference is to its tolerance.
     iterative: bool = False
+    # A linear map of x (every class but the MLP): the expressivity trade-off compares each local class that is
+    # not with each that is (the paper: "small MLPs instead of linear maps").
+    linear: bool = True
+    # Tested and reported beside the paper's classes, but never deciding a claim's verdict (SPEC §4.5).
+    diagnostic: bool = False
     # A reason the analysis params cannot be used with this class, or None.
     check_config: Callable[[AnalysisConfig], str | None] = _no_constraint
     # The rank the neighbours' inputs need, in width d, for the local map itself to be determined by the data
     # alone (not by the ridge or a starting point): below it the anchor's operator is not identified.
     needs_rank: Callable[[int], int] = _any_rank
-    # Whether the map's value at x_a is fixed by the data wherever x_a lies in the span of the neighbours'
-    # inputs (every linear class). A class that centres its inputs (`mlp`) sees the affine span instead,
-    # which that test does not decide: its value is identified only with its operator.
-    value_from_span: bool = True
+    # Whether the map sees its inputs centred on the neighbours' mean (`mlp`): its identification (SPEC §4.5) is
+    # then decided on the centred inputs, `x_j − μ` and `x_a − μ` (the affine span, and its rank), by the same
+    # rule as every other class's on the raw inputs (the linear span).
+    centres_inputs: bool = False
