@@ -113,3 +113,22 @@ def test_fits_on_the_product_path_match_the_lapack_path_on_identified_untied_anc
     assert not found.mismatched, found.mismatched
     assert all(agreement.passed for agreement in found.values.values()), {
         name: agreement.describe() for name, agreement in found.values.items() if not agreement.passed}
+
+
+def test_a_tie_running_past_the_leading_vectors_found_is_cut_as_the_whole_spectrum_cuts_it():
+    """A scaled rotation by the same angle in every plane: all singular values of `sQ − I` tie, so the gap cut
+    keeps every direction. The product path finds only `p + 1` leading vectors; it must read the whole spectrum
+    then, and keep the same subspace as LAPACK (all d directions)."""
+    from pipeline.study_a.classes.orthogonal import OrthogonalFit
+
+    d, p, angle = 6, 2, 0.3
+    plane = torch.tensor([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]], dtype=F64)
+    rotation = torch.block_diag(*[plane] * (d // 2))[None]
+    fit = OrthogonalFit(rotation, torch.full((1,), 1.2, dtype=F64), torch.zeros(1, dtype=torch.bool))
+    lapack = fit._dominant_subspace(p)
+    with forced(PRODUCTS):
+        products = fit._dominant_subspace(p)
+    for columns in (lapack, products):
+        assert bool(columns.tied.all())
+        kept = columns.columns[0][:, columns.columns[0].norm(dim=0) > 0]
+        assert kept.shape[1] == d and torch.allclose(kept.T @ kept, torch.eye(d, dtype=F64), atol=1e-10)
