@@ -32,7 +32,8 @@ def code_deps(stage: str, workspace: Path) -> list[str]:
 
 # Besides the code: what decides the results too (the params, the stage graph, the pinned packages, the
 # tuning record the report states).
-DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", "docs/tuning.json")
+DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", "docs/tuning.json",
+                  "docs/sweep/provenance.json")
 
 
 def result_inputs(workspace: Path) -> list[str]:

@@ -13,6 +13,9 @@ from stages.layout import Layout
 CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
 # The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
 TUNING_RECORD = "docs/tuning.json"
+# The matched-budget sweep's committed tables (`presets/sweep.yaml`, `python -m tools.sweep_record`): the report
+# cites them when the study itself does not run the sweep.
+SWEEP_RECORD = "docs/sweep"
 # The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
 PROVENANCE = "provenance.json"
 # Its findings block is rewritten from the report's summary, so that it cannot go stale (the same test checks it).
@@ -89,9 +92,11 @@ def run(params: Params, ray_address: str | None = None) -> None:
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     provenance = collect_provenance(layout, params)
+    from pipeline.results.study_b.record import read_record
+
     rendered = render_report(
         layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout),
-        median_step_times(layout),
+        median_step_times(layout), read_record(layout.root / SWEEP_RECORD),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     readme = layout.root / README
