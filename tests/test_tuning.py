@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -274,3 +275,25 @@ def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) ->
         tune.run(Params(), recipes=["sign", "scion"])
     with pytest.raises(InputError, match="run the prepare stage"):
         tune.run(Params(), recipes=["sign"])
+
+
+def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeypatch) -> None:
+    """The trial cache keeps a finished trial's row under a key of what decides it (its config, the tokens and
+    its code version): read back by a new sweep, and not for another config."""
+    from stages.layout import Layout
+    from tools.tune import TrialCache
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    layout = Layout.here()
+    path = tmp_path / ".tuning.trials.jsonl"
+    trial = tuning.Trial("sign", "neox", "head_lr", 0.2, 1000)
+    base = TrainConfig(model=TINY)
+    cache = TrialCache(path, tokens="abc")
+    key = cache.key(trial, tuning.trial_config(base, trial), SEQ, layout)
+    row = rows("sign", [("head_lr", 0.2, 1000, 3.25)])[0]
+    assert cache.add(key, row) == row
+    again = TrialCache(path, tokens="abc")
+    assert again.rows == {key: row}
+    other = tuning.trial_config(base.model_copy(update={"steps": 7}), trial)
+    assert again.key(trial, other, SEQ, layout) != key
+    assert TrialCache(path, tokens="another").key(trial, tuning.trial_config(base, trial), SEQ, layout) != key

@@ -53,7 +53,9 @@ BUCKET_ROWS = 2048  # exact candidate search up to this many rows; buckets of ab
 CHUNK_ROWS = 4096  # rows whose candidate differences are held at once
 REFRESH = 10  # iterations between candidate searches (and one at the start of every solve)
 KAPPA, KAPPA_END = 80.0, 400.0  # soft-min/soft-max sharpness, relative to the smallest/largest distance
-ANGLE, ANGLE_END = 0.1, 0.005  # per-iteration step of every row (radians): a cold solve decays it
+# The per-iteration step of every row (radians): a cold solve decays it linearly from ANGLE to ANGLE_END (a
+# fine last polish: the rows end within ~ANGLE_END of their optimum); a warm solve tracks at WARM_ANGLE.
+ANGLE, ANGLE_END, WARM_ANGLE = 0.1, 0.001, 0.005
 VELOCITY = 0.5  # momentum of the ascent direction
 # A row steps the full angle when its push is at least this share of the strongest row's, proportionally less
 # below: rows far from the smallest distances barely move (they would only spend descent).
@@ -205,7 +207,7 @@ def _iterate(u: Tensor, g: Tensor, alignment: float, iters: int, cold: bool, pro
             found = search(u, projection)[0]
         progress = it / iters
         kappa = KAPPA * (KAPPA_END / KAPPA) ** progress if cold else KAPPA_END
-        angle = ANGLE * (1 - progress) + ANGLE_END * progress if cold else ANGLE_END
+        angle = ANGLE * (1 - progress) + ANGLE_END * progress if cold else WARM_ANGLE
         direction, _ = _ascent(u, found, kappa)
         direction -= (direction * u).sum(1, keepdim=True) * u  # along the sphere
         velocity.mul_(VELOCITY).add_(direction, alpha=1 - VELOCITY)
