@@ -17,17 +17,22 @@ def code_spec(layout: Layout) -> CodeSpec:
 
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.config import digest
-    from pipeline.core.store import ManifestKey, dataset_digest, lineage_of
-    from pipeline.results.aggregate import aggregate, load_sources
+    from pipeline.core.store import ManifestKey, dataset_digest, file_sha256, lineage_of
+    from pipeline.results.aggregate import EvaluationWindows, aggregate, load_sources
     from stages.sharded import planned_keys, versioned
 
     layout = Layout.here()
     trained = planned_keys("train", params, layout)
     expected = {"steps": trained, "models": trained, "fits": planned_keys("fit", params, layout),
                 "perturb": planned_keys("perturb", params, layout)}  # fmt: skip
-    sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models, expected)
+    train = params.train
+    windows = EvaluationWindows(layout.tokens, params.prepare.seq_len, train.eval_batches * train.batch_size,
+                                train.test_batches * train.batch_size)  # fmt: skip
+    sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models, expected, windows)
     read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
-    key = ManifestKey({name: dataset_digest(root) for name, root in read.items()}, digest(params.report),
-                      versioned(code_spec(layout), layout)[1])  # fmt: skip
+    inputs = {name: dataset_digest(root) for name, root in read.items()} | {
+        "tokens": file_sha256(layout.tokens / "meta.json")}  # fmt: skip
+    decided_by = {"report": params.report, "windows": [windows.seq_len, windows.val_windows, windows.test_windows]}
+    key = ManifestKey(inputs, digest(decided_by), versioned(code_spec(layout), layout)[1])
     aggregate(sources, layout.reports, params.report, key, params.analysis, lineage_of(list(read.values())))
     print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)

@@ -15,6 +15,9 @@ CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
 TUNING_RECORD = "docs/tuning.json"
 # Study A's claims at other neighbourhood sizes (`presets/locality.yaml` says how it is made); the report cites it.
 LOCALITY_SWEEP = "docs/locality/claim_tests.csv"
+# The matched-budget sweep's committed tables (`presets/sweep.yaml`, `python -m tools.sweep_record`): the report
+# cites them when the study itself does not run the sweep.
+SWEEP_RECORD = "docs/sweep"
 # The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
 PROVENANCE = "provenance.json"
 # Its findings block is rewritten from the report's summary, so that it cannot go stale (the same test checks it).
@@ -92,10 +95,12 @@ def run(params: Params, ray_address: str | None = None) -> None:
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     provenance = collect_provenance(layout, params)
     from pipeline.results.study_a.report import read_locality_sweep
+    from pipeline.results.study_b.record import read_record
 
     rendered = render_report(
         layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout),
-        median_step_times(layout), read_locality_sweep(layout.root / LOCALITY_SWEEP),
+        median_step_times(layout), read_record(layout.root / SWEEP_RECORD),
+        read_locality_sweep(layout.root / LOCALITY_SWEEP),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     readme = layout.root / README

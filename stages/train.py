@@ -1,4 +1,5 @@
-"""`lmgeo train`: one Ray task per run (arch × recipe × seed), resumable per run.
+"""`lmgeo train`: one shard per run (arch × recipe × seed, and each budget of the sweep), resumable per run;
+consecutive runs of one recipe and family share a Ray task (`ray.shards_per_task`).
 
 A run is one shard in two datasets: its checkpoints `data/models/<run>/{init,final}/` and its log
 `data/train/run=<run>/steps.parquet`. The task returns both (checkpoint files as bytes) and the driver
@@ -32,27 +33,21 @@ def train_task(
     tokenizer_files: dict[str, bytes],
 ) -> dict:
     """Ray task: train one run on the `tokens` (each split, and the vocabulary size); returns its log and
-    its checkpoints (each with `run.json` and the tokenizer) for the driver to write."""
-    import tempfile
-    from pathlib import Path
-
+    its checkpoints (each with `run.json` and the tokenizer's files, copied as `prepare` wrote them) for the
+    driver to write. Consecutive runs of one recipe and family share a task (`ray.shards_per_task`)."""
     import torch
-    from transformers import AutoTokenizer
 
     from pipeline.core.contracts import parse_run_id
     from pipeline.core.progress import Progress, StepClock
     from pipeline.core.store import write_folder
     from pipeline.study_b.train import train_run
 
-    with tempfile.TemporaryDirectory(prefix="lmgeo-tokenizer-") as scratch:
-        write_folder(Path(scratch), tokenizer_files)
-        tokenizer = AutoTokenizer.from_pretrained(scratch)
     checkpoints, log = ShardParts(), ShardParts()
 
     def save_checkpoint(model: torch.nn.Module, name: str, info: dict) -> None:
         with checkpoints.directory(f"{run_id}/{name}") as folder:
             model.save_pretrained(folder, safe_serialization=True)
-            tokenizer.save_pretrained(folder)
+            write_folder(folder, tokenizer_files)
             (folder / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 
     # Ray forwards a task's output to the driver: one line every 15 s per run, and the last step.

@@ -35,31 +35,23 @@ FINAL_VAL = {
     "gpt2-hilbert-s0": 2.5, "gpt2-hilbert-s1": 2.6, "gpt2-hilbert-s2": 2.65,
     "gpt2-hilbert_equi-s0": 2.55, "gpt2-adamw-s0": 3.4, "gpt2-sign-s0": math.nan,
 }  # fmt: skip
-# The matched-budget sweep, planted (uncapped runs as the default runs; rownorm 0.3 above muon):
-# - the cap binds for muon and rownorm at tau <= 0.4 (every step scaled) and costs muon 0.2 nats there;
-#   rownorm is then *equal* to muon on every seed (two directions equal under the cap);
-# - the cap binds for hilbert at tau <= 0.2 only, where it beats the capped muon by 0.1 (seed jitter);
-#   above, it is its uncapped self, so at 0.4 the cap binds for muon only.
-SWEEP_TAUS = (0.1, 0.2, 0.4, 0.8, 1.6)
-HILBERT_GAIN = (0.1, 0.12, 0.08)
-SWEEP_UNCAPPED = {
-    (r, s): FINAL_VAL[f"gpt2-{'hilbert' if r == 'hilbert' else 'muon'}-s{s}"] + (0.3 if r == "rownorm" else 0)
-    for r in ("muon", "rownorm", "hilbert") for s in range(3)}  # fmt: skip
+# The matched-budget sweep, planted on the default runs' seeds: at each budget `muon` costs MUON_COST over its own
+# step (same seed); `hilbert` is `muon` at that budget plus DELTA, with a seed jitter of mean 0. So muon's best
+# budget (on val) is 0.4, inside the grid, and hilbert's 0.2, on its edge.
+SWEEP_TAUS = (0.2, 0.4, 0.8)
+MUON_COST = {0.2: 0.3, 0.4: 0.1, 0.8: 0.2}
+DELTA = {0.2: -0.2, 0.4: 0.05, 0.8: 0.1}
+JITTER = (0.01, -0.02, 0.01)
+STEP_SCALE = {"muon": 2.0, "hilbert": 0.5}  # the budget enlarges muon's own steps, shrinks hilbert's
 
 
-def sweep_binds(recipe: str, tau: float) -> bool:
-    return tau <= (0.2 if recipe == "hilbert" else 0.4)
-
-
-def sweep_val(recipe: str, seed: int, tau: float | None) -> float:
-    if tau is None or not sweep_binds(recipe, tau):
-        return SWEEP_UNCAPPED[(recipe, seed)]
-    capped_muon = SWEEP_UNCAPPED[("muon", seed)] + 0.2
-    return capped_muon - HILBERT_GAIN[seed] if recipe == "hilbert" else capped_muon
+def sweep_val(recipe: str, seed: int, tau: float) -> float:
+    muon = FINAL_VAL[f"gpt2-muon-s{seed}"] + MUON_COST[tau]
+    return muon + DELTA[tau] + JITTER[seed] if recipe == "hilbert" else muon
 
 
 MATCHED_VAL = {run_id("gpt2", r, s, matched=True, cap=tau): sweep_val(r, s, tau)
-               for r in ("muon", "rownorm", "hilbert") for s in range(3) for tau in (None, *SWEEP_TAUS)}  # fmt: skip
+               for r in ("muon", "hilbert") for s in range(3) for tau in SWEEP_TAUS}  # fmt: skip
 TEST_OFFSET = 0.05
 EQUI_RATIO = {"hilbert": 0.4, "hilbert_equi": 0.6}
 EQUI_RATIO_RANDOM = 0.55
@@ -116,9 +108,8 @@ def write_run(data_dir: Path, run: str, val: float) -> None:
     """A run's steps and its final `run.json`; a NaN `val` is a run that diverged at step 7."""
     steps = diverged_steps(run) if math.isnan(val) else steps_table(run)
     spec = parse_run_id(run)
-    if spec.cap is not None:  # a capped sweep run: every step scaled where the cap binds, none elsewhere
-        scale = 0.5 if sweep_binds(spec.recipe, spec.cap) else 1.0
-        steps = steps.append_column("head_step_scale", pa.array(np.full(len(steps), scale)))
+    if spec.cap is not None:  # a sweep run: every step rescaled to the budget
+        steps = steps.append_column("head_step_scale", pa.array(np.full(len(steps), STEP_SCALE[spec.recipe])))
     write_steps(data_dir, run, steps)
     arch, recipe, head_budget_tau = spec.arch, spec.recipe, spec.cap
     record = {
@@ -296,7 +287,7 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert r["final_test_loss"] == pytest.approx(2.6 + TEST_OFFSET)
     assert r["median_equi_ratio_random"] == pytest.approx(EQUI_RATIO_RANDOM)
     assert r["median_head_alignment"] == pytest.approx(0.3)
-    assert r["frac_steps_capped"] is None  # no head budget: nothing to count
+    assert r["frac_steps_enlarged"] is None and r["median_head_step_scale"] is None  # no head budget
     geo_steps = np.arange(0, STEPS, GEOMETRY_EVERY)
     assert r["median_hilbert_bound"] == pytest.approx(np.median(1.0 + geo_steps))
     # The sampled step (realized = 2 × bound) is excluded from tightness, so the max stays 1/2.
@@ -347,7 +338,7 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
     for recipe, values in losses.items():
         for seed, loss in enumerate(values):
             run = f"neox-{recipe}-s{seed}"
-            capped = np.where(np.arange(STEPS) % 4 == 0, 0.5, 1.0)  # a quarter of the steps hit the budget
+            capped = np.where(np.arange(STEPS) % 4 == 0, 2.0, 0.5)  # a quarter of the steps enlarged
             write_steps(tmp_path, run, steps_table(run).append_column("head_step_scale", pa.array(capped)))
             record = {"run": run, "arch": "neox", "recipe": recipe, "seed": seed, "steps": STEPS, "steps_done": STEPS,
                       "tokens": 1, "final_train_loss": 1.0, "final_val_loss": loss, "final_test_loss": loss,
@@ -356,7 +347,7 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
             with ShardWriter(tmp_path / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
                 (folder / "run.json").write_text(json.dumps(record))
     tables = build_tables(sources(tmp_path), CFG)
-    assert [r["frac_steps_capped"] for r in tables["runs"].to_pylist()] == pytest.approx([0.25] * 12)
+    assert [r["frac_steps_enlarged"] for r in tables["runs"].to_pylist()] == pytest.approx([0.25] * 12)
     by = {r["recipe"]: r for r in tables["recipes"].to_pylist()}
     raw = [sps.ttest_rel(losses[r], losses["muon"]).pvalue for r in ("hilbert", "sign")]
     assert [by[r]["p_vs_muon"] for r in ("hilbert", "sign")] == pytest.approx(raw)
@@ -364,42 +355,40 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
     assert by["hilbert"]["head_budget_tau"] == 0.3
 
 
-def test_the_sweep_compares_each_budget_with_muon_under_the_same_cap(tmp_path: Path) -> None:
+def test_the_sweep_compares_each_budget_with_muon_at_the_same_budget(tmp_path: Path) -> None:
     write_study_b(tmp_path, matched=True)
     tables = build_tables(sources(tmp_path), CFG)
     runs = {r["run"]: r for r in tables["runs"].to_pylist()}
     assert runs["gpt2-muon-s0-cap0.4"]["matched"] and not runs["gpt2-muon-s0"]["matched"]
     assert (runs["gpt2-muon-s0-cap0.4"]["seed"], runs["gpt2-muon-s0-cap0.4"]["head_budget_tau"]) == (0, 0.4)
-    assert runs["gpt2-muon-s0-uncapped"]["matched"] and runs["gpt2-muon-s0-uncapped"]["head_budget_tau"] is None
+    assert runs["gpt2-muon-s0-cap0.4"]["median_head_step_scale"] == 2.0
     recipes = {(r["recipe"], r["matched"], r["head_budget_tau"]): r for r in tables["recipes"].to_pylist()}
-    assert {tau for (_, matched, tau) in recipes if matched and tau} == set(SWEEP_TAUS)
-    # default rows: as without the sweep (hilbert − muon, planted), no cap, no cap effect
+    assert {tau for (_, matched, tau) in recipes if matched} == set(SWEEP_TAUS)
+    # default rows: as without the sweep (hilbert − muon, planted), no budget, no budget effect
     assert recipes[("hilbert", False, None)]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
-    assert recipes[("hilbert", False, None)]["cap_effect"] is None
+    assert recipes[("hilbert", False, None)]["budget_effect"] is None
+    assert recipes[("hilbert", False, None)]["median_step_scale"] is None
     for tau in SWEEP_TAUS:
-        muon, rownorm, hilbert = (recipes[(r, True, tau)] for r in ("muon", "rownorm", "hilbert"))
-        assert muon["frac_steps_capped"] == (1.0 if sweep_binds("muon", tau) else 0.0)
-        assert hilbert["cap_binds"] is sweep_binds("hilbert", tau)
-        # the cap's effect, against the sweep's uncapped runs of the same seeds
-        assert muon["cap_effect"] == pytest.approx(0.2 if sweep_binds("muon", tau) else 0.0, abs=1e-12)
-        if sweep_binds("rownorm", tau):  # equal to muon under the cap: Δ = 0 exactly, a zero-width interval
-            assert (rownorm["diff_vs_muon"], rownorm["diff_ci_low"], rownorm["diff_ci_high"]) == (0.0, 0.0, 0.0)
-        expected = -np.mean(HILBERT_GAIN) if sweep_binds("hilbert", tau) else np.mean(
-            [sweep_val("hilbert", s, tau) - sweep_val("muon", s, tau) for s in range(3)])
-        assert hilbert["diff_vs_muon"] == pytest.approx(expected)
-    # Holm within one budget: hilbert's and rownorm's comparisons at 0.1, not across budgets
-    at = [recipes[(r, True, 0.1)]["p_vs_muon"] for r in ("hilbert", "rownorm")]
-    family = [math.nan if p is None else p for p in at]
-    assert recipes[("hilbert", True, 0.1)]["p_vs_muon_holm"] == pytest.approx(holm(family)[0])
+        muon, hilbert = recipes[("muon", True, tau)], recipes[("hilbert", True, tau)]
+        assert (muon["median_step_scale"], hilbert["median_step_scale"]) == (2.0, 0.5)
+        # the budget's effect, against the recipe's own-step (default) runs of the same seeds
+        assert muon["budget_effect"] == pytest.approx(MUON_COST[tau], abs=1e-12)
+        assert hilbert["diff_vs_muon"] == pytest.approx(DELTA[tau])
+    # Holm over every comparison of the sweep (all budgets), not budget by budget
+    raw = [recipes[("hilbert", True, tau)]["p_vs_muon"] for tau in SWEEP_TAUS]
+    expected = [sps.ttest_rel([sweep_val("hilbert", s, tau) for s in range(3)],
+                              [sweep_val("muon", s, tau) for s in range(3)]).pvalue for tau in SWEEP_TAUS]  # fmt: skip
+    assert raw == pytest.approx(expected)
+    assert [recipes[("hilbert", True, tau)]["p_vs_muon_holm"] for tau in SWEEP_TAUS] == pytest.approx(holm(raw))
     # the envelope: each recipe at its best budget on val (ties: the smaller), compared on test at the best
     envelope = {r["recipe"]: r for r in tables["envelope"].to_pylist()}
-    assert {r: e["best_tau"] for r, e in envelope.items()} == {"muon": 0.8, "rownorm": 0.1, "hilbert": 0.4}
+    assert {r: e["best_tau"] for r, e in envelope.items()} == {"muon": 0.4, "hilbert": 0.2}
+    assert {r: e["best_interior"] for r, e in envelope.items()} == {"muon": True, "hilbert": False}
     assert envelope["hilbert"]["n_budgets"] == len(SWEEP_TAUS)
-    assert envelope["hilbert"]["diff_vs_muon"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]))
-    assert envelope["rownorm"]["diff_vs_muon"] == pytest.approx(0.2)
-    assert envelope["hilbert"]["uncapped_test_loss"] == pytest.approx(np.mean([2.5, 2.6, 2.65]) + TEST_OFFSET)
-    # the headline's envelope: the lowest difference to muon at the best budgets, hilbert's (rownorm's is +0.2)
-    assert metrics(tables)["envelope"] == pytest.approx(np.mean([-0.5, -0.5, -0.65]), abs=5e-5)
+    best_diff = np.mean([sweep_val("hilbert", s, 0.2) - sweep_val("muon", s, 0.4) for s in range(3)])
+    assert envelope["hilbert"]["diff_vs_muon"] == pytest.approx(best_diff)
+    assert envelope["hilbert"]["own_step_test_loss"] == pytest.approx(np.mean([2.5, 2.6, 2.65]) + TEST_OFFSET)
+    assert metrics(tables)["envelope"] == pytest.approx(best_diff, abs=5e-5)
     beats = [c for c in tables["claims"].to_pylist() if c["claim"] == "beats_muon"]
     assert [c["subject"] for c in beats if c["fn"] == "hilbert"] == ["gpt2"]  # the default runs' claim only
 

@@ -151,6 +151,27 @@ def test_newton_schulz_flops_match_torchs_flop_counter():
         assert counter.get_total_flops() == newton_schulz_flops(*shape, steps=5)
 
 
+def test_the_equidistance_searchs_products_are_what_its_cost_model_counts(monkeypatch):
+    """The matrix products of the solver's candidate search (`search`), against torch's FLOP counter: the
+    Gram matrix up to BUCKET_ROWS rows (2·V²·d), the sketch and the buckets' Gram above (2·V·d·s +
+    2·V·B·s). `hilbert_equi_flops` counts two searches a step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from pipeline.study_b import equidistance
+    from pipeline.study_b.lmo import sketch_projection
+
+    monkeypatch.setattr(equidistance, "BUCKET_ROWS", 256)
+    for rows, width in [(200, 24), (1024, 96)]:
+        u = torch.nn.functional.normalize(torch.randn(rows, width), dim=1)
+        projection = sketch_projection(width, u) if rows > 256 else None
+        with FlopCounterMode(display=False) as counter:
+            equidistance.search(u, projection)
+        s = min(width, 64) if rows > 256 else width
+        bucket = 256 if rows > 256 else rows
+        expected = 2 * rows * bucket * s + (2 * rows * width * 64 if width > 64 and rows > 256 else 0)
+        assert counter.get_total_flops() == expected
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="VmHWM is Linux-only")
 def test_peak_rss_sees_a_freed_allocation_until_reset():
     block = 256 * 2**20

@@ -208,14 +208,15 @@ def test_the_ablation_presets_set_what_they_say():
     def preset(name):
         return apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / name)))
 
-    # the default study's sweep: >= 5 budgets spanning `hilbert`'s tuned tau, shorter than the study's runs; the
-    # full sweep at the study's horizon on more seeds; the centred rows take rownorm's tuned row norm η
+    # the default study leaves the sweep to its preset: >= 3 budgets on >= 3 of the study's seeds at its horizon,
+    # spanning the Hilbert recipes' tuned taus; the centred rows take rownorm's tuned row norm η
     default = load_params(REPO / "params.yaml").train
-    sweep = default.matched_budget
-    assert len(sweep.taus) >= 5 and min(sweep.taus) < RECIPES["hilbert"].default_step.tau < max(sweep.taus)
-    assert sweep.steps < default.steps
-    full = preset("sweep.yaml").train.matched_budget
-    assert set(sweep.taus) < set(full.taus) and set(sweep.seeds) < set(full.seeds) and full.steps is None
+    assert default.matched_budget is None
+    full = preset("sweep.yaml").train
+    sweep = full.matched_budget
+    assert len(sweep.taus) >= 3 and len(sweep.seeds) >= 3 and set(sweep.seeds) <= set(full.seeds)
+    for recipe in ("hilbert", "hilbert_equi"):
+        assert min(sweep.taus) < RECIPES[recipe].default_step.tau < max(sweep.taus)
     centring = preset("centring.yaml").train
     assert centring.recipe_overrides["hilbert"].head_lr == pytest.approx(2 * RECIPES["rownorm"].default_step.head_lr)
 
@@ -237,27 +238,42 @@ def test_the_matched_budget_sweep_is_the_grid_again_per_seed_and_budget_and_stud
 
     taus = [0.1, 0.2, 0.4, 0.8, 1.6]
     params = parse_params({
-        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1], "steps": 50,
-                  "matched_budget": {"taus": taus, "seeds": [1, 2], "steps": 20}},
+        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1, 2], "steps": 50,
+                  "matched_budget": {"taus": taus, "seeds": [1, 2]}},
         "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
     })  # fmt: skip
     runs = params.trained_runs()
-    assert runs[:5] == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-hilbert-s0", "neox-hilbert-s1"]
-    sweep = [parse_run_id(r) for r in runs[5:]]
-    assert runs[5:8] == ["neox-muon-s1-uncapped", "neox-muon-s1-cap0.1", "neox-muon-s1-cap0.2"]
-    # every recipe x sweep seed x (uncapped + each budget), each once, every one a matched run of the sweep's steps
-    assert len(set(runs[5:])) == len(runs[5:]) == 2 * 2 * (1 + len(taus))
+    assert runs[:7] == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-muon-s2", "neox-hilbert-s0",
+                        "neox-hilbert-s1", "neox-hilbert-s2"]  # fmt: skip
+    sweep = [parse_run_id(r) for r in runs[7:]]
+    assert runs[7:9] == ["neox-muon-s1-cap0.1", "neox-muon-s1-cap0.2"]
+    # every recipe x sweep seed x budget, each once, at the study's horizon (its own run is the reference)
+    assert len(set(runs[7:])) == len(runs[7:]) == 2 * 2 * len(taus)
     assert {(s.recipe, s.seed, s.cap) for s in sweep} == {
-        (r, seed, c) for r in ("muon", "hilbert") for seed in (1, 2) for c in (None, *taus)}
-    assert all(s.matched and params.train.for_run(s).steps == 20 for s in sweep)
-    assert params.train.for_run(parse_run_id("neox-muon-s0")).steps == 50
+        (r, seed, c) for r in ("muon", "hilbert") for seed in (1, 2) for c in taus}
+    assert all(s.matched and params.train.for_run(s).steps == 50 for s in sweep)
     for spec in sweep:
         assert parse_run_id(spec.run_id) == spec
-        assert head_budget(params.train.for_run(spec), spec) == spec.cap  # None: the uncapped reference
+        assert head_budget(params.train.for_run(spec), spec) == spec.cap
     assert head_budget(params.train, parse_run_id("neox-muon-s1")) is None
     with pytest.raises(ValueError, match="lacks it"):
         head_budget(params.train, parse_run_id("neox-muon-s1-cap0.3"))
-    assert not set(params.analysed_runs()) & set(runs[5:])  # Study A analyses the recipes as tuned
+    assert not set(params.analysed_runs()) & set(runs[7:])  # Study A analyses the recipes as tuned
+
+
+def test_the_sweep_trains_rownorm_once_as_hilbert_and_only_on_the_studys_seeds():
+    """Under a matched budget `rownorm`'s training is `hilbert`'s (SPEC §3.2): with both in the grid the sweep
+    trains `hilbert` only; alone, `rownorm` is swept. Sweep seeds outside the study's are refused (the study's
+    run of the seed is the sweep's reference)."""
+    both = parse_params({"train": {"recipes": ["muon", "rownorm", "hilbert"], "seeds": [0],
+                                   "matched_budget": {"taus": [0.4], "seeds": [0]}}})  # fmt: skip
+    assert both.train.swept_recipes() == ["muon", "hilbert"]
+    assert not any("rownorm" in r and "-cap" in r for r in both.trained_runs())
+    alone = parse_params({"train": {"recipes": ["muon", "rownorm"], "seeds": [0],
+                                    "matched_budget": {"taus": [0.4], "seeds": [0]}}})  # fmt: skip
+    assert alone.train.swept_recipes() == ["muon", "rownorm"]
+    with pytest.raises(ParamsError, match=r"matched_budget.seeds \[3\] are not among train.seeds"):
+        parse_params({"train": {"seeds": [0], "matched_budget": {"taus": [0.4], "seeds": [0, 3]}}})
 
 
 @pytest.mark.parametrize("tau", [0.1, 1.6, 2.0, 1e-05, 3e-7, 12.5])
@@ -266,8 +282,10 @@ def test_a_budget_reads_back_from_its_run_id_without_an_exponent(tau: float) -> 
 
     run = run_id("neox", "hilbert_equi", 3, matched=True, cap=tau)
     assert "e" not in run.split("-cap")[1] and parse_run_id(run).cap == tau
-    with pytest.raises(ValueError, match="only a run of the matched-budget sweep"):
+    with pytest.raises(ValueError, match="and only such a run"):
         run_id("neox", "muon", 0, cap=tau)
+    with pytest.raises(ValueError, match="has a budget"):
+        run_id("neox", "muon", 0, matched=True)
 
 
 def test_an_override_inside_a_null_section_creates_it():

@@ -62,8 +62,10 @@ MAX_METRICS = 30  # issue 26: `dvc metrics show` and `dvc exp show` fit a 200-co
 # 0.03 (the study ran 0.02).
 TUNING = {
     "protocol": {"arch": "gpt2", "steps": 20, "seeds": [1000, 1001], "grid": "the grid", "transfer": None},
-    "chosen": {"hilbert": {"knob": "tau", "value": 0.8, "mean_val_loss": 3.0},
-               "muon": {"knob": "head_lr", "value": 0.03, "mean_val_loss": 3.1}},
+    "chosen": {"hilbert": {"tau": {"knob": "tau", "value": 0.8, "mean_val_loss": 3.0}},
+               "muon": {"head_lr": {"knob": "head_lr", "value": 0.03, "mean_val_loss": 3.1}}},
+    "curves": [{"recipe": "hilbert", "knob": "tau", "chosen": 0.8, "margin": 0.001, "seed_noise": 0.01},
+               {"recipe": "muon", "knob": "head_lr", "chosen": 0.03, "margin": 0.05, "seed_noise": 0.01}],
     "trials": [{"arch": "gpt2", "recipe": r, "knob": k, "value": v, "seed": 1000}
                for r, k in (("hilbert", "tau"), ("muon", "head_lr")) for v in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)],
 }  # fmt: skip
@@ -417,7 +419,7 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     protocol = section(text, "### Protocol")
     assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol
     assert "the matched-budget sweep at the end" in protocol
-    assert "No record of the head step-size sweep" in protocol
+    assert "No record of the step-size sweep" in protocol
     runs = next(line for line in protocol.splitlines() if line.startswith("- **Runs.**"))
     assert "diverged (left out of the means): `gpt2-sign-s0` (step 7)" in runs and "`gpt2-rownorm-s0`" in runs
     spread = "`equi_spreads_rows` (gpt2): **not measured**: equi_ratio − random unit rows' 0.05 [n/a, n/a] over 1 seeds"
@@ -438,32 +440,63 @@ def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
 
 def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: Path) -> None:
     text, _, _ = render(tmp_path, write_study_b, TUNING)
-    assert "chosen on `gpt2` with the same budget: 7 step sizes per recipe (the grid)" in text
+    assert "chosen on `gpt2` with the same budget: 7 values per knob (the grid)" in text
     assert "seeds 1000, 1001 (not the study's), 20 steps, as here" in text
-    assert "Not at the tuned step here: `muon` (head_lr=0.02, tuned head_lr=0.03)." in text
+    assert "Not at the tuned knobs here: `muon` ({'head_lr': 0.02}, tuned {'head_lr': 0.03})." in text
+    # the lead of hilbert's tau (0.001) is below its trials' seed noise (0.01): a flat optimum, said so
+    assert "below the trials' seed noise (a flat optimum" in text and "`hilbert` tau" in text
 
 
 def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_budgets(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda data: write_study_b(data, matched=True))
     section = text[text.index("### Step size vs direction: the matched-budget sweep"):text.index("## Study A")]
-    assert "tau ∈ {0.1, 0.2, 0.4, 0.8, 1.6} nats" in section and "seeds 0, 1, 2 for 20 steps" in section
-    assert "| arch | recipe | tau 0.1 | tau 0.2 | tau 0.4 | tau 0.8 | tau 1.6 |" in section
-    rownorm = next(line for line in section.splitlines() if line.startswith("| gpt2 | `rownorm`"))
-    assert rownorm.startswith("| gpt2 | `rownorm` | 0 [0, 0] | 0 [0, 0] | 0 [0, 0] |")  # equal to muon under the cap
+    assert "tau ∈ {0.2, 0.4, 0.8} nats, at the comparison's horizon (20 steps, 5,120 tokens)" in section
+    assert "on 3 paired seeds" in section
+    assert "Holm over the sweep's 3 comparisons with `muon`" in section
+    assert "| arch | recipe | tau 0.2 | tau 0.4 | tau 0.8 |" in section
     hilbert = next(line for line in section.splitlines() if line.startswith("| gpt2 | `hilbert`"))
-    assert "| -0.1 [" in hilbert and "†" in hilbert.split("|")[5]  # at 0.4 the cap binds for muon only
+    assert "| -0.2 [" in hilbert and hilbert.count("\\*") == 3  # every budget resolved after Holm (planted)
+    scale = next(line for line in section.splitlines() if line.startswith("| gpt2 | `muon`") and "×" in line)
+    assert scale.startswith("| gpt2 | `muon` | ×2 / 0.3 | ×2 / 0.1 | ×2 / 0.2 |")  # rescale / the budget's effect
     assert "study_b_loss_vs_budget" in rendered.figures
     assert rendered.figures["study_b_loss_vs_budget"][0]["x"] == "head budget tau (worst-case nats per step)"
     summary = text[: text.index("## Study B")]
     assert "-cap" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs' table only
     at_equal_budget = summary[summary.index("**At equal worst-case nats per step**"):]
-    assert "at budget 0.1 (gpt2), `hilbert` beats `muon` by 0.1 [" in at_equal_budget
-    assert "at budget 0.2 (gpt2), `hilbert` beats `muon`" in at_equal_budget
-    assert "one side only" in at_equal_budget and "`muon` at budget 0.4 (gpt2), not `hilbert`" in at_equal_budget
-    assert "Envelope (gpt2, each recipe at its best budget on val; `muon` at 0.8" in at_equal_budget
-    assert "`hilbert` at budget 0.4 lower by 0.55 [" in at_equal_budget
-    assert "`gpt2-muon-s0-cap0.1`" not in text  # the sweep's runs are left to `lmgeo query`
-    assert "The matched-budget sweep's 54 runs" in text
+    assert "at budget 0.2 (gpt2), `hilbert` beats `muon` by 0.2 [" in at_equal_budget
+    assert "at budget 0.8 (gpt2), `hilbert` loses to `muon` by 0.1 [" in at_equal_budget
+    assert "Envelope (gpt2, each recipe at its best budget on val; `muon` at 0.4" in at_equal_budget
+    assert "Best budget on the grid's edge (the grid should be extended): `hilbert` (gpt2, 0.2)." in at_equal_budget
+    assert "`gpt2-muon-s0-cap0.2`" not in text  # the sweep's runs are left to `lmgeo query`
+    assert "The matched-budget sweep's 18 runs" in text
+
+
+def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
+    """A study without the sweep states the committed record's numbers, naming the preset and revision; a
+    record whose table was changed after it was written is refused."""
+    from pipeline.core.contracts import read_result_tables
+    from pipeline.core.errors import InputError
+    from pipeline.results.study_b.record import read_record, write_record
+
+    swept = tmp_path / "swept"
+    render(swept, lambda data: write_study_b(data, matched=True))
+    record = tmp_path / "docs" / "sweep"
+    write_record(read_result_tables(swept / "reports" / "tables"), PROVENANCE, "the preset's command", record)
+    plain = tmp_path / "plain"
+    write_study_b(plain / "data")
+    aggregate(sources(plain / "data"), plain / "reports", CFG, KEY, DEFAULT.analysis)
+    out = plain / "reports" / "report.md"
+    render_report(plain / "reports" / "tables", out, plain / "reports" / "figures", PROVENANCE, None, None,
+                  read_record(record))  # fmt: skip
+    text = out.read_text()
+    assert "From `the preset's command` at revision 0123abc (params hash feedbeef)" in text
+    assert "at budget 0.2 (gpt2), `hilbert` beats `muon` by 0.2 [" in text
+    assert "| arch | recipe | tau 0.2 | tau 0.4 | tau 0.8 |" in text
+    with pytest.raises(InputError, match="the preset first"):
+        write_record(read_result_tables(plain / "reports" / "tables"), PROVENANCE, "x", tmp_path / "empty")
+    (record / "envelope.parquet").write_bytes((record / "recipes.parquet").read_bytes())
+    with pytest.raises(InputError, match="envelope.parquet: missing or not the table"):
+        read_record(record)
 
 
 def test_a_study_without_the_matched_budget_ablation_says_so(tmp_path: Path) -> None:
@@ -585,13 +618,6 @@ def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size(
              "steps": tuning["protocol"]["steps"], "n_params": n} for n in (tuned, 2 * tuned)]  # fmt: skip
     assert "not re-tuned" in _tuning_statement(tuning, runs[1:])
     assert "not re-tuned" not in _tuning_statement(tuning, runs[:1])
-
-
-def test_the_sweep_says_when_its_runs_are_shorter_than_the_comparison() -> None:
-    from pipeline.results.study_b.report import _shorter_note
-
-    assert "**The sweep's runs take 60 steps, the comparison above 200**" in _shorter_note([60], [200])
-    assert _shorter_note([200], [200]) == ""
 
 
 def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effect(default_study) -> None:

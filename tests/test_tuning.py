@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -75,18 +76,44 @@ def test_best_step_refuses_mixed_recipes_or_archs_and_all_diverged() -> None:
 
 
 # ------------------------------------------------------------------------------ grids and budget
-def test_every_recipe_gets_the_same_budget_in_one_knob() -> None:
-    """Equal budgets (SPEC §3.2): the same number of values, built the same way, for every recipe, the
-    baselines included; trust-region recipes are tuned in nats, the others in η."""
+def test_every_recipe_gets_the_same_budget_per_knob() -> None:
+    """Equal budgets (SPEC §3.2): the same number of values, built the same way, for every recipe's step, the
+    baselines included; trust-region recipes are tuned in nats, `adamw` in its hidden matrices' lr, the
+    others in η; `hilbert_equi`'s descent share gets the same budget on its own grid."""
     cfg = TrainConfig(model=ModelSize(d_model=64), adamw_lr=2e-3)
     for recipe in RECIPES.names():
+        step = tuning.knobs_of(recipe)[0]
         values = tuning.first_round(recipe, cfg)
         centre = tuning.default_value(recipe, cfg)
         np.testing.assert_allclose(values, centre * np.array(tuning.GRID_FACTORS), rtol=5e-3)  # 3 significant digits
-        assert tuning.knob_of(recipe) == ("tau" if RECIPES[recipe].trust_region else "head_lr")
+        expected = "hidden_lr" if recipe == "adamw" else "tau" if RECIPES[recipe].trust_region else "head_lr"
+        assert step == expected
         trials = tuning.trials_for(recipe, "neox", values + [1.0, 2.0], tuning.TUNING_SEEDS)
         assert len(trials) == (len(tuning.GRID_FACTORS) + tuning.REFINEMENTS) * len(tuning.TUNING_SEEDS)
-        assert {t.knob for t in trials} == {tuning.knob_of(recipe)}
+        assert {t.knob for t in trials} == {step}
+    assert tuning.knobs_of("hilbert_equi") == ("tau", "equi_alignment")
+    assert tuning.first_round("hilbert_equi", cfg, "equi_alignment") == list(tuning.ALIGNMENT_GRID)
+    assert len(tuning.ALIGNMENT_GRID) == len(tuning.GRID_FACTORS)
+
+
+def test_the_descent_share_is_refined_inside_its_interval() -> None:
+    def losses(best_at: float) -> list:
+        return [("equi_alignment", v, 0, 3.0 + abs(v - best_at)) for v in tuning.ALIGNMENT_GRID]
+
+    assert tuning.refinement(table("hilbert_equi", losses(0.6))) == [0.5, 0.7]
+    assert tuning.refinement(table("hilbert_equi", losses(1.0))) == [0.9, 0.95]  # c cannot exceed 1
+    assert tuning.refinement(table("hilbert_equi", losses(0.2))) == [0.1, 0.05]
+
+
+def test_the_seed_noise_and_the_lead_of_a_tuning_curve() -> None:
+    """Seed noise: the SD of a trial about its value's mean, pooled over values whose seeds all finished; the
+    lead: the runner-up's mean minus the winner's."""
+    t = table("sign", [("head_lr", 0.1, 0, 3.0), ("head_lr", 0.1, 1, 3.2), ("head_lr", 0.2, 0, 2.9),
+                       ("head_lr", 0.2, 1, 3.0), ("head_lr", 0.4, 0, 3.5), ("head_lr", 0.4, 1, None)])  # fmt: skip
+    deviations = [0.1, 0.1, 0.05, 0.05]  # about 3.1 and 2.95; 0.4 diverged on a seed: left out
+    assert tuning.seed_noise(t) == pytest.approx(math.sqrt(sum(d * d for d in deviations) / 2))
+    assert tuning.margin(t) == pytest.approx(3.1 - 2.95)
+    assert tuning.seed_noise(table("sign", [("head_lr", 0.1, 0, 3.0)])) is None
 
 
 def test_a_default_that_follows_the_adamw_lr_or_is_an_eta_is_centred_on_it(monkeypatch) -> None:
@@ -124,20 +151,25 @@ def test_a_trial_changes_only_its_recipe_head_step() -> None:
     trial = tuning.Trial("hilbert_equi", "neox", "tau", 0.25, 0)
     cfg = tuning.trial_config(base, trial)
     assert cfg.recipe_overrides["hilbert_equi"] == RecipeConfig(tau=0.25, equi_iters=5)
+    share = tuning.trial_config(cfg, tuning.Trial("hilbert_equi", "neox", "equi_alignment", 0.6, 0))
+    assert share.recipe_overrides["hilbert_equi"] == RecipeConfig(tau=0.25, equi_iters=5, equi_alignment=0.6)
+    with pytest.raises(ValueError, match="has no knob equi_alignment"):
+        tuning.Trial("hilbert", "neox", "equi_alignment", 0.5, 0)
     assert cfg.recipe_overrides["sign"] == base.recipe_overrides["sign"]
     assert cfg.model_dump(exclude={"recipe_overrides"}) == base.model_dump(exclude={"recipe_overrides"})
     with pytest.raises(ValueError, match="tau applies"):
         tuning.Trial("sign", "neox", "tau", 0.25, 0)
 
 
-@pytest.mark.parametrize("recipe", ["adamw", "muon", "sign"])
-def test_every_group_but_the_head_keeps_its_learning_rate(recipe: str) -> None:
+@pytest.mark.parametrize(("recipe", "group"), [("adamw", "hidden"), ("muon", "head"), ("sign", "head")])
+def test_every_group_but_the_tuned_one_keeps_its_learning_rate(recipe: str, group: str) -> None:
     model = build_model("neox", TINY, VOCAB, SEQ, seed=0)
     base = TrainConfig(model=TINY)
-    configs = [tuning.trial_config(base, tuning.Trial(recipe, "neox", "head_lr", v, 0)) for v in (0.001, 0.1)]
+    knob = tuning.knobs_of(recipe)[0]
+    configs = [tuning.trial_config(base, tuning.Trial(recipe, "neox", knob, v, 0)) for v in (0.001, 0.1)]
     lrs = [build_optimizers(model, head_of(model).weight, recipe, cfg).lrs() for cfg in configs]
-    assert {k: v for k, v in lrs[0].items() if k != "head"} == {k: v for k, v in lrs[1].items() if k != "head"}
-    assert lrs[1]["head"] == pytest.approx(100 * lrs[0]["head"])
+    assert {k: v for k, v in lrs[0].items() if k != group} == {k: v for k, v in lrs[1].items() if k != group}
+    assert lrs[1][group] == pytest.approx(100 * lrs[0][group])
 
 
 # ----------------------------------------------------------------------------------- real runs
@@ -202,8 +234,8 @@ PROTOCOL = {
     "arch": "neox", "transfer_archs": [], "transfer": None, "model": TINY.model_dump(), "n_params": 1234,
     "vocab_size": VOCAB, "seq_len": SEQ, "steps": 4, "batch_size": 4, "tokens_per_run": 256, "seeds": [1000],
     "hidden_lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.0, "grad_clip": 1.0,
-    "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1, "grid": "a grid", "values_per_recipe": 3,
-    "defaults_at_sweep": {"sign": {"knob": "head_lr", "value": 0.2}}, "wall_time_s": 1.0, "threads_per_run": 1,
+    "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1, "grid": "a grid", "values_per_knob": 3,
+    "defaults_at_sweep": {"sign": {"head_lr": 0.2}}, "wall_time_s": 1.0, "threads_per_run": 1,
     "machine": "test",
 }  # fmt: skip
 
@@ -211,23 +243,23 @@ PROTOCOL = {
 def test_the_document_marks_the_choice_diverged_runs_and_bracketing() -> None:
     trial_rows = rows("sign", [("head_lr", 0.1, 1000, 3.5), ("head_lr", 0.2, 1000, 3.2), ("head_lr", 0.4, 1000, None)])
     choice = tuning.best_step(tuning.results_table(trial_rows))
-    text = render(PROTOCOL, trial_rows, {"sign": choice})
+    text = render(PROTOCOL, trial_rows, {"sign": {"head_lr": choice}})
     assert "| neox | `sign` | `head_lr` | 0.2 | 3.2000 | 3.2000 | ✔ |" in text
     assert "| neox | `sign` | `head_lr` | 0.4 | *diverged* | inf (diverged) |  |" in text
-    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | yes | `head_lr` 0.2: 3.2000 |" in text
-    assert "nothing to transfer" in text and "never evaluated by tuning" in text
+    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | yes | 0.3000 | – | `head_lr` 0.2: 3.2000 |" in text
+    assert "nothing to transfer" in text and "never evaluated by tuning" in text and "tuning.png" in text
     at_edge = rows("sign", [("head_lr", 0.1, 1000, 3.5), ("head_lr", 0.2, 1000, 3.2)])
-    text = render(PROTOCOL, at_edge, {"sign": tuning.best_step(tuning.results_table(at_edge))})
-    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | no | `head_lr` 0.2: 3.2000 |" in text
+    text = render(PROTOCOL, at_edge, {"sign": {"head_lr": tuning.best_step(tuning.results_table(at_edge))}})
+    assert "| `sign` | `head_lr` | 0.2 | 3.2000 | no | 0.3000 | – | `head_lr` 0.2: 3.2000 |" in text
 
 
 def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
     choice = tuning.Choice("head_lr", 0.2, 3.0)
     steps = [("head_lr", 0.1, 0, 3.3), ("head_lr", 0.2, 0, 3.4), ("head_lr", 0.4, 0, 3.6)]
     other = [dict(r, arch="gpt2") for r in rows("sign", steps)]
-    summary = transfer_summary(other, {"sign": choice}, ["gpt2"])
+    summary = transfer_summary(other, {"sign": {"head_lr": choice}}, ["gpt2"])
     assert summary == "gpt2: the choice is also the best of ×½, ×1, ×2 for 0 of 1 recipes (not for sign)"
-    assert transfer_summary([], {"sign": choice}, []) is None
+    assert transfer_summary([], {"sign": {"head_lr": choice}}, []) is None
 
 
 # ---------------------------------------------------------------------------------------- command
@@ -243,3 +275,25 @@ def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) ->
         tune.run(Params(), recipes=["sign", "scion"])
     with pytest.raises(InputError, match="run the prepare stage"):
         tune.run(Params(), recipes=["sign"])
+
+
+def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeypatch) -> None:
+    """The trial cache keeps a finished trial's row under a key of what decides it (its config, the tokens and
+    its code version): read back by a new sweep, and not for another config."""
+    from stages.layout import Layout
+    from tools.tune import TrialCache
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    layout = Layout.here()
+    path = tmp_path / ".tuning.trials.jsonl"
+    trial = tuning.Trial("sign", "neox", "head_lr", 0.2, 1000)
+    base = TrainConfig(model=TINY)
+    cache = TrialCache(path, tokens="abc")
+    key = cache.key(trial, tuning.trial_config(base, trial), SEQ, layout)
+    row = rows("sign", [("head_lr", 0.2, 1000, 3.25)])[0]
+    assert cache.add(key, row) == row
+    again = TrialCache(path, tokens="abc")
+    assert again.rows == {key: row}
+    other = tuning.trial_config(base.model_copy(update={"steps": 7}), trial)
+    assert again.key(trial, other, SEQ, layout) != key
+    assert TrialCache(path, tokens="another").key(trial, tuning.trial_config(base, trial), SEQ, layout) != key

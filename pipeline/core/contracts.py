@@ -7,9 +7,8 @@ Readers see only the files of complete, verified shards (`pipeline.core.store`),
 
 Ids:
 - a run is `<arch>-<recipe>-s<seed>`; a run of the matched-budget sweep is `<arch>-<recipe>-s<seed>-cap<tau>`
-  (its head step capped at `tau` nats, written positionally: `0.4`, never `4e-01`) or
-  `<arch>-<recipe>-s<seed>-uncapped` (the sweep's reference at the sweep's steps) (`run_id`, `parse_run_id`);
-  names are `[a-z0-9_.]`, `-` only separates;
+  (its head step matched to `tau` nats, written positionally: `0.4`, never `4e-01`) (`run_id`,
+  `parse_run_id`); names are `[a-z0-9_.]`, `-` only separates;
 - a model is `<run>@init` / `<run>@final` in tables and `<run>.init` / `<run>.final` in partition paths;
   an external model is its hub id or workspace path (without `./`) in tables and the same with `/` → `--`
   in paths (`path_id`, `table_id`, and `table_id_sql` for the same inverse inside DuckDB).
@@ -36,9 +35,9 @@ from pipeline.core.errors import InputError
 
 # ------------------------------------------------------------------------------------------- run ids
 _NAME = r"[a-z0-9_.]+"
-CAPPED, UNCAPPED = "-cap", "-uncapped"  # the suffixes of a matched-budget sweep run (SPEC §3.2)
-_RUN = rf"({_NAME})-({_NAME})-s([0-9]+)({CAPPED}([0-9]+(?:\.[0-9]+)?)|{UNCAPPED})?"
-# groups: arch, recipe, seed, the sweep suffix (empty when absent), the cap in nats (empty when uncapped)
+CAPPED = "-cap"  # the suffix of a matched-budget sweep run (SPEC §3.2)
+_RUN = rf"({_NAME})-({_NAME})-s([0-9]+)({CAPPED}([0-9]+(?:\.[0-9]+)?))?"
+# groups: arch, recipe, seed, the sweep suffix (empty when absent), the budget in nats (empty when absent)
 RUN_ID_PATTERN = rf"^{_RUN}$"
 CHECKPOINTS = ("init", "final")
 
@@ -49,7 +48,7 @@ class RunSpec:
     recipe: str
     seed: int
     matched: bool = False  # a run of the matched-budget sweep (`train.matched_budget`)
-    cap: float | None = None  # its head budget in nats; None for the sweep's uncapped reference
+    cap: float | None = None  # its head budget in nats (a sweep run), else None
 
     @property
     def run_id(self) -> str:
@@ -57,9 +56,9 @@ class RunSpec:
 
 
 def run_id(arch: str, recipe: str, seed: int, matched: bool = False, cap: float | None = None) -> str:
-    if cap is not None and not matched:
-        raise ValueError("only a run of the matched-budget sweep has a cap")
-    suffix = "" if not matched else UNCAPPED if cap is None else CAPPED + _positional(cap)
+    if (cap is not None) != matched:
+        raise ValueError("a run of the matched-budget sweep has a budget (cap), and only such a run")
+    suffix = CAPPED + _positional(cap) if cap is not None else ""
     run = f"{arch}-{recipe}-s{seed}{suffix}"
     if not re.match(RUN_ID_PATTERN, run):
         raise ValueError(f"{run!r} is not a valid run id (names are [a-z0-9_.], seeds and caps non-negative)")
@@ -69,7 +68,7 @@ def run_id(arch: str, recipe: str, seed: int, matched: bool = False, cap: float 
 def parse_run_id(run: str) -> RunSpec:
     match = re.match(RUN_ID_PATTERN, run)
     if not match:
-        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>[{CAPPED}<tau>|{UNCAPPED}]`")
+        raise ValueError(f"{run!r} is not a run id `<arch>-<recipe>-s<seed>[{CAPPED}<tau>]`")
     return RunSpec(match[1], match[2], int(match[3]), bool(match[4]), float(match[5]) if match[5] else None)
 
 
@@ -387,8 +386,8 @@ TOKENS_SCHEMA = pa.schema([pa.field("token_id", pa.int32())])  # `<split>.parque
 SPLITS = ("train", "val", "test")
 
 # Result tables (`reports/tables/<name>.parquet`), written by `pipeline.results.aggregate`.
-RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "geometry", "geometry_pooled", "angles", "correlations",
-                 "claims", "claim_tests", "expressivity", "paper_values")
+RESULT_TABLES = ("runs", "curves", "recipes", "envelope", "baselines", "geometry", "geometry_pooled", "angles",
+                 "correlations", "claims", "claim_tests", "expressivity", "paper_values")
 SHARDED = (STEPS, ACTIVATIONS, FITS, PERTURB)
 
 

@@ -1,12 +1,13 @@
 """Aggregation of training logs and per-token fits into small result tables (SPEC §2, §3.3, §4.4).
 
 ``aggregate(sources, out_dir, cfg)`` reads ``Sources``: the verified files of the steps, fits and perturb
-datasets (``pipeline.core.contracts``) and the records of the finished runs, and writes:
+datasets (``pipeline.core.contracts``), the records of the finished runs and the n-gram baselines, and writes:
 
 - ``out_dir/tables/<name>.parquet`` for every name in ``RESULT_TABLES`` (always all of them; a study that was not
   run gives empty tables with the documented columns):
   ``runs``, ``curves``, ``recipes`` (with a row per budget of the matched-budget sweep), ``envelope`` (each
-  recipe at its best budget of the sweep), ``geometry`` (per model, layer, class and sample: real or null),
+  recipe at its best budget of the sweep), ``baselines`` (the unigram and Kneser–Ney bigram on the models' val
+  and test windows, ``pipeline.study_b.ngram``), ``geometry`` (per model, layer, class and sample: real or null),
   ``geometry_pooled`` (descriptive, real sample), ``angles``, ``correlations`` (per layer, and stratified over
   layers), ``claims`` (Study B), ``claim_tests`` (Study A's claims against their nulls,
   ``pipeline.results.study_a.claims``), ``expressivity`` (per subject and local class, in order of capacity:
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import FITS, PERTURB, STEPS, RunRecord, scan
@@ -45,6 +47,7 @@ from pipeline.results.config import ReportConfig
 from pipeline.results.study_a import tables as study_a
 from pipeline.results.study_b import tables as study_b
 from pipeline.study_a.config import AnalysisConfig
+from pipeline.study_b.ngram import NgramLoss
 
 # ------------------------------------------------------------------------------------ reading data
 Files = tuple[Path, Sequence[Path]]  # a dataset's root and its verified files
@@ -52,12 +55,14 @@ Files = tuple[Path, Sequence[Path]]  # a dataset's root and its verified files
 
 @dataclass(frozen=True)
 class Sources:
-    """What aggregation reads: the verified files of each per-token dataset, and the finished runs."""
+    """What aggregation reads: the verified files of each per-token dataset, the finished runs, and the
+    n-gram baselines of the models' evaluation windows (none where the tokens are not given)."""
 
     steps: Files
     fits: Files
     perturb: Files
     runs: Sequence[RunRecord]
+    baselines: Sequence[NgramLoss] = ()
 
 
 def load_sources(
@@ -66,13 +71,15 @@ def load_sources(
     perturb: Path,
     models: Path,
     expected: Mapping[str, Mapping[str, ManifestKey]] | None = None,
+    windows: EvaluationWindows | None = None,
 ) -> Sources:
     """The verified files under each dataset folder (none where a stage has not run) and the records of
     the finished runs (`run.json` of each final checkpoint, as its manifest lists it).
 
     `expected` (dataset → shard → key, from the writing stages' current plans: `train` for the steps and
     the models, `fit`, `perturb`) makes every read take exactly the planned shards, and refuse a missing,
-    stale or mixed one; without it a dataset is read as written (one params hash, one code version)."""
+    stale or mixed one; without it a dataset is read as written (one params hash, one code version).
+    `windows` (the tokens and the models' evaluation windows) gives the n-gram baselines."""
     planned = dict(expected or {})
 
     def files(root: Path, name: str, stage: str) -> Files:
@@ -83,7 +90,31 @@ def load_sources(
     _, checkpoints = files(models, "models", "train")
     records = [RunRecord.from_json(json.loads(p.read_text())) for p in checkpoints if p.match("*/final/run.json")]
     return Sources(files(steps, "steps", "train"), files(fits, "fits", "fit"), files(perturb, "perturb", "perturb"),
-                   sorted(records, key=lambda r: r.run))  # fmt: skip
+                   sorted(records, key=lambda r: r.run), windows.baselines() if windows else ())  # fmt: skip
+
+
+@dataclass(frozen=True)
+class EvaluationWindows:
+    """The prepared tokens and how the models are evaluated on them (`train`'s windows): the n-gram
+    baselines are read on exactly those windows."""
+
+    tokens_dir: Path
+    seq_len: int
+    val_windows: int  # eval_batches × batch_size
+    test_windows: int  # test_batches × batch_size
+
+    def baselines(self) -> list[NgramLoss]:
+        import torch
+
+        from pipeline.study_b.ngram import baselines
+        from pipeline.study_b.train import Windows
+        from pipeline.text.corpus import load_meta, load_tokens
+
+        def windows(split: str, count: int) -> np.ndarray:
+            return Windows(load_tokens(self.tokens_dir, split), self.seq_len, torch.device("cpu")).fixed(count).numpy()
+
+        return baselines(load_tokens(self.tokens_dir, "train"), windows("val", self.val_windows),
+                         windows("test", self.test_windows), load_meta(self.tokens_dir)["vocab_size"])  # fmt: skip
 
 
 def _register_sources(con: duckdb.DuckDBPyConnection, sources: Sources) -> None:
@@ -114,7 +145,7 @@ def build_tables(sources: Sources, cfg: ReportConfig, analysis: AnalysisConfig |
     pooled = study_a.geometry_pooled_table(con)
     return {
         "runs": runs, "curves": study_b.curves_table(con), "recipes": recipes, "envelope": envelope,
-        "geometry": geometry,
+        "baselines": study_b.baselines_table(sources.baselines), "geometry": geometry,
         "geometry_pooled": pooled, "angles": study_a.angles_table(con),
         "correlations": study_a.correlations_table(con, cfg), "claims": study_b.claims_table(runs, recipes, cfg),
         **study_a.claim_tables(con, cfg, study_a.capacities(sources.fits, analysis) if analysis else {}),

@@ -28,6 +28,7 @@ from pipeline.results.html import heading_anchor, to_html
 from pipeline.results.study_a import report as study_a
 from pipeline.results.study_a.claims import ClaimSummary, summarise
 from pipeline.results.study_b import report as study_b
+from pipeline.results.study_b.record import SweepRecord
 from pipeline.study_b.baseline import baseline
 
 
@@ -45,11 +46,13 @@ class Rendered:
 
 def render_report(
     tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any], tuning: dict[str, Any] | None = None,
-    step_times: dict[str, float] | None = None, locality: Sequence[dict[str, Any]] = (),
+    step_times: dict[str, float] | None = None, sweep: SweepRecord | None = None,
+    locality: Sequence[dict[str, Any]] = (),
 ) -> Rendered:
     """Write ``out_md``, ``out_md`` with suffix ``.html`` and the figures (module docstring); `step_times`
-    (run → median seconds per step) is telemetry, shown where given; `locality`, the committed claim tests of
-    the locality sweep (`study_a.report.read_locality_sweep`), is cited where given."""
+    (run → median seconds per step) is telemetry, shown where given; `sweep`, the committed record of the
+    matched-budget sweep, is what Study B cites when the study does not run the sweep itself; `locality`, the
+    committed claim tests of the locality sweep (`study_a.report.read_locality_sweep`), is cited where given."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -57,9 +60,10 @@ def render_report(
         stale.unlink()
     figures = Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
     claims = summarise(tables["claim_tests"])
+    sweep_tables = study_b.sweep_source(tables, sweep)
     sections = [
-        _summary(tables, claims, figures),
-        study_b.section(tables, figures, tuning),
+        _summary(tables, claims, figures, sweep_tables),
+        study_b.section(tables, figures, tuning, sweep_tables),
         study_a.section(tables, claims, figures, locality),
         study_b.appendix(tables, step_times or {}),
         _provenance(provenance),
@@ -86,7 +90,7 @@ def _contents(title: str, sections: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- summary
-def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> str:
+def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep: study_b.SweepTables) -> str:
     """The answer first: the findings in a few sentences, then per study its statements in words, its
     figure, and the numbers."""
     out = ["## Summary\n"]
@@ -96,7 +100,7 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures) -> st
     out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
                                       tables["paper_values"]))
     out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
-    out.append(study_b.summary(tables, figures))
+    out.append(study_b.summary(tables, figures, sweep))
     return "\n".join(out)
 
 

@@ -33,19 +33,22 @@ class Schedule(Section):
 
 
 class RecipeConfig(Section):
-    """Step sizes of one recipe. `head_lr` is the head's step size (η for the LMO recipes).
+    """Step sizes of one recipe (left out: the recipe's tuned default). `head_lr` is the head's step size
+    (η for the LMO recipes).
 
     `tau` (recipes with a Hilbert trust region only) replaces `head_lr` by a trust region in nats per
     step: η_t = tau_t / r_t, with r_t the `radius_quantile` of ‖h‖ over the batch's final hidden states.
-    `equi_alignment` and `equi_iters` are the equidistance spreading's knobs (`hilbert_equi`): the share of
-    `hilbert`'s alignment every row keeps, and the spreading iterations.
+    `hidden_lr` (`adamw` only) is the lr of its AdamW hidden matrices. `equi_alignment` and `equi_iters` are
+    the equidistance step's knobs (`hilbert_equi`): the share c of `hilbert`'s descent per unit diameter it
+    keeps, and its solver's warm-started iterations per step.
     """
 
     head_lr: PositiveFloat | None = None
     tau: PositiveFloat | None = None
+    hidden_lr: PositiveFloat | None = None
     radius_quantile: Annotated[float, Field(gt=0, le=1)] = 1.0
-    equi_iters: NonNegInt = 3
-    equi_alignment: Annotated[float, Field(gt=0, le=1)] = 0.5
+    equi_iters: NonNegInt = 5
+    equi_alignment: Annotated[float, Field(gt=0, le=1)] | None = None
     schedule: Schedule | None = None
 
     @model_validator(mode="after")
@@ -56,22 +59,29 @@ class RecipeConfig(Section):
 
 
 class MatchedBudget(Section):
-    """The matched-budget sweep (SPEC §3.2): every recipe trained again on `seeds` at every budget of `taus`,
-    its realised head step (decay included) scaled down where needed so that diam(ΔW) ≤ tau_t / r_t,
-    r_t = max ‖h‖ over the batch and tau_t = tau on the head's schedule (runs
-    `<arch>-<recipe>-s<seed>-cap<tau>`), and once uncapped as the sweep's reference (`...-uncapped`).
-    Every sweep run takes `steps` steps (left out: `train.steps`), so the cap's effect compares equal
-    horizons even when the sweep is shorter than the study's runs."""
+    """The matched-budget sweep (SPEC §3.2): every recipe trained again on `seeds` (a subset of the study's)
+    at every budget of `taus`, at the study's horizon, its realised head step (decay included) rescaled, up or
+    down, so that diam(ΔW) = tau_t / r_t, r_t = max ‖h‖ over the batch and tau_t = tau on the head's schedule
+    (runs `<arch>-<recipe>-s<seed>-cap<tau>`): only the direction differs between recipes. The study's own
+    run of the same seed is the sweep's unmatched reference (the same training: not trained twice), and a
+    recipe whose matched training is another's (`HeadRecipe.matched_as`: `rownorm` is `hilbert`'s) is
+    trained once, as that one."""
 
     taus: list[PositiveFloat]
     seeds: list[Seed]
-    steps: PositiveInt | None = None
 
     @model_validator(mode="after")
     def _lists(self) -> MatchedBudget:
         unique_non_empty("matched_budget.taus", self.taus)
         unique_non_empty("matched_budget.seeds", self.seeds)
         return self
+
+
+class Protocol(Section):
+    """A training length of its own: steps and batch size (everything else is the study's)."""
+
+    steps: PositiveInt
+    batch_size: PositiveInt
 
 
 class TrainConfig(Section):
@@ -92,6 +102,10 @@ class TrainConfig(Section):
     schedule: Schedule = Schedule()
     recipe_overrides: dict[RecipeName, RecipeConfig] = {}
     matched_budget: MatchedBudget | None = None  # null: no matched-budget runs
+    # Runs on a family Study B does not compare (not in `archs`: Study A's other architectures) train for
+    # these steps and batch instead; null: the study's. Study B's own families keep the study's length, so no
+    # family mixes two lengths.
+    other_archs: Protocol | None = None
     eval_interval: PositiveInt = 50
     eval_batches: PositiveInt = 4  # val: curves, tuning and early decisions
     test_batches: PositiveInt = 16  # test: the final comparison (SPEC §3.2), once at the end of a run
@@ -107,30 +121,41 @@ class TrainConfig(Section):
         for name in ("archs", "recipes", "seeds"):
             if name in self.model_fields_set:  # what is left out is filled in by `pipeline.params`
                 unique_non_empty(name, getattr(self, name))
+        outside = sorted(set(self.matched_budget.seeds) - set(self.seeds)) if self.matched_budget else []
+        if outside:
+            raise ValueError(f"matched_budget.seeds {outside} are not among train.seeds: the study's run of the "
+                             "same seed is the sweep's unmatched reference")  # fmt: skip
         return self
 
     def runs(self) -> list[str]:
-        """Run ids of the grid, then of the matched-budget sweep (per run: uncapped, then each budget), in a
-        stable order."""
+        """Run ids of the grid, then of the matched-budget sweep (per recipe and seed, each budget), in a
+        stable order; the sweep trains each distinct training once (`swept_recipes`)."""
         from pipeline.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
 
         sweep = self.matched_budget
-        caps = [None, *sweep.taus] if sweep else []
-        seeds = sweep.seeds if sweep else []
-        return [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds] + [
-            run_id(a, r, s, matched=True, cap=c) for a in self.archs for r in self.recipes for s in seeds for c in caps
-        ]
+        grid = [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds]
+        if sweep is None:
+            return grid
+        swept = self.swept_recipes()
+        return grid + [run_id(a, r, s, matched=True, cap=c)
+                       for a in self.archs for r in swept for s in sweep.seeds for c in sweep.taus]  # fmt: skip
+
+    def swept_recipes(self) -> list[str]:
+        """The recipes the sweep trains: each of the grid's, except one whose matched training is another's
+        of the grid (`HeadRecipe.matched_as`): that training is the other's, reported once."""
+        from pipeline.study_b.recipes import RECIPES  # torch: not for `lmgeo --help`
+
+        return [r for r in self.recipes if RECIPES[r].matched_as not in self.recipes]
 
     def for_run(self, spec: RunSpec) -> TrainConfig:
         """The settings run `spec` reads, and nothing else: the grid narrowed to the run, its own recipe's
-        overrides, and for a sweep run the sweep's steps and its own cap (the uncapped reference: no budget).
-        A run's shard is keyed by these, so a change elsewhere in the section (another recipe's step size,
-        another budget) redoes no other run."""
+        overrides, for a sweep run its own budget, and its length (`other_archs`' for a family outside the
+        grid). A run's shard is keyed by these, so a change elsewhere in the section (another recipe's step
+        size, another budget) redoes no other run."""
         own = {spec.recipe: self.recipe_overrides[spec.recipe]} if spec.recipe in self.recipe_overrides else {}
         sweep = self.matched_budget if spec.matched else None
-        steps = sweep.steps or self.steps if sweep else self.steps
-        capped = sweep is not None and spec.cap is not None
-        budget = sweep.model_copy(update={"taus": [spec.cap], "seeds": [spec.seed]}) if capped else None
+        budget = sweep.model_copy(update={"taus": [spec.cap], "seeds": [spec.seed]}) if sweep else None
+        length = self.other_archs if self.other_archs and spec.arch not in self.archs else self
         return self.model_copy(update={"archs": [spec.arch], "recipes": [spec.recipe], "seeds": [spec.seed],
-                                       "recipe_overrides": own, "matched_budget": budget,
-                                       "steps": steps})  # fmt: skip
+                                       "recipe_overrides": own, "matched_budget": budget, "other_archs": None,
+                                       "steps": length.steps, "batch_size": length.batch_size})  # fmt: skip

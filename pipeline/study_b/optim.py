@@ -19,8 +19,9 @@ torch.optim.Muon scales a matrix's step by √max(1, A/B) for its shape (A, B), 
 whose hidden matrices are stored (in, out) (GPT-2's Conv1D) gets the scale of the same matrix stored
 (out, in), so equivalent GPT-2 and GPT-NeoX matrices take equal steps.
 
-The matched-budget ablation (`train.matched_budget`) scales every recipe's realised head step down where
-needed so that diam(ΔW) ≤ budget_t / r_t, the same worst-case nats per step for every recipe.
+The matched-budget sweep (`train.matched_budget`) rescales every recipe's realised head step, up or down, so
+that diam(ΔW) = budget_t / r_t: the same worst-case nats per step for every recipe, so that only the step's
+direction differs.
 
 On CUDA the step never waits for the device: AdamW is torch's fused kernel, Muon batches its Newton–Schulz
 chains (`pipeline.study_b.muon`), and the step's data-dependent scalars (r_t, η_t of a tau recipe) stay
@@ -72,31 +73,46 @@ class HeadStep:
     radius_quantile: float
     knobs: LMOKnobs
     schedule: Schedule
+    hidden_lr: float | None = None  # the recipe's own lr for its hidden matrices (`adamw`); None: the run's
+    spreads_rows: bool = False  # the equidistance step: `knobs.equi_alignment` is one of its tuned knobs
 
     def describe(self) -> str:
-        """`tau=<nats>` or `head_lr=<η>`, as runs record and `lmgeo tune` names its choices."""
-        return f"{'tau' if self.trust_region else 'head_lr'}={self.lr:g}"
+        """The tuned knobs as runs record them and `lmgeo tune` names its choices: `tau=<nats>` or
+        `head_lr=<η>`, then `hidden_lr=<lr>` and `equi_alignment=<c>` where the recipe has them."""
+        parts = [f"{'tau' if self.trust_region else 'head_lr'}={self.lr:g}"]
+        if self.hidden_lr is not None:
+            parts.append(f"hidden_lr={self.hidden_lr:g}")
+        if self.spreads_rows:
+            parts.append(f"equi_alignment={self.knobs.equi_alignment:g}")
+        return " ".join(parts)
 
 
 def resolve_head_step(recipe: str, cfg: TrainConfig) -> HeadStep:
-    """Recipe override (`train.recipe_overrides`) over the recipe's default over the run's AdamW lr."""
+    """Recipe override (`train.recipe_overrides`) over the recipe's default over the run's lrs, knob by
+    knob (the head step as one knob: `head_lr` or `tau`)."""
     override = cfg.recipe_overrides.get(recipe, RecipeConfig())  # type: ignore[call-overload]
     if override.tau is not None and override.head_lr is not None:
         raise ValueError(f"recipe_overrides.{recipe}: set head_lr or tau, not both")
     spec = RECIPES[recipe]
-    chosen = override if (override.tau, override.head_lr) != (None, None) else spec.default_step
+    default = spec.default_step
+    chosen = override if (override.tau, override.head_lr) != (None, None) else default
     if chosen.tau is not None and not spec.trust_region:
         raise ValueError(f"{recipe}: tau applies only to recipes with a trust region")
+    if override.hidden_lr is not None and spec.hidden != "adamw":
+        raise ValueError(f"{recipe}: hidden_lr applies only to a recipe with AdamW hidden matrices (adamw)")
     if chosen.tau is not None:
         lr = chosen.tau
     else:
         lr = chosen.head_lr if chosen.head_lr is not None else cfg.adamw_lr
+    alignment = override.equi_alignment if override.equi_alignment is not None else default.equi_alignment
     return HeadStep(
         lr=lr,
         trust_region=chosen.tau is not None,
         radius_quantile=override.radius_quantile,
-        knobs=LMOKnobs(equi_iters=override.equi_iters, equi_alignment=override.equi_alignment),
+        knobs=LMOKnobs(equi_iters=override.equi_iters, equi_alignment=1.0 if alignment is None else alignment),
         schedule=override.schedule or cfg.schedule,
+        hidden_lr=override.hidden_lr if override.hidden_lr is not None else default.hidden_lr,
+        spreads_rows=default.equi_alignment is not None,
     )
 
 
@@ -156,7 +172,8 @@ class HeadLMO(torch.optim.Optimizer):
 
     With `trust_region`, a group's `lr` is tau (nats) and η = tau / (r·(1 + 2λ·max_i ‖w_i − w̄‖)), r set by
     `set_radius` before each step, so that the decay and the LMO step together stay within tau (module
-    docstring). Directions that draw random numbers get one generator, seeded with `seed`, per run.
+    docstring). The direction gets the head's optimizer state (`self.state[p]`) to keep what it carries
+    between steps (the equidistance solver's warm start).
     """
 
     def __init__(
@@ -165,7 +182,6 @@ class HeadLMO(torch.optim.Optimizer):
         direction: Direction,
         lr: float,
         knobs: LMOKnobs,
-        seed: int = 0,
         momentum: float = MOMENTUM,
         nesterov: bool = True,
         weight_decay: float = 0.0,
@@ -179,11 +195,9 @@ class HeadLMO(torch.optim.Optimizer):
                     raise ValueError(f"HeadLMO takes (vocab, width) matrices, got shape {tuple(p.shape)}")
         self.direction = direction
         self.knobs = knobs
-        self.seed = seed
         self.trust_region = trust_region
         self.radius: Scalar | None = None
         self.last_eta: Scalar | None = None
-        self._generator: torch.Generator | None = None
 
     def set_radius(self, radius: Scalar) -> None:
         """r_t for the next step. A float is checked here; a device tensor is not (that would wait for the
@@ -199,11 +213,6 @@ class HeadLMO(torch.optim.Optimizer):
             raise ValueError("a tau step needs the batch's hidden-state radius: call set_radius first")
         spread = 2.0 * host_scalar(center_rows(weight.float()).norm(dim=1).max()) if weight_decay else 0.0
         return lr / (self.radius * (1.0 + weight_decay * spread))
-
-    def generator(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generator
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -221,7 +230,7 @@ class HeadLMO(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - group["momentum"])
                 momentum = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
-                direction = self.direction(momentum.float(), self.knobs, self.generator(p.device))
+                direction = self.direction(momentum.float(), self.knobs, state)
                 eta = self.eta(group["lr"], p, group["weight_decay"])
                 p.mul_(1 - eta * group["weight_decay"])
                 if isinstance(eta, Tensor):
@@ -235,7 +244,7 @@ class HeadLMO(torch.optim.Optimizer):
 
 class RecipeOptimizer:
     """The 1–3 torch optimizers of a recipe and their schedulers, stepped together; with a head budget
-    (a matched-budget run, `train.matched_budget`), the head's realised step is then capped to it."""
+    (a matched-budget run, `train.matched_budget`), the head's realised step is then rescaled to it."""
 
     def __init__(
         self,
@@ -251,12 +260,12 @@ class RecipeOptimizer:
         self.schedulers = schedulers
         self.head_step = head_step
         self.head = head
-        self.budget = budget  # optimizer step (0-based) -> nats; None: no cap
+        self.budget = budget  # optimizer step (0-based) -> nats; None: the recipe's own step
         head_opt = optimizers.get("head")
         self._head_lmo = head_opt if isinstance(head_opt, HeadLMO) else None
         self._last_lrs: dict[str, Scalar] | None = None
         self.steps_taken = 0
-        self.last_head_scale: float | None = None  # the cap's factor at the last step (1: not capped)
+        self.last_head_scale: float | None = None  # the budget's factor at the last step (None: no budget)
 
     @property
     def radius_quantile(self) -> float:
@@ -281,8 +290,8 @@ class RecipeOptimizer:
             optimizer.step()
         if before is not None:
             assert self.budget is not None and radius is not None
-            # float(): the cap reads the step's diameter on the host anyway (a synchronisation on CUDA)
-            self.last_head_scale = cap_step(self.head, before, self.budget(self.steps_taken) / float(radius))
+            # float(): the match reads the step's diameter on the host anyway (a synchronisation on CUDA)
+            self.last_head_scale = match_step(self.head, before, self.budget(self.steps_taken) / float(radius))
         self._last_lrs = self._current_lrs()
         for scheduler in self.schedulers.values():
             scheduler.step()
@@ -313,14 +322,16 @@ class RecipeOptimizer:
 
 
 @torch.no_grad()
-def cap_step(weight: nn.Parameter, before: Tensor, max_diam: float) -> float:
-    """Scale the step `weight − before` down to diam ≤ `max_diam` where it is larger (an upper bound of
-    the diameter is used, so the cap always holds); returns the factor applied."""
+def match_step(weight: nn.Parameter, before: Tensor, budget_diam: float) -> float:
+    """Rescale the step `weight − before`, up or down, to diam = `budget_diam`, so that only its direction
+    is the recipe's; returns the factor applied (a zero step stays zero). An upper bound of the diameter,
+    tight to ~1e-4 relative, is used: the rescaled step is within the budget and at least (1 − 1e-4) of it."""
     delta = weight.detach() - before
     size = diam_upper(delta)
-    scale = min(1.0, max_diam / size) if size > 0 else 1.0
-    if scale < 1.0:
-        weight.copy_(before + scale * delta)
+    if size <= 0:
+        return 1.0
+    scale = budget_diam / size
+    weight.copy_(before).add_(delta, alpha=scale)
     return scale
 
 
@@ -329,12 +340,11 @@ def build_optimizers(
     head: nn.Parameter,
     recipe: str,
     cfg: TrainConfig,
-    seed: int = 0,
     head_budget_tau: float | None = None,
 ) -> RecipeOptimizer:
     """The recipe's optimizers over `model`, whose untied head weight `(vocab, width)` is `head`; the
-    parameter groups come from the model's family; `seed` seeds the head direction's random numbers;
-    `head_budget_tau` (a matched-budget run) caps the head's realised steps at that many nats."""
+    parameter groups come from the model's family; `head_budget_tau` (a matched-budget run) rescales the
+    head's realised steps to that many nats."""
     spec = RECIPES[recipe]
     family = family_of(model)
     groups = partition_parameters(model, head, family.param_groups)
@@ -349,7 +359,8 @@ def build_optimizers(
     head_group = group("head", head_step.lr, wd)
     optimizers: dict[str, torch.optim.Optimizer] = {}
     if spec.hidden == "adamw":
-        adamw_groups.insert(0, group("hidden", cfg.adamw_lr, wd))
+        hidden_lr = head_step.hidden_lr if head_step.hidden_lr is not None else cfg.adamw_lr
+        adamw_groups.insert(0, group("hidden", hidden_lr, wd))
     if spec.head == "adamw":
         adamw_groups.append(head_group)
     elif spec.head == "muon":
@@ -357,8 +368,8 @@ def build_optimizers(
     else:
         assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
         optimizers["head"] = HeadLMO(
-            [head_group], spec.direction, lr=head_step.lr, knobs=head_step.knobs, seed=seed,
-            weight_decay=wd, trust_region=head_step.trust_region,
+            [head_group], spec.direction, lr=head_step.lr, knobs=head_step.knobs, weight_decay=wd,
+            trust_region=head_step.trust_region,
         )  # fmt: skip
     if spec.hidden == "muon":
         optimizers["muon"] = Muon(
@@ -374,7 +385,7 @@ def build_optimizers(
     return RecipeOptimizer(recipe, optimizers, schedulers, head_step, head, budget)
 
 
-def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed: int = 0) -> torch.optim.Optimizer:
+def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer that steps the head inside `recipe`, on the head alone (the bench times head steps at
     GPT-2 scale without a model): AdamW, Muon or the recipe's `HeadLMO`, with its resolved step (a tau is
     taken as η: no radius is needed, and the cost is the same)."""
@@ -385,7 +396,7 @@ def head_only_optimizer(recipe: str, head: nn.Parameter, cfg: TrainConfig, seed:
     if spec.head == "muon":
         return Muon([head], lr=step.lr, weight_decay=cfg.weight_decay, momentum=MOMENTUM, nesterov=True)
     assert spec.direction is not None, f"{recipe}: an `lmo` head needs a direction"
-    return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, seed=seed, weight_decay=cfg.weight_decay)
+    return HeadLMO([head], spec.direction, lr=step.lr, knobs=step.knobs, weight_decay=cfg.weight_decay)
 
 
 def _hidden_muon_groups(

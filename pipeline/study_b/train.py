@@ -216,12 +216,12 @@ def head_alignment(grad: torch.Tensor, delta: torch.Tensor, diameter: float) -> 
 
 
 def head_budget(cfg: TrainConfig, spec: RunSpec) -> float | None:
-    """The cap (nats) of `spec`'s head steps: its own budget for a capped run of the matched-budget sweep,
+    """The budget (nats) `spec`'s head steps are matched to: its own, for a run of the matched-budget sweep,
     else none."""
     if spec.cap is None:
         return None
     if cfg.matched_budget is None or spec.cap not in cfg.matched_budget.taus:
-        raise ValueError(f"{spec.run_id} is capped at {spec.cap:g} nats, but train.matched_budget.taus lacks it")
+        raise ValueError(f"{spec.run_id} is matched to {spec.cap:g} nats, but train.matched_budget.taus lacks it")
     return spec.cap
 
 
@@ -248,7 +248,7 @@ def train_run(
     model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
     head = head_of(model)
     head_budget_tau = head_budget(cfg, spec)
-    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, seed=spec.seed, head_budget_tau=head_budget_tau)
+    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, head_budget_tau=head_budget_tau)
     head_inputs = HeadInputs(head)
     forward = training_forward(model, device, cfg.compile)
 

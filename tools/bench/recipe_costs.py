@@ -7,7 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipeline.study_b.recipes.hilbert_equi import CANDIDATES
+from pipeline.study_b.equidistance import BUCKET_ROWS, FAR, LIFT_BISECTIONS, NEAR
+from pipeline.study_b.lmo import SKETCH_WIDTH
 
 
 @dataclass(frozen=True)
@@ -29,14 +30,22 @@ def newton_schulz_flops(vocab: int, width: int, steps: int = 5) -> float:
 
 
 def hilbert_equi_flops(vocab: int, width: int, equi_iters: int) -> float:
-    """Per V·d: momentum 4, centring and unit axes 5, random start and tangent 8, centre, scale, decay,
-    update 6; per iteration push, renormalise, project 16. With s = min(d, 64) the sketch width and
-    B = min(V, 2048) the bucket size: the search 2·V·(V/B + B)·s, and per iteration the sketch 2·V·d·s
-    (when d > 64) and the candidate distances 3·k·V·s."""
-    n, s, bucket = vocab * width, min(width, 64), min(vocab, 2048)
-    search = 2.0 * vocab * (vocab / bucket + bucket) * s
-    per_iter = 16 * n + (2 * n * s if width > 64 else 0) + 3 * CANDIDATES * vocab * s
-    return (4 + 5 + 8 + 6) * n + (search + equi_iters * per_iter if equi_iters else 0)
+    """A warm step of the equidistance solver (`pipeline.study_b.equidistance`), per V·d: momentum 4, centring
+    2, the final centring, scaling and update 5. A search: up to BUCKET_ROWS rows the Gram matrix 2·V²·d;
+    above, the sketch 2·V·d·s (d > s = SKETCH_WIDTH), a sort per tree level (not counted) and the buckets'
+    Gram 2·V·B·s (B ≈ BUCKET_ROWS rows a bucket); two searches a step (the feasibility check, and one more
+    lift's). Per iteration: the candidates' differences and norms 3 per pair entry, their weighted sums 2 per
+    pair entry (NEAR nearest and, up to BUCKET_ROWS rows, FAR farthest, each d wide), the tangent, momentum and
+    renormalised step 12, and the lift 9 (its row scalars and the combination; its LIFT_BISECTIONS bisection
+    steps are per row, not per entry)."""
+    n = vocab * width
+    exact = vocab <= BUCKET_ROWS
+    sketch_width = width if exact else min(width, SKETCH_WIDTH)
+    bucket = vocab if exact else BUCKET_ROWS
+    search = 2.0 * vocab * bucket * sketch_width + (2.0 * n * SKETCH_WIDTH if width > SKETCH_WIDTH else 0.0)
+    pairs = NEAR + (FAR if exact else 0)
+    per_iter = 5 * pairs * n + 12 * n + 9 * n + 10 * LIFT_BISECTIONS * vocab
+    return 11 * n + 2 * search + equi_iters * per_iter
 
 
 COSTS: dict[str, RecipeCost] = {
@@ -52,8 +61,8 @@ COSTS: dict[str, RecipeCost] = {
     "rownorm": RecipeCost(lambda vocab, width, equi_iters: 10.0 * vocab * width),
     # momentum 4, centring 2, row normalisation 3, re-centring 2, scaling 1, decay 1, update 2
     "hilbert": RecipeCost(lambda vocab, width, equi_iters: 15.0 * vocab * width, step_time_bar=("muon", 1.1)),
-    # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work is as
-    # large as the forward and backward, so the training step costs ~2×; the head step alone at GPT-2 scale,
-    # where the model dwarfs it, ~1.2× `muon_head`'s (`lmgeo bench`; docs/benchmarks.md).
+    # At the bench's small model (V = 8192, d = 128, 512 tokens a step) the head's V-dependent work (the
+    # bucketed search, twice a step) is as large as the forward and backward; the head step alone at GPT-2
+    # scale is held to 1.5× `muon_head`'s (`lmgeo bench`; docs/benchmarks.md).
     "hilbert_equi": RecipeCost(hilbert_equi_flops, step_time_bar=("muon_head", 2.5), head_step_bar=("muon_head", 1.5)),
 }

@@ -11,7 +11,7 @@ labels back from the drawn figure so that a test can compare them with what each
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 from matplotlib.figure import Figure
@@ -68,9 +68,10 @@ def _recipes(rows: Sequence[Row]) -> list[str]:
     return sorted({r["recipe"] for r in rows if r["recipe"]}, key=RECIPES.order)
 
 
-def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
+def vs_muon(recipes: Sequence[Row], runs: Sequence[Row], resolved: Callable[[Row], bool]) -> Figure | None:
     """Does any head recipe beat `muon`? Per arch: each recipe's paired difference of the final test loss to
-    `muon` on the same seed (dots), its mean and t-interval (bar)."""
+    `muon` on the same seed (dots), its mean and t-interval (bar), the mean filled where `resolved` (the
+    table's reading: Holm-adjusted) and hollow where it is not, whatever the unadjusted interval."""
     reference = baseline().name
     archs = [a for a in _archs(recipes) if any(r["arch"] == a and r["diff_vs_muon"] is not None for r in recipes)]
     if not archs:
@@ -87,7 +88,8 @@ def vs_muon(recipes: Sequence[Row], runs: Sequence[Row]) -> Figure | None:
                        s=28, color=_recipe_color(r["recipe"]), edgecolors="black", linewidths=0.6, zorder=3)
             if r["diff_vs_muon"] is not None and r["diff_ci_low"] is not None:
                 spread = [[r["diff_vs_muon"] - r["diff_ci_low"]], [r["diff_ci_high"] - r["diff_vs_muon"]]]
-                ax.errorbar(r["diff_vs_muon"], y, xerr=spread, fmt="o", color="black", capsize=4, zorder=4)
+                ax.errorbar(r["diff_vs_muon"], y, xerr=spread, fmt="o", color="black", capsize=4, zorder=4,
+                            markerfacecolor="black" if resolved(r) else "white", markersize=7)
         ax.axvline(0, color="gray", linewidth=1)
         ax.set_yticks(range(len(rows)), [r["recipe"] for r in rows])
         ax.invert_yaxis()
@@ -154,29 +156,30 @@ BUDGET = "head budget tau (worst-case nats per step)"
 TEST_LOSS = Axis("test_loss_mean", "final test loss (nats)")
 
 
-def loss_vs_budget(recipes: Sequence[Row]) -> Figure | None:
+def loss_vs_budget(swept: Sequence[Row], own_step: Sequence[Row]) -> Figure | None:
     """Does the verdict depend on the budget? Per arch, the matched-budget sweep's test loss against the
-    budget (log axis): a line per recipe with its mean and t-interval over seeds, and its uncapped sweep run
-    (same steps) as a square to the right of the largest budget."""
-    swept = [r for r in recipes if r["matched"] and r["test_loss_mean"] is not None]
-    budgets = sorted({r["head_budget_tau"] for r in swept if r["head_budget_tau"] is not None})
+    budget (log axis): a line per recipe with its mean and t-interval over seeds, and the recipe at its own
+    tuned step (`own_step`: the default runs of the sweep's seeds) as a square to the right of the largest
+    budget."""
+    swept = [r for r in swept if r["matched"] and r["test_loss_mean"] is not None]
+    budgets = sorted({r["head_budget_tau"] for r in swept})
     archs = _archs(swept)
     if not budgets or not archs:
         return None
-    uncapped_x = budgets[-1] * 2  # beyond every budget, one octave to the right
+    own_x = budgets[-1] * 2  # beyond every budget, one octave to the right
     fig, axes = panel_grid(1, len(archs), width=5.2, height=3.8)
     for ax, arch in zip(axes[0], archs, strict=True):
         for recipe in _recipes([r for r in swept if r["arch"] == arch]):
             mine = [r for r in swept if (r["arch"], r["recipe"]) == (arch, recipe)]
-            line = sorted((r for r in mine if r["head_budget_tau"] is not None), key=lambda r: r["head_budget_tau"])
+            line = sorted(mine, key=lambda r: r["head_budget_tau"])
             ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line],
                         yerr=_interval_arms(line), label=recipe, markersize=4, linewidth=1.3, capsize=2,
                         **_recipe_style(recipe))  # fmt: skip
-            for r in (r for r in mine if r["head_budget_tau"] is None):
-                ax.plot([uncapped_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
-        ax.axvline(math.sqrt(budgets[-1] * uncapped_x), color="gray", linewidth=0.8, linestyle=":")
+            for r in (r for r in own_step if (r["arch"], r["recipe"]) == (arch, recipe) and r["test_loss_mean"]):
+                ax.plot([own_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
+        ax.axvline(math.sqrt(budgets[-1] * own_x), color="gray", linewidth=0.8, linestyle=":")
         ax.set_xscale("log")
-        ax.set_xticks([*budgets, uncapped_x], [*(f"{b:g}" for b in budgets), "none"])
+        ax.set_xticks([*budgets, own_x], [*(f"{b:g}" for b in budgets), "own step"])
         ax.minorticks_off()
         label_axes(ax, arch, BUDGET, TEST_LOSS)
     figure_legend(fig)

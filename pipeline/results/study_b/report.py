@@ -7,15 +7,38 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num, percent
+from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
+from pipeline.results.stats import detectable_difference, seeds_needed
 from pipeline.results.study_b import figures as fig
-from pipeline.results.study_b.tables import BINDING_SHARE, POWER, RESOLVE_NATS, SIGNIFICANCE
+from pipeline.results.study_b.record import SweepRecord
+from pipeline.results.study_b.tables import POWER, REGIME_MARGIN, RESOLVE_NATS, SIGNIFICANCE
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
+
+
+@dataclass(frozen=True)
+class SweepTables:
+    """The matched-budget sweep the report states: its rows of `recipes` (matched) and `envelope`, the
+    recipes' own-step rows on the same seeds and protocol, and where they come from (None: this study)."""
+
+    matched: list[Row]
+    envelope: list[Row]
+    own_step: list[Row]
+    source: str | None = None
+
+
+def sweep_source(tables: Tables, record: SweepRecord | None) -> SweepTables:
+    """The study's own sweep where it ran one; else the committed record's (`docs/sweep/`), cited; else none."""
+    matched = runs_of_kind(tables["recipes"], True)
+    if matched or record is None:
+        return SweepTables(matched, tables["envelope"], runs_of_kind(tables["recipes"]))
+    return SweepTables(runs_of_kind(record.tables["recipes"], True), record.tables["envelope"],
+                       runs_of_kind(record.tables["recipes"]), record.describe())  # fmt: skip
 
 
 def _pooled(sds: Sequence[float | None]) -> float | None:
@@ -32,7 +55,7 @@ def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
 
 
 # ----------------------------------------------------------------------------------------- summary
-def summary(tables: Tables, figures: Figures) -> str:
+def summary(tables: Tables, figures: Figures, sweep: SweepTables) -> str:
     """The comparison with `muon` for a newcomer: in words (at the recipes' own step sizes, then at equal
     worst-case nats per step), the forest plot beside the budget sweep, then the table."""
     reference = baseline().name
@@ -41,22 +64,45 @@ def summary(tables: Tables, figures: Figures) -> str:
     if not rows:
         return "**Study B (head optimizers)**: not measured, Study B was not run (no training logs).\n"
     out = [f"At each recipe's own tuned step size, final test loss against `{reference}` on the same seeds:\n",
-           plain_comparison(rows)]  # fmt: skip
-    if tables["envelope"]:
-        sweep = sweep_summary(runs_of_kind(tables["recipes"], True), tables["envelope"])
-        out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step capped at the "
-                   f"same budget, against `{reference}` under that cap):\n\n{sweep}")  # fmt: skip
+           plain_comparison(rows), regime_statement(recipes, tables.get("baselines", []))]  # fmt: skip
+    if sweep.matched:
+        cited = f" From {sweep.source}." if sweep.source else ""
+        out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step rescaled to "
+                   f"the same budget, against `{reference}` at that budget).{cited}\n\n"
+                   f"{sweep_summary(sweep.matched, sweep.envelope)}")  # fmt: skip
     out.append(figures.beside([
-        (fig.vs_muon(recipes, runs), "study_b_vs_muon",
+        (fig.vs_muon(recipes, runs, _resolved_reading), "study_b_vs_muon",
          f"Left: each recipe's final test loss minus `{reference}`'s on the same seed (dots: seeds; bar: mean and "
-         f"95% t-interval); a bar wholly left of 0 beats `{reference}`, wholly right loses to it."),
-        (fig.loss_vs_budget(runs_of_kind(tables["recipes"], True)), "study_b_loss_vs_budget",
+         f"95% t-interval, not adjusted). Filled: the difference is resolved — the paired t-test's p, Holm-adjusted "
+         f"over the arch's recipes, is below {SIGNIFICANCE:g}, the table's reading —, left of 0 beating "
+         f"`{reference}`, right of 0 losing to it; hollow: not resolved, even where the unadjusted interval "
+         "excludes 0."),
+        (fig.loss_vs_budget(sweep.matched, sweep.own_step), "study_b_loss_vs_budget",
          "Right: the matched-budget sweep, final test loss against the head budget (log axis; mean and 95% "
-         "t-interval over seeds; square: the recipe uncapped); lines that cross mean the verdict depends on the "
-         "budget."),
+         "t-interval over seeds; square: the recipe at its own tuned step, same seeds and horizon); lines that "
+         "cross mean the verdict depends on the budget."),
     ]))  # fmt: skip
     out.append(comparison_table(recipes))
     return "\n".join(part for part in out if part)
+
+
+def regime_statement(recipes: list[Row], baselines: list[Row]) -> str:
+    """Whether the models are trained: each recipe's test loss against the n-gram baselines on the same test
+    windows (a recipe not REGIME_MARGIN below the bigram is named)."""
+    by_model = {b["model"]: b for b in baselines}
+    if "bigram" not in by_model:
+        return ""
+    bigram, unigram = by_model["bigram"]["test_loss"], by_model.get("unigram", {}).get("test_loss")
+    gaps = {f"`{r['recipe']}` ({r['arch']})": bigram - r["test_loss_mean"] for r in recipes
+            if r["test_loss_mean"] is not None}  # fmt: skip
+    if not gaps:
+        return ""
+    short = [name for name, gap in gaps.items() if gap < REGIME_MARGIN]
+    verdict = (f"every recipe is {num(min(gaps.values()), 2)}–{num(max(gaps.values()), 2)} nats below the bigram"
+               if not short else f"not {REGIME_MARGIN:g} nats below the bigram: {', '.join(short)} (a toy regime "
+               "for those: the comparison says little about trained models)")  # fmt: skip
+    return (f"- Trained regime: on the same test windows a unigram scores {num(unigram, 4)} nats and a smoothed "
+            f"bigram {num(bigram, 4)} ({by_model['bigram']['smoothing']}); at their tuned steps {verdict}.\n")
 
 
 def finding(recipes: list[Row]) -> str | None:
@@ -122,6 +168,11 @@ def plain_comparison(rows: list[Row]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _resolved_reading(r: Row) -> bool:
+    """The table's reading resolves the difference (Holm-adjusted paired test below SIGNIFICANCE)."""
+    return _reading(r) in ("lower than muon", "higher than muon")
+
+
 def _reading(r: Row) -> str:
     """The comparison in words, saying when the seeds cannot resolve it."""
     p, diff = r["p_vs_muon_holm"], r["diff_vs_muon"]
@@ -141,7 +192,7 @@ def runs_of_kind(rows: list[Row], matched: bool = False) -> list[Row]:
     return [r for r in rows if bool(r["matched"]) == matched]
 
 
-def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> str:
+def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None, sweep: SweepTables) -> str:
     runs, curves, recipes = runs_of_kind(tables["runs"]), tables["curves"], runs_of_kind(tables["recipes"])
     out = ["## Study B: LM-head update geometry\n"]
     if not runs:
@@ -158,119 +209,114 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None) -> 
                             "the largest steps), the bound's tightness on exact-diameter steps (≤ 1, SPEC §3.1: a "
                             "value near 1 means the bound is nearly attained), and how evenly the update's rows are "
                             "spread (dotted: random unit rows; only `hilbert_equi` should reach it)."))  # fmt: skip
-    study_steps = sorted({r["steps"] for r in runs if r["steps"]})
-    out.append(_matched_budget(runs_of_kind(tables["runs"], True), runs_of_kind(tables["recipes"], True),
-                               tables["envelope"], figures, study_steps))  # fmt: skip
+    out.append(_matched_budget(sweep))
     return "\n".join(part for part in out if part)
 
 
-def _matched_budget(runs: list[Row], recipes: list[Row], envelope: list[Row], figures: Figures,
-                    study_steps: list[int]) -> str:  # fmt: skip
-    """The matched-budget sweep: every recipe again at each budget, against `muon` under the same cap; the
-    share of steps each cap scaled and what it cost; each recipe at its best budget (the envelope).
-    `study_steps`: the default runs' steps, to say when the sweep's runs are shorter."""
+def _matched_budget(sweep: SweepTables) -> str:
+    """The matched-budget sweep: every recipe again at each budget, against `muon` at the same budget; how much
+    each budget rescaled the recipe's own step and what it changed; each recipe at its best budget (the
+    envelope)."""
     out = ["### Step size vs direction: the matched-budget sweep\n"]
-    if not runs:
-        return out[0] + ("Not in this study (`train.matched_budget` is null): recipes differ in step size as well "
-                         "as direction.\n")  # fmt: skip
+    recipes, envelope = sweep.matched, sweep.envelope
+    if not recipes:
+        return out[0] + ("Not in this study (`train.matched_budget` is null) and no committed record of it "
+                         "(`docs/sweep/`): recipes differ in step size as well as direction.\n")  # fmt: skip
     reference = baseline().name
-    budgets = sorted({r["head_budget_tau"] for r in recipes if r["head_budget_tau"] is not None})
-    seeds = sorted({r["seed"] for r in runs if r["seed"] is not None})
-    steps = sorted({r["steps"] for r in runs if r["steps"]})
-    out.append(f"Every recipe trained again on seeds {', '.join(map(str, seeds))} for {', '.join(map(str, steps))} "
-               f"steps at each budget tau ∈ {{{', '.join(map(num, budgets))}}} nats, its head step (decay included) "
-               "scaled down where needed so that diam(ΔW) ≤ tau_t / r_t (tau on the head's schedule, r_t = max ‖h‖ "
-               "over the batch), and once uncapped at the same steps as the sweep's reference. Where the cap binds "
-               f"(it scales ≥ {percent(BINDING_SHARE)} of a recipe's steps) the budget, not the recipe's own step "
-               f"size, sets how far the head moves, and only the direction differs. Δ is against `{reference}` "
-               "under the same cap on the same seeds (paired t-interval; Holm over the arch's recipes at that "
-               "budget); † marks a budget where the cap binds for one side only. *Cap's effect*: the capped run's "
-               "test loss minus the uncapped sweep run's, same seed. The sweep's runs are in table `runs` "
-               "(`matched`), its rows in `recipes` (`head_budget_tau`), its envelope in `envelope`."
-               + _shorter_note(steps, study_steps) + "\n")  # fmt: skip
-    out.append(_budget_matrix(recipes, budgets, reference))
+    if sweep.source:
+        out.append(f"This study does not run the sweep (`train.matched_budget` is null, for its time); its numbers "
+                   f"are the preset's: {sweep.source}. That run trains this study's default runs too, on the "
+                   "same seeds, so its own-step rows are this study's when the revision's code and params agree.\n")
+    out.append(_sweep_protocol(recipes) + " Every head step (decay included) is rescaled, up or down, so that "
+               "diam(ΔW) = tau_t / r_t (tau on the head's schedule, r_t = max ‖h‖ over the batch): at each budget "
+               "every recipe moves each token's log-probabilities by the same worst case, and only the direction "
+               f"differs. Δ is against `{reference}` at the same budget on the same seeds (paired t-interval, not "
+               "adjusted); \\* marks a difference resolved by the paired t-test after Holm over all the sweep's "
+               "comparisons. *Rescale*: the median factor the budget applied to the recipe's own step (> 1: it "
+               "enlarged it); *budget's effect*: the matched run's test loss minus the recipe's own-step run's, same "
+               "seed. The sweep's runs are in table `runs` (`matched`), its rows in `recipes` (`head_budget_tau`), "
+               "its envelope in `envelope`.\n")  # fmt: skip
+    out.append(_budget_matrix(recipes, reference))
     out.append(_envelope_table(envelope, reference))
     out.append("The sweep's figure (test loss against the budget) is in the summary.\n")
     return "\n".join(part for part in out if part)
 
 
-def _shorter_note(sweep_steps: list[int], study_steps: list[int]) -> str:
-    if not study_steps or sweep_steps == study_steps or not sweep_steps:
-        return ""
-    return (f" **The sweep's runs take {', '.join(map(str, sweep_steps))} steps, the comparison above "
-            f"{', '.join(map(str, study_steps))}** (to keep the study's time; `presets/sweep.yaml` runs the full "
-            "horizon): its losses are those of shorter runs, and its uncapped references are as short.")
+def _sweep_protocol(recipes: list[Row]) -> str:
+    """The sweep's horizon, seeds, budgets, correction and the trainings reported once, in one sentence."""
+    budgets = sorted({r["head_budget_tau"] for r in recipes})
+    seeds = sorted({r["n_seeds"] for r in recipes if r["n_seeds"]})
+    steps = sorted({r["steps"] for r in recipes if r["steps"]})
+    tokens = sorted({r["tokens"] for r in recipes if r["tokens"]})
+    tested = sum(r["p_vs_muon"] is not None for r in recipes)
+    merged = [f"`{name}` is `{spec.matched_as}`'s" for name, spec in ((r.name, r) for r in RECIPES)
+              if spec.matched_as and spec.matched_as in {r["recipe"] for r in recipes}]  # fmt: skip
+    once = (f" Under a matched budget {', '.join(merged)} training step for step (SPEC §3.2): trained and "
+            "reported once." if merged else "")
+    return (f"Every recipe trained again at each budget tau ∈ {{{', '.join(map(num, budgets))}}} nats, at the "
+            f"comparison's horizon ({', '.join(map(str, steps))} steps, {', '.join(f'{t:,}' for t in tokens)} "
+            f"tokens), on {'/'.join(map(str, seeds))} paired seeds; Holm over the sweep's {tested} comparisons "
+            f"with `{baseline().name}`.{once}")
 
 
-def _budget_matrix(recipes: list[Row], budgets: list[float], reference: str) -> str:
-    """Recipes × budgets: Δ vs muon under the same cap, and the share of steps capped / the cap's effect."""
+def _budget_matrix(recipes: list[Row], reference: str) -> str:
+    """Recipes × budgets: Δ vs muon at the same budget, and the rescale factor / the budget's effect."""
+    budgets = sorted({r["head_budget_tau"] for r in recipes})
     cell = {(r["arch"], r["recipe"], r["head_budget_tau"]): r for r in recipes}
-    muon_binds = {(r["arch"], r["head_budget_tau"]): r["cap_binds"] for r in recipes if r["recipe"] == reference}
-    delta_rows, cap_rows = [], []
+    delta_rows, scale_rows = [], []
     for arch, recipe in sorted({(r["arch"], r["recipe"]) for r in recipes}, key=lambda k: (k[0], RECIPES.order(k[1]))):
         here = [cell.get((arch, recipe, b)) for b in budgets]
         label = [arch, f"`{recipe}`"]
         if recipe != reference:
-            delta_rows.append(label + [_delta_cell(r, muon_binds.get((arch, r["head_budget_tau"]))) if r else "–"
-                                       for r in here])  # fmt: skip
-        cap_rows.append(label + [f"{percent(r['frac_steps_capped'])} / {num(r['cap_effect'])}" if r else "–"
-                                 for r in here])  # fmt: skip
+            delta_rows.append(label + [_delta_cell(r) if r else "–" for r in here])
+        scale_rows.append(label + [f"×{num(r['median_step_scale'], 2)} / {num(r['budget_effect'])}" if r else "–"
+                                   for r in here])  # fmt: skip
     header = ["arch", "recipe", *(f"tau {num(b)}" for b in budgets)]
-    return (f"Δ vs `{reference}` under the same cap (nats, [95% CI]):\n\n{markdown_table(header, delta_rows)}\n"
-            f"Share of steps capped / cap's effect (nats):\n\n{markdown_table(header, cap_rows)}")  # fmt: skip
+    return (f"Δ vs `{reference}` at the same budget (nats, [95% CI]; \\* resolved after Holm):\n\n"
+            f"{markdown_table(header, delta_rows)}\n"
+            f"Rescale of the recipe's own step / the budget's effect (nats):\n\n{markdown_table(header, scale_rows)}")
 
 
-def _delta_cell(r: Row, muon_binds: bool | None) -> str:
+def _delta_cell(r: Row) -> str:
     if r["diff_vs_muon"] is None:
         return "–"
-    one_side = "" if bool(r["cap_binds"]) == bool(muon_binds) or not (r["cap_binds"] or muon_binds) else " †"
-    return interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]) + one_side
+    return interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]) + (" \\*" if _resolved(r) else "")
 
 
 def _envelope_table(envelope: list[Row], reference: str) -> str:
-    rows = [[r["arch"], f"`{r['recipe']}`", num(r["best_tau"]),
+    rows = [[r["arch"], f"`{r['recipe']}`", num(r["best_tau"]) + ("" if r["best_interior"] else " †"),
              interval(r["test_loss_mean"], r["test_loss_ci_low"], r["test_loss_ci_high"], 4),
-             num(r["uncapped_test_loss"], 4),
+             num(r["own_step_test_loss"], 4),
              "–" if r["diff_vs_muon"] is None else interval(r["diff_vs_muon"], r["diff_ci_low"], r["diff_ci_high"]),
              num(r["p_vs_muon_holm"], 2)] for r in envelope]  # fmt: skip
-    header = ["arch", "recipe", "best budget", "test loss there [95% CI]", "uncapped", f"Δ vs {reference} at its best",
+    header = ["arch", "recipe", "best budget", "test loss there [95% CI]", "own step", f"Δ vs {reference} at its best",
               "Holm p"]  # fmt: skip
-    return ("The envelope, each recipe at its best budget (chosen on the mean final val loss, read on test), the "
-            f"fair overall comparison of directions:\n\n{markdown_table(header, rows)}")
+    return ("The envelope, each recipe at its best budget (chosen on the mean final val loss, read on test; † on the "
+            "grid's edge: the best may lie beyond it), the fair overall comparison of directions:\n\n"
+            f"{markdown_table(header, rows)}")
 
 
 def _resolved(r: Row) -> bool:
-    """A difference the seeds resolve: the interval excludes 0, and the Holm-adjusted test agrees where the
-    seeds are enough to test."""
-    low, high, p = r["diff_ci_low"], r["diff_ci_high"], r["p_vs_muon_holm"]
-    excludes_zero = low is not None and high is not None and (low > 0 or high < 0)
-    return excludes_zero and (p is None or p < SIGNIFICANCE)
+    """A difference the seeds resolve: the paired t-test's p, Holm-adjusted, below SIGNIFICANCE (untested
+    below MIN_SEEDS_FOR_TEST seeds: never resolved)."""
+    p = r["p_vs_muon_holm"]
+    return r["diff_vs_muon"] is not None and p is not None and p < SIGNIFICANCE
 
 
 def sweep_summary(recipes: list[Row], envelope: list[Row]) -> str:
-    """The sweep in words, naming the budget of every claim: resolved differences where the cap binds for
-    both sides, the budgets where it binds for one side only, and the envelope."""
+    """The sweep in words: its protocol (horizon, seeds, correction), every difference resolved after Holm
+    (naming its budget), and the envelope."""
     reference = baseline().name
-    capped = [r for r in recipes if r["head_budget_tau"] is not None]
-    muon_binds = {(r["arch"], r["head_budget_tau"]): bool(r["cap_binds"]) for r in capped if r["recipe"] == reference}
-    both: list[str] = []
-    one_side: dict[str, list[str]] = {}  # "`binding` at tau (arch)" -> the recipes it binds against
-    for r in (r for r in capped if r["recipe"] != reference and r["diff_vs_muon"] is not None):
-        other = muon_binds.get((r["arch"], r["head_budget_tau"]), False)
-        where = f"at budget {num(r['head_budget_tau'])} ({r['arch']})"
-        if r["cap_binds"] and other and _resolved(r):
-            verb = "beats" if r["diff_vs_muon"] < 0 else "loses to"
-            both.append(f"{where}, `{r['recipe']}` {verb} `{reference}` by "
-                        f"{interval(abs(r['diff_vs_muon']), *_abs_interval(r))} nats")  # fmt: skip
-        elif bool(r["cap_binds"]) != other:
-            binding, free = (r["recipe"], reference) if r["cap_binds"] else (reference, r["recipe"])
-            one_side.setdefault(f"`{binding}` {where}", []).append(f"`{free}`")
-    lines = ["- Where the cap binds for both sides: " + ("; ".join(both) + "." if both else
-             f"no recipe is resolved from `{reference}` at any budget with these seeds.")]  # fmt: skip
-    if one_side:
-        lines.append("- The cap binds for one side only (the comparison then mixes step size and direction): "
-                     + "; ".join(f"{side}, not {', '.join(free)}" for side, free in one_side.items()) + ".")
+    resolved = [f"at budget {num(r['head_budget_tau'])} ({r['arch']}), `{r['recipe']}` "
+                f"{'beats' if r['diff_vs_muon'] < 0 else 'loses to'} `{reference}` by "
+                f"{interval(abs(r['diff_vs_muon']), *_abs_interval(r))} nats"
+                for r in recipes if r["recipe"] != reference and _resolved(r)]  # fmt: skip
+    none = f"no recipe is resolved from `{reference}` at any budget with these seeds."
+    lines = [f"- {_sweep_protocol(recipes)}", "- Resolved: " + ("; ".join(resolved) + "." if resolved else none)]
     lines += [line for arch in sorted({r["arch"] for r in envelope}) if (line := _envelope_sentence(envelope, arch))]
+    edge = [f"`{r['recipe']}` ({r['arch']}, {num(r['best_tau'])})" for r in envelope if not r["best_interior"]]
+    if edge:
+        lines.append("- Best budget on the grid's edge (the grid should be extended): " + ", ".join(edge) + ".")
     return "\n".join(lines) + "\n"
 
 
@@ -332,39 +378,43 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
 
 
 def _power_statement(recipes: list[Row]) -> str:
-    """Per arch: the measured seed SD and paired SD, what these seeds detect, and what RESOLVE_NATS needs."""
+    """Per arch, from one number, the paired differences' pooled SD: what these seeds detect, and the seeds
+    RESOLVE_NATS would need (paired t-test, POWER, SIGNIFICANCE); the test loss's own seed SD beside it."""
     parts = []
     for arch in sorted({r["arch"] for r in recipes}):
         paired = [r for r in recipes if r["arch"] == arch and r["diff_sd"] is not None]
         if not paired:
             continue
-        needed = [r["seeds_to_resolve"] for r in paired if r["seeds_to_resolve"] is not None]
-        seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
+        n = min(r["n_paired"] for r in paired)
         paired_sd = _pooled([r["diff_sd"] for r in paired])
-        detectable = median([r["detectable_diff"] for r in paired])
+        seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
+        needed = seeds_needed(RESOLVE_NATS, paired_sd, SIGNIFICANCE, POWER) if paired_sd else None
         parts.append(
-            f"{arch}: seed SD of the test loss {num(seed_sd, 2)} nats, of the paired difference {num(paired_sd, 2)}; "
-            f"{min(r['n_paired'] for r in paired)} paired seeds detect {num(detectable, 2)} nats (power {POWER:g}, "
-            f"α = {SIGNIFICANCE:g}, median over recipes); {RESOLVE_NATS:g} nats would need "
-            f"{max(needed) if needed else 'more than 10,000'} seeds"
+            f"{arch}: the paired differences' pooled SD is {num(paired_sd, 2)} nats (the test loss's seed SD "
+            f"{num(seed_sd, 2)}), so {n} paired seeds detect {num(detectable_difference(paired_sd, n), 2)} nats and "
+            f"{RESOLVE_NATS:g} nats would need {needed if needed else 'more than 10,000'} seeds (power {POWER:g}, "
+            f"α = {SIGNIFICANCE:g})"
         )
     more = " More seeds: `dvc exp run $(lmgeo preset presets/resolve.yaml)`."
     return "- **Power.** " + ("; ".join(parts) + "." + more if parts else "Not measured: fewer than two paired seeds.")
 
 
 def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
+    """The tuning protocol, whether each run used its tuned knobs, and each knob's lead over its runner-up
+    against the seed noise of its trials (`docs/tuning.json`)."""
     if not tuning:
-        return "- **Tuning.** No record of the head step-size sweep (`docs/tuning.json`) was found."
+        return "- **Tuning.** No record of the step-size sweep (`docs/tuning.json`) was found."
     p = tuning["protocol"]
-    per_recipe: dict[str, set[tuple[str, float]]] = {}
+    per_knob: dict[tuple[str, str], set[float]] = {}
     for t in tuning["trials"]:
         if t["arch"] == p["arch"]:
-            per_recipe.setdefault(t["recipe"], set()).add((t["knob"], t["value"]))
-    budgets = sorted({len(v) for v in per_recipe.values()})
-    chosen = {recipe: f"{c['knob']}={c['value']:g}" for recipe, c in tuning["chosen"].items() if c}
-    used = {r["recipe"]: r["head_step"] for r in runs if r["head_step"]}
-    differing = sorted(r for r, step in used.items() if r in chosen and chosen[r] != step)
-    steps = sorted({r["steps"] for r in runs if r["steps"]})
+            per_knob.setdefault((t["recipe"], t["knob"]), set()).add(t["value"])
+    budgets = sorted({len(v) for v in per_knob.values()})
+    chosen = {recipe: {k: c["value"] for k, c in by_knob.items() if c} for recipe, by_knob in tuning["chosen"].items()}
+    used = {r["recipe"]: _knobs(r["head_step"]) for r in runs if r["head_step"]}
+    differing = sorted(r for r, knobs in used.items()
+                       if r in chosen and any(knobs.get(k) != v for k, v in chosen[r].items()))  # fmt: skip
+    steps = sorted({r["steps"] for r in runs if r["steps"] and r["arch"] == p["arch"]})
     horizon = f"{p['steps']} steps, as here" if steps == [p["steps"]] else f"{p['steps']} steps (here: {steps})"
     transfer = f" Transfer to other architectures: {p['transfer']}." if p.get("transfer") else ""
     tuned_arch = {r["n_params"] for r in runs if r["arch"] == p["arch"] and r["n_params"]}
@@ -372,14 +422,24 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
             f"`{p['arch']}` has {', '.join(f'{n:,}' for n in sorted(tuned_arch))}: the step sizes were not re-tuned "
             "at this size (`lmgeo tune` does it), so a recipe may be off its best step.**"
             if tuned_arch and p.get("n_params") and tuned_arch != {p["n_params"]} else "")  # fmt: skip
-    used_note = ("Every recipe ran at its tuned step." if not differing else "Not at the tuned step here: "
+    used_note = ("Every recipe ran at its tuned knobs." if not differing else "Not at the tuned knobs here: "
                  + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
+    flat = [f"`{c['recipe']}` {c['knob']}" for c in tuning.get("curves", [])
+            if c["margin"] is not None and c["seed_noise"] is not None and c["margin"] < c["seed_noise"]]  # fmt: skip
+    noise = (f" Lead over the runner-up below the trials' seed noise (a flat optimum: the neighbours would do as "
+             f"well): {', '.join(flat)}; every curve with its seeds is in `docs/tuning.md`." if flat else
+             " Every winner leads its runner-up by more than its trials' seed noise (`docs/tuning.md`).")  # fmt: skip
     return (
-        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's head step size, baselines included, was "
-        f"chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} step sizes per recipe "
-        f"({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the "
-        f"mean final **val** loss (a divergence counts as +∞).{transfer} {used_note}{size}"
+        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's step, baselines included (`adamw`: its "
+        f"hidden matrices' lr), was chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} "
+        f"values per knob ({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, "
+        f"selected on the mean final **val** loss (a divergence counts as +∞).{transfer}{noise} {used_note}{size}"
     )
+
+
+def _knobs(head_step: str) -> dict[str, float]:
+    """`tau=0.8 equi_alignment=0.5` (a run's `head_step`) as {knob: value}."""
+    return {k: float(v) for k, _, v in (part.partition("=") for part in head_step.split())}
 
 
 def _problem_runs(runs: list[Row]) -> str:

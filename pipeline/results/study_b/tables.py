@@ -3,6 +3,7 @@ comparison with `muon`, and Study B's claims; and its part of the DVC metrics (`
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -16,6 +17,7 @@ from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import detectable_difference, holm, mean_interval, paired_difference, seeds_needed
 from pipeline.study_b.baseline import baseline
+from pipeline.study_b.ngram import NgramLoss
 from pipeline.study_b.recipes import RECIPES
 
 # ------------------------------------------------------------------------------ claims (SPEC §3.3)
@@ -24,6 +26,9 @@ MIN_SEEDS_FOR_TEST = 3
 # Study B resolves differences of this size (issue 12): seeds are planned for it at this power.
 RESOLVE_NATS = 0.02
 POWER = 0.8
+# A trained model beats the bigram of its own training data by at least this much on test (issue 37): below it,
+# an optimizer comparison says little about trained models.
+REGIME_MARGIN = 0.3
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 MAX_CURVE_POINTS = 1000
 METRIC_DECIMALS = 4  # 1e-4 nats: far below the differences Study B resolves (RESOLVE_NATS)
@@ -55,8 +60,8 @@ def runs_table(con: duckdb.DuckDBPyConnection) -> pa.Table:
                    median(hilbert_realized_train) AS median_hilbert_realized_train,
                    max(hilbert_realized_train) AS max_hilbert_realized_train,
                    median(head_step_scale) AS median_head_step_scale,
-                   avg(CASE WHEN head_step_scale < 1 THEN 1.0 ELSE 0.0 END)
-                       FILTER (WHERE head_step_scale IS NOT NULL) AS frac_steps_capped
+                   avg(CASE WHEN head_step_scale > 1 THEN 1.0 ELSE 0.0 END)
+                       FILTER (WHERE head_step_scale IS NOT NULL) AS frac_steps_enlarged
             FROM steps GROUP BY run
         )
         SELECT coalesce(j.run, l.run) AS run,
@@ -112,20 +117,16 @@ RECIPES_SCHEMA = pa.schema(
      ("test_loss_mean", pa.float64()), ("test_loss_sd", pa.float64()),
      ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("val_loss_mean", pa.float64()),
      ("steps", pa.int64()), ("tokens", pa.int64()), ("head_step", pa.string()),
-     ("median_hilbert_bound", pa.float64()), ("frac_steps_capped", pa.float64()), ("cap_binds", pa.bool_()),
+     ("median_hilbert_bound", pa.float64()), ("median_step_scale", pa.float64()),
      ("n_paired", pa.int64()),
      ("diff_vs_muon", pa.float64()), ("diff_sd", pa.float64()), ("diff_ci_low", pa.float64()),
      ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()), ("p_vs_muon_holm", pa.float64()),
      ("detectable_diff", pa.float64()), ("seeds_to_resolve", pa.int64()), ("seeds_for_observed", pa.int64()),
-     ("cap_effect", pa.float64()), ("cap_effect_ci_low", pa.float64()), ("cap_effect_ci_high", pa.float64())]
+     ("budget_effect", pa.float64()), ("budget_effect_ci_low", pa.float64()), ("budget_effect_ci_high", pa.float64())]
 )  # fmt: skip
 
-# A cap *binds* for a recipe at a budget when it scales down at least this share of the recipe's head steps:
-# only then does the budget, not the recipe's own step size, set how far its head moves (SPEC §3.2).
-BINDING_SHARE = 0.5
-
-# (matched, head_budget_tau, arch, recipe): the default runs (False, None, ...), the sweep's uncapped
-# reference (True, None, ...) and each of its budgets (True, tau, ...).
+# (matched, head_budget_tau, arch, recipe): the default runs (False, None, ...) and each budget of the
+# matched-budget sweep (True, tau, ...).
 GroupKey = tuple[bool, float | None, str, str]
 
 
@@ -135,17 +136,19 @@ def _group_key(row: dict[str, Any]) -> GroupKey:
 
 def _display_order(key: GroupKey) -> tuple[Any, ...]:
     matched, tau, arch, recipe = key
-    return arch, matched, tau is not None, tau or 0.0, RECIPES.order(recipe)
+    return arch, matched, tau or 0.0, RECIPES.order(recipe)
 
 
 def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
-    """Per arch × recipe, for the default runs and apart for each kind of matched-budget run (uncapped, and
-    each budget): final test loss over seeds with its t-interval (diverged runs counted, not averaged), and
-    the paired comparison with `muon` of the same kind and budget on the same seeds (same init, same data
-    order): the mean difference with its t-interval, the paired t-test p-value and its Holm adjustment over
-    the arch's recipes at that budget, the difference these seeds detect with POWER, and the seeds
-    RESOLVE_NATS and the observed difference would need. A capped row also carries the share of steps the
-    cap scaled and the cap's effect (against the sweep's uncapped runs of the same recipe and seeds)."""
+    """Per arch × recipe, for the default runs and apart for each budget of the matched-budget sweep: final
+    test loss over seeds with its t-interval (diverged runs counted, not averaged), and the paired comparison
+    with `muon` of the same kind and budget on the same seeds (same init, same data order): the mean
+    difference with its t-interval, the paired t-test p-value and its Holm adjustment — over the arch's
+    recipes for the default runs, over *every* comparison of the arch's sweep (all budgets) for the sweep's —,
+    the difference these seeds detect with POWER, and the seeds RESOLVE_NATS and the observed difference would
+    need. A sweep row also carries how much the budget rescaled the recipe's own step (the median factor; > 1:
+    enlarged) and the budget's effect (its test loss minus the same recipe's default run, same seed: the
+    same horizon and data, the recipe's own step size)."""
     by_group: dict[GroupKey, list[dict[str, Any]]] = {}
     for row in runs.to_pylist():
         if row["arch"] and row["recipe"]:
@@ -161,7 +164,6 @@ def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
         compared = recipe != reference and muon in test
         paired = paired_difference(test[key], test[muon], cfg.ci) if compared else None
         diff = paired.diff if paired else None
-        capped = _mean([r["frac_steps_capped"] for r in rows]) if tau is not None else None
         out.append({
             "arch": arch, "recipe": recipe, "matched": matched, "head_budget_tau": tau, "n_runs": len(rows),
             "n_seeds": loss.n, "n_diverged": sum(bool(r["diverged"]) for r in rows),
@@ -171,7 +173,7 @@ def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "steps": _single([r["steps_done"] for r in rows]), "tokens": _single([r["tokens"] for r in rows]),
             "head_step": _single([r["head_step"] for r in rows]),
             "median_hilbert_bound": _median([r["median_hilbert_bound"] for r in rows]),
-            "frac_steps_capped": capped, "cap_binds": None if capped is None else capped >= BINDING_SHARE,
+            "median_step_scale": _median([r["median_head_step_scale"] for r in rows]) if matched else None,
             "n_paired": diff.n if diff else None,
             "diff_vs_muon": none_if_nan(diff.mean) if diff else None,
             "diff_sd": none_if_nan(diff.sd) if diff else None,
@@ -179,16 +181,17 @@ def recipes_table(runs: pa.Table, cfg: ReportConfig) -> pa.Table:
             "diff_ci_high": none_if_nan(diff.high) if diff else None,
             "p_vs_muon": _testable(paired),
             **_planning(diff),
-            **_cap_effect(test, key, cfg.ci),
+            **_budget_effect(test, key, cfg.ci),
         })  # fmt: skip
-    _holm(out, ("arch", "matched", "head_budget_tau"), "p_vs_muon", "p_vs_muon_holm")
+    _holm(out, ("arch", "matched"), "p_vs_muon", "p_vs_muon_holm")
     return pa.Table.from_pylist(out, schema=RECIPES_SCHEMA)
 
 
 ENVELOPE_SCHEMA = pa.schema(
     [("arch", pa.string()), ("recipe", pa.string()), ("best_tau", pa.float64()), ("n_budgets", pa.int64()),
+     ("best_interior", pa.bool_()),
      ("val_loss_mean", pa.float64()), ("n_seeds", pa.int64()), ("test_loss_mean", pa.float64()),
-     ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("uncapped_test_loss", pa.float64()),
+     ("test_loss_ci_low", pa.float64()), ("test_loss_ci_high", pa.float64()), ("own_step_test_loss", pa.float64()),
      ("muon_best_tau", pa.float64()), ("n_paired", pa.int64()), ("diff_vs_muon", pa.float64()),
      ("diff_ci_low", pa.float64()), ("diff_ci_high", pa.float64()), ("p_vs_muon", pa.float64()),
      ("p_vs_muon_holm", pa.float64())]
@@ -197,19 +200,23 @@ ENVELOPE_SCHEMA = pa.schema(
 
 def envelope_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.Table:
     """The matched-budget sweep's fair overall comparison: per arch × recipe, its best budget, chosen on the
-    mean final *val* loss (the protocol's tuning split; ties: the smaller budget), its test loss there, and
-    the paired difference to `muon` at muon's own best budget on the same seeds (Holm over the arch's
-    recipes)."""
-    per_run = [r for r in runs.to_pylist() if r["matched"] and r["head_budget_tau"] is not None]
+    mean final *val* loss (the protocol's tuning split; ties: the smaller budget) and whether it is interior
+    (a budget below and one above it were swept: else the grid may clip the best), its test loss there, its
+    own-step test loss (the default runs of the sweep's seeds), and the paired difference to `muon` at muon's
+    own best budget on the same seeds (Holm over the arch's recipes)."""
+    per_run = [r for r in runs.to_pylist() if r["matched"]]
     swept = [r for r in recipes.to_pylist() if r["matched"] and r["val_loss_mean"] is not None]
     best: dict[tuple[str, str], dict[str, Any]] = {}
+    budgets: dict[tuple[str, str], list[float]] = {}
     for r in swept:
-        if r["head_budget_tau"] is not None:
-            here = best.get((r["arch"], r["recipe"]))
-            ranked = (r["val_loss_mean"], r["head_budget_tau"])
-            if here is None or ranked < (here["val_loss_mean"], here["head_budget_tau"]):
-                best[(r["arch"], r["recipe"])] = r
-    uncapped = {(r["arch"], r["recipe"]): r["test_loss_mean"] for r in swept if r["head_budget_tau"] is None}
+        budgets.setdefault((r["arch"], r["recipe"]), []).append(r["head_budget_tau"])
+        here = best.get((r["arch"], r["recipe"]))
+        ranked = (r["val_loss_mean"], r["head_budget_tau"])
+        if here is None or ranked < (here["val_loss_mean"], here["head_budget_tau"]):
+            best[(r["arch"], r["recipe"])] = r
+    sweep_seeds = {r["seed"] for r in per_run}
+    own = {key: _by_seed([r for r in runs.to_pylist() if _group_key(r) == key and r["seed"] in sweep_seeds],
+                         "final_test_loss") for key in {(False, None, a, rc) for a, rc in best}}  # fmt: skip
 
     def losses(arch: str, recipe: str) -> dict[int, float]:
         tau = best[(arch, recipe)]["head_budget_tau"]
@@ -221,12 +228,14 @@ def envelope_table(runs: pa.Table, recipes: pa.Table, cfg: ReportConfig) -> pa.T
         compared = recipe != muon[1] and muon in best
         paired = paired_difference(losses(arch, recipe), losses(*muon), cfg.ci) if compared else None
         diff = paired.diff if paired else None
+        swept_here = budgets[(arch, recipe)]
+        own_losses = list(own[(False, None, arch, recipe)].values())
         out.append({
-            "arch": arch, "recipe": recipe, "best_tau": row["head_budget_tau"],
-            "n_budgets": sum(1 for r in swept if (r["arch"], r["recipe"]) == (arch, recipe) and r["head_budget_tau"]),
+            "arch": arch, "recipe": recipe, "best_tau": row["head_budget_tau"], "n_budgets": len(swept_here),
+            "best_interior": min(swept_here) < row["head_budget_tau"] < max(swept_here),
             "val_loss_mean": row["val_loss_mean"], "n_seeds": row["n_seeds"], "test_loss_mean": row["test_loss_mean"],
             "test_loss_ci_low": row["test_loss_ci_low"], "test_loss_ci_high": row["test_loss_ci_high"],
-            "uncapped_test_loss": uncapped.get((arch, recipe)),
+            "own_step_test_loss": float(np.mean(own_losses)) if own_losses else None,
             "muon_best_tau": best[muon]["head_budget_tau"] if muon in best else None,
             "n_paired": diff.n if diff else None,
             "diff_vs_muon": none_if_nan(diff.mean) if diff else None,
@@ -246,16 +255,16 @@ def _by_seed(runs: list[dict[str, Any]], column: str) -> dict[int, float]:
     }  # fmt: skip
 
 
-def _cap_effect(test: dict[GroupKey, dict[int, float]], key: GroupKey, ci: float) -> dict[str, Any]:
-    """For capped runs of the sweep: what the cap did, their test loss minus the same recipe's uncapped sweep
-    runs' (same steps) on the same seeds (paired t-interval); None for any other row."""
-    matched, tau, arch, recipe = key
-    uncapped = test.get((True, None, arch, recipe))
-    if not matched or tau is None or not uncapped:
-        return {"cap_effect": None, "cap_effect_ci_low": None, "cap_effect_ci_high": None}
-    diff = paired_difference(test[key], uncapped, ci).diff
-    return {"cap_effect": none_if_nan(diff.mean), "cap_effect_ci_low": none_if_nan(diff.low),
-            "cap_effect_ci_high": none_if_nan(diff.high)}  # fmt: skip
+def _budget_effect(test: dict[GroupKey, dict[int, float]], key: GroupKey, ci: float) -> dict[str, Any]:
+    """For sweep rows: what matching the budget did, their test loss minus the same recipe's default runs
+    (its own step, same horizon) on the same seeds (paired t-interval); None for any other row."""
+    matched, _tau, arch, recipe = key
+    own = test.get((False, None, arch, recipe))
+    if not matched or not own:
+        return {"budget_effect": None, "budget_effect_ci_low": None, "budget_effect_ci_high": None}
+    diff = paired_difference(test[key], own, ci).diff
+    return {"budget_effect": none_if_nan(diff.mean), "budget_effect_ci_low": none_if_nan(diff.low),
+            "budget_effect_ci_high": none_if_nan(diff.high)}  # fmt: skip
 
 
 def _planning(diff: Any) -> dict[str, Any]:
@@ -281,7 +290,7 @@ def _testable(paired: Any) -> float | None:
 
 def _holm(rows: list[dict[str, Any]], family: tuple[str, ...], p: str, adjusted: str) -> None:
     """`adjusted`: the p-values `p` of the rows that agree on the `family` columns, Holm-adjusted together
-    (for the recipes table: the arch's comparisons with `muon` of one kind of run at one budget)."""
+    (for the recipes table: the arch's default comparisons with `muon`, or all of its sweep's)."""
     for family_key in {tuple(r[c] for c in family) for r in rows}:
         members = [r for r in rows if tuple(r[c] for c in family) == family_key]
         for r, value in zip(members, holm([math.nan if r[p] is None else r[p] for r in members]), strict=True):
@@ -307,6 +316,16 @@ def _single(values: Sequence[Any]) -> Any:
     """The common value (runs compared at equal steps/tokens), or None when they differ or are unknown."""
     distinct = {v for v in values if v is not None}
     return distinct.pop() if len(distinct) == 1 else None
+
+
+BASELINES_SCHEMA = pa.schema(
+    [("model", pa.string()), ("smoothing", pa.string()), ("val_loss", pa.float64()), ("test_loss", pa.float64())]
+)
+
+
+def baselines_table(baselines: Sequence[NgramLoss]) -> pa.Table:
+    """The n-gram baselines (`pipeline.study_b.ngram`) on the models' val and test windows."""
+    return pa.Table.from_pylist([dataclasses.asdict(b) for b in baselines], schema=BASELINES_SCHEMA)
 
 
 # ------------------------------------------------------------------------------------------- claims

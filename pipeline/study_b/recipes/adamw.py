@@ -1,4 +1,5 @@
-"""`adamw`: AdamW everywhere, the head included: the common baseline."""
+"""`adamw`: AdamW everywhere, the hidden matrices included: the common baseline. Its tuned knob is the lr of
+its hidden matrices (`hidden_lr`); its head is `muon`'s AdamW head, at `muon`'s tuned lr (docs/tuning.md)."""
 
 from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault
 
@@ -7,5 +8,5 @@ RECIPE = HeadRecipe(
     summary="AdamW (as everything else)",
     hidden="adamw",
     head="adamw",
-    default_step=HeadStepDefault(head_lr=0.192),
+    default_step=HeadStepDefault(head_lr=0.0339, hidden_lr=0.003),
 )

@@ -1,6 +1,6 @@
 """What a head-optimizer recipe of Study B is (SPEC §3.2): how the head is stepped (the hidden matrices and
-the rest follow the recipe's `hidden` choice), and its tuned default step (what only the bench reads of
-it, its cost model and speed bars, is in `tools/bench/recipe_costs.py`).
+the rest follow the recipe's `hidden` choice), and its tuned defaults (what only the bench reads of it, its
+cost model and speed bars, is in `tools/bench/recipe_costs.py`).
 
 A recipe is one module of `pipeline/study_b/recipes/` defining `RECIPE = HeadRecipe(...)`, plus one line in
 `pipeline/study_b/recipes/__init__.py`.
@@ -10,33 +10,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
 
 @dataclass(frozen=True)
 class HeadStepDefault:
-    """A recipe's default head step size: `head_lr` (η; None = the run's `adamw_lr`) or `tau` (nats)."""
+    """A recipe's tuned defaults (docs/tuning.md): the head step, `head_lr` (η; None = the run's
+    `adamw_lr`) or `tau` (nats); `hidden_lr`, the lr of its hidden matrices where the recipe sets its own
+    (`adamw`, whose hidden matrices are AdamW's; None = the run's); `equi_alignment`, the descent share of
+    the equidistance step (`hilbert_equi`)."""
 
     head_lr: float | None = None
     tau: float | None = None
+    hidden_lr: float | None = None
+    equi_alignment: float | None = None
 
 
 @dataclass(frozen=True)
 class LMOKnobs:
-    """The knobs of the equidistance spreading (`train.recipe_overrides.<recipe>.equi_*`); directions
-    that do not spread rows ignore them."""
+    """The knobs of the equidistance step (`train.recipe_overrides.<recipe>.equi_*`): its descent share and
+    its solver's iterations per step; directions that do not spread rows ignore them."""
 
     equi_iters: int
     equi_alignment: float
 
 
-# (momentum (V, d), knobs, the run's generator on the momentum's device) -> the unit step, diam ≤ 1 for
-# the Hilbert recipes; the optimizer applies −η times it. Directions that draw no random numbers ignore
-# the generator.
-Direction = Callable[[Tensor, LMOKnobs, torch.Generator], Tensor]
+# (momentum (V, d), knobs, the optimizer's state for the head) -> the unit step, diam ≤ 1 for the Hilbert
+# recipes; the optimizer applies −η times it. A direction may keep what it needs between steps in the
+# state (the equidistance solver's warm start); the others ignore it.
+Direction = Callable[[Tensor, LMOKnobs, dict[str, Any]], Tensor]
 
 
 @dataclass(frozen=True)
@@ -49,3 +53,6 @@ class HeadRecipe:
     direction: Direction | None = None
     trust_region: bool = False  # the step may be given in nats per step (`tau`)
     baseline: bool = False  # the recipe the others are compared with
+    # Under a matched budget this recipe's training is that recipe's, step for step (SPEC §3.2): the sweep
+    # trains it once, as that one.
+    matched_as: str | None = None

@@ -1,6 +1,7 @@
 """`hilbert`: the diameter LMO of SPEC §3.1: `−(η/2)·centre(rownorm(centre(M)))`, so `diam(ΔW) ≤ η`."""
 
-import torch
+from typing import Any
+
 from torch import Tensor
 
 from pipeline.study_b.hilbert import center_rows
@@ -8,11 +9,11 @@ from pipeline.study_b.lmo import unit_rows
 from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 
-def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
+def direction(m: Tensor, knobs: LMOKnobs, state: dict[str, Any]) -> Tensor:
     """Centred rows on the sphere of radius 1/2, so diam ≤ 1. The final re-centring removes only the
     common shift that row-normalisation reintroduced; diam is shift-invariant, so the bound still holds
     exactly (up to float32 rounding, ~1e-7 relative)."""
-    del knobs, gen
+    del knobs, state
     return 0.5 * center_rows(unit_rows(center_rows(m)))
 
 

@@ -1,14 +1,16 @@
 """`sign`: Scion's "Sign" LMO (ℓ₁→ℓ∞): `−η·sign(M)/d`."""
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
 from pipeline.study_b.recipes.base import HeadRecipe, HeadStepDefault, LMOKnobs
 
 
-def direction(m: Tensor, knobs: LMOKnobs, gen: torch.Generator) -> Tensor:
+def direction(m: Tensor, knobs: LMOKnobs, state: dict[str, Any]) -> Tensor:
     """Entries ±1/d, d the head's input width."""
-    del knobs, gen
+    del knobs, state
     return torch.sign(m) / m.shape[1]
 
 

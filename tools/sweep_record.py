@@ -1,0 +1,29 @@
+"""Commit the matched-budget sweep's result tables for the report (`pipeline.results.study_b.record`):
+after `dvc exp run $(lmgeo preset presets/sweep.yaml)`, `python -m tools.sweep_record` copies its Study B
+tables and provenance from `reports/` into `docs/sweep/`, where the default study's report reads them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+COMMAND = "dvc exp run $(lmgeo preset presets/sweep.yaml)"
+
+
+def main(argv: list[str] | None = None) -> None:
+    from pipeline.core.contracts import read_result_tables
+    from pipeline.results.study_b.record import write_record
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reports", type=Path, default=Path("reports"), help="the preset run's reports/")
+    parser.add_argument("--out", type=Path, default=Path("docs/sweep"))
+    args = parser.parse_args(argv)
+    tables = read_result_tables(args.reports / "tables")
+    provenance = json.loads((args.reports / "provenance.json").read_text())
+    write_record(tables, provenance, COMMAND, args.out)
+    print(f"sweep_record: wrote {args.out} from {args.reports} (revision {provenance['git']['revision'][:7]})")
+
+
+if __name__ == "__main__":
+    main()
