@@ -410,8 +410,10 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
         if t["arch"] == p["arch"]:
             per_knob.setdefault((t["recipe"], t["knob"]), set()).add(t["value"])
     budgets = sorted({len(v) for v in per_knob.values()})
-    chosen = {recipe: {k: c["value"] for k, c in by_knob.items() if c} for recipe, by_knob in tuning["chosen"].items()}
+    chosen = {recipe: _chosen_knobs(entry) for recipe, entry in tuning["chosen"].items()}
     used = {r["recipe"]: _knobs(r["head_step"]) for r in runs if r["head_step"]}
+    untuned = [f"`{r}` {k} (at {v:g})" for r, knobs in sorted(used.items()) for k, v in knobs.items()
+               if k not in chosen.get(r, {})]  # fmt: skip
     differing = sorted(r for r, knobs in used.items()
                        if r in chosen and any(knobs.get(k) != v for k, v in chosen[r].items()))  # fmt: skip
     steps = sorted({r["steps"] for r in runs if r["steps"] and r["arch"] == p["arch"]})
@@ -423,18 +425,37 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
             "at this size (`lmgeo tune` does it), so a recipe may be off its best step.**"
             if tuned_arch and p.get("n_params") and tuned_arch != {p["n_params"]} else "")  # fmt: skip
     used_note = ("Every recipe ran at its tuned knobs." if not differing else "Not at the tuned knobs here: "
-                 + ", ".join(f"`{r}` ({used[r]}, tuned {chosen[r]})" for r in differing) + ".")  # fmt: skip
+                 + ", ".join(f"`{r}` ({_knob_text(used[r])}, tuned {_knob_text(chosen[r])})" for r in differing)
+                 + ".")  # fmt: skip
     flat = [f"`{c['recipe']}` {c['knob']}" for c in tuning.get("curves", [])
             if c["margin"] is not None and c["seed_noise"] is not None and c["margin"] < c["seed_noise"]]  # fmt: skip
-    noise = (f" Lead over the runner-up below the trials' seed noise (a flat optimum: the neighbours would do as "
-             f"well): {', '.join(flat)}; every curve with its seeds is in `docs/tuning.md`." if flat else
-             " Every winner leads its runner-up by more than its trials' seed noise (`docs/tuning.md`).")  # fmt: skip
+    if "curves" not in tuning:
+        noise = " The record keeps no seed noise per curve (a record written before `lmgeo tune` measured it)."
+    elif flat:
+        noise = (f" Lead over the runner-up below the trials' seed noise (a flat optimum: the neighbours would do as "
+                 f"well): {', '.join(flat)}; every curve with its seeds is in `docs/tuning.md`.")
+    else:
+        noise = " Every winner leads its runner-up by more than its trials' seed noise (`docs/tuning.md`)."
+    never = (f" **Never tuned: {', '.join(untuned)}; re-run `lmgeo tune` to tune every knob at this protocol.**"
+             if untuned else "")  # fmt: skip
     return (
-        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). Every recipe's step, baselines included (`adamw`: its "
-        f"hidden matrices' lr), was chosen on `{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} "
-        f"values per knob ({p['grid']}), seeds {', '.join(map(str, p['seeds']))} (not the study's), {horizon}, "
-        f"selected on the mean final **val** loss (a divergence counts as +∞).{transfer}{noise} {used_note}{size}"
+        f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). The recipes' knobs in the record were chosen on "
+        f"`{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} values per knob ({p['grid']}), seeds "
+        f"{', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the mean final **val** loss (a "
+        f"divergence counts as +∞).{transfer}{noise} {used_note}{never}{size}"
     )
+
+
+def _knob_text(knobs: dict[str, float]) -> str:
+    return " ".join(f"{k}={v:g}" for k, v in knobs.items())
+
+
+def _chosen_knobs(entry: dict[str, Any]) -> dict[str, float]:
+    """A recipe's chosen knobs in the tuning record: {knob: {value, …} or None (every value diverged)}, or, in
+    a record written before a recipe had several knobs, one {knob, value, …}."""
+    if "knob" in entry:
+        return {entry["knob"]: entry["value"]}
+    return {knob: choice["value"] for knob, choice in entry.items() if choice}
 
 
 def _knobs(head_step: str) -> dict[str, float]:
