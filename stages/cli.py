@@ -70,6 +70,16 @@ def interrupted() -> None:
     raise typer.Exit(code=130)
 
 
+def _notes_on_stderr(logger: str) -> None:
+    """What the library logs to `logger` (e.g. a query's note that a dataset is partial), as `lmgeo: note:`
+    lines on stderr, apart from the answer on stdout."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("lmgeo: note: %(message)s"))
+    logging.getLogger(logger).addHandler(handler)
+
+
 def quiet_logs() -> None:
     """Before Ray starts, so that its local workers inherit it (cluster workers get the same through the
     job's runtime environment, `stages.runtime.WORKER_ENV`): no per-checkpoint "Loading weights" bars from
@@ -159,6 +169,7 @@ def query(
     from stages.layout import Layout
 
     layout = Layout.enclosing()
+    _notes_on_stderr("lmgeo.query")
     try:
         typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, timeout))
     except QueryError as err:

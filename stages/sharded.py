@@ -98,13 +98,17 @@ def run_sharded_stage(
 ) -> dict[str, Any]:
     """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key); first remove shards that are no
-    longer in the plan; last, record the plan as complete in each root (`write_plan`). Returns each run
+    longer in the plan and record the plan as in progress; last, record it as complete in each root
+    (`write_plan`). Returns each run
     task's result."""
     from stages.runtime import check_reachable, start_ray
 
     check_reachable(params.ray, ray_address)  # before the prune: a stage that cannot run changes nothing
     keep = {shard.key for shard, _ in plan}
     removed = max((prune_shards(root, keep) for root in roots), default=0)
+    planned = {shard.key: key for shard, key in plan}
+    for root in roots:  # what a query of the stage's output, stopped half-way, reads as planned but missing
+        write_plan(root, planned, complete=False)
     todo = [shard for shard, key in plan if not all(shard_complete(root, shard.key, key) for root in roots)]
     print(
         f"{stage}: {len(plan) - len(todo)}/{len(plan)} shards complete, {len(todo)} to do"
@@ -123,5 +127,5 @@ def run_sharded_stage(
             shards_per_task=params.ray.shards_per_task,
         )
     for root in roots:  # every planned shard is complete: what a reader without a plan checks against
-        write_plan(root, {shard.key: key for shard, key in plan})
+        write_plan(root, planned)
     return results

@@ -220,24 +220,49 @@ def verified_files(
     return [path for manifest in chosen for path in _check_files(root, manifest)]
 
 
-def write_plan(root: Path, planned: Mapping[str, ManifestKey]) -> None:
-    """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are)."""
+def write_plan(root: Path, planned: Mapping[str, ManifestKey], *, complete: bool = True) -> None:
+    """Record the plan (shard → key) a stage runs in `root`: before its fan-out with `complete=False` (so that
+    a reader of a stage stopped half-way knows which shards are still to come), and again once every shard is
+    complete (then without the `in_progress` key, as the record always was)."""
     keys = {shard: asdict(key) for shard, key in sorted(planned.items())}
-    atomic_write(
-        Path(root) / PLAN_FILE, json.dumps({"format": MANIFEST_FORMAT, "shards": keys}, indent=1, sort_keys=True)
-    )
+    record = {"format": MANIFEST_FORMAT, "shards": keys, **({} if complete else {"in_progress": True})}
+    atomic_write(Path(root) / PLAN_FILE, json.dumps(record, indent=1, sort_keys=True))
 
 
 def read_plan(root: Path) -> dict[str, ManifestKey]:
-    path = Path(root) / PLAN_FILE
+    return _read_plan(Path(root))[0]
+
+
+def _read_plan(root: Path) -> tuple[dict[str, ManifestKey], bool]:
+    """The plan's keys (shard → key) and whether the stage is still running it."""
+    path = root / PLAN_FILE
     try:
         record = json.loads(path.read_text())
-        return {shard: ManifestKey(**key) for shard, key in record["shards"].items()}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        return {shard: ManifestKey(**key) for shard, key in record["shards"].items()}, bool(record.get("in_progress"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptShardError(
             f"{path}: unreadable record of the last plan of the stage that writes {root} ({err}); re-run that "
             "stage (`dvc repro`, or its `lmgeo` command)"
         ) from None
+
+
+def files_so_far(root: Path, *, rebuild: str = "its stage") -> tuple[list[Path], list[str]]:
+    """For a reader that takes what is there (a query of a study still training): while the stage's plan is in
+    progress (`write_plan(complete=False)`: the stage stopped or is running), the verified files of its shards
+    complete so far and the shards still missing; otherwise `verified_files(root)` and none missing."""
+    root = Path(root)
+    planned, in_progress = _read_plan(root) if (root / PLAN_FILE).is_file() else ({}, False)
+    if not in_progress:
+        return verified_files(root, rebuild=rebuild), []
+    manifests = {m["shard"]: m for m in map(_load_manifest, sorted((root / MANIFEST_DIR).glob("*.json")))}
+    done, missing = [], []
+    for shard, key in planned.items():
+        manifest = manifests.get(shard)
+        if manifest is not None and manifest_key(manifest) == key:
+            done.append(manifest)
+        else:
+            missing.append(shard)
+    return [path for manifest in done for path in _check_files(root, manifest)], missing
 
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:

@@ -7,11 +7,16 @@ Views, named as the files or datasets they come from (``sources`` says where eac
   Only files that shard manifests list are read, each checked against its size and sha256, and a dataset
   that mixes the shards of two runs of its stage is refused (``pipeline.core.store.verified_files``).
 
-With revisions (git revisions or DVC experiment names), DVC's own filesystem (``dvc.api.DVCFileSystem``)
-copies each revision's tables, and the per-token datasets the SQL names literally, into a temporary
-folder, so DVC-tracked results come from the DVC cache; a dataset the SQL does not name is not a view at
-that revision (so reaching it indirectly fails instead of reading nothing). With several revisions every
-view is the union (by column name) of the revisions' data, with a leading ``rev`` column.
+The result tables and the params are committed to git, so a fresh clone queries them with no DVC cache or
+remote. With revisions (git revisions or DVC experiment names), each revision's tables and params are read
+from git's objects, and the per-token datasets the SQL names literally (DVC outputs) are copied by DVC's own
+filesystem (``dvc.api.DVCFileSystem``), from the DVC cache or else the default remote, into a temporary folder
+(tables a revision tracked with DVC, before they were committed, come that way too); a dataset the SQL does
+not name is not a view at that revision (so reaching it indirectly fails instead of reading nothing). With
+several revisions every view is the union (by column name) of the revisions' data, with a leading ``rev``
+column. A per-token dataset DVC tracks but the working tree lacks (a fresh clone) is an error saying how to
+get it, not an empty view; one whose stage stopped half-way is read as far as it got, the missing shards
+named in a note (logged to ``lmgeo.query``).
 
 Read-only twice over: the statement must parse as one SELECT / WITH / DESCRIBE / SHOW / SUMMARIZE /
 EXPLAIN (of such a statement) / PRAGMA table_info|show_tables, and DuckDB itself runs in memory with the
@@ -25,6 +30,7 @@ import contextlib
 import csv
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -54,7 +60,7 @@ from pipeline.core.contracts import (
     table_id_sql,
 )
 from pipeline.core.errors import InputError
-from pipeline.core.store import CorruptShardError, StaleShardError, verified_files
+from pipeline.core.store import CorruptShardError, StaleShardError, files_so_far
 
 Format = Literal["table", "csv", "json"]
 # Views over the per-token datasets: name -> (dataset, with its vector columns). `sources[dataset.name]` is
@@ -87,6 +93,10 @@ _LOCKDOWN = (
 )
 
 
+# Notes on what a query read (a dataset whose stage stopped half-way): `lmgeo query` prints them on stderr.
+log = logging.getLogger("lmgeo.query")
+
+
 class QueryError(InputError):
     """A query that cannot run: not read-only, bad SQL, an unknown revision or unreadable data."""
 
@@ -116,6 +126,7 @@ def query_table(
                 snapshots.append(_revision(sql, workspace, rev, Path(tmp) / str(i), sources))
                 ctrl_c.check()
         else:
+            _check_checked_out(sql, workspace, sources)
             snapshots = [_snapshot(workspace, None, sources)]
         ctrl_c.check()
         con = _locked_connection(snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb")
@@ -256,41 +267,80 @@ class _Snapshot:
 
 
 def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str, str]) -> _Snapshot:
-    """The data of ``rev``: the working tree itself for ``workspace``, else a copy made by DVC of the tables,
-    the params, and what the SQL names of the datasets and the tokenizer (``tokens``)."""
+    """The data of ``rev``: the working tree itself for ``workspace``; else, under ``dest``, the tables and the
+    params as git has them at ``rev``, and what the SQL names of the datasets and the tokenizer (``tokens``)
+    copied by DVC (with the tables, at a revision that tracked them with DVC)."""
     if rev == WORKSPACE:
+        _check_checked_out(sql, workspace, sources)
         return _snapshot(workspace, rev, sources)
-    named = {DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)}
-    wanted = ["tables", "params", *sorted(named), *(["tokenizer"] if _mentions(sql, "tokens") else [])]
-    # params.yaml is git's: DVC fetches only the rest
-    copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted], [sources[w] for w in wanted if w != "params"])
-    return _snapshot(copy, rev, {w: sources[w] for w in wanted})
+    outputs = _named_outputs(sql)
+    in_git = _git_copy(workspace, rev, dest, [sources["tables"], sources["params"]])
+    from_dvc = [sources[w] for w in outputs] + ([] if sources["tables"] in in_git else [sources["tables"]])
+    if from_dvc:
+        _checkout(workspace, rev, dest, from_dvc)
+    return _snapshot(dest, rev, {w: sources[w] for w in ("tables", "params", *outputs)})
 
 
-def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str], outputs: Sequence[str]) -> Path:
-    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC: from the local
-    cache, or else with the DVC ``outputs`` among them fetched into it from the default remote first (as
-    `dvc fetch` would)."""
+def _named_outputs(sql: str) -> list[str]:
+    """The DVC outputs (by source name) the SQL names: its per-token datasets and, for ``tokens``, the tokenizer."""
+    named = sorted({DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)})
+    return [*named, *(["tokenizer"] if _mentions(sql, "tokens") else [])]
+
+
+def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> set[str]:
+    """Copy the ``paths`` (workspace-relative) that git holds at ``rev`` under ``dest``, from git's objects (no
+    checkout, no DVC); returns those it held."""
+    from dvc.scm import SCMError, resolve_rev  # resolves DVC experiment names too
+    from scmrepo.git import Git
+
     try:
-        return _copy(workspace, rev, dest, wanted)
+        scm = Git(str(workspace))
+    except SCMError as err:
+        raise QueryError(f"revision {rev!r}: {workspace} is not in a git repository ({err})") from None
+    try:
+        fs = scm.get_fs(resolve_rev(scm, rev))
+        prefix = workspace.resolve().relative_to(Path(scm.root_dir).resolve())
+        held = set()
+        for path in paths:
+            inside = (prefix / path).as_posix()
+            if fs.isdir(inside):
+                fs.get(inside, str(dest / path), recursive=True)
+            elif fs.isfile(inside):
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+                fs.get(inside, str(dest / path))
+            else:
+                continue
+            held.add(path)
+        return held
+    except SCMError as err:
+        raise QueryError(f"revision {rev!r}: {err}") from None
+    finally:
+        scm.close()
+
+
+def _checkout(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path:
+    """Copy the DVC ``outputs`` as they are at ``rev`` under ``dest`` via DVC: from the local cache, or else
+    fetched into it from the default remote first (as `dvc fetch` would)."""
+    try:
+        return _copy(workspace, rev, dest, outputs)
     except _NotCached as missing:
         if not _fetch(workspace, rev, outputs):
             raise missing from None
-        return _copy(workspace, rev, dest, wanted)
+        return _copy(workspace, rev, dest, outputs)
 
 
 class _NotCached(QueryError):
     """A revision's results are in neither the local DVC cache nor (yet) fetched from the remote."""
 
 
-def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
+def _copy(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path:
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
     from dvc_data.index.index import DataIndexError
 
     try:
         fs = DVCFileSystem(str(workspace), rev=rev)
-        for path in wanted:
+        for path in outputs:
             if fs.isdir(path):
                 fs.get(path, str(dest / path), recursive=True)
             elif fs.isfile(path):
@@ -299,9 +349,9 @@ def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
     except DvcException as err:
         if "unknown Git revision" in str(err) or "revision" in type(err).__name__.lower():
             raise QueryError(f"revision {rev!r}: {err}") from None
-        raise _not_local(rev, err) from None
+        raise _not_local(rev, outputs, err) from None
     except (DataIndexError, OSError) as err:  # DVC's data index, for outputs its cache lacks
-        raise _not_local(rev, err) from None
+        raise _not_local(rev, outputs, err) from None
     return dest
 
 
@@ -318,13 +368,40 @@ def _fetch(workspace: Path, rev: str, outputs: Sequence[str]) -> bool:
         return False
 
 
-def _not_local(rev: str, err: BaseException) -> QueryError:
+def _not_local(rev: str, outputs: Sequence[str], err: BaseException) -> QueryError:
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return _NotCached(
-        f"revision {rev!r}: its results are in neither the local DVC cache nor the default remote "
-        f"({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`), or rebuild "
-        f"them with `git checkout {rev} && dvc repro`"
+        f"revision {rev!r}: {', '.join(outputs)} (DVC outputs) are in neither the local DVC cache nor the default "
+        f"remote ({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`) to a "
+        f"remote this clone uses (README: \"Sharing results\"), or rebuild them with `git checkout {rev} && dvc "
+        "repro`; the result tables and params are in git and need neither"
     )
+
+
+def _check_checked_out(sql: str, workspace: Path, sources: dict[str, str]) -> None:
+    """A DVC output the SQL names that `dvc.lock` records but the working tree lacks (a fresh clone: git holds
+    the result tables, not the per-token data) is an error naming the commands that bring it, not an empty
+    view."""
+    lock = workspace / "dvc.lock"
+    wanted = [sources[name] for name in _named_outputs(sql) if name in sources]
+    absent = [path for path in wanted if not (workspace / path).exists()]
+    if not absent or not lock.is_file():
+        return
+    import yaml
+
+    try:
+        stages = yaml.safe_load(lock.read_text())["stages"]
+        tracked = {out["path"] for stage in stages.values() for out in stage.get("outs", [])}
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return  # an unreadable lock: nothing to say beyond the empty view
+    missing = [path for path in absent if path in tracked]
+    if missing:
+        paths = " ".join(missing)
+        raise QueryError(
+            f"{paths}: not in this checkout (DVC outputs; git holds the result tables and params only): "
+            f"`dvc pull {paths}` fetches them from a DVC remote (README: \"Sharing results\"), `dvc repro` "
+            "recomputes them"
+        )
 
 
 def _mentions(sql: str, name: str) -> bool:
@@ -359,13 +436,25 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str]) -> _Snapshot
         if dataset.name not in sources:
             continue
         folder = root / sources[dataset.name]
+        rebuild = f"`lmgeo {dataset.written_by}`"
         try:
-            files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`") if folder.is_dir() else []
+            files, missing = files_so_far(folder, rebuild=rebuild) if folder.is_dir() else ([], [])
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
+        if missing and not vectors:  # once per dataset, not again for its vectors' view
+            log.warning(_partial_note(where, sources[dataset.name], missing, rebuild))
     written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
     return _Snapshot(rev, tables, datasets, written)
+
+
+def _partial_note(where: str, folder: str, missing: list[str], rebuild: str) -> str:
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (
+        f"{where}: {folder} is partial: its stage stopped (or is running) with {len(missing)} planned shard"
+        f"{'s' if len(missing) != 1 else ''} still to write ({shown}); read what is complete, `dvc repro` (or "
+        f"{rebuild}) finishes it"
+    )
 
 
 def _params_table(path: Path) -> pa.Table:
