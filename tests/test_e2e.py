@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from study_helpers import REPO, commit, new_study, sh, write_params
 
 from pipeline.core.config import flatten_overrides, load_yaml
@@ -24,7 +25,9 @@ def study(tmp_path_factory) -> Path:
 
 def test_repro_query_and_metrics_diff(study: Path):
     # The README's command for a preset, as written: the tiny study as an experiment, applied to the workspace.
-    sh("sh", "-c", "dvc exp run $(lmgeo preset presets/tiny.yaml)", cwd=study)
+    readme = (study / "README.md").read_text()
+    sh("lmgeo", "exp", "run", "presets/tiny.yaml", cwd=study)
+    assert (study / "README.md").read_text() == readme  # an experiment rewrites no tracked document
     assert load_params(study / "params.yaml") == apply_overrides(
         load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
     )
@@ -34,7 +37,13 @@ def test_repro_query_and_metrics_diff(study: Path):
     report = (study / "reports" / "report.md").read_text()
     for section in ("## Summary", "## Study B", "## Study A", "## Provenance"):
         assert section in report
+    # The result tables are git's (not ignored, so the commit below holds them), and dvc.lock records them.
+    assert sh("git", "check-ignore", "-q", "reports/tables/runs.parquet", cwd=study, check=False).returncode == 1
+    assert sh("git", "check-ignore", "-q", "data/fits", cwd=study, check=False).returncode == 0
+    lock = yaml.safe_load((study / "dvc.lock").read_text())["stages"]["aggregate"]["outs"]
+    assert any(out["path"] == "reports/tables" and out["md5"].endswith(".dir") for out in lock), lock
     commit(study, "tiny study, run")
+    assert "reports/tables/runs.parquet" in sh("git", "ls-files", "reports/tables", cwd=study).stdout
 
     again = sh("dvc", "repro", cwd=study)  # nothing changed: nothing runs, and DVC says so
     assert re.findall(r"Running stage '(\w+)'", again.stdout) == [], again.stdout
@@ -95,13 +104,13 @@ def test_the_readmes_query_examples_run_as_written(study: Path):
 
 
 def test_every_preset_is_accepted_by_dvc_as_the_readme_queues_it(study: Path):
-    """`dvc exp run --queue $(lmgeo preset presets/<name>.yaml)` for every preset: DVC applies the overrides
-    when it queues, so a key DVC cannot override fails here (nothing is run)."""
+    """`lmgeo exp run presets/<name>.yaml --queue` for every preset: DVC applies the overrides when it queues,
+    so a key DVC cannot override fails here (nothing is run)."""
     presets = sorted((REPO / "presets").glob("*.yaml"))
     assert any(p.name == "gpu.yaml" for p in presets)
     try:
         for preset in presets:
-            sh("sh", "-c", f"dvc exp run --queue $(lmgeo preset presets/{preset.name})", cwd=study)
+            sh("lmgeo", "exp", "run", f"presets/{preset.name}", "--queue", cwd=study)
         queued = sh("dvc", "queue", "status", cwd=study).stdout
         assert queued.count("Queued") == len(presets), queued
     finally:

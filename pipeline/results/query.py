@@ -290,11 +290,10 @@ def _named_outputs(sql: str) -> list[str]:
 def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> set[str]:
     """Copy the ``paths`` (workspace-relative) that git holds at ``rev`` under ``dest``, from git's objects (no
     checkout, no DVC); returns those it held."""
-    from dvc.scm import SCMError, resolve_rev  # resolves DVC experiment names too
-    from scmrepo.git import Git
+    from dvc.scm import SCM, SCMError, resolve_rev  # DVC's git, which resolves experiment names too
 
     try:
-        scm = Git(str(workspace))
+        scm = SCM(str(workspace))
     except SCMError as err:
         raise QueryError(f"revision {rev!r}: {workspace} is not in a git repository ({err})") from None
     try:
