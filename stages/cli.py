@@ -106,9 +106,12 @@ def _run_stage(
 ) -> None:
     """Validate params, then hand over to `stages.<stage>.run` (or `module_name`'s `run`: `lmgeo tune`, a tool
     that fans out over Ray as a stage does); bad input exits with code 2."""
-    params = _load(params_path)
+    _run_module(module_name or f"stages.{stage}", _load(params_path), ray_address, **options)
+
+
+def _run_module(module_name: str, params: Params, ray_address: str | None, **options: Any) -> None:
     quiet_logs()
-    module = importlib.import_module(module_name or f"stages.{stage}")
+    module = importlib.import_module(module_name)
     from pipeline.core.execution import ShardFailed
 
     try:
@@ -180,19 +183,53 @@ def query(
 
 @app.command()
 def analyse(
-    model_dir: Annotated[Path, typer.Argument(help="a local Hugging Face model folder (save_pretrained)")],
+    model: Annotated[str, typer.Argument(help="a local model folder (save_pretrained) or a hub id (org/name)")],
     out: Annotated[
-        Optional[Path], typer.Option("--out", help="the workspace to write (default: analyse-<folder name>)")
+        Optional[Path], typer.Option("--out", help="the folder to write (default: analyse-<name>)")
     ] = None,
-    params: ParamsOpt = Path("params.yaml"),
+    k: Annotated[Optional[int], typer.Option("--k", help="neighbours per anchor (analysis.k)")] = None,
+    anchors: Annotated[Optional[int], typer.Option("--anchors", help="anchors per layer (analysis.anchors)")] = None,
+    classes: Annotated[
+        Optional[list[str]], typer.Option("--classes", help="fit classes, e.g. lowrank,identity (analysis.classes)")
+    ] = None,
+    layers: Annotated[
+        Optional[list[str]], typer.Option("--layers", help="transitions l -> l+1 to analyse, e.g. 0,3 (default: all)")
+    ] = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="analyse a random-weight copy beside it")
+    ] = True,
+    revision: Annotated[Optional[str], typer.Option(help="hub revision (branch, tag or commit)")] = None,
+    params: Annotated[
+        Optional[Path],
+        typer.Option("--params", help="take the settings from this params file (default: the default study's)"),
+    ] = None,
     ray_address: RayAddressOpt = None,
 ) -> None:
-    """Study A on one model folder (any verified family), no training: extract, fit, perturb, and a report
-    of its own in --out."""
+    """Study A on one causal LM (any verified family), from any folder, no training: extract, fit, perturb, for
+    the model and a random-weight copy of its architecture, and a report of its own in --out."""
+    from tools import analyse as tool
+
+    try:  # the checks that need no torch: a bad path or folder is refused at once
+        source = tool.locate_model(model, revision)
+        out_dir = tool.output_folder(out, source)
+        settings = tool.overrides(k, anchors, classes, layers)
+        raw = tool.base_params(params)
+        key = tool.request_key(raw, settings, source, baseline)
+    except (InputError, ParamsError) as err:
+        fail(str(err))
+    if report := tool.up_to_date(out_dir, key):
+        typer.echo(f"analyse: nothing to do: {report} is the analysis of these settings, model files and code")
+        return
     from pipeline.core.determinism import pin_this_process
+    from pipeline.params import apply_overrides, parse_params
 
     pin_this_process(threads=1)  # as a stage: the same kernels, so the same numbers as `dvc repro`
-    _run_stage("analyse", params, ray_address, module_name="tools.analyse", model_dir=model_dir, out=out)
+    quiet_logs()  # before validation imports transformers, which reads its progress-bar settings then
+    try:
+        study = apply_overrides(parse_params(raw, str(params or "the default study")), settings)
+    except ParamsError as err:
+        fail(str(err))
+    _run_module("tools.analyse", study, ray_address, source=source, out=out_dir, baseline=baseline, key=key)
 
 
 @app.command()

@@ -26,7 +26,8 @@ def run(params: Params, ray_address: str | None = None) -> None:
     for model in params.analysis.external_models:
         local = (layout.root / model.id).resolve()
         digest = folder_digest(local) if local.is_dir() else None  # a hub id: its revision is its identity
-        models[external_table_id(model.id)] = {"id": model.id, "revision": model.revision, "files": digest}
+        record = {"id": model.id, "revision": model.revision, "files": digest}
+        models[external_table_id(model.name or model.id)] = record
     text = json.dumps(models, indent=2, sort_keys=True) + "\n"
     target = layout.external
     if not target.is_file() or target.read_text() != text:

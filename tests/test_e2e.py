@@ -69,6 +69,32 @@ def test_repro_query_and_metrics_diff(study: Path):
     assert all({"old", "new"} <= v.keys() for v in compared.values()), diff[:2000]
 
 
+def test_dvc_shows_the_experiments_metrics_and_params_and_draws_the_data_plots_as_the_readme_says(study: Path):
+    """The README's `dvc exp show` line in a 200-column terminal after an experiment (`--temp`: the working tree
+    is left as it is): the params and metrics that differ, no column of a path's hash; `dvc plots show`: the
+    loss curves and the budget sweep as data series (a line per recipe), every figure of the report once."""
+    k = load_params(study / "params.yaml").analysis.k
+    sh("dvc", "exp", "run", "--temp", "-S", f"analysis.k={k - 4}", cwd=study)
+    (line,) = [c for c in readme_commands("dvc exp show") if "--only-changed" in c]
+    shown = sh("sh", "-c", f"{line} --no-pager", cwd=study, env={"COLUMNS": "200"}).stdout.splitlines()
+    header = next(row for row in shown if "Experiment" in row).split()
+    assert "analysis.k" in header and set(header) & set(HEADLINE.values()), shown
+    assert not [name for name in header if "/" in name], header  # no data or code path's hash
+    assert all(len(row) <= 200 for row in shown), "\n".join(shown)
+    assert any(re.search(rf"\s{k - 4}\s*$", row) for row in shown), shown
+
+    plots = json.loads(sh("dvc", "plots", "show", "--json", cwd=study).stdout)["data"]
+    for series, x in (("val_loss", "step"), ("loss_vs_budget", "head_budget_tau")):
+        (drawn,) = plots[f"reports/plots/{series}.csv"]
+        values = drawn["content"]["data"]["values"]
+        assert drawn["type"] == "vega" and {v["recipe"] for v in values} == {"adamw", "hilbert"}, series
+        assert {x, "arch"} <= values[0].keys(), values[0]
+    images = sorted(name for name, drawn in plots.items() if drawn and drawn[0]["type"] == "image")
+    wide = sorted(f"reports/figures/{p.name}" for p in (study / "reports" / "figures").glob("*.png")
+                  if ".narrow." not in p.name)  # fmt: skip
+    assert images == wide, (images, wide)  # each figure once, every figure the report drew
+
+
 def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
     """The code version of a shard covers the glue in `stages/` as well as the library: after an edit of
     `stages/fit.py` DVC reruns fit and every fit shard is recomputed (none skipped as complete), while a
