@@ -92,7 +92,8 @@ def analysed(tmp_path_factory) -> tuple[Path, str, Path]:
     assert (command, subcommand, option) == ("lmgeo", "analyse", "--out"), line
     root = outside_the_checkout(tmp_path_factory, "analyse")
     save_model(root / model)
-    done, _ = lmgeo(root, subcommand, model, option, out)
+    done, elapsed = lmgeo(root, subcommand, model, option, out)
+    print(f"first run: {elapsed:.0f} s")
     return root / out, done.stdout, root
 
 
@@ -170,7 +171,7 @@ def test_a_hub_id_with_the_command_lines_settings_and_no_copy(tmp_path_factory):
     )
     rows, _ = lmgeo(out, "query", "SELECT DISTINCT model, layer, fn FROM fits ORDER BY fn", "--format", "json")
     assert json.loads(rows.stdout) == [{"model": "lmgeo-test/tiny-llama", "layer": 1, "fn": f}
-                                       for f in ("identity", "lowrank")], rows.stdout  # fmt: skip
+                                       for f in ("identity", "lowrank", "lowrank.layer")], rows.stdout  # fmt: skip
     text = (out / "report.md").read_text()
     assert "(from the hub)" in text and "without a random-weight copy" in text and "layers 1" in text
     assert "Against the random-weight copy" not in text
