@@ -65,6 +65,11 @@ class ModelSource:
     def local(self) -> bool:
         return Path(self.ref).is_absolute()
 
+    @property
+    def folder_name(self) -> str:
+        """Its name as one folder name (a hub id's `/` written `--`, as partition paths write it)."""
+        return self.name.replace("/", "--")
+
 
 # --------------------------------------------------------------------------- checks before any import
 def locate_model(arg: str, revision: str | None = None) -> ModelSource:
@@ -107,7 +112,7 @@ def _check_folder(folder: Path, arg: str) -> None:
 
 def output_folder(out: Path | None, source: ModelSource) -> Path:
     """`--out` (default `analyse-<name>`), refused when it holds anything but an earlier analysis of this model."""
-    out = out or Path(f"analyse-{source.name.replace('/', '--')}")
+    out = out or Path(f"analyse-{source.folder_name}")
     if not out.exists():
         return out
     if not out.is_dir():
@@ -235,7 +240,7 @@ def prepare_workspace(params: Params, source: ModelSource, layout: Layout, basel
     model = one_model_study(params, source, layout, tokenizer=None, copy=None)
     check(model, layout)
     tokenizer = save_tokenizer(source, layout.root / "models" / "tokenizer")
-    copy = save_random_copy(source, layout.root / "models" / f"{_path_name(source)}{RANDOM_SUFFIX}",
+    copy = save_random_copy(source, layout.root / "models" / f"{source.folder_name}{RANDOM_SUFFIX}",
                             params.analysis.seed) if baseline else None  # fmt: skip
     study = one_model_study(params, source, layout, tokenizer, copy)
     (layout.root / "params.yaml").write_text(yaml.safe_dump(study.model_dump(mode="json"), sort_keys=False))
@@ -249,10 +254,6 @@ def prepare_workspace(params: Params, source: ModelSource, layout: Layout, basel
         f"{words}, split into documents by a BPE trained on it ({source.name}'s tokenizer has no end-of-text token "
         f"to separate them), re-encoded with {source.name}'s tokenizer: {sequences} of its tokens"
     )
-
-
-def _path_name(source: ModelSource) -> str:
-    return source.name.replace("/", "--")
 
 
 def one_model_study(
