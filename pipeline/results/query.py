@@ -281,10 +281,37 @@ def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str
     return _snapshot(dest, rev, {w: sources[w] for w in ("tables", "params", *outputs)})
 
 
-def _named_outputs(sql: str) -> list[str]:
-    """The DVC outputs (by source name) the SQL names: its per-token datasets and, for ``tokens``, the tokenizer."""
-    named = sorted({DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)})
-    return [*named, *(["tokenizer"] if _mentions(sql, "tokens") else [])]
+def _named_outputs(sql: str, *, surely: bool = False) -> list[str]:
+    """The DVC outputs (by source name) the SQL reads: its per-token datasets and, for ``tokens``, the tokenizer.
+    Tables as DuckDB's parser finds them (a column named like a view, `runs.tokens` or `recipes.steps`, is
+    none); for a statement it cannot serialise (EXPLAIN, PRAGMA), every view whose name appears, or none when
+    `surely` (an error must not rest on a guess)."""
+    tables = _tables_read(sql)
+    if tables is None and surely:
+        return []
+    reads = (lambda view: _mentions(sql, view)) if tables is None else (lambda view: view in tables)
+    named = sorted({DATASETS[v][0].name for v in DATASETS if reads(v)})
+    return [*named, *(["tokenizer"] if reads("tokens") else [])]
+
+
+def _tables_read(sql: str) -> set[str] | None:
+    """The names of the tables and views ``sql`` reads, lower case (DuckDB's parse tree); None when DuckDB cannot
+    serialise the statement."""
+    with duckdb.connect(":memory:") as con:
+        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    if tree.get("error"):
+        return None
+    found: set[str] = set()
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "BASE_TABLE" and isinstance(node.get("table_name"), str):
+                found.add(node["table_name"].lower())
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found
 
 
 def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> set[str]:
@@ -382,7 +409,7 @@ def _check_checked_out(sql: str, workspace: Path, sources: dict[str, str]) -> No
     the result tables, not the per-token data) is an error naming the commands that bring it, not an empty
     view."""
     lock = workspace / "dvc.lock"
-    wanted = [sources[name] for name in _named_outputs(sql) if name in sources]
+    wanted = [sources[name] for name in _named_outputs(sql, surely=True) if name in sources]
     absent = [path for path in wanted if not (workspace / path).exists()]
     if not absent or not lock.is_file():
         return
