@@ -16,9 +16,11 @@ from pipeline.core.contracts import Dataset, read
 from pipeline.core.execution import Load, Shard, run_shards
 from pipeline.core.fingerprint import CodeSpec, code_version, index_members
 from pipeline.core.store import (
+    CorruptShardError,
     ManifestKey,
     ShardParts,
     prune_shards,
+    read_plan,
     shard_complete,
     verified_files,
     write_plan,
@@ -93,23 +95,34 @@ def write_to(root: Path, shard: str, key: ManifestKey) -> Callable[[ShardParts],
     return lambda parts: parts.commit(root, shard, key)
 
 
+def _record_in_progress(root: Path, planned: dict[str, ManifestKey]) -> None:
+    """Record `planned` as in progress in `root`, unless that very plan is recorded already: a rerun that redoes
+    a few shards of the completed plan (one found corrupt) keeps its record, and changes nothing when it fails."""
+    try:
+        if read_plan(root) == planned:
+            return
+    except CorruptShardError:  # none (or an unreadable one) yet
+        pass
+    write_plan(root, planned, complete=False)
+
+
 def run_sharded_stage(
     stage: str, params: Params, ray_address: str | None, roots: Sequence[Path], plan: Plan
 ) -> dict[str, Any]:
     """Run the planned shards that are not complete in every one of `roots` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key); first remove shards that are no
-    longer in the plan and record the plan as in progress; last, record it as complete in each root
-    (`write_plan`). Returns each run
-    task's result."""
+    longer in the plan; record the plan as in progress when there is work to do; last, record it as complete
+    in each root (`write_plan`). Returns each run task's result."""
     from stages.runtime import check_reachable, start_ray
 
     check_reachable(params.ray, ray_address)  # before the prune: a stage that cannot run changes nothing
     keep = {shard.key for shard, _ in plan}
     removed = max((prune_shards(root, keep) for root in roots), default=0)
     planned = {shard.key: key for shard, key in plan}
-    for root in roots:  # what a query of the stage's output, stopped half-way, reads as planned but missing
-        write_plan(root, planned, complete=False)
     todo = [shard for shard, key in plan if not all(shard_complete(root, shard.key, key) for root in roots)]
+    if todo:
+        for root in roots:  # what a query of the stage's output, stopped half-way, reads as planned but missing
+            _record_in_progress(root, planned)
     print(
         f"{stage}: {len(plan) - len(todo)}/{len(plan)} shards complete, {len(todo)} to do"
         + (f", {removed} stale removed" if removed else ""),

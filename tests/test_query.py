@@ -445,6 +445,24 @@ def test_the_committed_default_remote_brings_an_old_revisions_data_to_a_fresh_cl
     assert fits.to_pylist() == [{"rev": "HEAD~1", "n": 2}, {"rev": "HEAD", "n": 3}]
 
 
+def test_a_stage_records_a_new_plan_as_in_progress_and_keeps_the_record_of_the_plan_it_redoes(tmp_path: Path) -> None:
+    """Before its fan-out a stage records a plan it has not completed (a query then names what is missing), but a
+    rerun of the completed plan that redoes a shard found corrupt leaves the record as it was (a failed rerun
+    changes nothing)."""
+    from pipeline.core.store import PLAN_FILE, write_plan
+    from stages.sharded import _record_in_progress
+
+    old = {"a": ManifestKey({}, "p1", "c")}
+    new = {"a": ManifestKey({}, "p2", "c"), "b": ManifestKey({}, "p2", "c")}
+    write_plan(tmp_path, old)
+    record = (tmp_path / PLAN_FILE).read_bytes()
+    _record_in_progress(tmp_path, old)
+    assert (tmp_path / PLAN_FILE).read_bytes() == record
+    _record_in_progress(tmp_path, new)
+    written = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert written["in_progress"] is True and sorted(written["shards"]) == ["a", "b"]
+
+
 # ------------------------------------------------------------------------------- a fresh clone
 PER_TOKEN = re.compile(r"\b(fits|perturb|steps|activations|activation_vectors|fit_vectors|tokens)\b")
 
