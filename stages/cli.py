@@ -1,5 +1,5 @@
-"""`lmgeo`: one command per DVC stage, plus `query` and the tools' commands (`analyse`, `bench`, `tune`,
-`check-model`, `families`, `rehearse`, `preset`), whose modules live in `tools/`.
+"""`lmgeo`: one command per DVC stage, plus `query`, `findings`, `exp run`, `preset` and the tools' commands
+(`analyse`, `bench`, `tune`, `check-model`, `families`, `rehearse`), whose modules live in `tools/`.
 
 This module imports only typer and the params models, so `lmgeo --help` and every subcommand's
 `--help` answer without importing torch or ray; each command imports its stage or tool module when it runs.
@@ -113,10 +113,13 @@ def _run_stage(
 ) -> None:
     """Validate params, then hand over to `stages.<stage>.run` (or `module_name`'s `run`: `lmgeo tune`, a tool
     that fans out over Ray as a stage does); bad input exits with code 2."""
-    params = _load(params_path)
+    _run_module(module_name or f"stages.{stage}", _load(params_path), ray_address, **options)
+
+
+def _run_module(module_name: str, params: Params, ray_address: str | None, **options: Any) -> None:
     quiet_logs()
     warnings_to_stderr()
-    module = importlib.import_module(module_name or f"stages.{stage}")
+    module = importlib.import_module(module_name)
     from pipeline.core.execution import ShardFailed
 
     try:
@@ -202,19 +205,53 @@ def query(
 
 @app.command()
 def analyse(
-    model_dir: Annotated[Path, typer.Argument(help="a local Hugging Face model folder (save_pretrained)")],
+    model: Annotated[str, typer.Argument(help="a local model folder (save_pretrained) or a hub id (org/name)")],
     out: Annotated[
-        Optional[Path], typer.Option("--out", help="the workspace to write (default: analyse-<folder name>)")
+        Optional[Path], typer.Option("--out", help="the folder to write (default: analyse-<name>)")
     ] = None,
-    params: ParamsOpt = Path("params.yaml"),
+    k: Annotated[Optional[int], typer.Option("--k", help="neighbours per anchor (analysis.k)")] = None,
+    anchors: Annotated[Optional[int], typer.Option("--anchors", help="anchors per layer (analysis.anchors)")] = None,
+    classes: Annotated[
+        Optional[list[str]], typer.Option("--classes", help="fit classes, e.g. lowrank,identity (analysis.classes)")
+    ] = None,
+    layers: Annotated[
+        Optional[list[str]], typer.Option("--layers", help="transitions l -> l+1 to analyse, e.g. 0,3 (default: all)")
+    ] = None,
+    baseline: Annotated[
+        bool, typer.Option("--baseline/--no-baseline", help="analyse a random-weight copy beside it")
+    ] = True,
+    revision: Annotated[Optional[str], typer.Option(help="hub revision (branch, tag or commit)")] = None,
+    params: Annotated[
+        Optional[Path],
+        typer.Option("--params", help="take the settings from this params file (default: the default study's)"),
+    ] = None,
     ray_address: RayAddressOpt = None,
 ) -> None:
-    """Study A on one model folder (any verified family), no training: extract, fit, perturb, and a report
-    of its own in --out."""
+    """Study A on one causal LM (any verified family), from any folder, no training: extract, fit, perturb, for
+    the model and a random-weight copy of its architecture, and a report of its own in --out."""
+    from tools import analyse as tool
+
+    try:  # the checks that need no torch: a bad path or folder is refused at once
+        source = tool.locate_model(model, revision)
+        out_dir = tool.output_folder(out, source)
+        settings = tool.overrides(k, anchors, classes, layers)
+        raw = tool.base_params(params)
+        key = tool.request_key(raw, settings, source, baseline)
+    except (InputError, ParamsError) as err:
+        fail(str(err))
+    if report := tool.up_to_date(out_dir, key):
+        typer.echo(f"analyse: nothing to do: {report} is the analysis of these settings, model files and code")
+        return
     from pipeline.core.determinism import pin_this_process
+    from pipeline.params import apply_overrides, parse_params
 
     pin_this_process(threads=1)  # as a stage: the same kernels, so the same numbers as `dvc repro`
-    _run_stage("analyse", params, ray_address, module_name="tools.analyse", model_dir=model_dir, out=out)
+    quiet_logs()  # before validation imports transformers, which reads its progress-bar settings then
+    try:
+        study = apply_overrides(parse_params(raw, str(params or "the default study")), settings)
+    except ParamsError as err:
+        fail(str(err))
+    _run_module("tools.analyse", study, ray_address, source=source, out=out_dir, baseline=baseline, key=key)
 
 
 @app.command()
@@ -319,26 +356,72 @@ def rehearse(
         fail(about(preset, err))
 
 
-@app.command()
-def preset(
-    path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
-    params: ParamsOpt = Path("params.yaml"),
-) -> None:
-    """Print a preset as DVC `-S` arguments: `dvc exp run $(lmgeo preset presets/gpu.yaml)`."""
+def _preset_overrides(path: Path, params_path: Path) -> list[str]:
+    """A preset as DVC `-S` options, after checking that the merged params validate."""
     from pipeline.core.config import flatten_overrides
     from pipeline.params import apply_overrides
 
     try:
         overrides = flatten_overrides(load_yaml(path))
-        apply_overrides(_load(params), overrides)  # the merged params must validate
-        present = flatten_overrides(load_yaml(params) or {})
+        apply_overrides(_load(params_path), overrides)  # the merged params must validate
+        present = flatten_overrides(load_yaml(params_path) or {})
     except ParamsError as err:
         fail(about(path, err))
     # DVC (Hydra) overrides a key params.yaml has (a value or a whole section) with `key=value` and adds one
     # it lacks with `+key=value`.
     sections = {key.rsplit(".", n)[0] for key in present for n in range(1, key.count(".") + 1)}
     known = present.keys() | sections
-    typer.echo(" ".join(f"-S {'' if key in known else '+'}{key}={value}" for key, value in overrides.items()))
+    return [arg for key, value in overrides.items() for arg in ("-S", f"{'' if key in known else '+'}{key}={value}")]
+
+
+@app.command()
+def preset(
+    path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """Print a preset as DVC `-S` options (`lmgeo exp run PRESET` runs it)."""
+    typer.echo(" ".join(_preset_overrides(path, params)))
+
+
+exp_app = typer.Typer(help="DVC experiments of lmgeo's presets.", no_args_is_help=True)
+app.add_typer(exp_app, name="exp")
+
+
+@exp_app.command(name="run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def exp_run(
+    ctx: typer.Context,
+    preset_path: Annotated[Path, typer.Argument(metavar="PRESET", help="a preset file, e.g. presets/gpu.yaml")],
+    params: ParamsOpt = Path("params.yaml"),
+) -> None:
+    """`dvc exp run` with the preset's overrides (`-S`), after checking the preset: a missing or invalid one is
+    an error, never a bare `dvc exp run` of the default study. DVC's own options follow the preset, e.g.
+    `lmgeo exp run presets/gpu.yaml --queue`, `--temp` (the working tree and its report left as they are),
+    `-n NAME`."""
+    command = [sys.executable, "-m", "dvc", "exp", "run", *ctx.args, *_preset_overrides(preset_path, params)]
+    sys.stdout.flush()
+    os.execv(sys.executable, command)  # DVC's own exit code and Ctrl-C, as if typed
+
+
+@app.command(name="findings")
+def findings_command(
+    write: Annotated[
+        Optional[Path], typer.Option("--write", help="put them into this file's findings block: README.md")
+    ] = None,
+) -> None:
+    """Print what the study in reports/ finds (the report summary's first paragraph); `--write README.md`
+    puts it into README's findings block, from a report of the default study only."""
+    from stages.layout import Layout
+    from stages.report import findings, write_findings
+
+    layout = Layout.enclosing()
+    try:
+        if write is None:
+            typer.echo(findings(layout))
+        else:
+            changed = write_findings(layout, write)
+            typer.echo(f"findings: {'rewrote' if changed else 'unchanged:'} the findings block of {write}")
+    except InputError as err:
+        fail(str(err))
 
 
 def main() -> None:  # pragma: no cover - console entry point alias

@@ -28,7 +28,8 @@ def run(params: Params, ray_address: str | None = None) -> None:
         local = (layout.root / model.id).resolve()
         # a hub id: its revision is its identity; a folder: every file, its weights index naming only them
         digest = weights_digest(local, params.security.allow_outside_paths) if local.is_dir() else None
-        models[external_table_id(model.id)] = {"id": model.id, "revision": model.revision, "files": digest}
+        record = {"id": model.id, "revision": model.revision, "files": digest}
+        models[external_table_id(model.name or model.id)] = record
     text = json.dumps(models, indent=2, sort_keys=True) + "\n"
     target = layout.external
     if not target.is_file() or target.read_text() != text:

@@ -65,9 +65,9 @@ def plan(params: Params, layout: Layout) -> Plan:
     value a task will use is checked here, before anything is pruned."""
     code = versioned(code_spec(layout, params.analysis.classes), layout)
     a = params.analysis
-    fit_params = stage_params(
-        "fit", params, a.model_dump(exclude={"runs", "checkpoints", "external_models"}), params.prepare.seq_len
-    )
+    # Which models and layers are fitted selects shards; it changes no shard's numbers.
+    selection = {"runs", "checkpoints", "external_models", "layers"}
+    fit_params = stage_params("fit", params, a.model_dump(exclude=selection), params.prepare.seq_len)
     extracted = planned_keys("extract", params, layout)
     stored = activation_shapes(layout, verified_files(layout.activations, extracted, rebuild=EXTRACT))
     planned = []
@@ -79,10 +79,23 @@ def plan(params: Params, layout: Layout) -> Plan:
             params_hash=fit_params, code_version=code[1],
         )
         own = {shard: k for shard, k in extracted.items() if shard.startswith(f"{model}/")}
-        for layer in range(n_blocks):
+        for layer in chosen_layers(a, model, n_blocks):
             name = f"{model}/layer={layer}"
             planned.append((fit_shard(layout, params, model, layer, key, name, own, code), key))
     return planned
+
+
+def chosen_layers(a: AnalysisConfig, model: str, n_blocks: int) -> list[int]:
+    """The transitions `analysis.layers` names (every one when null), each checked against the model's blocks."""
+    if a.layers is None:
+        return list(range(n_blocks))
+    beyond = [layer for layer in a.layers if layer >= n_blocks]
+    if beyond:
+        raise InputError(
+            f"analysis.layers: {', '.join(map(str, beyond))} beyond the {n_blocks} blocks of {model} (transitions "
+            f"0..{n_blocks - 1})"
+        )
+    return sorted(a.layers)
 
 
 def check_identifiable(a: AnalysisConfig, model: str, width: int) -> None:

@@ -74,6 +74,11 @@ class Layout:
     def tables(self) -> Path:
         return self.reports / "tables"
 
+    @property
+    def plots(self) -> Path:
+        """The series of DVC's data plots (`dvc.yaml`'s top-level `plots`)."""
+        return self.reports / "plots"
+
     def checkpoint(self, run_id: str, checkpoint: str) -> Path:
         return self.models / run_id / checkpoint
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 from typing import Any
 
 from pipeline.params import Params
@@ -20,8 +22,10 @@ LOCALITY_SWEEP = "docs/locality/claim_tests.csv"
 SWEEP_RECORD = "docs/sweep"
 # The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
 PROVENANCE = "provenance.json"
-# Its findings block is rewritten from the report's summary, so that it cannot go stale (the same test checks it).
-README = "README.md"
+# The params sections whose hash the provenance records: what decides the results.
+RESULT_SECTIONS = ("prepare", "train", "analysis", "report")
+# The first paragraph of the report's summary, which `lmgeo findings` copies into README's findings block.
+IN_SHORT = re.compile(r"^\*\*In short\.\*\* (.+)$", re.MULTILINE)
 
 
 def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
@@ -39,7 +43,7 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
     return {
         "git": provenance.git_state(layout.root, result_inputs(layout.root)),
         "kernels": kernels(),
-        "params_hash": params.section_hash("prepare", "train", "analysis", "report"),
+        "params_hash": params.section_hash(*RESULT_SECTIONS),
         "seeds": {
             "prepare": params.prepare.seed, "train": list(params.train.seeds),
             "analysis": params.analysis.seed, "report (bootstrap)": params.report.seed,
@@ -88,7 +92,7 @@ def tuning_record(layout: Layout) -> dict[str, Any] | None:
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.errors import InputError
     from pipeline.core.store import MANIFEST_DIR, atomic_write
-    from pipeline.results.report import render_report, with_findings
+    from pipeline.results.report import render_report
 
     layout = Layout.here()
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
@@ -103,9 +107,43 @@ def run(params: Params, ray_address: str | None = None) -> None:
         read_locality_sweep(layout.root / LOCALITY_SWEEP),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
-    readme = layout.root / README
-    if readme.is_file() and (text := readme.read_text()) != (updated := with_findings(text, rendered.findings)):
-        atomic_write(readme, updated)
-        print(f"report: rewrote the findings in {readme}", flush=True)
     print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html, {PROVENANCE} and "
           f"{len(rendered.figures)} figures", flush=True)
+
+
+def findings(layout: Layout) -> str:
+    """What the study in `reports/` finds: the first paragraph of its report's summary."""
+    from pipeline.core.errors import InputError
+
+    report = layout.reports / "report.md"
+    found = IN_SHORT.search(report.read_text()) if report.is_file() else None
+    if found is None:
+        raise InputError(f"{report}: no report with a summary; run `dvc repro` first")
+    return found[1]
+
+
+def write_findings(layout: Layout, readme: Path) -> bool:
+    """Put `findings` into `readme`'s findings block, from a report of the default study only (an experiment's
+    report describes other params: the README's block states what the default study finds); whether the
+    block changed."""
+    from pipeline.core.errors import InputError
+    from pipeline.core.store import atomic_write
+    from pipeline.params import default_study
+    from pipeline.results.report import findings_in, with_findings
+
+    recorded = layout.reports / PROVENANCE
+    params_hash = json.loads(recorded.read_text()).get("params_hash") if recorded.is_file() else None
+    expected = default_study().section_hash(*RESULT_SECTIONS)
+    if params_hash != expected:
+        raise InputError(
+            f"{recorded}: the report in {layout.reports} was computed with params hash {params_hash}, not the "
+            f"default study's ({expected}); README's findings state what the default study finds: restore "
+            "params.yaml (`git checkout params.yaml`) and `dvc repro` first"
+        )
+    text = readme.read_text() if readme.is_file() else ""
+    if findings_in(text) is None:
+        raise InputError(f"{readme}: no findings block (<!-- findings:start --> … <!-- findings:end -->) to write")
+    updated = with_findings(text, findings(layout))
+    if updated != text:
+        atomic_write(readme, updated)
+    return updated != text

@@ -16,12 +16,14 @@ from pipeline.core.contracts import Dataset, read
 from pipeline.core.execution import Load, Shard, run_shards
 from pipeline.core.fingerprint import CodeSpec, code_version, index_members
 from pipeline.core.store import (
+    CorruptShardError,
     ManifestKey,
     ShardParts,
     dataset_digest,
     incomplete_shards,
     lineage_of,
     prune_shards,
+    read_plan,
     verified_files,
     write_plan,
 )
@@ -95,6 +97,17 @@ def write_to(root: Path, shard: str, key: ManifestKey) -> Callable[[ShardParts],
     return lambda parts: parts.commit(root, shard, key)
 
 
+def _record_in_progress(root: Path, planned: dict[str, ManifestKey]) -> None:
+    """Record `planned` as in progress in `root`, unless that very plan is recorded already: a rerun that redoes
+    a few shards of the completed plan (one found corrupt) keeps its record, and changes nothing when it fails."""
+    try:
+        if read_plan(root).keys == planned:
+            return
+    except CorruptShardError:  # none (or an unreadable one) yet
+        pass
+    write_plan(root, planned, complete=False)
+
+
 def run_sharded_stage(
     stage: str, params: Params, ray_address: str | None, layout: Layout, plan: Plan, writes: Sequence[Path],
     reads: Sequence[Path] = (),
@@ -102,8 +115,9 @@ def run_sharded_stage(
     """Run the planned shards that are not complete in every one of `writes` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key, its files are intact and it is what
     the workspace's dvc.lock records of it, `pipeline.core.committed`); first remove shards that are no
-    longer in the plan; last, record the plan as complete in each dataset (`write_plan`), with the lineage
-    of the datasets it `reads` and of those it writes beside it. Returns each run task's result."""
+    longer in the plan; record the plan as in progress when there is work to do; last, record the plan as
+    complete in each dataset (`write_plan`), with the lineage of the datasets it `reads` and of those it
+    writes beside it. Returns each run task's result."""
     from pipeline.core.committed import committed
     from stages.runtime import check_reachable, start_ray
 
@@ -113,6 +127,9 @@ def run_sharded_stage(
     keys = {shard.key: key for shard, key in plan}
     redo = set().union(*(incomplete_shards(root, keys, committed(layout.root, root)) for root in writes))
     todo = [shard for shard, _ in plan if shard.key in redo]
+    if todo:
+        for root in writes:  # what a query of the stage's output, stopped half-way, reads as planned but missing
+            _record_in_progress(root, keys)
     print(
         f"{stage}: {len(plan) - len(todo)}/{len(plan)} shards complete, {len(todo)} to do"
         + (f", {removed} stale removed" if removed else ""),

@@ -338,29 +338,25 @@ def test_4_a_dataset_without_a_finished_plan_is_served_with_a_warning_naming_it(
 # ============================================================ 5. `lmgeo analyse --out` inside a study
 def test_5_analyse_refuses_to_write_into_a_study_or_a_folder_it_did_not_make(tmp_path: Path) -> None:
     from pipeline.core.errors import InputError
-    from pipeline.params import Params
     from tools import analyse
 
-    model = tmp_path / "model"
-    model.mkdir()
+    source = analyse.ModelSource(str(tmp_path / "model"), "model")
     study = tmp_path / "study"
     (study / "reports" / "tables").mkdir(parents=True)
     (study / "dvc.yaml").write_text("stages: {}\n")
     (study / "params.yaml").write_text("security: {allow_outside_paths: false}\n")
     before = {p: state(p) for p in study.rglob("*") if p.is_file()}
-    with pytest.raises(InputError, match=r"a study's workspace, whose params\.yaml, data and reports"):
-        analyse.run(Params(), model_dir=model, out=study)
+    with pytest.raises(InputError, match=r"holds a study \(params\.yaml, dvc\.yaml\) that `lmgeo analyse` did not"):
+        analyse.output_folder(study, source)
     other = tmp_path / "notes"
     other.mkdir()
     (other / "draft.md").write_text("mine\n")
-    with pytest.raises(InputError, match="not empty and that `lmgeo analyse` did not make"):
-        analyse.run(Params(), model_dir=model, out=other)
+    with pytest.raises(InputError, match="not empty, and not a folder `lmgeo analyse` wrote"):
+        analyse.output_folder(other, source)
     assert {p: state(p) for p in study.rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in other.iterdir()) == ["draft.md"]
     fresh = tmp_path / "fresh"
-    analyse.claim_workspace(fresh)  # a new folder is made and marked; a re-run may write there again
-    (fresh / "params.yaml").write_text("{}\n")
-    analyse.claim_workspace(fresh)
+    assert analyse.output_folder(fresh, source) == fresh and not fresh.exists()  # made only when the run starts
 
 
 # ========================================== 6. queries never join datasets from two runs of the pipeline

@@ -119,11 +119,13 @@ def test_results_of_a_revision_outside_the_history_are_refused(history: Path) ->
 
 
 def test_the_readmes_findings_are_the_committed_reports() -> None:
-    """README's findings block is what `lmgeo report` wrote from the committed results (the first paragraph of
-    the report's summary), so it cannot go stale."""
+    """README's findings block is what `lmgeo findings --write README.md` wrote from the committed results (the
+    first paragraph of the report's summary), so it cannot go stale."""
     from pipeline.results.report import findings_in
 
     found = findings_in((REPO / "README.md").read_text())
     assert found, "README.md has no findings block (<!-- findings:start --> … <!-- findings:end -->)"
     report = (REPO / "reports" / "report.md").read_text()
-    assert f"**In short.** {found}\n" in report, "README's findings are stale: `dvc repro`, then commit README.md"
+    assert f"**In short.** {found}\n" in report, (
+        "README's findings are stale: `dvc repro`, then `lmgeo findings --write README.md` and commit README.md"
+    )

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 from study_helpers import REPO, commit, new_study, sh, write_params
 
 from pipeline.core.config import flatten_overrides, load_yaml
@@ -24,7 +25,9 @@ def study(tmp_path_factory) -> Path:
 
 def test_repro_query_and_metrics_diff(study: Path):
     # The README's command for a preset, as written: the tiny study as an experiment, applied to the workspace.
-    sh("sh", "-c", "dvc exp run $(lmgeo preset presets/tiny.yaml)", cwd=study)
+    readme = (study / "README.md").read_text()
+    sh("lmgeo", "exp", "run", "presets/tiny.yaml", cwd=study)
+    assert (study / "README.md").read_text() == readme  # an experiment rewrites no tracked document
     assert load_params(study / "params.yaml") == apply_overrides(
         load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
     )
@@ -34,7 +37,13 @@ def test_repro_query_and_metrics_diff(study: Path):
     report = (study / "reports" / "report.md").read_text()
     for section in ("## Summary", "## Study B", "## Study A", "## Provenance"):
         assert section in report
+    # The result tables are git's (not ignored, so the commit below holds them), and dvc.lock records them.
+    assert sh("git", "check-ignore", "-q", "reports/tables/runs.parquet", cwd=study, check=False).returncode == 1
+    assert sh("git", "check-ignore", "-q", "data/fits", cwd=study, check=False).returncode == 0
+    lock = yaml.safe_load((study / "dvc.lock").read_text())["stages"]["aggregate"]["outs"]
+    assert any(out["path"] == "reports/tables" and out["md5"].endswith(".dir") for out in lock), lock
     commit(study, "tiny study, run")
+    assert "reports/tables/runs.parquet" in sh("git", "ls-files", "reports/tables", cwd=study).stdout
 
     again = sh("dvc", "repro", cwd=study)  # nothing changed: nothing runs, and DVC says so
     assert re.findall(r"Running stage '(\w+)'", again.stdout) == [], again.stdout
@@ -58,6 +67,35 @@ def test_repro_query_and_metrics_diff(study: Path):
     compared = json.loads(diff)["reports/metrics.json"]
     assert set(HEADLINE.values()) & compared.keys(), diff[:2000]  # Study A's headline, at both revisions
     assert all({"old", "new"} <= v.keys() for v in compared.values()), diff[:2000]
+
+
+def test_dvc_shows_the_experiments_metrics_and_params_and_draws_the_data_plots_as_the_readme_says(study: Path):
+    """The README's `dvc exp show` line in a 200-column terminal after an experiment (`--temp`: the working tree
+    is left as it is): the params and metrics that differ, no column of a path's hash; `dvc plots show`: the
+    loss curves and the budget sweep as data series (a line per recipe), every figure of the report once."""
+    k = load_params(study / "params.yaml").analysis.k
+    sh("dvc", "exp", "run", "--temp", "-n", "smaller-k", "-S", f"analysis.k={k - 4}", cwd=study)
+    (line,) = [c for c in readme_commands("dvc exp show") if "--only-changed" in c]
+    shown = sh("sh", "-c", f"{line} --no-pager", cwd=study, env={"COLUMNS": "200"}).stdout.splitlines()
+    header = next(row for row in shown if "Experiment" in row).split()
+    # Exactly the params and the metrics that differ between the commit and the experiment (as DVC compares
+    # them), and no column of a data or code path's hash.
+    diff = json.loads(sh("dvc", "metrics", "diff", "HEAD", "smaller-k", "--json", cwd=study).stdout)
+    changed = set(diff.get("reports/metrics.json", {}))
+    assert set(header) == {"Experiment", "Created", "analysis.k", *changed}, (header, changed)
+    assert all(len(row) <= 200 for row in shown), "\n".join(shown)
+    assert any(re.search(rf"\s{k - 4}\s*$", row) for row in shown), shown
+
+    plots = json.loads(sh("dvc", "plots", "show", "--json", cwd=study).stdout)["data"]
+    for series, x in (("val_loss", "step"), ("loss_vs_budget", "head_budget_tau")):
+        (drawn,) = plots[f"reports/plots/{series}.csv"]
+        values = drawn["content"]["data"]["values"]
+        assert drawn["type"] == "vega" and {v["recipe"] for v in values} == {"adamw", "hilbert"}, series
+        assert {x, "arch"} <= values[0].keys(), values[0]
+    images = sorted(name for name, drawn in plots.items() if drawn and drawn[0]["type"] == "image")
+    wide = sorted(f"reports/figures/{p.name}" for p in (study / "reports" / "figures").glob("*.png")
+                  if ".narrow." not in p.name)  # fmt: skip
+    assert images == wide, (images, wide)  # each figure once, every figure the report drew
 
 
 def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
@@ -95,13 +133,13 @@ def test_the_readmes_query_examples_run_as_written(study: Path):
 
 
 def test_every_preset_is_accepted_by_dvc_as_the_readme_queues_it(study: Path):
-    """`dvc exp run --queue $(lmgeo preset presets/<name>.yaml)` for every preset: DVC applies the overrides
-    when it queues, so a key DVC cannot override fails here (nothing is run)."""
+    """`lmgeo exp run presets/<name>.yaml --queue` for every preset: DVC applies the overrides when it queues,
+    so a key DVC cannot override fails here (nothing is run)."""
     presets = sorted((REPO / "presets").glob("*.yaml"))
     assert any(p.name == "gpu.yaml" for p in presets)
     try:
         for preset in presets:
-            sh("sh", "-c", f"dvc exp run --queue $(lmgeo preset presets/{preset.name})", cwd=study)
+            sh("lmgeo", "exp", "run", f"presets/{preset.name}", "--queue", cwd=study)
         queued = sh("dvc", "queue", "status", cwd=study).stdout
         assert queued.count("Queued") == len(presets), queued
     finally:

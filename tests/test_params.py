@@ -303,3 +303,14 @@ def test_analysis_runs_null_analyses_no_trained_run_and_leaves_trainings_grid_al
     none = apply_overrides(default, {"analysis.runs": "null"})
     assert none.analysis.runs is None and none.analysed_runs() == []
     assert none.trained_runs() == default.train.runs() and default.analysed_runs()
+
+
+def test_the_packaged_default_study_is_params_yaml():
+    """`lmgeo analyse` (from any folder) and `lmgeo findings` read the default study shipped with the package;
+    the repository's params.yaml, which `dvc repro` runs, must be that same study."""
+    from pipeline.params import DEFAULT_STUDY, default_study
+
+    assert default_study() == load_params(REPO / "params.yaml"), (
+        f"params.yaml and {DEFAULT_STUDY.relative_to(REPO)} differ: change both together"
+    )
+    assert DEFAULT_STUDY.is_relative_to(REPO / "pipeline")  # package data (pyproject's package-data lists it)

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import re
+import shlex
+import shutil
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
+import yaml
 from test_aggregate import CFG, KEY, sources, write_tiny_study
 
 from pipeline.core.contracts import vectors_to_arrow
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.results.aggregate import aggregate
+from pipeline.results.config import ReportConfig
 from pipeline.results.query import QueryError, check_read_only
 from pipeline.results.query import query_table as query_in
 from pipeline.results.query import run_query as run_in
@@ -140,8 +146,9 @@ def write_runs(repo: Path, runs: pa.Table) -> None:
         writer.write({}, runs, name="runs.parquet")
 
 
-def commit_version(repo: Path, version: int) -> None:
-    """runs.parquet tracked by DVC (so old versions come from the DVC cache), fits plainly by git."""
+def commit_version(repo: Path, version: int, tables_by_dvc: bool = False) -> None:
+    """runs.parquet committed to git beside the report, as `dvc.yaml` declares the result tables (or, with
+    `tables_by_dvc`, tracked by DVC, as revisions before that did); the per-token fits tracked by DVC."""
     from dvc.repo import Repo
 
     write_runs(repo, pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}))
@@ -150,18 +157,23 @@ def commit_version(repo: Path, version: int) -> None:
         writer.write({"model": "gpt2-muon-s0.final", "layer": 0, "fn": "lowrank"},
                      pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}))
     with Repo(str(repo)) as dvc_repo:
-        dvc_repo.add(str(repo / "reports" / "tables"))
+        dvc_repo.add([str(repo / "data" / "fits"), *([str(repo / "reports" / "tables")] if tables_by_dvc else [])])
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", f"version {version}")
 
 
-@pytest.fixture(scope="module")
-def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def dvc_git_repo(path: Path) -> Path:
     from dvc.repo import Repo
 
-    repo = tmp_path_factory.mktemp("repo")
-    git(repo, "init", "-q")
-    Repo.init(str(repo)).close()
+    path.mkdir(parents=True, exist_ok=True)
+    git(path, "init", "-q")
+    Repo.init(str(path)).close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    repo = dvc_git_repo(tmp_path_factory.mktemp("repo"))
     commit_version(repo, 1)
     commit_version(repo, 2)
     write_runs(repo, pa.table({"run": ["dirty"], "final_val_loss": [9.0]}))
@@ -192,16 +204,70 @@ def test_a_dataset_reached_indirectly_at_a_revision_fails_instead_of_reading_not
         query_table("SELECT count(*) FROM query_table('fi' || 'ts')", ["HEAD"], versioned_repo)
 
 
-def test_a_revision_whose_results_are_not_cached_names_the_command_that_brings_them(
+def test_a_fresh_clone_compares_two_commits_tables_from_git_without_any_dvc_cache(
     versioned_repo: Path, tmp_path: Path
 ) -> None:
+    """The tables and params come from git's objects: a clone with no DVC cache and no remote answers over
+    both commits; the per-token data, in DVC only, is an error naming the commands that bring it."""
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(versioned_repo), str(clone)], check=True)
+    assert not (clone / ".dvc" / "cache").exists()
+    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], clone)
+    assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]
+    assert query_table("SELECT run FROM runs", None, clone)["run"].to_pylist() == ["v2"]  # the checkout's own
+    assert not (clone / ".dvc" / "cache").exists()  # nothing was fetched for that
     with pytest.raises(
         QueryError,
-        match=r"neither the local DVC cache nor the default remote .*`dvc push`.*`git checkout HEAD~1 && dvc repro`",
+        match=r"data/fits \(DVC outputs\) are in neither the local DVC cache nor the default remote .*`dvc push`.*"
+        r"`git checkout HEAD~1 && dvc repro`; the result tables and params are in git",
     ):
-        query_table("SELECT * FROM runs", ["HEAD~1"], clone)
+        query_table("SELECT * FROM fits", ["HEAD~1"], clone)
+
+
+def test_a_dataset_dvc_tracks_but_the_checkout_lacks_is_an_error_not_an_empty_view(tmp_path: Path) -> None:
+    """In a fresh clone `data/fits` is absent (DVC tracks it, git does not): naming it says how to get it."""
+    (tmp_path / "dvc.lock").write_text(
+        "schema: '2.0'\nstages:\n  fit:\n    cmd: lmgeo fit\n    outs:\n    - path: data/fits\n      md5: 0.dir\n"
+    )
+    write_runs(tmp_path, pa.table({"run": ["a"], "final_val_loss": [1.0], "tokens": [256], "fits": [True]}))
+    with pytest.raises(QueryError, match=r"^data/fits: not in this checkout .*`dvc pull data/fits`.*`dvc repro`"):
+        query_table("SELECT count(*) FROM fits", None, tmp_path)
+    with pytest.raises(QueryError, match="data/fits: not in this checkout"):
+        query_table("SELECT r.run FROM runs r JOIN fits f ON true", ["workspace"], tmp_path)
+    # Tables only, though columns are named like views: DuckDB's parser tells a column from a table.
+    rows = query_table("SELECT run, tokens, fits FROM runs", None, tmp_path).to_pylist()
+    assert rows == [{"run": "a", "tokens": 256, "fits": True}]
+    assert query_table("SELECT count(*) AS n FROM perturb", None, tmp_path)["n"].to_pylist() == [0]  # not tracked
+
+
+def test_tables_a_revision_tracked_with_dvc_come_from_the_dvc_cache(tmp_path: Path) -> None:
+    """Revisions from before the tables were committed to git hold them as a DVC output: read through DVC."""
+    repo = dvc_git_repo(tmp_path / "repo")
+    commit_version(repo, 1, tables_by_dvc=True)
+    assert (repo / "reports" / "tables.dvc").is_file()
+    assert query_table("SELECT run FROM runs", ["HEAD"], repo)["run"].to_pylist() == ["v1"]
+
+
+def test_a_study_stopped_half_way_is_queried_with_its_missing_shards_named(tmp_path: Path, caplog) -> None:
+    """A stage records its plan before the fan-out: the shards of a plan in progress hold different keys (each
+    run's own params), and a query reads the complete ones and names the others, instead of refusing a
+    dataset "written with N different params hashes"."""
+    from pipeline.core.store import write_plan
+
+    keys = {f"gpt2-muon-s{seed}": ManifestKey({}, f"params-of-s{seed}", "c") for seed in range(4)}
+    write_plan(tmp_path / "data" / "train", keys, complete=False)
+    for run in ("gpt2-muon-s0", "gpt2-muon-s2"):
+        with ShardWriter(tmp_path / "data" / "train", run, keys[run]) as writer:
+            writer.write({"run": run}, pa.table({"step": pa.array([0, 1], pa.int64()), "train_loss": [4.0, 3.5]}),
+                         name="steps.parquet")  # fmt: skip
+    with caplog.at_level("WARNING", logger="pipeline.results.query"):
+        rows = query_table("SELECT run, count(*) AS n FROM steps GROUP BY run ORDER BY run", None, tmp_path)
+    assert rows.to_pylist() == [{"run": "gpt2-muon-s0", "n": 2}, {"run": "gpt2-muon-s2", "n": 2}]
+    (note,) = [r.getMessage() for r in caplog.records]
+    assert "data/train is partial" in note and "2 planned shards still to write (gpt2-muon-s1, gpt2-muon-s3)" in note
+    write_plan(tmp_path / "data" / "train", keys)  # the stage says it finished: a missing shard is an error again
+    with pytest.raises(QueryError, match=r"shard 'gpt2-muon-s1' is missing .* run `lmgeo train` first"):
+        query_table("SELECT count(*) FROM steps", None, tmp_path)
 
 
 def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_temporary_copy(tmp_path: Path) -> None:
@@ -383,18 +449,15 @@ def test_a_command_typed_in_a_subfolder_finds_the_workspace(tmp_path: Path, monk
 
 
 @pytest.mark.slow  # git clone and DVC's push and pull
-def test_the_committed_default_remote_brings_an_old_revision_to_a_fresh_clone(tmp_path: Path) -> None:
-    """With the repository's `.dvc/config`, results pushed from one checkout are queried at `--rev HEAD~1`
-    in a fresh clone beside it, with no `dvc remote add`."""
+def test_the_committed_default_remote_brings_an_old_revisions_data_to_a_fresh_clone(tmp_path: Path) -> None:
+    """With the repository's `.dvc/config`, the per-token data pushed from one checkout is queried at
+    `--rev HEAD~1` in a fresh clone beside it, with no `dvc remote add`."""
     import shutil
 
     from dvc.repo import Repo
     from study_helpers import REPO
 
-    origin = tmp_path / "origin"
-    origin.mkdir()
-    git(origin, "init", "-q")
-    Repo.init(str(origin)).close()
+    origin = dvc_git_repo(tmp_path / "origin")
     shutil.copy(REPO / ".dvc" / "config", origin / ".dvc" / "config")
     commit_version(origin, 1)
     commit_version(origin, 2)
@@ -403,5 +466,84 @@ def test_the_committed_default_remote_brings_an_old_revision_to_a_fresh_clone(tm
     assert (tmp_path / "lmgeo-remote").is_dir()  # beside the checkout, as the README says
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
-    runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], clone)
-    assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]
+    fits = query_table("SELECT rev, count(*) AS n FROM fits GROUP BY rev ORDER BY n", ["HEAD~1", "HEAD"], clone)
+    assert fits.to_pylist() == [{"rev": "HEAD~1", "n": 2}, {"rev": "HEAD", "n": 3}]
+
+
+def test_a_stage_records_a_new_plan_as_in_progress_and_keeps_the_record_of_the_plan_it_redoes(tmp_path: Path) -> None:
+    """Before its fan-out a stage records a plan it has not completed (a query then names what is missing), but a
+    rerun of the completed plan that redoes a shard found corrupt leaves the record as it was (a failed rerun
+    changes nothing)."""
+    from pipeline.core.store import PLAN_FILE, write_plan
+    from stages.sharded import _record_in_progress
+
+    old = {"a": ManifestKey({}, "p1", "c")}
+    new = {"a": ManifestKey({}, "p2", "c"), "b": ManifestKey({}, "p2", "c")}
+    write_plan(tmp_path, old)
+    record = (tmp_path / PLAN_FILE).read_bytes()
+    _record_in_progress(tmp_path, old)
+    assert (tmp_path / PLAN_FILE).read_bytes() == record
+    _record_in_progress(tmp_path, new)
+    written = json.loads((tmp_path / PLAN_FILE).read_text())
+    assert written["in_progress"] is True and sorted(written["shards"]) == ["a", "b"]
+
+
+# ------------------------------------------------------------------------------- a fresh clone
+PER_TOKEN = re.compile(r"\b(fits|perturb|steps|activations|activation_vectors|fit_vectors|tokens)\b")
+
+
+def commit_aggregated_study(repo: Path, cfg: ReportConfig, message: str) -> None:
+    """The tiny study's data and tables as a pipeline leaves them: the tables committed (`cache: false`, as
+    dvc.yaml declares them), the per-token datasets DVC outputs that `dvc.lock` records and git ignores."""
+    from dvc.repo import Repo
+
+    shutil.rmtree(repo / "data", ignore_errors=True)
+    write_tiny_study(repo / "data")
+    aggregate(sources(repo / "data"), repo / "reports", cfg, KEY)
+    params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
+    (repo / "params.yaml").write_text(yaml.safe_dump({**params, "report": cfg.model_dump(mode="json")}))
+    stage = {"cmd": "lmgeo aggregate", "params": ["report"],
+             "outs": ["data/train", "data/fits", "data/perturb", {"reports/tables": {"cache": False}}]}  # fmt: skip
+    (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"aggregate": stage}}))
+    with contextlib.chdir(repo), Repo(str(repo)) as dvc_repo:
+        dvc_repo.commit(force=True)  # dvc.lock: what `dvc repro` would record
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", message)
+
+
+def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README's `lmgeo query` lines as written, run by `lmgeo` in a fresh `git clone` (no `dvc repro`, no DVC
+    cache or remote) of a repository whose two commits hold committed tables: the lines over the tables, the
+    params and two revisions answer; those naming per-token data say how to get it."""
+    from test_e2e import readme_commands
+    from typer.testing import CliRunner
+
+    from stages.cli import app
+
+    origin = dvc_git_repo(tmp_path / "origin")
+    commit_aggregated_study(origin, CFG, "a study")
+    commit_aggregated_study(origin, CFG.model_copy(update={"seed": CFG.seed + 1}), "the study again, another seed")
+    assert "reports/tables/runs.parquet" in subprocess.run(
+        ["git", "ls-files"], cwd=origin, capture_output=True, text=True, check=True
+    ).stdout
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
+    assert not (clone / "data" / "fits").exists() and not (clone / ".dvc" / "cache").exists()
+    monkeypatch.chdir(clone)
+    lines = readme_commands("lmgeo query")
+    over_tables = [line for line in lines if not PER_TOKEN.search(line)]
+    assert len(over_tables) >= 5 and any("--rev HEAD~1 --rev HEAD" in line for line in over_tables), lines
+    for line in lines:
+        done = CliRunner().invoke(app, shlex.split(line)[1:])
+        if line in over_tables:
+            assert done.exit_code == 0 and done.stdout.strip(), (line, done.output)
+            rows = len(done.stdout.splitlines()) - 1 if "--format csv" in line else "(0 rows)" not in done.stdout
+            assert rows or "claim_tests" in line, (line, done.output)  # the tiny study has no stratified tests
+        else:
+            assert done.exit_code == 2 and "not in this checkout" in done.output, (line, done.output)
+            assert "`dvc pull data/" in done.output, done.output
+    both = CliRunner().invoke(app, ["query", "SELECT DISTINCT rev FROM runs ORDER BY rev", "--rev", "HEAD~1",
+                                    "--rev", "HEAD", "--format", "csv"])  # fmt: skip
+    assert both.stdout.split() == ["rev", "HEAD", "HEAD~1"], both.output

@@ -1,5 +1,5 @@
 """Commit the matched-budget sweep's result tables for the report (`pipeline.results.study_b.record`):
-after `dvc exp run $(lmgeo preset presets/sweep.yaml)`, `python -m tools.sweep_record` copies its Study B
+after `lmgeo exp run presets/sweep.yaml`, `python -m tools.sweep_record` copies its Study B
 tables and provenance from `reports/` into `docs/sweep/`, where the default study's report reads them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-COMMAND = "dvc exp run $(lmgeo preset presets/sweep.yaml)"
+COMMAND = "lmgeo exp run presets/sweep.yaml"
 
 
 def main(argv: list[str] | None = None) -> None:

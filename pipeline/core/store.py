@@ -212,15 +212,22 @@ class PlanRecord:
     keys: dict[str, ManifestKey]
     files: dict[str, list[str]]
     lineage: dict[str, str]
+    in_progress: bool = False  # recorded before the fan-out: the stage stopped or is running; no files, no lineage
 
 
-def write_plan(root: Path, planned: Mapping[str, ManifestKey], lineage: Mapping[str, str] | None = None) -> None:
+def write_plan(
+    root: Path, planned: Mapping[str, ManifestKey], lineage: Mapping[str, str] | None = None, *, complete: bool = True
+) -> None:
     """Record that every shard of `planned` (shard → key) is complete in `root` (call it after they are),
-    with the files each one's manifest lists and the dataset's `lineage` (`lineage_of`)."""
+    with the files each one's manifest lists and the dataset's `lineage` (`lineage_of`); or, with
+    `complete=False`, before the stage's fan-out, that it runs that plan (so that a reader of a stage stopped
+    half-way knows which shards are still to come: `files_so_far`)."""
     root = Path(root)
-    files = {shard: sorted(f["path"] for f in _read_manifest(root, shard)["files"]) for shard in sorted(planned)}
+    files = {shard: sorted(f["path"] for f in _read_manifest(root, shard)["files"]) for shard in sorted(planned)} \
+        if complete else {}
     record = {"format": MANIFEST_FORMAT, "shards": {shard: asdict(key) for shard, key in sorted(planned.items())},
-              "files": files, "lineage": dict(sorted((lineage or {}).items()))}  # fmt: skip
+              "files": files, "lineage": dict(sorted((lineage or {}).items())),
+              **({} if complete else {"in_progress": True})}  # fmt: skip
     atomic_write(root / PLAN_FILE, json.dumps(record, indent=1, sort_keys=True))
 
 
@@ -236,7 +243,7 @@ def read_plan(root: Path) -> PlanRecord:
                 and all(isinstance(v, list) and all(isinstance(f, str) for f in v) for v in files.values())
                 and all(isinstance(v, str) for key in keys.values() for v in (key.params_hash, key.code_version))):
             raise ValueError("its files or lineage are not lists and maps of strings")  # fmt: skip
-        return PlanRecord(keys, files, lineage)
+        return PlanRecord(keys, files, lineage, bool(record.get("in_progress")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         raise CorruptShardError(
             f"{path}: unreadable record of the last plan of the stage that writes {root} ({err}); re-run that "
@@ -279,7 +286,8 @@ def check_one_run(roots: Sequence[Path]) -> None:
 
 
 def _finished_plan(root: Path) -> PlanRecord | None:
-    return read_plan(root) if (root / PLAN_FILE).is_file() else None
+    record = read_plan(root) if (root / PLAN_FILE).is_file() else None
+    return None if record is None or record.in_progress else record
 
 
 def _str_map(value: Any) -> bool:
@@ -336,6 +344,30 @@ def file_md5(path: Path) -> str:
     """The md5 DVC lists a file with."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "md5").hexdigest()
+
+
+def files_so_far(
+    root: Path, *, rebuild: str = "its stage", committed: Committed | None = None
+) -> tuple[list[Path], list[str]]:
+    """For a reader that takes what is there (a query of a study still training): while the stage's plan is in
+    progress (`write_plan(complete=False)`: the stage stopped or is running), the verified files of its shards
+    complete so far (each also what ``committed`` records, when given) and the shards still missing; otherwise
+    `verified_files(root)` and none missing."""
+    root = Path(root)
+    record = read_plan(root) if (root / PLAN_FILE).is_file() else None
+    if record is None or not record.in_progress:
+        return verified_files(root, rebuild=rebuild, committed=committed), []
+    manifests = {m["shard"]: m for m in map(_load_manifest, _manifest_files(root))}
+    done, missing = [], []
+    for shard, key in record.keys.items():
+        manifest = manifests.get(shard)
+        if manifest is not None and manifest_key(manifest) == key:
+            done.append(manifest)
+            if committed is not None:
+                _check_committed(root, manifest, committed)
+        else:
+            missing.append(shard)
+    return [path for manifest in done for path in _check_files(root, manifest)], missing
 
 
 def _planned(root: Path, manifest: dict[str, Any] | None, shard: str, key: ManifestKey, rebuild: str) -> dict[str, Any]:

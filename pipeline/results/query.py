@@ -10,11 +10,16 @@ Views, named as the files or datasets they come from (``sources`` says where eac
   Only files that shard manifests list are read, each checked against its size and sha256, and a dataset
   that mixes the shards of two runs of its stage is refused (``pipeline.core.store.verified_files``).
 
-With revisions (git revisions or DVC experiment names), DVC's own filesystem (``dvc.api.DVCFileSystem``)
-copies each revision's tables, and the per-token datasets the SQL names literally, into a temporary
-folder, so DVC-tracked results come from the DVC cache; a dataset the SQL does not name is not a view at
-that revision (so reaching it indirectly fails instead of reading nothing). With several revisions every
-view is the union (by column name) of the revisions' data, with a leading ``rev`` column.
+The result tables and the params are committed to git, so a fresh clone queries them with no DVC cache or
+remote. With revisions (git revisions or DVC experiment names), each revision's tables and params are read
+from git's objects, and the per-token datasets the SQL names literally (DVC outputs) are copied by DVC's own
+filesystem (``dvc.api.DVCFileSystem``), from the DVC cache or else the default remote, into a temporary folder
+(tables a revision tracked with DVC, before they were committed, come that way too); a dataset the SQL does
+not name is not a view at that revision (so reaching it indirectly fails instead of reading nothing). With
+several revisions every view is the union (by column name) of the revisions' data, with a leading ``rev``
+column. A per-token dataset DVC tracks but the working tree lacks (a fresh clone) is an error saying how to
+get it, not an empty view; one whose stage stopped half-way is read as far as it got, the missing shards
+named in a note (logged to ``lmgeo.query``).
 
 Read-only twice over: the statement must parse as one SELECT / WITH / DESCRIBE / SHOW / SUMMARIZE /
 EXPLAIN (of such a statement) / PRAGMA table_info|show_tables, and DuckDB itself runs in memory with the
@@ -64,7 +69,7 @@ from pipeline.core.contracts import (
     vectors_as_lists,
 )
 from pipeline.core.errors import InputError, escape
-from pipeline.core.store import Committed, CorruptShardError, StaleShardError, check_one_run, verified_files
+from pipeline.core.store import Committed, CorruptShardError, StaleShardError, check_one_run, files_so_far
 
 Format = Literal["table", "csv", "json"]
 MAX_REV_CHARS = 255
@@ -99,6 +104,8 @@ _LOCKDOWN = (
 )
 
 
+# Notes on what a query read (a dataset whose stage stopped half-way, a table left out): `lmgeo query` prints
+# them on stderr as `lmgeo: warning:` lines.
 log = logging.getLogger(__name__)
 
 
@@ -143,6 +150,7 @@ def query_table(
                 snapshots.append(_revision(sql, workspace, rev, Path(tmp) / str(i), sources))
                 ctrl_c.check()
         else:
+            _check_checked_out(sql, workspace, sources)
             snapshots = [_snapshot(workspace, None, sources, sql, anchored=True)]
         ctrl_c.check()
         con = _locked_connection(
@@ -355,34 +363,99 @@ class _Snapshot:
 
 
 def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str, str]) -> _Snapshot:
-    """The data of ``rev``: the working tree itself for ``workspace``, else a copy made by DVC of the tables,
-    the params, and what the SQL names of the datasets and the tokenizer (``tokens``)."""
+    """The data of ``rev``: the working tree itself for ``workspace``; else, under ``dest``, the tables and the
+    params as git has them at ``rev``, and what the SQL names of the datasets and the tokenizer (``tokens``)
+    copied by DVC (with the tables, at a revision that tracked them with DVC)."""
     if rev == WORKSPACE:
+        _check_checked_out(sql, workspace, sources)
         return _snapshot(workspace, rev, sources, sql, anchored=True)
-    named = {DATASETS[v][0].name for v in DATASETS if _mentions(sql, v)}
-    wanted = ["tables", "params", *sorted(named), *(["tokenizer"] if _mentions(sql, "tokens") else [])]
-    # params.yaml is git's: DVC fetches only the rest
-    copy = _checkout(workspace, rev, dest, [sources[w] for w in wanted], [sources[w] for w in wanted if w != "params"])
-    return _snapshot(copy, rev, {w: sources[w] for w in wanted}, sql, anchored=False)
+    outputs = _named_outputs(sql)
+    in_git = _git_copy(workspace, rev, dest, [sources["tables"], sources["params"]])
+    from_dvc = [sources[w] for w in outputs] + ([] if sources["tables"] in in_git else [sources["tables"]])
+    if from_dvc:
+        _checkout(workspace, rev, dest, from_dvc)
+    return _snapshot(dest, rev, {w: sources[w] for w in ("tables", "params", *outputs)}, sql, anchored=False)
 
 
-def _checkout(workspace: Path, rev: str, dest: Path, wanted: Sequence[str], outputs: Sequence[str]) -> Path:
-    """Copy the folders and files ``wanted`` as they are at ``rev`` under ``dest`` via DVC: from the local
-    cache, or else with the DVC ``outputs`` among them fetched into it from the default remote first (as
-    `dvc fetch` would)."""
+def _named_outputs(sql: str, *, surely: bool = False) -> list[str]:
+    """The DVC outputs (by source name) the SQL reads: its per-token datasets and, for ``tokens``, the tokenizer.
+    Tables as DuckDB's parser finds them (a column named like a view, `runs.tokens` or `recipes.steps`, is
+    none); for a statement it cannot serialise (EXPLAIN, PRAGMA), every view whose name appears, or none when
+    `surely` (an error must not rest on a guess)."""
+    tables = _tables_read(sql)
+    if tables is None and surely:
+        return []
+    reads = (lambda view: _mentions(sql, view)) if tables is None else (lambda view: view in tables)
+    named = sorted({DATASETS[v][0].name for v in DATASETS if reads(v)})
+    return [*named, *(["tokenizer"] if reads("tokens") else [])]
+
+
+def _tables_read(sql: str) -> set[str] | None:
+    """The names of the tables and views ``sql`` reads, lower case (DuckDB's parse tree); None when DuckDB cannot
+    serialise the statement."""
+    with duckdb.connect(":memory:") as con:
+        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+    if tree.get("error"):
+        return None
+    found: set[str] = set()
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            if node.get("type") == "BASE_TABLE" and isinstance(node.get("table_name"), str):
+                found.add(node["table_name"].lower())
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+    return found
+
+
+def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> set[str]:
+    """Copy the ``paths`` (workspace-relative) that git holds at ``rev`` under ``dest``, from git's objects (no
+    checkout, no DVC); returns those it held."""
+    from dvc.scm import SCM, SCMError, resolve_rev  # DVC's git, which resolves experiment names too
+
     try:
-        return _copy(workspace, rev, dest, wanted)
+        scm = SCM(str(workspace))
+    except SCMError as err:
+        raise QueryError(f"revision {rev!r}: {workspace} is not in a git repository ({err})") from None
+    try:
+        fs = scm.get_fs(resolve_rev(scm, rev))
+        prefix = workspace.resolve().relative_to(Path(scm.root_dir).resolve())
+        held = set()
+        for path in paths:
+            inside = (prefix / path).as_posix()
+            if fs.isdir(inside):
+                fs.get(inside, str(dest / path), recursive=True)
+            elif fs.isfile(inside):
+                (dest / path).parent.mkdir(parents=True, exist_ok=True)
+                fs.get(inside, str(dest / path))
+            else:
+                continue
+            held.add(path)
+        return held
+    except SCMError as err:
+        raise QueryError(f"revision {rev!r}: {escape(str(err))}") from None
+    finally:
+        scm.close()
+
+
+def _checkout(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path:
+    """Copy the DVC ``outputs`` as they are at ``rev`` under ``dest`` via DVC: from the local cache, or else
+    fetched into it from the default remote first (as `dvc fetch` would)."""
+    try:
+        return _copy(workspace, rev, dest, outputs)
     except _NotCached as missing:
         if not _fetch(workspace, rev, outputs):
             raise missing from None
-        return _copy(workspace, rev, dest, wanted)
+        return _copy(workspace, rev, dest, outputs)
 
 
 class _NotCached(QueryError):
     """A revision's results are in neither the local DVC cache nor (yet) fetched from the remote."""
 
 
-def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
+def _copy(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path:
     from dvc.api import DVCFileSystem
     from dvc.exceptions import DvcException
     from dvc_data.index.index import DataIndexError
@@ -398,7 +471,7 @@ def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
             "commit, branch, tag, DVC experiment, or `workspace`"
         ) from None
     try:
-        for path in wanted:
+        for path in outputs:
             if fs.isdir(path):
                 fs.get(path, str(dest / path), recursive=True)
             elif fs.isfile(path):
@@ -406,10 +479,10 @@ def _copy(workspace: Path, rev: str, dest: Path, wanted: Sequence[str]) -> Path:
                 fs.get(path, str(dest / path))
     except DvcException as err:
         if "unknown Git revision" in str(err) or "revision" in type(err).__name__.lower():
-            raise QueryError(f"revision {rev!r}: {err}") from None
-        raise _not_local(rev, err) from None
+            raise QueryError(f"revision {rev!r}: {escape(str(err))}") from None
+        raise _not_local(rev, outputs, err) from None
     except (DataIndexError, OSError) as err:  # DVC's data index, for outputs its cache lacks
-        raise _not_local(rev, err) from None
+        raise _not_local(rev, outputs, err) from None
     return dest
 
 
@@ -426,12 +499,40 @@ def _fetch(workspace: Path, rev: str, outputs: Sequence[str]) -> bool:
         return False
 
 
-def _not_local(rev: str, err: BaseException) -> QueryError:
+def _not_local(rev: str, outputs: Sequence[str], err: BaseException) -> QueryError:
+    first_line = escape(_first_line(err))
     return _NotCached(
-        f"revision {rev!r}: its results are in neither the local DVC cache nor the default remote "
-        f"({type(err).__name__}: {escape(_first_line(err))}); push them from where they were computed (`dvc push`), "
-        f"or rebuild them with `git checkout {rev} && dvc repro`"
+        f"revision {rev!r}: {', '.join(outputs)} (DVC outputs) are in neither the local DVC cache nor the default "
+        f"remote ({type(err).__name__}: {first_line}); push them from where they were computed (`dvc push`) to a "
+        f"remote this clone uses (README: \"Sharing results\"), or rebuild them with `git checkout {rev} && dvc "
+        "repro`; the result tables and params are in git and need neither"
     )
+
+
+def _check_checked_out(sql: str, workspace: Path, sources: dict[str, str]) -> None:
+    """A DVC output the SQL names that `dvc.lock` records but the working tree lacks (a fresh clone: git holds
+    the result tables, not the per-token data) is an error naming the commands that bring it, not an empty
+    view."""
+    lock = workspace / "dvc.lock"
+    wanted = [sources[name] for name in _named_outputs(sql, surely=True) if name in sources]
+    absent = [path for path in wanted if not (workspace / path).exists()]
+    if not absent or not lock.is_file():
+        return
+    import yaml
+
+    try:
+        stages = yaml.safe_load(lock.read_text())["stages"]
+        tracked = {out["path"] for stage in stages.values() for out in stage.get("outs", [])}
+    except (yaml.YAMLError, KeyError, TypeError, AttributeError):
+        return  # an unreadable lock: nothing to say beyond the empty view
+    missing = [path for path in absent if path in tracked]
+    if missing:
+        paths = " ".join(missing)
+        raise QueryError(
+            f"{paths}: not in this checkout (DVC outputs; git holds the result tables and params only): "
+            f"`dvc pull {paths}` fetches them from a DVC remote (README: \"Sharing results\"), `dvc repro` "
+            "recomputes them"
+        )
 
 
 def _first_line(err: BaseException) -> str:
@@ -493,9 +594,10 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
         if dataset.name not in sources or not _mentions(sql, name):
             continue
         folder = root / sources[dataset.name]
+        rebuild = f"`lmgeo {dataset.written_by}`"
         try:
-            files = verified_files(folder, rebuild=f"`lmgeo {dataset.written_by}`", committed=anchor(folder)) \
-                if folder.is_dir() else []
+            files, missing = files_so_far(folder, rebuild=rebuild, committed=anchor(folder)) \
+                if folder.is_dir() else ([], [])
             datasets[name] = scan(folder, dataset, files, vectors=vectors)
         except (CorruptShardError, StaleShardError, OSError, pa.ArrowException) as err:
             raise QueryError(f"{where}: cannot read {sources[dataset.name]}: {cause(err)}") from None
@@ -505,6 +607,8 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
                                  for c in dataset.vectors]  # fmt: skip
             except InputError as err:
                 raise QueryError(f"{where}: cannot read the vectors of {sources[dataset.name]}: {cause(err)}") from None
+        if missing and not vectors:  # once per dataset, not again for its vectors' view
+            log.warning(_partial_note(where, sources[dataset.name], missing, rebuild))
         used.append(folder)
     try:
         check_one_run([folder for folder in dict.fromkeys(used) if folder.is_dir()])
@@ -512,6 +616,15 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
         raise QueryError(f"{where}: {cause(err)}") from None
     written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
     return _Snapshot(rev, tables, datasets, written, decoded)
+
+
+def _partial_note(where: str, folder: str, missing: list[str], rebuild: str) -> str:
+    shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+    return (
+        f"{where}: {folder} is partial: its stage stopped (or is running) with {len(missing)} planned shard"
+        f"{'s' if len(missing) != 1 else ''} still to write ({shown}); read what is complete, `dvc repro` (or "
+        f"{rebuild}) finishes it"
+    )
 
 
 def _params_table(path: Path) -> pa.Table:

@@ -22,12 +22,17 @@ from pipeline.core.config import (
 class ExternalModel(Section):
     id: str  # hub id or local path
     revision: str | None = None
+    # How the tables and the report name it (default: its id), e.g. a folder's name rather than `../models/x`:
+    # its table id is `external_table_id(name or id)`.
+    name: str | None = None
 
     @model_validator(mode="after")
     def _usable_id(self) -> ExternalModel:
         from pipeline.core.contracts import check_external_id  # pyarrow: not for `lmgeo --help`
 
         check_external_id(self.id)
+        if self.name is not None:
+            check_external_id(self.name)
         return self
 
 
@@ -57,6 +62,8 @@ class AnalysisConfig(Section):
     batch_size: PositiveInt = 8
     vector_dtype: Literal["float32", "float16"] = "float32"
     anchors: PositiveInt = 256
+    # The transitions l -> l+1 fitted and patched (null: every one of each model), e.g. a few layers of a big model.
+    layers: list[Annotated[int, Field(ge=0)]] | None = None
     pool_size: PositiveInt | None = None  # null = every stored token
     k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 32
     distance: Literal["euclidean", "cosine"] = "euclidean"
@@ -83,6 +90,8 @@ class AnalysisConfig(Section):
         if "classes" in self.model_fields_set:  # left out, it is filled in by `pipeline.params`
             unique_non_empty("classes", self.classes)
         unique_non_empty("checkpoints", self.checkpoints)
+        if self.layers is not None:
+            unique_non_empty("layers", self.layers)
         if len(set(self.nulls)) != len(self.nulls):
             raise ValueError("nulls: each null sample at most once")
         return self

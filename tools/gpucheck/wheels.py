@@ -91,11 +91,14 @@ def machine_packages(path: Path = MACHINE_PACKAGES) -> frozenset[str]:
 
 
 def read_pins(constraints: Path = REPO / "constraints.txt") -> dict[str, str]:
+    """name → pinned version, of the pins whose markers hold on the machine (torch's build is per platform)."""
     pins = {}
     for line in constraints.read_text().splitlines():
-        name, sep, version = line.split("#")[0].strip().partition("==")
-        if sep:
-            pins[canonical(name)] = version.strip()
+        if line.split("#")[0].strip():
+            pin = Requirement(line.split("#")[0])
+            (spec,) = pin.specifier
+            if pin.marker is None or pin.marker.evaluate(TARGET_MARKERS):
+                pins[canonical(pin.name)] = spec.version
     return pins
 
 

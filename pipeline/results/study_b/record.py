@@ -40,7 +40,7 @@ def write_record(tables: dict[str, Any], provenance: dict[str, Any], command: st
     their sha256 and the run's provenance (`reports/provenance.json`)."""
     if not any(row["matched"] for row in tables["recipes"].to_pylist()):
         raise InputError("the result tables hold no matched-budget sweep: run the preset first, "
-                         "`dvc exp run $(lmgeo preset presets/sweep.yaml)`")  # fmt: skip
+                         "`lmgeo exp run presets/sweep.yaml`")  # fmt: skip
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)

@@ -395,7 +395,7 @@ def _power_statement(recipes: list[Row]) -> str:
             f"{RESOLVE_NATS:g} nats would need {needed if needed else 'more than 10,000'} seeds (power {POWER:g}, "
             f"α = {SIGNIFICANCE:g})"
         )
-    more = " More seeds: `dvc exp run $(lmgeo preset presets/resolve.yaml)`."
+    more = " More seeds: `lmgeo exp run presets/resolve.yaml`."
     return "- **Power.** " + ("; ".join(parts) + "." + more if parts else "Not measured: fewer than two paired seeds.")
 
 
