@@ -265,8 +265,12 @@ def test_a_study_stopped_half_way_is_queried_with_its_missing_shards_named(tmp_p
     assert rows.to_pylist() == [{"run": "gpt2-muon-s0", "n": 2}, {"run": "gpt2-muon-s2", "n": 2}]
     (note,) = [r.getMessage() for r in caplog.records]
     assert "data/train is partial" in note and "2 planned shards still to write (gpt2-muon-s1, gpt2-muon-s3)" in note
-    write_plan(tmp_path / "data" / "train", keys)  # the stage says it finished: a missing shard is an error again
-    with pytest.raises(QueryError, match=r"shard 'gpt2-muon-s1' is missing .* run `lmgeo train` first"):
+    from pipeline.core.store import manifest_path
+
+    done = {run: keys[run] for run in ("gpt2-muon-s0", "gpt2-muon-s2")}
+    write_plan(tmp_path / "data" / "train", done)  # the stage says it finished: a missing shard is an error again
+    manifest_path(tmp_path / "data" / "train", "gpt2-muon-s2").unlink()
+    with pytest.raises(QueryError, match=r"shard 'gpt2-muon-s2' is missing .* run `lmgeo train` first"):
         query_table("SELECT count(*) FROM steps", None, tmp_path)
 
 
@@ -479,6 +483,8 @@ def test_a_stage_records_a_new_plan_as_in_progress_and_keeps_the_record_of_the_p
 
     old = {"a": ManifestKey({}, "p1", "c")}
     new = {"a": ManifestKey({}, "p2", "c"), "b": ManifestKey({}, "p2", "c")}
+    with ShardWriter(tmp_path, "a", old["a"]) as writer:
+        writer.write({"run": "a"}, pa.table({"step": pa.array([0], pa.int64())}), name="steps.parquet")
     write_plan(tmp_path, old)
     record = (tmp_path / PLAN_FILE).read_bytes()
     _record_in_progress(tmp_path, old)

@@ -421,6 +421,16 @@ def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> se
         raise QueryError(f"revision {rev!r}: {workspace} is not in a git repository ({err})") from None
     try:
         fs = scm.get_fs(resolve_rev(scm, rev))
+    except SCMError as err:
+        scm.close()
+        raise QueryError(f"revision {rev!r}: {escape(str(err))}") from None
+    except Exception as err:  # noqa: BLE001 - scmrepo's backends fail on a non-commit with their own types
+        scm.close()
+        raise QueryError(
+            f"revision {rev!r} does not name a commit ({type(err).__name__}: {escape(_first_line(err))}); give a "
+            "commit, branch, tag, DVC experiment, or `workspace`"
+        ) from None
+    try:
         prefix = workspace.resolve().relative_to(Path(scm.root_dir).resolve())
         held = set()
         for path in paths:
