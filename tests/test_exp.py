@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -97,3 +98,14 @@ def test_findings_are_written_into_readme_only_by_the_command_and_only_from_the_
     assert refused.exit_code == 2 and findings_in(readme.read_text()) == "old findings", refused.output
     (line,) = refused.stderr.strip().splitlines()
     assert "not the default study's" in line and "`git checkout params.yaml`" in line, line
+
+
+def test_the_readme_opens_with_its_purpose_and_puts_your_own_model_right_after_the_two_commands():
+    """A newcomer reads what the project finds out and for whom first, then the two commands, then how to run it
+    on their own model (issue #40)."""
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    sections = re.findall(r"^## (.+)$", text, re.MULTILINE)
+    assert sections[:2] == ["The two commands", "Your own model"]
+    opening = text[: text.index("## The two commands")].split("\n\n")[1]
+    assert "tests whether the claims of two papers" in opening and "researchers" in opening
+    assert "lmgeo analyse" in text[text.index("## Your own model"):text.index(f"## {sections[2]}")]
