@@ -553,3 +553,21 @@ def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
     both = CliRunner().invoke(app, ["query", "SELECT DISTINCT rev FROM runs ORDER BY rev", "--rev", "HEAD~1",
                                     "--rev", "HEAD", "--format", "csv"])  # fmt: skip
     assert both.stdout.split() == ["rev", "HEAD", "HEAD~1"], both.output
+
+
+def test_a_partial_dataset_is_queried_alone_and_joined_with_nothing(tmp_path: Path) -> None:
+    """A stage stopped half-way leaves shards of a new run beside another dataset's of the old one: the partial
+    dataset answers alone (with its note), and a query joining it with another is refused, naming it."""
+    from pipeline.core.store import write_plan
+
+    keys = {f"gpt2-muon-s{seed}": ManifestKey({}, "p", "c") for seed in range(2)}
+    write_plan(tmp_path / "data" / "train", keys, complete=False)
+    with ShardWriter(tmp_path / "data" / "train", "gpt2-muon-s0", keys["gpt2-muon-s0"]) as writer:
+        writer.write({"run": "gpt2-muon-s0"}, pa.table({"step": pa.array([0], pa.int64()), "train_loss": [4.0]}),
+                     name="steps.parquet")  # fmt: skip
+    assert query_table("SELECT count(*) AS n FROM steps", None, tmp_path).to_pylist() == [{"n": 1}]
+    from test_attacks import write_fits
+
+    write_fits(tmp_path / "data" / "fits", "m/layer=0", 0, 0.5)
+    with pytest.raises(QueryError, match=r"data/train is partial .* joined with no other dataset or table"):
+        query_table("SELECT count(*) FROM steps, fits", None, tmp_path)

@@ -599,7 +599,7 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
             tables["params"] = _params_table(root / sources["params"])
         except InputError as err:
             unusable(["params"], sources["params"], err)
-    datasets, decoded = {}, {}
+    datasets, decoded, partial = {}, {}, []
     for name, (dataset, vectors) in DATASETS.items():
         if dataset.name not in sources or not _mentions(sql, name):
             continue
@@ -619,9 +619,15 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
                 raise QueryError(f"{where}: cannot read the vectors of {sources[dataset.name]}: {cause(err)}") from None
         if missing and not vectors:  # once per dataset, not again for its vectors' view
             log.warning(_partial_note(where, sources[dataset.name], missing, rebuild))
+        if missing:
+            partial.append(sources[dataset.name])
         used.append(folder)
+    joined = [folder for folder in dict.fromkeys(used) if folder.is_dir()]
+    if partial and len(joined) > 1:  # a stage stopped half-way: its shards and the others' come from two runs
+        raise QueryError(f"{where}: {partial[0]} is partial (its stage stopped or is running), so it is joined with "
+                         "no other dataset or table; run `dvc repro` to finish it, or query it alone")  # fmt: skip
     try:
-        check_one_run([folder for folder in dict.fromkeys(used) if folder.is_dir()])
+        check_one_run(joined)
     except StaleShardError as err:
         raise QueryError(f"{where}: {cause(err)}") from None
     written = bool(found) or any((root / sources[d.name]).is_dir() for d, _ in DATASETS.values() if d.name in sources)
