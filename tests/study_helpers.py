@@ -56,6 +56,8 @@ def write_params(workspace: Path, overrides: dict[str, str]) -> None:
         *parents, leaf = dotted.split(".")
         section = raw
         for key in parents:
-            section = section.setdefault(key, {})
+            if not isinstance(section.get(key), dict):  # absent, or null (a section switched off, e.g. the sweep)
+                section[key] = {}
+            section = section[key]
         section[leaf] = yaml.safe_load(value)
     (workspace / "params.yaml").write_text(yaml.safe_dump(raw, sort_keys=False))
