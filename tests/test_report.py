@@ -286,6 +286,43 @@ def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_
         ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
 
 
+def test_the_claims_heat_map_colours_each_reading_its_own_and_hatches_layers_not_well_posed() -> None:
+    """Planted cells, read back from the drawn image (each cell's colour through the map's colormap), the hatched
+    patches and the legend: contradicted is not drawn like not supported, a layer that is not well posed is hatched
+    white (no evidence colour), an untested cell is blank, and every one of these has its legend entry."""
+    from matplotlib.colors import to_rgba
+
+    def row(layer: int, claim: str, fn: str, verdict: str) -> dict:
+        return {"scope": "layer", "subject": "neox@final", "layer": layer, "claim": claim, "fn": fn,
+                "null": "shuffled", "verdict": verdict}  # fmt: skip
+
+    angle, spearman = "angle_res_tok_near_90", "spearman_rel_err_kl"
+    tests = [row(1, angle, fn, CONTRADICTED) for fn in ("lowrank", "mlp")]
+    tests += [row(1, spearman, fn, NOT_SUPPORTED) for fn in ("lowrank", "mlp")]
+    tests += [row(2, angle, "lowrank", SUPPORTED), row(2, angle, "mlp", NOT_SUPPORTED)]  # mean +¼: leaning for
+    figure = fig_a.claims_by_layer(tests, ill_posed={("neox@final", 0), ("other@final", 5)})
+    ax = figure.axes[0]
+    image = ax.images[0]
+    drawn = image.cmap(image.norm(image.get_array()))  # (claims, layers, RGBA), the masked cells fully transparent
+    claims = [label.get_text() for label in ax.get_yticklabels()]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2"]  # the hatched layer has its column
+    at = {claim: claims.index(study_a_report.CLAIMS_BY_NAME[claim].label) for claim in (angle, spearman)}
+    assert tuple(drawn[at[angle], 1]) == to_rgba(fig_a.CELL_COLORS[CONTRADICTED])
+    assert tuple(drawn[at[spearman], 1]) == to_rgba(fig_a.CELL_COLORS[NOT_SUPPORTED])
+    assert fig_a.CELL_COLORS[CONTRADICTED] != fig_a.CELL_COLORS[NOT_SUPPORTED]
+    assert tuple(drawn[at[angle], 2]) == to_rgba(fig_a.CELL_COLORS[fig_a.LEANING_SUPPORTED])
+    assert image.get_array().mask[at[spearman], 2] and image.get_array().mask[:, 0].all()  # blank: not tested
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert [(p.get_x(), p.get_width(), p.get_facecolor()) for p in hatched] == [(-0.5, 1, to_rgba("white"))]
+    legend = figure.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == [*fig_a.CELL_COLORS, fig_a.ILL_POSED, fig_a.NOT_TESTED]
+    faces = [tuple(h.get_facecolor()) for h in legend.legend_handles]
+    assert faces[: len(fig_a.CELL_COLORS)] == [to_rgba(c) for c in fig_a.CELL_COLORS.values()]
+    assert len(set(faces[: len(fig_a.CELL_COLORS)])) == len(fig_a.CELL_COLORS)  # one colour per reading
+    assert [h.get_hatch() for h in legend.legend_handles[-2:]] == [fig_a.ILL_POSED_HATCH, None]
+
+
 def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
     from matplotlib.figure import Figure
 

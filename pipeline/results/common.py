@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn (not in `aggregate`)
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from matplotlib.text import Text
@@ -116,13 +117,14 @@ LEGEND_ROW_INCHES = 0.25
 LEGEND_COLUMNS = 3  # entries per row: the legend fits one panel's width, so also a figure's one-column variant
 
 
-def figure_legend(fig: Figure) -> None:
+def figure_legend(fig: Figure, entries: dict[str, Artist] | None = None) -> None:
     """One legend for all panels, under them: inside a panel it covers curves, and the panels share their
-    lines (the same recipes or classes)."""
-    entries: dict[str, Any] = {}
-    for ax in fig.axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            entries.setdefault(label, handle)
+    lines (the same recipes or classes); `entries` (label → handle), where given, instead of the panels' own."""
+    if entries is None:
+        entries = {}
+        for ax in fig.axes:
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                entries.setdefault(label, handle)
     if entries:
         fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=LEGEND_COLUMNS, fontsize=8,
                    frameon=False)  # fmt: skip

@@ -97,7 +97,7 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep
     if found := findings(tables, claims):
         out.append(f"**In short.** {found}\n")
     out.append("### The paper's claims, per architecture (Study A)\n")
-    out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
+    out.append(study_a.claims_summary(claims, tables["geometry"], tables["claim_tests"], figures,
                                       tables["paper_values"]))
     out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
     out.append(study_b.summary(tables, figures, sweep))

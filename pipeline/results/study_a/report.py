@@ -38,7 +38,7 @@ READING = ("*Supported*: above the claim's margin beyond chance (the lower end o
            "effect too small to count); *contradicted*: below 0 beyond chance; *inconclusive*: otherwise.")
 
 
-def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], figures: Figures,
+def claims_summary(claims: list[ClaimSummary], geometry: list[Row], tests: list[Row], figures: Figures,
                    paper_values: Sequence[Row] = ()) -> str:  # fmt: skip
     """The paper's claims for a newcomer: a sentence per claim with its verdict per architecture (and external
     model), the claims × layers heat map under them, what reproduces beside what is specific against a null,
@@ -46,15 +46,17 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], f
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
         why = ("no claim could be tested (no null samples, no layer with 10·k distinct inputs, or fewer than 10 "
-               "complete anchors per layer)" if fitted else "Study A was not run (no fits)")  # fmt: skip
+               "complete anchors per layer)" if geometry else "Study A was not run (no fits)")  # fmt: skip
         return f"**Study A (the paper's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in PAPER
                           if any(c.claim == claim.name for c in trained))  # fmt: skip
-    heat_map = figures.show(fig.claims_by_layer(tests), "study_a_claims_by_layer",
+    ill_posed = {(subject_of(model), layer) for model, layer in _ill_posed_pools(geometry)}
+    heat_map = figures.show(fig.claims_by_layer(tests, ill_posed), "study_a_claims_by_layer",
                             "Where each claim holds, layer by layer (rows: the claims above; a panel per model, "
-                            "`@final` after training, `@init` at initialisation). Blue: supported, red: not "
-                            "supported, grey: the data cannot decide; pale: the fit classes disagree, leaning that "
-                            "way.")  # fmt: skip
+                            "`@final` after training, `@init` at initialisation). Blue: supported, orange: not "
+                            "supported, dark red: contradicted, grey: the data cannot decide; pale: the fit classes "
+                            "disagree, leaning that way; hatched: not well posed (left out of every claim); blank: "
+                            "not tested.")  # fmt: skip
     diagnostic = {(c.subject, c.claim): c for c in summarise(tests, voting=is_diagnostic)}
     return "\n".join([sentences + "\n", heat_map, _side_by_side(claims, paper_values), CLAIMS_HEAD,
                       _claims_table(trained, PAPER, diagnostic), _extra_checks(trained, diagnostic)])
@@ -443,8 +445,7 @@ def _tradeoff_cell(parts: dict[str, Row]) -> str:
 def _ill_posed(real: list[Row]) -> str:
     """In words, where the data cannot support per-layer statements: pools with too few distinct inputs (left out
     of every claim, `claims.well_posed`), and layers where some neighbourhoods cannot identify the map."""
-    small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
-                    if g["n_distinct"] is not None and not well_posed(g["n_distinct"], g["k"])})  # fmt: skip
+    small = sorted(f"`{model}` layer {layer}" for model, layer in _ill_posed_pools(real))
     dropped = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_value_kept"] < g["n"]})
     lines = []
     if small:
@@ -455,6 +456,12 @@ def _ill_posed(real: list[Row]) -> str:
         lines.append(f"Anchors whose value is not identified (left out) in {len(dropped)} (model, layer) pairs: the "
                      "verdicts there rest on the remaining anchors only (Anchors kept, below).")  # fmt: skip
     return "".join(f"\n{line}\n" for line in lines)
+
+
+def _ill_posed_pools(geometry: list[Row]) -> set[tuple[str, int]]:
+    """(model, layer) of the real pools that are not well posed (`claims.well_posed`)."""
+    return {(g["model"], g["layer"]) for g in geometry if g["sample"] == "real" and g["n_distinct"] is not None
+            and not well_posed(g["n_distinct"], g["k"])}  # fmt: skip
 
 
 def _init_vs_final(claims: list[ClaimSummary]) -> str:
