@@ -618,7 +618,6 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert prov["params_hash"] == params.section_hash("prepare", "train", "analysis", "report")
     assert prov["seeds"]["train"] == [0, 1, 2]
     assert prov["data_checksums"]["stage outputs (dvc.lock)"] == {"data/tokens": "md5:abc.dir"}
-    assert prov["data_checksums"]["dvc.lock"].startswith("sha256:")
     assert {"python", "torch", "duckdb", "dvc"} <= set(prov["packages"])
     assert prov["hardware"]["logical_cores"] >= 1
     # Outputs a run rewrites are not its inputs: a clean tree stays clean while its own run writes them.
@@ -626,6 +625,39 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is False
     (tmp_path / "params.yaml").write_text("train: {steps: 3}\n")  # an input, even before git tracks it
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is True
+
+
+def test_provenance_has_the_checksums_of_the_files_as_read_not_of_a_previous_report(tmp_path: Path) -> None:
+    """dvc.lock, when the report stage runs, still records the previous report's outputs and the tables as the
+    last `dvc repro` left them: the provenance states the current files' sha256 instead, and none of those."""
+    import hashlib
+
+    tables = tmp_path / "reports" / "tables"
+    (tables / "_manifests").mkdir(parents=True)
+    (tables / "runs.parquet").write_bytes(b"the tables as they are now")
+    (tables / "_manifests" / "tables-1.json").write_text("{}")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "tuning.json").write_text("{}")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
+        "prepare": {"outs": [{"path": "data/tokens", "md5": "abc.dir"}]},
+        "aggregate": {"outs": [{"path": "reports/tables", "md5": "stale.dir"}]},
+        "report": {"outs": [{"path": "reports/report.md", "md5": "previous"}]}}}))  # fmt: skip
+
+    def sha256(path: Path) -> str:
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+    checksums = collect_provenance(Layout(tmp_path), Params())["data_checksums"]
+    assert checksums["report inputs (as read)"] == {
+        "reports/tables/_manifests/tables-1.json": sha256(tables / "_manifests" / "tables-1.json"),
+        "reports/tables/runs.parquet": sha256(tables / "runs.parquet"),
+        "docs/tuning.json": sha256(tmp_path / "docs" / "tuning.json"),
+    }
+    assert checksums["stage outputs (dvc.lock)"] == {"data/tokens": "md5:abc.dir"}  # nothing under reports/
+    assert "dvc.lock" not in checksums
+    (tables / "runs.parquet").write_bytes(b"tables aggregated again")
+    again = collect_provenance(Layout(tmp_path), Params())["data_checksums"]["report inputs (as read)"]
+    assert again["reports/tables/runs.parquet"] == sha256(tables / "runs.parquet") != checksums[
+        "report inputs (as read)"]["reports/tables/runs.parquet"]  # fmt: skip
 
 
 def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:
