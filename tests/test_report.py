@@ -462,7 +462,11 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     spread = "`equi_spreads_rows` (gpt2): **not measured**: equi_ratio − random unit rows' 0.05 [n/a, n/a] over 1 seeds"
     assert spread in text
     # kept: layer 0 keeps 4 of its 5 anchors (one has a non-finite rel_err)
-    assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 80% | 2 pool tokens, 1 anchors |" in section(text, "### Models")
+    models = section(text, "### Models")
+    assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 80% | 2 pool tokens, 1 anchors |\n" in models
+    # How well each class fits, a row per class and a column per subject (not 2 columns per class beside the above)
+    assert "| class: rel_err · cos ≥ bound | gpt2@final | gpt2@init | org/tiny-mamba |" in models
+    assert "| `lowrank` | 0.4 · 0.93 ≥ 0.89 | 0.4 · 0.43 ≥ 0.89 | 0.4 · 0.93 ≥ 0.89 |" in models
 
 
 def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:

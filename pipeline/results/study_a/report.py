@@ -319,37 +319,49 @@ def _local(fn: str) -> bool:
 
 
 def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
-    """One row per distinct model (each distinct initialisation once): how well posed its fits are, what
-    was excluded as non-finite, and per class rel_err with `cos_full_tok` beside the bound √(1 − rel_err²)
-    that rel_err alone implies."""
+    """One row per distinct model (each distinct initialisation once): how well posed its fits are and what
+    was excluded as non-finite; then how well each class fits (`_fits_table`)."""
     real = [g for g in geometry if g["sample"] == "real"]
-    fns = list(dict.fromkeys(p["fn"] for p in pooled))
-    at = {(p["model"], p["fn"]): p for p in pooled}
     rows = []
     for model in sorted({p["model"] for p in pooled}):
         layers = [g for g in real if g["model"] == model]
-        classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
+        classes = [p for p in pooled if p["model"] == model]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
-        row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               f"{min(g['n_value_kept'] / g['n'] for g in layers if _local(g['fn'])):.0%}",
-               (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
-                f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
-        for fn in fns:
-            p = at.get((model, fn))
-            bound = median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
-            fit = f"{num(p['layer_median_rel_err'], 2)} · {num(p['layer_median_cos_full_tok'], 2)}" if p else None
-            row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
-        rows.append(row)
+        rows.append([f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
+                     f"{min(g['n_value_kept'] / g['n'] for g in layers if _local(g['fn'])):.0%}",
+                     (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
+                      f"{max(c['n_nonfinite_values'] for c in classes)} anchors")])  # fmt: skip
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
             "in a layer's pool (SPEC asks ≥ 10·k); *kept*: smallest share of anchors in a (layer, local class) whose "
             "value at the anchor is identified (the others are left out; per layer below); *excluded non-finite*: "
-            "pool tokens and anchors left out of every statistic. Per class: median over layers of rel_err · "
-            "cos_full_tok ≥ √(1 − rel_err²), both over the same anchors; "
-            "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
-            "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
-    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"] + [
-        f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
-    return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
+            "pool tokens and anchors left out of every statistic.\n")  # fmt: skip
+    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"]
+    return ("### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real) + "\n"
+            + _fits_table(pooled, real))  # fmt: skip
+
+
+def _fits_table(pooled: list[Row], real: list[Row]) -> str:
+    """Per class (rows) and subject (columns, a table that fits a screen): rel_err and cos_full_tok beside the
+    bound √(1 − rel_err²) that rel_err alone implies, each the median over the subject's models of its median
+    over layers; per model and layer it is a query."""
+    fns = list(dict.fromkeys(p["fn"] for p in pooled))
+    subjects = sorted({subject_of(p["model"]) for p in pooled})
+    rows = []
+    for fn in fns:
+        row = [f"`{fn}`"]
+        for subject in subjects:
+            fits = [p for p in pooled if p["fn"] == fn and subject_of(p["model"]) == subject]
+            bound = median([g["median_cos_bound"] for g in real if g["fn"] == fn and subject_of(g["model"]) == subject])
+            rel_err = median([p["layer_median_rel_err"] for p in fits])
+            cos = median([p["layer_median_cos_full_tok"] for p in fits])
+            row.append(f"{num(rel_err, 2)} · {num(cos, 2)} ≥ {num(bound, 2)}" if fits else "–")
+        rows.append(row)
+    note = ("Per class: rel_err · cos_full_tok ≥ √(1 − rel_err²), each the median over layers (both over the same "
+            "anchors), then over the subject's models; the bound follows from rel_err alone, so cos_full_tok near 1 "
+            "is no evidence beyond a small residual. Per model and layer: `lmgeo query \"SELECT model, layer, fn, "
+            "median_rel_err, median_cos_full_tok, median_cos_bound FROM geometry WHERE sample = 'real'\"`.\n"
+            )  # fmt: skip
+    return markdown_table(["class: rel_err · cos ≥ bound", *subjects], rows) + "\n" + note
 
 
 def _kept_table(geometry: list[Row]) -> str:
