@@ -469,6 +469,19 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "| `lowrank` | 0.4 · 0.93 ≥ 0.89 | 0.4 · 0.43 ≥ 0.89 | 0.4 · 0.93 ≥ 0.89 |" in models
 
 
+def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -> None:
+    """Planted per-layer medians of two seeds: the cell is the median over seeds of each seed's median over layers,
+    for the bound as for cos (so that cos ≥ bound, true per layer, holds in the cell)."""
+    bounds = {"gpt2-muon-s0@final": [0.5, 0.6, 0.9], "gpt2-muon-s1@final": [0.7, 0.8, 0.95]}
+    real = [{"model": m, "fn": "lowrank", "layer": i, "median_cos_bound": b}
+            for m, bs in bounds.items() for i, b in enumerate(bs)]  # fmt: skip
+    pooled = [{"model": m, "fn": "lowrank", "layer_median_rel_err": r, "layer_median_cos_full_tok": c}
+              for m, r, c in (("gpt2-muon-s0@final", 0.3, 0.62), ("gpt2-muon-s1@final", 0.5, 0.84))]  # fmt: skip
+    bound = np.median([np.median(bs) for bs in bounds.values()])  # 0.7, not 0.75 (the median over all six layers)
+    table = study_a_report._fits_table(pooled, real)
+    assert f"| `lowrank` | 0.4 · 0.73 ≥ {bound:.2g} |" in table and bound == 0.7
+
+
 def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda d: None)
     assert "Study B was not run" in text and "Study A was not run" in text

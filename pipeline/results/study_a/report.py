@@ -351,7 +351,9 @@ def _fits_table(pooled: list[Row], real: list[Row]) -> str:
         row = [f"`{fn}`"]
         for subject in subjects:
             fits = [p for p in pooled if p["fn"] == fn and subject_of(p["model"]) == subject]
-            bound = median([g["median_cos_bound"] for g in real if g["fn"] == fn and subject_of(g["model"]) == subject])
+            # Aggregated as cos is (over layers, then models), so that cos ≥ bound, true per layer, holds here too.
+            bound = median([median([g["median_cos_bound"] for g in real if g["fn"] == fn and g["model"] == p["model"]])
+                            for p in fits])  # fmt: skip
             rel_err = median([p["layer_median_rel_err"] for p in fits])
             cos = median([p["layer_median_cos_full_tok"] for p in fits])
             row.append(f"{num(rel_err, 2)} · {num(cos, 2)} ≥ {num(bound, 2)}" if fits else "–")
