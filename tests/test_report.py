@@ -31,7 +31,8 @@ from test_aggregate import (
 
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
-from pipeline.results.common import axis_labels
+from pipeline.results.common import NARROW, axis_labels, markdown_table
+from pipeline.results.html import to_html
 from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
 from pipeline.results.study_a import figures as fig_a
 from pipeline.results.study_a import report as study_a_report
@@ -358,22 +359,30 @@ SCREEN_HEIGHT = 900  # one screen of a laptop
 PHONE, LAPTOP = 390, 1400  # CSS pixels
 CHROMIUM = next(filter(None, (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))), None)
 # Written into a copy of the page once it has loaded: each image's decoded and rendered width, the first
-# figure's top, the page's and the viewport's width, and any error raised.
+# figure's top, the page's and the viewport's width, the tables that scroll sideways (their index), and any error
+# raised. Headless Chromium lays a window out at least 485 px wide: narrower, the page is laid out at WIDTH (its
+# width then: WIDTH and however far the body's content overflows it).
 PROBE = """<script>
 window.__errors = [];
 window.addEventListener("error", e => window.__errors.push(String(e.message || (e.target && e.target.src))), true);
 window.addEventListener("load", () => {
+  if (document.documentElement.clientWidth > WIDTH) document.documentElement.style.width = WIDTH + "px";
   const images = [...document.images];
   const out = document.createElement("pre");
   out.id = "probe";
   out.textContent = JSON.stringify({
     widths: images.map(i => i.naturalWidth), rendered: images.map(i => i.getBoundingClientRect().width),
     first_figure_top: images.length ? images[0].getBoundingClientRect().top + window.scrollY : null,
-    viewport: document.documentElement.clientWidth, page: document.documentElement.scrollWidth,
+    viewport: Math.min(WIDTH, document.documentElement.clientWidth),
+    page: Math.min(WIDTH, document.documentElement.clientWidth) + document.body.scrollWidth - document.body.clientWidth,
+    scrolling_tables: [...document.querySelectorAll("table")]
+      .flatMap((t, i) => t.scrollWidth > t.clientWidth ? [i] : []),
     errors: window.__errors});
   document.body.appendChild(out);
 });
 </script>"""
+# The smallest text of a figure, as a browser draws it (CSS pixels): at 390 px, ~6 px is unreadable (issue 40).
+MIN_TEXT_PX = 9
 
 
 def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
@@ -387,7 +396,7 @@ def browse(page: Path, width: int = 1400) -> tuple[list[str], dict]:
     size = f"--window-size={width},{SCREEN_HEIGHT}"
     console = [line for line in chromium(page, "--dump-dom", size).stderr.splitlines() if ":CONSOLE" in line]
     probed = page.with_name(f"{page.stem}.probe.html")
-    probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE, 1))
+    probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE.replace("WIDTH", str(width)), 1))
     dom = chromium(probed, "--dump-dom", size).stdout
     found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.DOTALL)
     assert found, "the page never finished loading"
@@ -417,6 +426,14 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
     assert len(probe["widths"]) == len(rendered.figures) and all(w > 0 for w in probe["widths"]), probe
     # Nothing wider than the screen: every figure fits it, and the page does not scroll sideways.
     assert max(probe["rendered"]) <= probe["viewport"] and probe["page"] <= probe["viewport"], probe
+    # Each figure's smallest text legible as drawn: its size in the image, scaled as the browser scales the image
+    # (the images come in the order the report saved them: their decoded widths say which variant is shown).
+    shown = {name: NARROW if width == PHONE and name in rendered.narrow else "" for name in rendered.figures}
+    variants = {name: out.parent / "figures" / f"{name}{variant}.png" for name, variant in shown.items()}
+    assert probe["widths"] == [mpimg.imread(path).shape[1] for path in variants.values()], probe
+    drawn = {name: rendered.text_px[name] * shown / natural
+             for name, shown, natural in zip(variants, probe["rendered"], probe["widths"], strict=True)}  # fmt: skip
+    assert min(drawn.values()) >= MIN_TEXT_PX, drawn
     shot = tmp_path / f"report-{width}.png"
     chromium(page, f"--screenshot={shot}", f"--window-size={width},{3 * SCREEN_HEIGHT}", "--hide-scrollbars")
     assert mpimg.imread(shot).shape[:2] == (3 * SCREEN_HEIGHT, width)
@@ -425,13 +442,17 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
         return
     # The summary's first figure (Study A's heat map) is on the first screen: the answer needs no scrolling.
     assert probe["first_figure_top"] < SCREEN_HEIGHT, probe
+    # Every table fits a laptop's screen: none scrolls sideways.
+    assert probe["scrolling_tables"] == [], probe
 
-    # The same checks catch a broken page: a console error and an image that does not decode.
+    # The same checks catch a broken page: a console error, an image that does not decode, a table too wide.
     broken = tmp_path / "broken.html"
-    broken.write_text('<!DOCTYPE html><html><head><meta charset="utf-8"></head><body><img src="missing.png">'
-                      '<script>console.error("broken")</script></body></html>')  # fmt: skip
+    wide_table = markdown_table([f"column {i}" for i in range(18)], [["0.43 · 0.91 ≥ 0.9"] * 18])
+    broken.write_text(to_html(wide_table, tmp_path, "broken").replace(
+        "<body>", '<body><img src="missing.png"><script>console.error("broken")</script>'))  # fmt: skip
     console, probe = browse(broken)
     assert len(console) == 1 and "broken" in console[0] and probe["widths"] == [0]
+    assert probe["scrolling_tables"] == [0], probe
 
 
 # ------------------------------------------------------------------------------ a hand-made study

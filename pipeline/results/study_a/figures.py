@@ -26,7 +26,7 @@ from pipeline.results.study_a.claims import (
 # ------------------------------------------------------------------------------------------ Study A
 # A cell's reading (a claim at one layer, over the fit classes): each its own colour, on a diverging scale from
 # contradicted to supported; where the classes disagree, pale, leaning the way their mean verdict score leans.
-LEANING_AGAINST, LEANING_SUPPORTED = "classes disagree, leaning not supported", "classes disagree, leaning supported"
+LEANING_AGAINST, LEANING_SUPPORTED = "mixed, leaning not supported", "mixed, leaning supported"
 CELL_COLORS = {
     CONTRADICTED: "#7b241c",
     NOT_SUPPORTED: "#e67e22",
@@ -54,7 +54,7 @@ def claims_by_layer(tests: Sequence[Row], ill_posed: Collection[tuple[str, int]]
     checkpoints = [c for c in ("final", "init") if any(s.endswith(f"@{c}") for s in subjects)] or [""]
     layers = sorted({t["layer"] for t in per_layer} | {layer for s, layer in ill_posed if s in subjects})
     claims = [c for c in CLAIMS if any(t["claim"] == c.name for t in per_layer)]
-    fig, axes = panel_grid(len(bases), len(checkpoints), width=0.5 * len(layers) + 3.0, height=0.3 * len(claims) + 1.2)
+    fig, axes = panel_grid(len(bases), len(checkpoints), width=0.4 * len(layers) + 2.6, height=0.3 * len(claims) + 1.2)
     colors = ListedColormap(list(CELL_COLORS.values()))
     for row, base in zip(axes, bases, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
@@ -79,7 +79,7 @@ def claims_by_layer(tests: Sequence[Row], ill_posed: Collection[tuple[str, int]]
             ax.set_ylabel("claim" if ax is row[0] else "")
     figure_legend(fig, {**{reading: Patch(facecolor=color) for reading, color in CELL_COLORS.items()},
                         ILL_POSED: Patch(facecolor="white", edgecolor="gray", hatch=ILL_POSED_HATCH),
-                        NOT_TESTED: Patch(facecolor="white", edgecolor="gray")})  # fmt: skip
+                        NOT_TESTED: Patch(facecolor="white", edgecolor="gray")}, columns=2)  # fmt: skip
     return fig
 
 
