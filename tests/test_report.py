@@ -471,9 +471,11 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
         "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)."
     ) in summary
     assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
+    # Each with its effect: hilbert's paired Δ as in the table; one seed: adamw 3.45 − 3.05, hilbert_equi 2.60 − 3.05
     assert rendered.findings == (
-        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 3 head recipes reach a lower test loss than "
-        "`muon`, none a higher one, and 2 (`adamw`, `hilbert_equi`) cannot be told apart from it with these seeds.")
+        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head recipes reach a "
+        "lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) cannot be told "
+        "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI).")
     protocol = section(text, "### Protocol")
     assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol
     assert "the matched-budget sweep at the end" in protocol
