@@ -610,24 +610,32 @@ def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the
 def test_study_a_finding_counts_the_papers_claims_on_every_some_and_no_architecture() -> None:
     planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
                CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
-    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
+    # The deciding test's effect over the null, planted by verdict (a supported one clears the margin).
+    effects = {SUPPORTED: {"effect": 6.0, "ci_low": 5.5, "ci_high": 6.5}}
+    other = {"effect": 0.01, "ci_low": -0.05, "ci_high": 0.07}
+    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, effects.get(verdict, other), {})
               for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
               for checkpoint in ("final", "init")]  # fmt: skip
+    # Each claim that holds somewhere with its effect on every architecture, beside its margin.
+    effect = (" Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
+              f"“{CLAIMS[0].label}” a 6 [5.5, 6.5], b 6 [5.5, 6.5] (margin {CLAIMS[0].margin:g}); "
+              f"“{CLAIMS[1].label}” a 6 [5.5, 6.5], b 0.01 [-0.05, 0.07] (margin {CLAIMS[1].margin:g}).")  # fmt: skip
     assert study_a_report.finding(claims) == (
         f"Study A, on the small models trained here (a, b), the paper's 3 claims: 1 (“{CLAIMS[0].label}”) "
-        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.")  # fmt: skip
+        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.{effect}")  # fmt: skip
     # A claim that one fit class supports on one architecture is still supported on none, and counted apart.
     partly = [ClaimSummary(f"{arch}@final", CLAIMS[3].name, {"lowrank": SUPPORTED if arch == "a" else INCONCLUSIVE,
                                                               "similarity": INCONCLUSIVE}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + partly) == (
         f"Study A, on the small models trained here (a, b), the paper's 4 claims: 1 (“{CLAIMS[0].label}”) "
         f"supported on every architecture, 1 on some, 2 (“{CLAIMS[2].label}”, “{CLAIMS[3].label}”) on none, 1 of "
-        "them by some of the fit classes.")  # fmt: skip
+        f"them by some of the fit classes.{effect}")  # fmt: skip
     # The project's own checks are named apart, outside the paper's count.
     own = next(c for c in CLAIMS if c.source == "project")
     extra = [ClaimSummary(f"{arch}@final", own.name, {"lowrank": SUPPORTED}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + extra).endswith(
-        f"on none. The project's own checks, not the paper's claims: “{own.label}” supported on every architecture.")
+        f"on none.{effect} The project's own checks, not the paper's claims: “{own.label}” supported on every "
+        "architecture.")
     assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
 
 

@@ -81,7 +81,8 @@ def _verdict_in_words(c: ClaimSummary) -> str:
 
 def finding(claims: list[ClaimSummary]) -> str | None:
     """Study A in one sentence: how many of the paper's claims hold on every trained architecture, on some, on
-    none; then the project's own checks, named as such (README's findings)."""
+    none; the effect over the null of each claim that holds somewhere; then the project's own checks, named as
+    such (README's findings)."""
     trained = [c for c in claims if c.subject.endswith("@final")]
     if not trained:
         return None
@@ -103,7 +104,25 @@ def finding(claims: list[ClaimSummary]) -> str | None:
     own = f" The project's own checks, not the paper's claims: {checks}." if checks else ""
     return (f"Study A, on the small models trained here ({', '.join(subjects)}), the paper's {len(supported)} claims: "
             f"{named(every)} supported on every architecture, {some} on some, "
-            f"{named([CLAIMS_BY_NAME[n].label for n in none])} on none{by_some_classes}.{own}")  # fmt: skip
+            f"{named([CLAIMS_BY_NAME[n].label for n in none])} on none{by_some_classes}."
+            f"{_effects(trained, [n for n, k in supported.items() if k])}{own}")  # fmt: skip
+
+
+def _effects(trained: list[ClaimSummary], names: list[str]) -> str:
+    """The effect over the null of each of `names` per architecture: its deciding test (the weakest class's)."""
+    if not names:
+        return ""
+    parts = []
+    for name in names:
+        per_arch = ", ".join(f"{c.subject.removesuffix('@final')} {_effect(c.weakest)}"
+                             for c in trained if c.claim == name)  # fmt: skip
+        parts.append(f"“{CLAIMS_BY_NAME[name].label}” {per_arch} (margin {num(CLAIMS_BY_NAME[name].margin, 2)})")
+    return (" Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
+            f"{'; '.join(parts)}.")
+
+
+def _effect(test: Row) -> str:
+    return interval(test["effect"], test["ci_low"], test["ci_high"], 2)
 
 
 def _across(summaries: list[ClaimSummary], claim: str, subjects: list[str]) -> str:
@@ -154,7 +173,7 @@ def _claim_cell(c: ClaimSummary | None, layers: int, diagnostic: ClaimSummary | 
     if c is None:
         return "not measured"
     t = c.weakest
-    effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
+    effect = _effect(t)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
     units = f"one model, {t['n_units']} anchor blocks" if t.get("unit") == ANCHOR_GROUP else f"{t['n_models']} seeds"
