@@ -11,8 +11,9 @@ from typing import Any
 from pipeline.params import Params
 from stages.layout import Layout
 
-# Small files whose content identifies the inputs; dvc.lock also carries the hash of every stage output.
-CHECKSUMMED = ("params.yaml", "dvc.lock", "data/tokens/meta.json")
+# Small files whose content identifies the inputs (dvc.lock's own checksum would be the one of the lock before
+# this report: its report stage still records the previous report's outputs).
+CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
 # The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
 TUNING_RECORD = "docs/tuning.json"
 # Study A's claims at other neighbourhood sizes (`presets/locality.yaml` says how it is made); the report cites it.
@@ -35,9 +36,14 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
 
     lock = layout.root / "dvc.lock"
     checksums: dict[str, Any] = provenance.checksums(layout.root, CHECKSUMMED)
+    if read := provenance.checksums(layout.root, report_inputs(layout)):
+        checksums["report inputs (as read)"] = read
+    # The lock's hashes of what is under reports/ are those of a previous run (this report's own outputs, and the
+    # tables as the last `dvc repro` left them): the files as read stand for them.
+    reports = layout.reports.relative_to(layout.root).as_posix() + "/"
     outputs = provenance.locked_outputs(lock.read_text()) if lock.is_file() else {}
-    if outputs:
-        checksums["stage outputs (dvc.lock)"] = outputs
+    if upstream := {path: md5 for path, md5 in outputs.items() if not path.startswith(reports)}:
+        checksums["stage outputs (dvc.lock)"] = upstream
     from stages.deps import result_inputs
 
     return {
@@ -52,6 +58,15 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
         "hardware": provenance.machine(),
         "data_checksums": checksums,
     }
+
+
+def report_inputs(layout: Layout) -> list[str]:
+    """Workspace-relative paths of the files the report is built from, as they are now: the result tables (with
+    their manifest) and the committed records it cites."""
+    found = [path for path in sorted(layout.tables.rglob("*")) if path.is_file()]
+    found += [layout.root / TUNING_RECORD, layout.root / LOCALITY_SWEEP]
+    found += sorted(path for path in (layout.root / SWEEP_RECORD).glob("*") if path.is_file() and path.suffix != ".md")
+    return [path.relative_to(layout.root).as_posix() for path in found]
 
 
 def median_step_times(layout: Layout) -> dict[str, float]:

@@ -31,7 +31,8 @@ from test_aggregate import (
 
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
-from pipeline.results.common import axis_labels
+from pipeline.results.common import NARROW, axis_labels, markdown_table
+from pipeline.results.html import to_html
 from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
 from pipeline.results.study_a import figures as fig_a
 from pipeline.results.study_a import report as study_a_report
@@ -286,6 +287,43 @@ def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_
         ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
 
 
+def test_the_claims_heat_map_colours_each_reading_its_own_and_hatches_layers_not_well_posed() -> None:
+    """Planted cells, read back from the drawn image (each cell's colour through the map's colormap), the hatched
+    patches and the legend: contradicted is not drawn like not supported, a layer that is not well posed is hatched
+    white (no evidence colour), an untested cell is blank, and every one of these has its legend entry."""
+    from matplotlib.colors import to_rgba
+
+    def row(layer: int, claim: str, fn: str, verdict: str) -> dict:
+        return {"scope": "layer", "subject": "neox@final", "layer": layer, "claim": claim, "fn": fn,
+                "null": "shuffled", "verdict": verdict}  # fmt: skip
+
+    angle, spearman = "angle_res_tok_near_90", "spearman_rel_err_kl"
+    tests = [row(1, angle, fn, CONTRADICTED) for fn in ("lowrank", "mlp")]
+    tests += [row(1, spearman, fn, NOT_SUPPORTED) for fn in ("lowrank", "mlp")]
+    tests += [row(2, angle, "lowrank", SUPPORTED), row(2, angle, "mlp", NOT_SUPPORTED)]  # mean +¼: leaning for
+    figure = fig_a.claims_by_layer(tests, ill_posed={("neox@final", 0), ("other@final", 5)})
+    ax = figure.axes[0]
+    image = ax.images[0]
+    drawn = image.cmap(image.norm(image.get_array()))  # (claims, layers, RGBA), the masked cells fully transparent
+    claims = [label.get_text() for label in ax.get_yticklabels()]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["0", "1", "2"]  # the hatched layer has its column
+    at = {claim: claims.index(study_a_report.CLAIMS_BY_NAME[claim].label) for claim in (angle, spearman)}
+    assert tuple(drawn[at[angle], 1]) == to_rgba(fig_a.CELL_COLORS[CONTRADICTED])
+    assert tuple(drawn[at[spearman], 1]) == to_rgba(fig_a.CELL_COLORS[NOT_SUPPORTED])
+    assert fig_a.CELL_COLORS[CONTRADICTED] != fig_a.CELL_COLORS[NOT_SUPPORTED]
+    assert tuple(drawn[at[angle], 2]) == to_rgba(fig_a.CELL_COLORS[fig_a.LEANING_SUPPORTED])
+    assert image.get_array().mask[at[spearman], 2] and image.get_array().mask[:, 0].all()  # blank: not tested
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert [(p.get_x(), p.get_width(), p.get_facecolor()) for p in hatched] == [(-0.5, 1, to_rgba("white"))]
+    legend = figure.legends[0]
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == [*fig_a.CELL_COLORS, fig_a.ILL_POSED, fig_a.NOT_TESTED]
+    faces = [tuple(h.get_facecolor()) for h in legend.legend_handles]
+    assert faces[: len(fig_a.CELL_COLORS)] == [to_rgba(c) for c in fig_a.CELL_COLORS.values()]
+    assert len(set(faces[: len(fig_a.CELL_COLORS)])) == len(fig_a.CELL_COLORS)  # one colour per reading
+    assert [h.get_hatch() for h in legend.legend_handles[-2:]] == [fig_a.ILL_POSED_HATCH, None]
+
+
 def test_axis_labels_catch_a_label_cut_off_at_the_edge() -> None:
     from matplotlib.figure import Figure
 
@@ -321,22 +359,30 @@ SCREEN_HEIGHT = 900  # one screen of a laptop
 PHONE, LAPTOP = 390, 1400  # CSS pixels
 CHROMIUM = next(filter(None, (shutil.which(b) for b in ("chromium", "chromium-browser", "google-chrome"))), None)
 # Written into a copy of the page once it has loaded: each image's decoded and rendered width, the first
-# figure's top, the page's and the viewport's width, and any error raised.
+# figure's top, the page's and the viewport's width, the tables that scroll sideways (their index), and any error
+# raised. Headless Chromium lays a window out at least 485 px wide: narrower, the page is laid out at WIDTH (its
+# width then: WIDTH and however far the body's content overflows it).
 PROBE = """<script>
 window.__errors = [];
 window.addEventListener("error", e => window.__errors.push(String(e.message || (e.target && e.target.src))), true);
 window.addEventListener("load", () => {
+  if (document.documentElement.clientWidth > WIDTH) document.documentElement.style.width = WIDTH + "px";
   const images = [...document.images];
   const out = document.createElement("pre");
   out.id = "probe";
   out.textContent = JSON.stringify({
     widths: images.map(i => i.naturalWidth), rendered: images.map(i => i.getBoundingClientRect().width),
     first_figure_top: images.length ? images[0].getBoundingClientRect().top + window.scrollY : null,
-    viewport: document.documentElement.clientWidth, page: document.documentElement.scrollWidth,
+    viewport: Math.min(WIDTH, document.documentElement.clientWidth),
+    page: Math.min(WIDTH, document.documentElement.clientWidth) + document.body.scrollWidth - document.body.clientWidth,
+    scrolling_tables: [...document.querySelectorAll("table")]
+      .flatMap((t, i) => t.scrollWidth > t.clientWidth ? [i] : []),
     errors: window.__errors});
   document.body.appendChild(out);
 });
 </script>"""
+# The smallest text of a figure, as a browser draws it (CSS pixels): at 390 px, ~6 px is unreadable (issue 40).
+MIN_TEXT_PX = 9
 
 
 def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
@@ -350,7 +396,7 @@ def browse(page: Path, width: int = 1400) -> tuple[list[str], dict]:
     size = f"--window-size={width},{SCREEN_HEIGHT}"
     console = [line for line in chromium(page, "--dump-dom", size).stderr.splitlines() if ":CONSOLE" in line]
     probed = page.with_name(f"{page.stem}.probe.html")
-    probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE, 1))
+    probed.write_text(page.read_text().replace("<head>", "<head>\n" + PROBE.replace("WIDTH", str(width)), 1))
     dom = chromium(probed, "--dump-dom", size).stdout
     found = re.search(r'<pre id="probe">(.*?)</pre>', dom, re.DOTALL)
     assert found, "the page never finished loading"
@@ -380,6 +426,14 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
     assert len(probe["widths"]) == len(rendered.figures) and all(w > 0 for w in probe["widths"]), probe
     # Nothing wider than the screen: every figure fits it, and the page does not scroll sideways.
     assert max(probe["rendered"]) <= probe["viewport"] and probe["page"] <= probe["viewport"], probe
+    # Each figure's smallest text legible as drawn: its size in the image, scaled as the browser scales the image
+    # (the images come in the order the report saved them: their decoded widths say which variant is shown).
+    shown = {name: NARROW if width == PHONE and name in rendered.narrow else "" for name in rendered.figures}
+    variants = {name: out.parent / "figures" / f"{name}{variant}.png" for name, variant in shown.items()}
+    assert probe["widths"] == [mpimg.imread(path).shape[1] for path in variants.values()], probe
+    drawn = {name: rendered.text_px[name] * shown / natural
+             for name, shown, natural in zip(variants, probe["rendered"], probe["widths"], strict=True)}  # fmt: skip
+    assert min(drawn.values()) >= MIN_TEXT_PX, drawn
     shot = tmp_path / f"report-{width}.png"
     chromium(page, f"--screenshot={shot}", f"--window-size={width},{3 * SCREEN_HEIGHT}", "--hide-scrollbars")
     assert mpimg.imread(shot).shape[:2] == (3 * SCREEN_HEIGHT, width)
@@ -388,13 +442,17 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
         return
     # The summary's first figure (Study A's heat map) is on the first screen: the answer needs no scrolling.
     assert probe["first_figure_top"] < SCREEN_HEIGHT, probe
+    # Every table fits a laptop's screen: none scrolls sideways.
+    assert probe["scrolling_tables"] == [], probe
 
-    # The same checks catch a broken page: a console error and an image that does not decode.
+    # The same checks catch a broken page: a console error, an image that does not decode, a table too wide.
     broken = tmp_path / "broken.html"
-    broken.write_text('<!DOCTYPE html><html><head><meta charset="utf-8"></head><body><img src="missing.png">'
-                      '<script>console.error("broken")</script></body></html>')  # fmt: skip
+    wide_table = markdown_table([f"column {i}" for i in range(18)], [["0.43 · 0.91 ≥ 0.9"] * 18])
+    broken.write_text(to_html(wide_table, tmp_path, "broken").replace(
+        "<body>", '<body><img src="missing.png"><script>console.error("broken")</script>'))  # fmt: skip
     console, probe = browse(broken)
     assert len(console) == 1 and "broken" in console[0] and probe["widths"] == [0]
+    assert probe["scrolling_tables"] == [0], probe
 
 
 # ------------------------------------------------------------------------------ a hand-made study
@@ -413,9 +471,11 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
         "- Not compared (no `muon` run on the same seeds, or every run diverged): `sign` (gpt2), `rownorm` (gpt2)."
     ) in summary
     assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
+    # Each with its effect: hilbert's paired Δ as in the table; one seed: adamw 3.45 − 3.05, hilbert_equi 2.60 − 3.05
     assert rendered.findings == (
-        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert`) of 3 head recipes reach a lower test loss than "
-        "`muon`, none a higher one, and 2 (`adamw`, `hilbert_equi`) cannot be told apart from it with these seeds.")
+        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head recipes reach a "
+        "lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) cannot be told "
+        "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI).")
     protocol = section(text, "### Protocol")
     assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol
     assert "the matched-budget sweep at the end" in protocol
@@ -425,7 +485,24 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     spread = "`equi_spreads_rows` (gpt2): **not measured**: equi_ratio − random unit rows' 0.05 [n/a, n/a] over 1 seeds"
     assert spread in text
     # kept: layer 0 keeps 4 of its 5 anchors (one has a non-finite rel_err)
-    assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 80% | 2 pool tokens, 1 anchors |" in section(text, "### Models")
+    models = section(text, "### Models")
+    assert "| `gpt2-muon-s0@final` | 2 | – | 4 | 80% | 2 pool tokens, 1 anchors |\n" in models
+    # How well each class fits, a row per class and a column per subject (not 2 columns per class beside the above)
+    assert "| class: rel_err · cos ≥ bound | gpt2@final | gpt2@init | org/tiny-mamba |" in models
+    assert "| `lowrank` | 0.4 · 0.93 ≥ 0.89 | 0.4 · 0.43 ≥ 0.89 | 0.4 · 0.93 ≥ 0.89 |" in models
+
+
+def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -> None:
+    """Planted per-layer medians of two seeds: the cell is the median over seeds of each seed's median over layers,
+    for the bound as for cos (so that cos ≥ bound, true per layer, holds in the cell)."""
+    bounds = {"gpt2-muon-s0@final": [0.5, 0.6, 0.9], "gpt2-muon-s1@final": [0.7, 0.8, 0.95]}
+    real = [{"model": m, "fn": "lowrank", "layer": i, "median_cos_bound": b}
+            for m, bs in bounds.items() for i, b in enumerate(bs)]  # fmt: skip
+    pooled = [{"model": m, "fn": "lowrank", "layer_median_rel_err": r, "layer_median_cos_full_tok": c}
+              for m, r, c in (("gpt2-muon-s0@final", 0.3, 0.62), ("gpt2-muon-s1@final", 0.5, 0.84))]  # fmt: skip
+    bound = np.median([np.median(bs) for bs in bounds.values()])  # 0.7, not 0.75 (the median over all six layers)
+    table = study_a_report._fits_table(pooled, real)
+    assert f"| `lowrank` | 0.4 · 0.73 ≥ {bound:.2g} |" in table and bound == 0.7
 
 
 def test_report_without_any_data_says_what_was_not_run(tmp_path: Path) -> None:
@@ -533,24 +610,32 @@ def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the
 def test_study_a_finding_counts_the_papers_claims_on_every_some_and_no_architecture() -> None:
     planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
                CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
-    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
+    # The deciding test's effect over the null, planted by verdict (a supported one clears the margin).
+    effects = {SUPPORTED: {"effect": 6.0, "ci_low": 5.5, "ci_high": 6.5}}
+    other = {"effect": 0.01, "ci_low": -0.05, "ci_high": 0.07}
+    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, effects.get(verdict, other), {})
               for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
               for checkpoint in ("final", "init")]  # fmt: skip
+    # Each claim that holds somewhere with its effect on every architecture, beside its margin.
+    effect = (" Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
+              f"“{CLAIMS[0].label}” a 6 [5.5, 6.5], b 6 [5.5, 6.5] (margin {CLAIMS[0].margin:g}); "
+              f"“{CLAIMS[1].label}” a 6 [5.5, 6.5], b 0.01 [-0.05, 0.07] (margin {CLAIMS[1].margin:g}).")  # fmt: skip
     assert study_a_report.finding(claims) == (
         f"Study A, on the small models trained here (a, b), the paper's 3 claims: 1 (“{CLAIMS[0].label}”) "
-        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.")  # fmt: skip
+        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.{effect}")  # fmt: skip
     # A claim that one fit class supports on one architecture is still supported on none, and counted apart.
     partly = [ClaimSummary(f"{arch}@final", CLAIMS[3].name, {"lowrank": SUPPORTED if arch == "a" else INCONCLUSIVE,
                                                               "similarity": INCONCLUSIVE}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + partly) == (
         f"Study A, on the small models trained here (a, b), the paper's 4 claims: 1 (“{CLAIMS[0].label}”) "
         f"supported on every architecture, 1 on some, 2 (“{CLAIMS[2].label}”, “{CLAIMS[3].label}”) on none, 1 of "
-        "them by some of the fit classes.")  # fmt: skip
+        f"them by some of the fit classes.{effect}")  # fmt: skip
     # The project's own checks are named apart, outside the paper's count.
     own = next(c for c in CLAIMS if c.source == "project")
     extra = [ClaimSummary(f"{arch}@final", own.name, {"lowrank": SUPPORTED}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + extra).endswith(
-        f"on none. The project's own checks, not the paper's claims: “{own.label}” supported on every architecture.")
+        f"on none.{effect} The project's own checks, not the paper's claims: “{own.label}” supported on every "
+        "architecture.")
     assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
 
 
@@ -581,7 +666,6 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert prov["params_hash"] == params.section_hash("prepare", "train", "analysis", "report")
     assert prov["seeds"]["train"] == [0, 1, 2]
     assert prov["data_checksums"]["stage outputs (dvc.lock)"] == {"data/tokens": "md5:abc.dir"}
-    assert prov["data_checksums"]["dvc.lock"].startswith("sha256:")
     assert {"python", "torch", "duckdb", "dvc"} <= set(prov["packages"])
     assert prov["hardware"]["logical_cores"] >= 1
     # Outputs a run rewrites are not its inputs: a clean tree stays clean while its own run writes them.
@@ -589,6 +673,39 @@ def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is False
     (tmp_path / "params.yaml").write_text("train: {steps: 3}\n")  # an input, even before git tracks it
     assert collect_provenance(Layout(tmp_path), params)["git"]["uncommitted_changes"] is True
+
+
+def test_provenance_has_the_checksums_of_the_files_as_read_not_of_a_previous_report(tmp_path: Path) -> None:
+    """dvc.lock, when the report stage runs, still records the previous report's outputs and the tables as the
+    last `dvc repro` left them: the provenance states the current files' sha256 instead, and none of those."""
+    import hashlib
+
+    tables = tmp_path / "reports" / "tables"
+    (tables / "_manifests").mkdir(parents=True)
+    (tables / "runs.parquet").write_bytes(b"the tables as they are now")
+    (tables / "_manifests" / "tables-1.json").write_text("{}")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "tuning.json").write_text("{}")
+    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
+        "prepare": {"outs": [{"path": "data/tokens", "md5": "abc.dir"}]},
+        "aggregate": {"outs": [{"path": "reports/tables", "md5": "stale.dir"}]},
+        "report": {"outs": [{"path": "reports/report.md", "md5": "previous"}]}}}))  # fmt: skip
+
+    def sha256(path: Path) -> str:
+        return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
+
+    checksums = collect_provenance(Layout(tmp_path), Params())["data_checksums"]
+    assert checksums["report inputs (as read)"] == {
+        "reports/tables/_manifests/tables-1.json": sha256(tables / "_manifests" / "tables-1.json"),
+        "reports/tables/runs.parquet": sha256(tables / "runs.parquet"),
+        "docs/tuning.json": sha256(tmp_path / "docs" / "tuning.json"),
+    }
+    assert checksums["stage outputs (dvc.lock)"] == {"data/tokens": "md5:abc.dir"}  # nothing under reports/
+    assert "dvc.lock" not in checksums
+    (tables / "runs.parquet").write_bytes(b"tables aggregated again")
+    again = collect_provenance(Layout(tmp_path), Params())["data_checksums"]["report inputs (as read)"]
+    assert again["reports/tables/runs.parquet"] == sha256(tables / "runs.parquet") != checksums[
+        "report inputs (as read)"]["reports/tables/runs.parquet"]  # fmt: skip
 
 
 def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:

@@ -385,7 +385,7 @@ def write_report(layout: Layout, study: Params, source: ModelSource, eval_note: 
         _setup(study, source, labels, eval_note),
         _against_random(claims, labels) if len(labels) > 1 else "",
         f"**One model.** {_sentence(one_model_caveat(len(labels) > 1))}\n",
-        study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
+        study_a.claims_summary(claims, tables["geometry"], tables["claim_tests"], figures,
                                tables["paper_values"]),
         study_a.section(tables, claims, figures),
     ])  # fmt: skip

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn (not in `aggregate`)
+    from matplotlib.artist import Artist
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from matplotlib.text import Text
@@ -116,18 +117,20 @@ LEGEND_ROW_INCHES = 0.25
 LEGEND_COLUMNS = 3  # entries per row: the legend fits one panel's width, so also a figure's one-column variant
 
 
-def figure_legend(fig: Figure) -> None:
+def figure_legend(fig: Figure, entries: dict[str, Artist] | None = None, columns: int = LEGEND_COLUMNS) -> None:
     """One legend for all panels, under them: inside a panel it covers curves, and the panels share their
-    lines (the same recipes or classes)."""
-    entries: dict[str, Any] = {}
-    for ax in fig.axes:
-        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
-            entries.setdefault(label, handle)
+    lines (the same recipes or classes); `entries` (label → handle), where given, instead of the panels' own,
+    in `columns` per row (fewer where the labels are long: the legend must fit one panel's width)."""
+    if entries is None:
+        entries = {}
+        for ax in fig.axes:
+            for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+                entries.setdefault(label, handle)
     if entries:
-        fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=LEGEND_COLUMNS, fontsize=8,
+        fig.legend(entries.values(), entries.keys(), loc="outside lower center", ncols=columns, fontsize=8,
                    frameon=False)  # fmt: skip
         # The legend's rows are added to the figure, not taken from the panels (their labels would not fit).
-        fig.set_figheight(fig.get_figheight() + LEGEND_ROW_INCHES * math.ceil(len(entries) / LEGEND_COLUMNS))
+        fig.set_figheight(fig.get_figheight() + LEGEND_ROW_INCHES * math.ceil(len(entries) / columns))
 
 
 NARROW = ".narrow"  # a figure's one-column variant for phone-width screens: `<name>.narrow.png`
@@ -160,6 +163,7 @@ class Figures:
         self.link_prefix = link_prefix
         self.labels: dict[str, list[dict[str, Any]]] = {}
         self.narrow_labels: dict[str, list[dict[str, Any]]] = {}  # of the one-column variants
+        self.text_px: dict[str, float] = {}  # the smallest text's height in the saved image's pixels
 
     def show(self, figure: Figure | None, name: str, caption: str) -> str:
         """Save `figure` as `name` and return its Markdown: the image, then `caption` (what to see in it)."""
@@ -178,8 +182,20 @@ class Figures:
         if figure is None:
             return False
         self.labels[name] = axis_labels(figure)
-        figure.savefig(self.directory / f"{name}.png", dpi=100, metadata={"Software": None})
+        self.text_px[name] = smallest_text_pt(figure) * DPI / 72
+        figure.savefig(self.directory / f"{name}.png", dpi=DPI, metadata={"Software": None})
         if stack_panels(figure):
             self.narrow_labels[name] = axis_labels(figure)
-            figure.savefig(self.directory / f"{name}{NARROW}.png", dpi=100, metadata={"Software": None})
+            figure.savefig(self.directory / f"{name}{NARROW}.png", dpi=DPI, metadata={"Software": None})
         return True
+
+
+DPI = 100  # the saved images' pixels per inch: a label's height on screen is its points · DPI/72 · the image's scale
+
+
+def smallest_text_pt(fig: Figure) -> float:
+    """The font size of the smallest text drawn in `fig` (titles, labels, tick labels, legend), in points."""
+    from matplotlib.text import Text
+
+    sizes = [t.get_fontsize() for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    return float(min(sizes)) if sizes else 0.0

@@ -36,12 +36,14 @@ from pipeline.study_b.baseline import baseline
 class Rendered:
     """What was written: the report's line count, and per figure the labels of its panels as drawn
     (`common.axis_labels`), for the caller to print and the tests to check; `narrow`: the same for the
-    one-column variants of multi-column figures; `findings`: what the study finds in a few sentences."""
+    one-column variants of multi-column figures; `findings`: what the study finds in a few sentences;
+    `text_px`: per figure, its smallest text's height in the saved image's pixels (a browser scales it)."""
 
     lines: int
     figures: dict[str, list[dict[str, Any]]]
     narrow: dict[str, list[dict[str, Any]]]
     findings: str  # the summary's first paragraph, for README's findings block
+    text_px: dict[str, float]
 
 
 def render_report(
@@ -72,7 +74,7 @@ def render_report(
     text = "\n".join([title, _contents(title, sections), *sections])
     atomic_write(out_md, text)
     atomic_write(out_md.with_suffix(".html"), to_html(text, out_md.parent, title="lmgeo report"))
-    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels, findings(tables, claims))
+    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels, findings(tables, claims), figures.text_px)
 
 
 def _contents(title: str, sections: list[str]) -> str:
@@ -97,7 +99,7 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep
     if found := findings(tables, claims):
         out.append(f"**In short.** {found}\n")
     out.append("### The paper's claims, per architecture (Study A)\n")
-    out.append(study_a.claims_summary(claims, bool(tables["geometry"]), tables["claim_tests"], figures,
+    out.append(study_a.claims_summary(claims, tables["geometry"], tables["claim_tests"], figures,
                                       tables["paper_values"]))
     out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
     out.append(study_b.summary(tables, figures, sweep))

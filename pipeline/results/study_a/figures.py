@@ -4,67 +4,106 @@ against a random patch of the same norm. As for Study B's (``pipeline.results.st
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch, Rectangle
 
 from pipeline.results.common import Axis, Row, figure_legend, label_axes, panel_grid
-from pipeline.results.study_a.claims import CLAIMS, VERDICT_SCORE, combined_verdict, votes
+from pipeline.results.study_a.claims import (
+    CLAIMS,
+    CONTRADICTED,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    SUPPORTED,
+    VERDICT_SCORE,
+    combined_verdict,
+    votes,
+)
 
 # ------------------------------------------------------------------------------------------ Study A
-# Not supported, inconclusive, supported: a diverging scale, the mixed cells (classes disagree) in between.
-VERDICT_COLORS = ListedColormap(["#c0392b", "#e8a598", "#f2f2f2", "#9ec5e8", "#2471a3"])
+# A cell's reading (a claim at one layer, over the fit classes): each its own colour, on a diverging scale from
+# contradicted to supported; where the classes disagree, pale, leaning the way their mean verdict score leans.
+LEANING_AGAINST, LEANING_SUPPORTED = "mixed, leaning not supported", "mixed, leaning supported"
+CELL_COLORS = {
+    CONTRADICTED: "#7b241c",
+    NOT_SUPPORTED: "#e67e22",
+    LEANING_AGAINST: "#f5cba7",
+    INCONCLUSIVE: "#aab7b8",
+    LEANING_SUPPORTED: "#aed6f1",
+    SUPPORTED: "#2471a3",
+}
+# Cells that are no evidence either way: a layer whose pool is not well posed (left out of every claim) is hatched,
+# a layer where the claim was not tested is left blank.
+ILL_POSED_HATCH, ILL_POSED = "///", "not well posed (left out)"
+NOT_TESTED = "not tested"
 LAYER = "layer"
 
 
-def claims_by_layer(tests: Sequence[Row]) -> Figure | None:
+def claims_by_layer(tests: Sequence[Row], ill_posed: Collection[tuple[str, int]] = ()) -> Figure | None:
     """Where does each claim hold? One heat map per subject (rows: architectures or models; columns: `final`
-    and `init`): claims × layers, coloured by the verdict averaged over classes (+1 supported, −½ not
-    supported, −1 contradicted; each class's verdict combined over the claim's nulls)."""
+    and `init`): claims × layers, each cell coloured by its reading (`cell_reading`); the layers of
+    `ill_posed` ((subject, layer) whose pool is not well posed in some model of the subject) hatched."""
     per_layer = [t for t in tests if t["scope"] == "layer"]
     if not per_layer:
         return None
     subjects = sorted({t["subject"] for t in per_layer})
     bases = sorted({s.rsplit("@", 1)[0] for s in subjects})
     checkpoints = [c for c in ("final", "init") if any(s.endswith(f"@{c}") for s in subjects)] or [""]
-    layers = sorted({t["layer"] for t in per_layer})
+    layers = sorted({t["layer"] for t in per_layer} | {layer for s, layer in ill_posed if s in subjects})
     claims = [c for c in CLAIMS if any(t["claim"] == c.name for t in per_layer)]
-    fig, axes = panel_grid(len(bases), len(checkpoints), width=0.5 * len(layers) + 3.6, height=0.3 * len(claims) + 1.2)
+    fig, axes = panel_grid(len(bases), len(checkpoints), width=0.4 * len(layers) + 2.6, height=0.3 * len(claims) + 1.2)
+    colors = ListedColormap(list(CELL_COLORS.values()))
     for row, base in zip(axes, bases, strict=True):
         for ax, checkpoint in zip(row, checkpoints, strict=True):
             # An external model has no checkpoint: it takes the first column.
             subject = f"{base}@{checkpoint}"
             if subject not in subjects and checkpoint == checkpoints[0]:
                 subject = base
-            grid = _verdict_grid([t for t in per_layer if t["subject"] == subject], [c.name for c in claims], layers)
-            if np.isnan(grid).all():
+            grid = _reading_grid([t for t in per_layer if t["subject"] == subject], [c.name for c in claims], layers)
+            hatched = [i for i, layer in enumerate(layers) if (subject, layer) in ill_posed]
+            if np.isnan(grid).all() and not hatched:
                 ax.axis("off")
                 continue
-            image = ax.imshow(np.ma.masked_invalid(grid), cmap=VERDICT_COLORS, vmin=-1, vmax=1, aspect="auto")
+            ax.imshow(np.ma.masked_invalid(grid), cmap=colors, vmin=-0.5, vmax=len(CELL_COLORS) - 0.5, aspect="auto")
+            for i in hatched:
+                ax.add_patch(Rectangle((i - 0.5, -0.5), 1, len(claims), facecolor="white", edgecolor="gray",
+                                       hatch=ILL_POSED_HATCH, linewidth=0))  # fmt: skip
             ax.set_xticks(range(len(layers)), [str(layer) for layer in layers])
             labels = [c.label for c in claims] if ax is row[0] else [""] * len(claims)
             ax.set_yticks(range(len(claims)), labels, fontsize=8)
             ax.set_title(subject, fontsize=9)
             ax.set_xlabel(LAYER)
             ax.set_ylabel("claim" if ax is row[0] else "")
-    # One tick per colour band (the map has five bands of width 0.4 over [-1, 1]).
-    bar = fig.colorbar(image, ax=axes.ravel().tolist(), ticks=[-0.8, -0.4, 0, 0.4, 0.8], shrink=0.6)
-    bar.ax.set_yticklabels(["not supported", "leaning not supported", "inconclusive", "leaning supported", "supported"])
+    figure_legend(fig, {**{reading: Patch(facecolor=color) for reading, color in CELL_COLORS.items()},
+                        ILL_POSED: Patch(facecolor="white", edgecolor="gray", hatch=ILL_POSED_HATCH),
+                        NOT_TESTED: Patch(facecolor="white", edgecolor="gray")}, columns=2)  # fmt: skip
     return fig
 
 
-def _verdict_grid(tests: Sequence[Row], claims: list[str], layers: list[int]) -> np.ndarray:
+def cell_reading(verdicts: Sequence[str]) -> str:
+    """A claim's reading at one layer from its classes' verdicts (each combined over the claim's nulls): the
+    verdict where they agree, else the way their mean verdict score (+1 supported … −1 contradicted) leans."""
+    if len(set(verdicts)) == 1:
+        return verdicts[0]
+    lean = float(np.mean([VERDICT_SCORE[v] for v in verdicts]))
+    return LEANING_SUPPORTED if lean > 0 else LEANING_AGAINST if lean < 0 else INCONCLUSIVE
+
+
+def _reading_grid(tests: Sequence[Row], claims: list[str], layers: list[int]) -> np.ndarray:
+    """Claims × layers: the index of each cell's reading in `CELL_COLORS`, NaN where it was not tested."""
     verdicts: dict[tuple[str, int, str], list[str]] = {}
     for t in (t for t in tests if votes(t["fn"])):  # the baselines' rows are no class's verdict
         verdicts.setdefault((t["claim"], t["layer"], t["fn"]), []).append(t["verdict"])
-    scores: dict[tuple[str, int], list[float]] = {}
+    per_class: dict[tuple[str, int], list[str]] = {}
     for (claim, layer, _), vs in verdicts.items():
-        scores.setdefault((claim, layer), []).append(VERDICT_SCORE[combined_verdict(vs)])
+        per_class.setdefault((claim, layer), []).append(combined_verdict(vs))
+    readings = list(CELL_COLORS)
     grid = np.full((len(claims), len(layers)), np.nan)
-    for (claim, layer), values in scores.items():
-        grid[claims.index(claim), layers.index(layer)] = np.mean(values)
+    for (claim, layer), vs in per_class.items():
+        grid[claims.index(claim), layers.index(layer)] = readings.index(cell_reading(vs))
     return grid
 
 

@@ -38,7 +38,7 @@ READING = ("*Supported*: above the claim's margin beyond chance (the lower end o
            "effect too small to count); *contradicted*: below 0 beyond chance; *inconclusive*: otherwise.")
 
 
-def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], figures: Figures,
+def claims_summary(claims: list[ClaimSummary], geometry: list[Row], tests: list[Row], figures: Figures,
                    paper_values: Sequence[Row] = ()) -> str:  # fmt: skip
     """The paper's claims for a newcomer: a sentence per claim with its verdict per architecture (and external
     model), the claims × layers heat map under them, what reproduces beside what is specific against a null,
@@ -46,15 +46,17 @@ def claims_summary(claims: list[ClaimSummary], fitted: bool, tests: list[Row], f
     trained = [c for c in claims if not c.subject.endswith("@init")]
     if not trained:
         why = ("no claim could be tested (no null samples, no layer with 10·k distinct inputs, or fewer than 10 "
-               "complete anchors per layer)" if fitted else "Study A was not run (no fits)")  # fmt: skip
+               "complete anchors per layer)" if geometry else "Study A was not run (no fits)")  # fmt: skip
         return f"**Study A (the paper's claims)**: not measured: {why}, so the data says nothing about the claims.\n"
     sentences = "\n".join(_claim_sentence(claim, [c for c in trained if c.claim == claim.name]) for claim in PAPER
                           if any(c.claim == claim.name for c in trained))  # fmt: skip
-    heat_map = figures.show(fig.claims_by_layer(tests), "study_a_claims_by_layer",
+    ill_posed = {(subject_of(model), layer) for model, layer in _ill_posed_pools(geometry)}
+    heat_map = figures.show(fig.claims_by_layer(tests, ill_posed), "study_a_claims_by_layer",
                             "Where each claim holds, layer by layer (rows: the claims above; a panel per model, "
-                            "`@final` after training, `@init` at initialisation). Blue: supported, red: not "
-                            "supported, grey: the data cannot decide; pale: the fit classes disagree, leaning that "
-                            "way.")  # fmt: skip
+                            "`@final` after training, `@init` at initialisation). Blue: supported, orange: not "
+                            "supported, dark red: contradicted, grey: the data cannot decide; pale: the fit classes "
+                            "disagree, leaning that way; hatched: not well posed (left out of every claim); blank: "
+                            "not tested.")  # fmt: skip
     diagnostic = {(c.subject, c.claim): c for c in summarise(tests, voting=is_diagnostic)}
     return "\n".join([sentences + "\n", heat_map, _side_by_side(claims, paper_values), CLAIMS_HEAD,
                       _claims_table(trained, PAPER, diagnostic), _extra_checks(trained, diagnostic)])
@@ -79,7 +81,8 @@ def _verdict_in_words(c: ClaimSummary) -> str:
 
 def finding(claims: list[ClaimSummary]) -> str | None:
     """Study A in one sentence: how many of the paper's claims hold on every trained architecture, on some, on
-    none; then the project's own checks, named as such (README's findings)."""
+    none; the effect over the null of each claim that holds somewhere; then the project's own checks, named as
+    such (README's findings)."""
     trained = [c for c in claims if c.subject.endswith("@final")]
     if not trained:
         return None
@@ -101,7 +104,25 @@ def finding(claims: list[ClaimSummary]) -> str | None:
     own = f" The project's own checks, not the paper's claims: {checks}." if checks else ""
     return (f"Study A, on the small models trained here ({', '.join(subjects)}), the paper's {len(supported)} claims: "
             f"{named(every)} supported on every architecture, {some} on some, "
-            f"{named([CLAIMS_BY_NAME[n].label for n in none])} on none{by_some_classes}.{own}")  # fmt: skip
+            f"{named([CLAIMS_BY_NAME[n].label for n in none])} on none{by_some_classes}."
+            f"{_effects(trained, [n for n, k in supported.items() if k])}{own}")  # fmt: skip
+
+
+def _effects(trained: list[ClaimSummary], names: list[str]) -> str:
+    """The effect over the null of each of `names` per architecture: its deciding test (the weakest class's)."""
+    if not names:
+        return ""
+    parts = []
+    for name in names:
+        per_arch = ", ".join(f"{c.subject.removesuffix('@final')} {_effect(c.weakest)}"
+                             for c in trained if c.claim == name)  # fmt: skip
+        parts.append(f"“{CLAIMS_BY_NAME[name].label}” {per_arch} (margin {num(CLAIMS_BY_NAME[name].margin, 2)})")
+    return (" Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
+            f"{'; '.join(parts)}.")
+
+
+def _effect(test: Row) -> str:
+    return interval(test["effect"], test["ci_low"], test["ci_high"], 2)
 
 
 def _across(summaries: list[ClaimSummary], claim: str, subjects: list[str]) -> str:
@@ -152,7 +173,7 @@ def _claim_cell(c: ClaimSummary | None, layers: int, diagnostic: ClaimSummary | 
     if c is None:
         return "not measured"
     t = c.weakest
-    effect = interval(t["effect"], t["ci_low"], t["ci_high"], 2)
+    effect = _effect(t)
     null = NULL_TEXT.get(t["null"], t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
     units = f"one model, {t['n_units']} anchor blocks" if t.get("unit") == ANCHOR_GROUP else f"{t['n_models']} seeds"
@@ -317,37 +338,51 @@ def _local(fn: str) -> bool:
 
 
 def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
-    """One row per distinct model (each distinct initialisation once): how well posed its fits are, what
-    was excluded as non-finite, and per class rel_err with `cos_full_tok` beside the bound √(1 − rel_err²)
-    that rel_err alone implies."""
+    """One row per distinct model (each distinct initialisation once): how well posed its fits are and what
+    was excluded as non-finite; then how well each class fits (`_fits_table`)."""
     real = [g for g in geometry if g["sample"] == "real"]
-    fns = list(dict.fromkeys(p["fn"] for p in pooled))
-    at = {(p["model"], p["fn"]): p for p in pooled}
     rows = []
     for model in sorted({p["model"] for p in pooled}):
         layers = [g for g in real if g["model"] == model]
-        classes = [at[(model, fn)] for fn in fns if (model, fn) in at]
+        classes = [p for p in pooled if p["model"] == model]
         distinct = [g["n_distinct"] for g in layers if g["n_distinct"] is not None]
-        row = [f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
-               f"{min(g['n_value_kept'] / g['n'] for g in layers if _local(g['fn'])):.0%}",
-               (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
-                f"{max(c['n_nonfinite_values'] for c in classes)} anchors")]  # fmt: skip
-        for fn in fns:
-            p = at.get((model, fn))
-            bound = median([g["median_cos_bound"] for g in layers if g["fn"] == fn])
-            fit = f"{num(p['layer_median_rel_err'], 2)} · {num(p['layer_median_cos_full_tok'], 2)}" if p else None
-            row.append(f"{fit} ≥ {num(bound, 2)}" if fit else "–")
-        rows.append(row)
+        rows.append([f"`{model}`", classes[0]["n_layers"], min(distinct) if distinct else None, layers[0]["k"],
+                     f"{min(g['n_value_kept'] / g['n'] for g in layers if _local(g['fn'])):.0%}",
+                     (f"{max(c['n_nonfinite'] or 0 for c in classes)} pool tokens, "
+                      f"{max(c['n_nonfinite_values'] for c in classes)} anchors")])  # fmt: skip
     note = ("Per distinct model (`@init`: each distinct initialisation once). *distinct inputs*: fewest distinct h_l "
             "in a layer's pool (SPEC asks ≥ 10·k); *kept*: smallest share of anchors in a (layer, local class) whose "
             "value at the anchor is identified (the others are left out; per layer below); *excluded non-finite*: "
-            "pool tokens and anchors left out of every statistic. Per class: median over layers of rel_err · "
-            "cos_full_tok ≥ √(1 − rel_err²), both over the same anchors; "
-            "the bound follows from rel_err alone, so cos_full_tok near 1 is no evidence beyond a small residual. "
-            "Per layer: `lmgeo query \"SELECT * FROM geometry WHERE sample = 'real'\"`.\n")  # fmt: skip
-    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"] + [
-        f"{fn}: rel_err · cos ≥ bound" for fn in fns]  # fmt: skip
-    return "### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real)
+            "pool tokens and anchors left out of every statistic.\n")  # fmt: skip
+    header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"]
+    return ("### Models\n\n" + markdown_table(header, rows) + "\n" + note + _ill_posed(real) + "\n"
+            + _fits_table(pooled, real))  # fmt: skip
+
+
+def _fits_table(pooled: list[Row], real: list[Row]) -> str:
+    """Per class (rows) and subject (columns, a table that fits a screen): rel_err and cos_full_tok beside the
+    bound √(1 − rel_err²) that rel_err alone implies, each the median over the subject's models of its median
+    over layers; per model and layer it is a query."""
+    fns = list(dict.fromkeys(p["fn"] for p in pooled))
+    subjects = sorted({subject_of(p["model"]) for p in pooled})
+    rows = []
+    for fn in fns:
+        row = [f"`{fn}`"]
+        for subject in subjects:
+            fits = [p for p in pooled if p["fn"] == fn and subject_of(p["model"]) == subject]
+            # Aggregated as cos is (over layers, then models), so that cos ≥ bound, true per layer, holds here too.
+            bound = median([median([g["median_cos_bound"] for g in real if g["fn"] == fn and g["model"] == p["model"]])
+                            for p in fits])  # fmt: skip
+            rel_err = median([p["layer_median_rel_err"] for p in fits])
+            cos = median([p["layer_median_cos_full_tok"] for p in fits])
+            row.append(f"{num(rel_err, 2)} · {num(cos, 2)} ≥ {num(bound, 2)}" if fits else "–")
+        rows.append(row)
+    note = ("Per class: rel_err · cos_full_tok ≥ √(1 − rel_err²), each the median over layers (both over the same "
+            "anchors), then over the subject's models; the bound follows from rel_err alone, so cos_full_tok near 1 "
+            "is no evidence beyond a small residual. Per model and layer: `lmgeo query \"SELECT model, layer, fn, "
+            "median_rel_err, median_cos_full_tok, median_cos_bound FROM geometry WHERE sample = 'real'\"`.\n"
+            )  # fmt: skip
+    return markdown_table(["class: rel_err · cos ≥ bound", *subjects], rows) + "\n" + note
 
 
 def _kept_table(geometry: list[Row]) -> str:
@@ -443,8 +478,7 @@ def _tradeoff_cell(parts: dict[str, Row]) -> str:
 def _ill_posed(real: list[Row]) -> str:
     """In words, where the data cannot support per-layer statements: pools with too few distinct inputs (left out
     of every claim, `claims.well_posed`), and layers where some neighbourhoods cannot identify the map."""
-    small = sorted({f"`{g['model']}` layer {g['layer']}" for g in real
-                    if g["n_distinct"] is not None and not well_posed(g["n_distinct"], g["k"])})  # fmt: skip
+    small = sorted(f"`{model}` layer {layer}" for model, layer in _ill_posed_pools(real))
     dropped = sorted({f"`{g['model']}` layer {g['layer']}" for g in real if g["n_value_kept"] < g["n"]})
     lines = []
     if small:
@@ -455,6 +489,12 @@ def _ill_posed(real: list[Row]) -> str:
         lines.append(f"Anchors whose value is not identified (left out) in {len(dropped)} (model, layer) pairs: the "
                      "verdicts there rest on the remaining anchors only (Anchors kept, below).")  # fmt: skip
     return "".join(f"\n{line}\n" for line in lines)
+
+
+def _ill_posed_pools(geometry: list[Row]) -> set[tuple[str, int]]:
+    """(model, layer) of the real pools that are not well posed (`claims.well_posed`)."""
+    return {(g["model"], g["layer"]) for g in geometry if g["sample"] == "real" and g["n_distinct"] is not None
+            and not well_posed(g["n_distinct"], g["k"])}  # fmt: skip
 
 
 def _init_vs_final(claims: list[ClaimSummary]) -> str:

@@ -107,26 +107,29 @@ def regime_statement(recipes: list[Row], baselines: list[Row]) -> str:
 
 def finding(recipes: list[Row]) -> str | None:
     """Study B in one sentence per architecture compared: how many recipes are resolved below, above `muon`,
-    and which the seeds cannot tell (README's findings)."""
+    and which the seeds cannot tell, each with its effect (the paired difference in test loss, README's
+    findings)."""
     reference = baseline().name
     sentences = []
     for arch in sorted({r["arch"] for r in recipes if r["recipe"] != reference and r["diff_vs_muon"] is not None}):
         rows = [r for r in recipes if r["arch"] == arch and r["recipe"] != reference and r["diff_vs_muon"] is not None]
-        by_reading: dict[str, list[str]] = {}
+        by_reading: dict[str, list[Row]] = {}
         for r in rows:
-            by_reading.setdefault(_reading(r) if _reading(r).endswith("than muon") else "unresolved", []).append(
-                f"`{r['recipe']}`")
+            by_reading.setdefault(_reading(r) if _reading(r).endswith("than muon") else "unresolved", []).append(r)
         lower, higher, unresolved = (by_reading.get(k, []) for k in ("lower than muon", "higher than muon",
                                                                           "unresolved"))  # fmt: skip
         sentences.append(
             f"Study B ({arch}): at their own tuned step sizes, {_count(lower)} of {len(rows)} head recipes reach a "
             f"lower test loss than `{reference}`, {_count(higher)} a higher one, and {_count(unresolved)} "
-            "cannot be told apart from it with these seeds.")  # fmt: skip
+            f"cannot be told apart from it with these seeds (Δ: test loss − `{reference}`'s on the same seeds, "
+            "nats, 95% CI).")  # fmt: skip
     return " ".join(sentences) or None
 
 
-def _count(recipes: list[str]) -> str:
-    return f"{len(recipes)} ({', '.join(recipes)})" if recipes else "none"
+def _count(rows: list[Row]) -> str:
+    """How many recipes, each named with its Δ to the reference."""
+    named = [f"`{r['recipe']}` Δ {interval(r['diff_vs_muon'], r['diff_ci_low'], r['diff_ci_high'], 2)}" for r in rows]
+    return f"{len(rows)} ({', '.join(named)})" if rows else "none"
 
 
 def comparison_table(recipes: list[Row]) -> str:
