@@ -451,3 +451,21 @@ def test_the_gaussian_pool_has_the_pools_moments_and_a_singular_covariance_is_ke
     torch.testing.assert_close(torch.cov(drawn.T), torch.cov(joint.T), atol=0.1, rtol=0.05)
     mapping = torch.linalg.lstsq(x - x.mean(0), y - y.mean(0)).solution
     torch.testing.assert_close(ys - ys.mean(0), (xs - xs.mean(0)) @ mapping, atol=1e-8, rtol=0)
+
+
+def test_an_mlp_on_neighbours_that_are_one_point_is_the_constant_mean_update():
+    """k copies of one input (a frequent token's embedding at layer 0) with different outputs: the map can only
+    be a constant, so its value at the anchor is the mean update and J − I is 0 — finite, where 1/σ of the
+    rounding noise overflowed before."""
+    from pipeline.study_a.classes.mlp import fit_mlp
+
+    rng = np.random.default_rng(3)
+    d, k = 8, 24
+    point = torch.from_numpy(rng.normal(size=d))
+    xn = (point + 1e-12 * torch.from_numpy(rng.normal(size=(k, d))))[None]  # one point below float32 resolution
+    yn = xn + torch.from_numpy(rng.normal(size=(1, k, d)))
+    mlp, _ = fit_mlp(xn, yn, hidden=8, max_steps=30, tol=1e-6, ridge=1e-4, seed=0)
+    update = mlp.update(xn[:, 0], p=2)
+    assert torch.isfinite(update.delta_tok).all() and not bool(update.basis.columns.abs().sum())
+    mean_update = (yn - xn).mean(dim=1)
+    assert torch.allclose(update.delta_tok, mean_update, atol=1e-3 * float(mean_update.norm()))

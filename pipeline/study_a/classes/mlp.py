@@ -40,6 +40,7 @@ from pipeline.study_a.geometry import F64, Update, ridge_inverse, top_left_singu
 LEARNING_RATE = 3e-2  # 1e-2 met the criterion ~1.7× later for a 1–3% lower rel_err (default study)
 BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch.optim.Adam's defaults (the reference runs it)
 WINDOW = 20  # steps over which the relative decrease of the objective is measured
+FLAT = 2.0**-24  # float32's unit roundoff: inputs spread less than this, relative to their size, are one point
 
 
 class MLPFit(NamedTuple):
@@ -116,7 +117,11 @@ def fit_mlp(
     n_anchors, k, d = xn.shape
     tiny = torch.finfo(F64).tiny
     centre = xn.mean(dim=1)
-    in_scale = (xn - centre[:, None]).square().mean(dim=(1, 2)).sqrt().clamp_min(tiny)
+    in_scale = (xn - centre[:, None]).square().mean(dim=(1, 2)).sqrt()
+    # Neighbours whose inputs are one point at float32 resolution (a frequent token's position-free embedding, k
+    # copies of it): the map sees a constant, so it is constant (σ = ∞: J − I = 0, the value the mean update),
+    # instead of the rounding noise blown up by 1/σ (which overflowed to inf).
+    in_scale = torch.where(in_scale <= FLAT * xn.square().mean(dim=(1, 2)).sqrt(), math.inf, in_scale)
     out_scale = (yn - xn).square().mean(dim=(1, 2)).sqrt().clamp_min(tiny)
     scaled = (xn - centre[:, None]) / in_scale[:, None, None]
     target = (yn - xn) / out_scale[:, None, None]
