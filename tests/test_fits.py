@@ -469,3 +469,11 @@ def test_an_mlp_on_neighbours_that_are_one_point_is_the_constant_mean_update():
     assert torch.isfinite(update.delta_tok).all() and not bool(update.basis.columns.abs().sum())
     mean_update = (yn - xn).mean(dim=1)
     assert torch.allclose(update.delta_tok, mean_update, atol=1e-3 * float(mean_update.norm()))
+
+
+def test_a_layer_with_no_identified_anchor_has_an_empty_global_subspace():
+    """No identified value to span it (a tiny or degenerate layer): the layer's subspace is empty, not an error."""
+    from pipeline.study_a.geometry import global_basis
+
+    basis = global_basis(torch.zeros(0, 5, dtype=torch.float64), 2)
+    assert not bool(basis.columns.abs().sum()) and not bool(basis.tied.any())

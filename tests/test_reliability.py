@@ -417,7 +417,7 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
     for needed in (
         f"revision `{revision}`", "**params_hash**: `", "**seeds**", "train `0`",
         "**packages**", "torch `", "transformers `", "lmgeo `",
-        "**data_checksums**", "params.yaml `sha256:", "data/tokens/meta.json `sha256:",
+        "**data_checksums**", "params.yaml: `sha256:", "data/tokens/meta.json: `sha256:",
     ):
         assert needed in report, f"{needed!r} missing from the report's provenance"
     params_hash = re.search(r"\*\*params_hash\*\*: `(\w+)`", report).group(1)

@@ -157,6 +157,8 @@ def dominant(singular: Tensor, p: int) -> Tensor:
     (`σ_{n+1} = 0`), so that a tied group is kept whole or not at all; and of those, only the non-zero ones
     (`σ > 1e-12 · σ_1`; a value at or below it counts as 0 in the gap test too). With fewer than `p` non-zero
     values the subspace is the operator's range; with `σ_1 = 0`, empty."""
+    if singular.shape[-1] == 0:  # no values (e.g. a layer's global subspace with no identified anchor): empty
+        return torch.zeros_like(singular, dtype=torch.bool)
     top = singular[..., :1]
     values = singular.where(singular > RCOND * top, 0.0)
     after = torch.cat([values[..., 1:], torch.zeros_like(values[..., :1])], dim=-1)
