@@ -434,7 +434,7 @@ def null_stratum(rng: np.random.Generator, head: np.ndarray, n: int = 128, d: in
     direction = rng.normal(size=(n, d))
     residual = size[:, None] * direction / np.linalg.norm(direction, axis=1, keepdims=True)
     update = rng.uniform(2.0, 4.0, n)  # ‖Δ_full‖: rel_err follows the residual's size, as in the models
-    patched = pa.FixedSizeListArray.from_arrays(pa.array((clean - residual).astype(np.float32).ravel()), d)
+    patched = vectors_to_arrow((clean - residual).astype(np.float32))
     patches = null_patches(patched, clean, rng, 8)
     readout = lambda removed: softmax_kl(head, clean.astype(np.float64), removed)  # noqa: E731
     removed_random = clean[:, None] - patches.random

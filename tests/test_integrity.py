@@ -121,7 +121,7 @@ def test_2_a_changed_external_model_is_noticed_by_dvc_and_recomputed(ws):
     assert json.loads(record.read_text()) != before  # what DVC sees: extract's dependency changed
     fails(lmgeo(ws, "fit", check=False), "stale", "lmgeo extract")  # old activations are never fitted
     rerun = lmgeo(ws, "extract")
-    assert "extract: 2/4 shards complete, 2 to do" in rerun.stdout, rerun.stdout  # the external model's only
+    assert "extract: 4/8 shards complete, 4 to do" in rerun.stdout, rerun.stdout  # the external model's only
     assert "fit: 2/4 shards complete, 2 to do" in lmgeo(ws, "fit").stdout
 
 

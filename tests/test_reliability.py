@@ -212,7 +212,7 @@ def test_corrupt_activation_shard_is_named_then_rebuilt(reference, tmp_path):
     assert snapshot(workspace / "data") == corrupt, "a refused stage wrote to data/"
 
     rebuilt = lmgeo(workspace, "extract")
-    assert "extract: 1/2 shards complete, 1 to do" in rebuilt.stdout, rebuilt.stdout
+    assert "extract: 3/4 shards complete, 1 to do" in rebuilt.stdout, rebuilt.stdout
     assert {path: path.read_bytes() for path in verify_shard(activations, shard)} == original
     refit = lmgeo(workspace, "fit")  # the rebuilt shard is the original: nothing downstream to redo
     assert f"fit: {FIT_SHARDS}/{FIT_SHARDS} shards complete, 0 to do" in refit.stdout, refit.stdout
