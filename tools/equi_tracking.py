@@ -1,0 +1,101 @@
+"""Does `hilbert_equi`'s warm-started step solve its problem inside training? `python -m tools.equi_tracking`.
+
+Trains the default study's first `hilbert_equi` run (neox, seed 0; its params, the prepared tokens in
+`data/tokens`) for `--steps` steps. At each of `--at` steps it solves the step's problem again, cold
+(`COLD_ITERS` iterations from `hilbert`'s rows), for the same momentum, and prints both solutions' spread ρ
+(min/max pairwise row distance, all rows) and descent per unit diameter against the momentum the problem is
+stated for (A_m, held ≥ c) and against the step's own gradient (A_g). A warm step whose ρ stays far below the
+cold one's is not solving the problem; `--warm-iters` (the run's `equi_iters`) and `--warm-angle`
+(`equidistance.WARM_ANGLE`) try other trackings. This is how the warm solve's 0.005-rad tracking was found
+wanting (SPEC §3.2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+COLD_ITERS = 400
+RUN = ("neox", "hilbert_equi", 0)
+
+
+def descent_share(x: Tensor, g: Tensor) -> float:
+    """A(X) = ⟨G, X⟩ / (½·diam(X)·Σ‖g_i‖), G centred (SPEC §3.3)."""
+    from pipeline.study_b.hilbert import center_rows, diam
+
+    g = center_rows(g.double())
+    return float((g * x.double()).sum() / (0.5 * diam(x.double())[0] * g.norm(dim=1).sum()))
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from pipeline.core.contracts import RunSpec
+    from pipeline.params import load_params
+    from pipeline.study_b import equidistance, optim
+    from pipeline.study_b.train import train_run
+    from pipeline.text.corpus import load_meta, load_tokens
+
+    equidistance.WARM_ANGLE = args.warm_angle
+    spec = RunSpec(*RUN)
+    cfg = load_params(args.params).train.for_run(spec)
+    cfg = cfg.model_copy(update={"steps": args.steps, "eval_interval": args.steps})
+    tokens = {split: load_tokens(args.tokens, split) for split in ("train", "val")}
+    rows: list[dict[str, Any]] = []
+    build = optim.HeadLMO.__init__
+
+    def observed(self: optim.HeadLMO, params: Any, direction: Any, **kw: Any) -> None:
+        def step(m: Tensor, knobs: Any, state: dict[str, Any]) -> Tensor:
+            knobs = knobs if args.warm_iters is None else dataclasses.replace(knobs, equi_iters=args.warm_iters)
+            x = direction(m, knobs, state)
+            # the momentum is lerp(grad, buf, β) with buf already updated: the step's own gradient from both
+            grad = (m - optim.MOMENTUM * state["momentum_buffer"].float()) / (1 - optim.MOMENTUM)
+            done = len(rows) + 1
+            if done in args.at:
+                cold = equidistance.solve(m, knobs.equi_alignment, COLD_ITERS)
+                y = cold.rows / cold.diameter
+                rows.append({"step": done, "warm_spread": float(equidistance.spread(state["equi_solution"].rows)),
+                             "cold_spread": float(equidistance.spread(cold.rows)),
+                             "warm_A_m": descent_share(x, m), "cold_A_m": descent_share(y, m),
+                             "warm_A_g": descent_share(x, grad), "cold_A_g": descent_share(y, grad)})
+            else:
+                rows.append({"step": done})
+            return x
+
+        build(self, params, step, **kw)
+
+    optim.HeadLMO.__init__ = observed  # type: ignore[method-assign]
+    try:
+        train_run(spec, cfg, tokens["train"], tokens["val"], load_meta(args.tokens)["vocab_size"],
+                  load_meta(args.tokens)["seq_len"], "tracking", lambda *_: None)  # fmt: skip
+    finally:
+        optim.HeadLMO.__init__ = build  # type: ignore[method-assign]
+    return [row for row in rows if len(row) > 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=Path, default=Path("params.yaml"))
+    parser.add_argument("--tokens", type=Path, default=Path("data/tokens"))
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--at", type=int, nargs="+", default=[20, 60, 100])
+    parser.add_argument("--warm-iters", type=int, help="the run's equi_iters (default: the params')")
+    parser.add_argument("--warm-angle", type=float, help="equidistance.WARM_ANGLE (default: the code's)")
+    args = parser.parse_args()
+    if args.warm_angle is None:
+        from pipeline.study_b.equidistance import WARM_ANGLE
+
+        args.warm_angle = WARM_ANGLE
+    torch.set_num_threads(1)
+    print(f"| step | ρ warm | ρ cold | A_m warm | A_m cold | A_g warm | A_g cold |  (warm angle {args.warm_angle}, "
+          f"iters {args.warm_iters or 'params'})\n|---|---|---|---|---|---|---|")  # fmt: skip
+    for row in measure(args):
+        print(f"| {row['step']} | {row['warm_spread']:.3f} | {row['cold_spread']:.3f} | {row['warm_A_m']:.3f} | "
+              f"{row['cold_A_m']:.3f} | {row['warm_A_g']:.3f} | {row['cold_A_g']:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
