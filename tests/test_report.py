@@ -49,6 +49,7 @@ from pipeline.results.study_a.claims import (
 )
 from pipeline.results.study_a.tables import HEADLINE
 from pipeline.results.study_b import figures as fig_b
+from pipeline.results.study_b import report as study_b_report
 from stages.layout import Layout
 from stages.report import collect_provenance
 
@@ -637,6 +638,43 @@ def test_study_a_finding_counts_the_papers_claims_on_every_some_and_no_architect
         f"on none.{effect} The project's own checks, not the paper's claims: “{own.label}” supported on every "
         "architecture.")
     assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
+
+
+def test_study_a_meaning_says_in_plain_words_whether_the_update_is_tokenwise_and_the_residual_the_papers() -> None:
+    tokenwise, first, second = [c for c in CLAIMS if c.source == "paper"][:3]
+    assert tokenwise.name == study_a_report.TOKENWISE
+
+    def claims(planted: dict[str, tuple[str, str]], checkpoint: str = "final") -> list[ClaimSummary]:
+        return [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
+                for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)]  # fmt: skip
+
+    follows = "a layer's update follows what a tokenwise map fitted on nearby tokens predicts"
+    nowhere = "what that map misses does not behave as the paper's residual does: none of its 2 claims about it holds"
+    residual_fails = {first.name: (NOT_SUPPORTED, INCONCLUSIVE), second.name: (CONTRADICTED, NOT_SUPPORTED)}
+    assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, NOT_SUPPORTED)} | residual_fails)) == (
+        f"In plain words: on these small models {follows} (a), but {nowhere} on any architecture.")
+    assert study_a_report.meaning(claims({tokenwise.name: (NOT_SUPPORTED, INCONCLUSIVE)} | residual_fails)) == (
+        "In plain words: on these small models no layer update reliably follows what a tokenwise map fitted on "
+        f"nearby tokens predicts, and {nowhere} on any architecture.")
+    one_holds = residual_fails | {second.name: (NOT_SUPPORTED, SUPPORTED)}
+    assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)} | one_holds)) == (
+        f"In plain words: on these small models {follows} (a, b), and 1 of the paper's 2 claims about what that "
+        f"map misses hold somewhere (“{second.label}”).")
+    assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)}, "init")) is None
+
+
+def test_study_b_meaning_reads_the_hilbert_geometry_recipes_against_the_reference_in_plain_words() -> None:
+    def row(recipe: str, diff: float, p: float) -> dict:
+        return {"arch": "neox", "recipe": recipe, "diff_vs_muon": diff, "p_vs_muon_holm": p, "detectable_diff": 0.04}
+
+    worse_equi, other = row("hilbert_equi", 0.15, 0.01), row("muon_head", -0.1, 0.01)  # muon_head: not Hilbert
+    assert study_b_report.meaning([row("hilbert", -0.01, 0.4), worse_equi, other]) == (
+        "In plain words (neox): stepping the LM head in the Hilbert geometry (`hilbert`, `hilbert_equi`) trains no "
+        "better model than `muon`'s head does, and `hilbert_equi` trains a worse one.")
+    assert study_b_report.meaning([row("hilbert", -0.05, 0.01), worse_equi]) == (
+        "In plain words (neox): `hilbert` trains a better model than `muon`'s head does, and `hilbert_equi` trains a "
+        "worse one.")
+    assert study_b_report.meaning([other]) is None
 
 
 def test_the_readme_findings_block_is_replaced_and_read_back() -> None:

@@ -420,17 +420,12 @@ def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> se
     except SCMError as err:
         raise QueryError(f"revision {rev!r}: {workspace} is not in a git repository ({err})") from None
     try:
-        fs = scm.get_fs(resolve_rev(scm, rev))
-    except SCMError as err:
-        scm.close()
-        raise QueryError(f"revision {rev!r}: {escape(str(err))}") from None
-    except Exception as err:  # noqa: BLE001 - scmrepo's backends fail on a non-commit with their own types
-        scm.close()
-        raise QueryError(
-            f"revision {rev!r} does not name a commit ({type(err).__name__}: {escape(_first_line(err))}); give a "
-            "commit, branch, tag, DVC experiment, or `workspace`"
-        ) from None
-    try:
+        try:
+            fs = scm.get_fs(resolve_rev(scm, rev))
+        except SCMError:
+            raise
+        except Exception as err:  # noqa: BLE001 - scmrepo's backends fail on a non-commit with their own types
+            raise _not_a_commit(rev, err) from None
         prefix = workspace.resolve().relative_to(Path(scm.root_dir).resolve())
         held = set()
         for path in paths:
@@ -448,6 +443,13 @@ def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> se
         raise QueryError(f"revision {rev!r}: {escape(str(err))}") from None
     finally:
         scm.close()
+
+
+def _not_a_commit(rev: str, err: Exception) -> QueryError:
+    return QueryError(
+        f"revision {rev!r} does not name a commit ({type(err).__name__}: {escape(_first_line(err))}); give a "
+        "commit, branch, tag, DVC experiment, or `workspace`"
+    )
 
 
 def _checkout(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path:
@@ -476,10 +478,7 @@ def _copy(workspace: Path, rev: str, dest: Path, outputs: Sequence[str]) -> Path
     except DvcException as err:
         raise QueryError(f"revision {rev!r}: {escape(_first_line(err))}") from None
     except Exception as err:  # noqa: BLE001 - scmrepo's backends fail on a non-commit with their own types
-        raise QueryError(
-            f"revision {rev!r} does not name a commit ({type(err).__name__}: {escape(_first_line(err))}); give a "
-            "commit, branch, tag, DVC experiment, or `workspace`"
-        ) from None
+        raise _not_a_commit(rev, err) from None
     try:
         for path in outputs:
             if fs.isdir(path):

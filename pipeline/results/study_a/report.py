@@ -108,6 +108,32 @@ def finding(claims: list[ClaimSummary]) -> str | None:
             f"{_effects(trained, [n for n, k in supported.items() if k])}{own}")  # fmt: skip
 
 
+TOKENWISE = "cos_full_tok_near_1"  # the paper's first claim: a layer's update follows its tokenwise part
+
+
+def meaning(claims: list[ClaimSummary]) -> str | None:
+    """Study A in plain words: does a layer's update follow a tokenwise map fitted on nearby tokens (the paper's
+    first claim), and is what that map misses the residual the paper describes (its other claims)?"""
+    trained = [c for c in claims if c.subject.endswith("@final") and CLAIMS_BY_NAME[c.claim].source == "paper"]
+    if not trained:
+        return None
+    along = sorted(c.subject.removesuffix("@final") for c in trained if c.claim == TOKENWISE and c.verdict == SUPPORTED)
+    follows = (f"a layer's update follows what a tokenwise map fitted on nearby tokens predicts ({', '.join(along)})"
+               if along else "no layer update reliably follows what a tokenwise map fitted on nearby tokens predicts")
+    about_rest = list(dict.fromkeys(c.claim for c in trained if c.claim != TOKENWISE))
+    if not about_rest:
+        return f"In plain words: on these small models {follows}."
+    held = [name for name in about_rest if any(c.verdict == SUPPORTED for c in trained if c.claim == name)]
+    if held:
+        labels = ", ".join(f"“{CLAIMS_BY_NAME[name].label}”" for name in held)
+        misses = (f"and {len(held)} of the paper's {len(about_rest)} claims about what that map misses hold "
+                  f"somewhere ({labels})")
+    else:
+        misses = (f"{'but' if along else 'and'} what that map misses does not behave as the paper's residual does: "
+                  f"none of its {len(about_rest)} claims about it holds on any architecture")  # fmt: skip
+    return f"In plain words: on these small models {follows}, {misses}."
+
+
 def _effects(trained: list[ClaimSummary], names: list[str]) -> str:
     """The effect over the null of each of `names` per architecture: its deciding test (the weakest class's)."""
     if not names:

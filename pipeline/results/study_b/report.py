@@ -126,6 +126,34 @@ def finding(recipes: list[Row]) -> str | None:
     return " ".join(sentences) or None
 
 
+def meaning(recipes: list[Row]) -> str | None:
+    """Study B in plain words, per architecture compared: do the head steps built for the Hilbert geometry (the
+    recipes with a trust region in nats) train a better model than the reference's head, or a worse one?"""
+    reference = baseline().name
+    sentences = []
+    for arch in sorted({r["arch"] for r in recipes if r["diff_vs_muon"] is not None}):
+        hilbert = [r for r in recipes if r["arch"] == arch and r["diff_vs_muon"] is not None
+                   and RECIPES[r["recipe"]].trust_region]  # fmt: skip
+        if not hilbert:
+            continue
+        better, worse = ([r for r in hilbert if _reading(r) == f"{side} than muon"] for side in ("lower", "higher"))
+        parts = [f"{_names(better)} {_trains(better)} a better model than `{reference}`'s head does" if better else
+                 f"stepping the LM head in the Hilbert geometry ({_names(hilbert)}) trains no better model than "
+                 f"`{reference}`'s head does"]  # fmt: skip
+        if worse:
+            parts.append(f"{_names(worse)} {_trains(worse)} a worse one")
+        sentences.append(f"In plain words ({arch}): {', and '.join(parts)}.")
+    return " ".join(sentences) or None
+
+
+def _names(rows: list[Row]) -> str:
+    return ", ".join(f"`{r['recipe']}`" for r in rows)
+
+
+def _trains(rows: list[Row]) -> str:
+    return "trains" if len(rows) == 1 else "train"
+
+
 def _count(rows: list[Row]) -> str:
     """How many recipes, each named with its Δ to the reference."""
     named = [f"`{r['recipe']}` Δ {interval(r['diff_vs_muon'], r['diff_ci_low'], r['diff_ci_high'], 2)}" for r in rows]
