@@ -646,7 +646,8 @@ def test_study_a_meaning_says_in_plain_words_whether_the_update_is_tokenwise_and
 
     def claims(planted: dict[str, tuple[str, str]], checkpoint: str = "final") -> list[ClaimSummary]:
         return [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
-                for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)]  # fmt: skip
+                for claim, verdicts in planted.items()
+                for arch, verdict in zip("ab", verdicts, strict=True)]  # fmt: skip
 
     follows = "a layer's update follows what a tokenwise map fitted on nearby tokens predicts"
     nowhere = "what that map misses does not behave as the paper's residual does: none of its 2 claims about it holds"
@@ -832,7 +833,13 @@ def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verd
     text = study_a_report._locality_sweep(rows)
     assert "| claim | gpt2: 96 / 192 / 384 |" in text
     assert "| supported / supported / inconclusive |" in text and "| supported / supported / supported |" in text
-    assert f"The verdicts that move with k: {CLAIMS[0].label} (gpt2)." in text
+    assert (f"Whether a claim is supported changes with k in 1 cell: {CLAIMS[0].label} (gpt2: supported at k = 96, "
+            "192 only).") in text and "votes shift" not in text
+    # A reading that moves between negative ones is a shift of the classes' votes, counted apart.
+    shifted = study_a_report._locality_sweep(study_a_report.read_locality_sweep(path) + [
+        {**r, "verdict": "not supported" if r["k"] == 96 else "contradicted", "claim": "angle_res_tok_near_90"}
+        for r in rows if r["claim"] == "proj_res_below_full"])  # fmt: skip
+    assert "In 1 more, the classes' votes shift with k within a reading that is supported at no k." in shifted
     path.write_text(LOCALITY_ROWS.replace(",verdict\n", ",reading\n", 1))
     with pytest.raises(ValueError, match="no column verdict"):
         study_a_report.read_locality_sweep(path)

@@ -570,15 +570,27 @@ def _locality_sweep(rows: Sequence[Row]) -> str:
         return ""
     at = {(k, c.subject, c.claim): c.verdict for k, summaries in by_k.items() for c in summaries}
     subjects = sorted({subject for _, subject, _ in at})
-    table, moved = [], []
+    table, flips, shifts = [], [], 0
     for claim in CLAIMS:
         cells = [" / ".join(at.get((k, s, claim.name), "–") for k in by_k) for s in subjects]
         if any(cell.replace("–", "").strip(" /") for cell in cells):
             table.append([f"{claim.label} (`{claim.name}`)", *cells])
-        moved += [f"{claim.label} ({s.removesuffix('@final')})" for s in subjects
-                  if len({at.get((k, s, claim.name)) for k in by_k} - {None}) > 1]  # fmt: skip
+        for s in subjects:
+            readings = {k: at[k, s, claim.name] for k in by_k if (k, s, claim.name) in at}
+            if len(set(readings.values())) < 2:
+                continue
+            held = [str(k) for k, reading in readings.items() if reading == SUPPORTED]
+            if held:  # what the headline counts changes with k
+                flips.append(f"{claim.label} ({s.removesuffix('@final')}: supported at k = {', '.join(held)} only)")
+            else:
+                shifts += 1
     ks = ", ".join(f"k = {k}" for k in by_k)
-    verdicts = f"The verdicts that move with k: {'; '.join(moved)}." if moved else "No verdict moves with k."
+    verdicts = (f"Whether a claim is supported changes with k in {len(flips)} cell{'' if len(flips) == 1 else 's'}: "
+                f"{'; '.join(flips)}."
+                if flips else "Whether a claim is supported changes with k in no cell.")
+    if shifts:
+        verdicts += (f" In {shifts} more, the classes' votes shift with k within a reading that is supported at no "
+                     "k.")  # fmt: skip
     note = (f"The trained models' verdicts at {ks} (`presets/locality.yaml`, its committed tables in "
             f"`docs/locality/`), each cell in that order. {verdicts} Larger neighbourhoods are less local: a map "
             "fitted on them is closer to one fitted for the whole layer.\n")  # fmt: skip
