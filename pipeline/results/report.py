@@ -107,10 +107,11 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep
 
 
 def findings(tables: Tables, claims: list[ClaimSummary]) -> str:
-    """What the study finds, a sentence per study (and per architecture compared in Study B), each followed by
-    what it means in plain words: the summary's first paragraph and README's findings block (`with_findings`)."""
+    """What the study finds: first what each study means in plain words, then a sentence per study (and per
+    architecture compared in Study B) with the numbers: the summary's first paragraph and README's findings
+    block (`with_findings`)."""
     recipes = study_b.runs_of_kind(tables["recipes"])
-    sentences = [study_a.finding(claims), study_a.meaning(claims), study_b.finding(recipes), study_b.meaning(recipes)]
+    sentences = [study_a.meaning(claims), study_b.meaning(recipes), study_a.finding(claims), study_b.finding(recipes)]
     return " ".join(s for s in sentences if s)
 
 

@@ -122,7 +122,7 @@ def meaning(claims: list[ClaimSummary]) -> str | None:
                if along else "no layer update reliably follows what a tokenwise map fitted on nearby tokens predicts")
     about_rest = list(dict.fromkeys(c.claim for c in trained if c.claim != TOKENWISE))
     if not about_rest:
-        return f"In plain words: on these small models {follows}."
+        return f"Study A in plain words: on these small models {follows}."
     held = [name for name in about_rest if any(c.verdict == SUPPORTED for c in trained if c.claim == name)]
     if held:
         labels = ", ".join(f"“{CLAIMS_BY_NAME[name].label}”" for name in held)
@@ -131,7 +131,7 @@ def meaning(claims: list[ClaimSummary]) -> str | None:
     else:
         misses = (f"{'but' if along else 'and'} what that map misses does not behave as the paper's residual does: "
                   f"none of its {len(about_rest)} claims about it holds on any architecture")  # fmt: skip
-    return f"In plain words: on these small models {follows}, {misses}."
+    return f"Study A in plain words: on these small models {follows}, {misses}."
 
 
 def _effects(trained: list[ClaimSummary], names: list[str]) -> str:

@@ -142,7 +142,7 @@ def meaning(recipes: list[Row]) -> str | None:
                  f"`{reference}`'s head does"]  # fmt: skip
         if worse:
             parts.append(f"{_names(worse)} {_trains(worse)} a worse one")
-        sentences.append(f"In plain words ({arch}): {', and '.join(parts)}.")
+        sentences.append(f"Study B in plain words ({arch}): {', and '.join(parts)}.")
     return " ".join(sentences) or None
 
 
