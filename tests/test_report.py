@@ -474,6 +474,7 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
     # Each with its effect: hilbert's paired Δ as in the table; one seed: adamw 3.45 − 3.05, hilbert_equi 2.60 − 3.05
     assert rendered.findings == (
+        "Study B in plain words (gpt2): `hilbert` trains a better model than `muon`'s head does. "
         "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head recipes reach a "
         "lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) cannot be told "
         "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI).")
