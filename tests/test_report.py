@@ -656,12 +656,12 @@ def test_study_a_meaning_says_in_plain_words_whether_the_update_is_tokenwise_and
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, NOT_SUPPORTED)} | residual_fails)) == (
         f"Study A in plain words: on these small models {follows} (a), but {nowhere} on any architecture.")
     assert study_a_report.meaning(claims({tokenwise.name: (NOT_SUPPORTED, INCONCLUSIVE)} | residual_fails)) == (
-        "Study A in plain words: on these small models no layer update reliably follows what a tokenwise map fitted on "
-        f"nearby tokens predicts, and {nowhere} on any architecture.")
+        "Study A in plain words: on these small models no layer update reliably follows what a tokenwise map "
+        f"fitted on nearby tokens predicts, and {nowhere} on any architecture.")
     one_holds = residual_fails | {second.name: (NOT_SUPPORTED, SUPPORTED)}
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)} | one_holds)) == (
-        f"Study A in plain words: on these small models {follows} (a, b), and 1 of the paper's 2 claims about what that "
-        f"map misses hold somewhere (“{second.label}”).")
+        f"Study A in plain words: on these small models {follows} (a, b), and 1 of the paper's 2 claims about what "
+        f"that map misses hold somewhere (“{second.label}”).")
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)}, "init")) is None
 
 
@@ -671,11 +671,11 @@ def test_study_b_meaning_reads_the_hilbert_geometry_recipes_against_the_referenc
 
     worse_equi, other = row("hilbert_equi", 0.15, 0.01), row("muon_head", -0.1, 0.01)  # muon_head: not Hilbert
     assert study_b_report.meaning([row("hilbert", -0.01, 0.4), worse_equi, other]) == (
-        "Study B in plain words (neox): stepping the LM head in the Hilbert geometry (`hilbert`, `hilbert_equi`) trains no "
-        "better model than `muon`'s head does, and `hilbert_equi` trains a worse one.")
+        "Study B in plain words (neox): stepping the LM head in the Hilbert geometry (`hilbert`, `hilbert_equi`) "
+        "trains no better model than `muon`'s head does, and `hilbert_equi` trains a worse one.")
     assert study_b_report.meaning([row("hilbert", -0.05, 0.01), worse_equi]) == (
-        "Study B in plain words (neox): `hilbert` trains a better model than `muon`'s head does, and `hilbert_equi` trains a "
-        "worse one.")
+        "Study B in plain words (neox): `hilbert` trains a better model than `muon`'s head does, and `hilbert_equi` "
+        "trains a worse one.")
     assert study_b_report.meaning([other]) is None
 
 
