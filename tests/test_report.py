@@ -651,17 +651,20 @@ def test_study_a_meaning_says_in_plain_words_whether_the_update_is_tokenwise_and
                 for arch, verdict in zip("ab", verdicts, strict=True)]  # fmt: skip
 
     follows = "a layer's update follows what a tokenwise map fitted on nearby tokens predicts"
-    nowhere = "what that map misses does not behave as the paper's residual does: none of its 2 claims about it holds"
+    nowhere = "none of the paper's 2 claims about what that map misses is supported"
     residual_fails = {first.name: (NOT_SUPPORTED, INCONCLUSIVE), second.name: (CONTRADICTED, NOT_SUPPORTED)}
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, NOT_SUPPORTED)} | residual_fails)) == (
         f"Study A in plain words: on these small models {follows} (a), but {nowhere} on any architecture.")
     assert study_a_report.meaning(claims({tokenwise.name: (NOT_SUPPORTED, INCONCLUSIVE)} | residual_fails)) == (
-        "Study A in plain words: on these small models no layer update reliably follows what a tokenwise map "
+        "Study A in plain words: on these small models no layer update is shown to follow what a tokenwise map "
         f"fitted on nearby tokens predicts, and {nowhere} on any architecture.")
     one_holds = residual_fails | {second.name: (NOT_SUPPORTED, SUPPORTED)}
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)} | one_holds)) == (
         f"Study A in plain words: on these small models {follows} (a, b), and 1 of the paper's 2 claims about what "
-        f"that map misses hold somewhere (“{second.label}”).")
+        f"that map misses holds somewhere (“{second.label}”).")
+    # Without the first claim tested, nothing is said about it.
+    assert study_a_report.meaning(claims(residual_fails)) == (
+        f"Study A in plain words: on these small models {nowhere} on any architecture.")
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)}, "init")) is None
 
 
@@ -672,7 +675,8 @@ def test_study_b_meaning_reads_the_hilbert_geometry_recipes_against_the_referenc
     worse_equi, other = row("hilbert_equi", 0.15, 0.01), row("muon_head", -0.1, 0.01)  # muon_head: not Hilbert
     assert study_b_report.meaning([row("hilbert", -0.01, 0.4), worse_equi, other]) == (
         "Study B in plain words (neox): stepping the LM head in the Hilbert geometry (`hilbert`, `hilbert_equi`) "
-        "trains no better model than `muon`'s head does, and `hilbert_equi` trains a worse one.")
+        "is not shown to train a better model than `muon`'s head with these seeds, and `hilbert_equi` trains a worse "
+        "one.")
     assert study_b_report.meaning([row("hilbert", -0.05, 0.01), worse_equi]) == (
         "Study B in plain words (neox): `hilbert` trains a better model than `muon`'s head does, and `hilbert_equi` "
         "trains a worse one.")
@@ -835,12 +839,12 @@ def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verd
     assert "| claim | gpt2: 96 / 192 / 384 |" in text
     assert "| supported / supported / inconclusive |" in text and "| supported / supported / supported |" in text
     assert (f"Whether a claim is supported changes with k in 1 cell: {CLAIMS[0].label} (gpt2: supported at k = 96, "
-            "192 only).") in text and "votes shift" not in text
+            "192, not at k = 384).") in text and "more, the verdict changes" not in text
     # A reading that moves between negative ones is a shift of the classes' votes, counted apart.
     shifted = study_a_report._locality_sweep(study_a_report.read_locality_sweep(path) + [
         {**r, "verdict": "not supported" if r["k"] == 96 else "contradicted", "claim": "angle_res_tok_near_90"}
         for r in rows if r["claim"] == "proj_res_below_full"])  # fmt: skip
-    assert "In 1 more, the classes' votes shift with k within a reading that is supported at no k." in shifted
+    assert "In 1 more, the verdict changes with k but is supported at no k." in shifted
     path.write_text(LOCALITY_ROWS.replace(",verdict\n", ",reading\n", 1))
     with pytest.raises(ValueError, match="no column verdict"):
         study_a_report.read_locality_sweep(path)

@@ -1,7 +1,7 @@
 """Does `hilbert_equi`'s warm-started step solve its problem inside training? `python -m tools.equi_tracking`.
 
-Trains the default study's first `hilbert_equi` run (neox, seed 0; its params, the prepared tokens in
-`data/tokens`) for `--steps` steps. At each of `--at` steps it solves the step's problem again, cold
+Trains the default study's first `hilbert_equi` run (neox, seed 0; its params, its schedule, the prepared
+tokens in `data/tokens`) up to the last of the `--at` steps. At each of them it solves the step's problem again, cold
 (`COLD_ITERS` iterations from `hilbert`'s rows), for the same momentum, and prints both solutions' spread ρ
 (min/max pairwise row distance, all rows) and descent per unit diameter against the momentum the problem is
 stated for (A_m, held ≥ c) and against the step's own gradient (A_g). A warm step whose ρ stays far below the
@@ -24,6 +24,10 @@ COLD_ITERS = 400
 RUN = ("neox", "hilbert_equi", 0)
 
 
+class _Enough(Exception):
+    """Raised by the observed step after the last step asked for: the run need not go on."""
+
+
 def descent_share(x: Tensor, g: Tensor) -> float:
     """A(X) = ⟨G, X⟩ / (½·diam(X)·Σ‖g_i‖), G centred (SPEC §3.3)."""
     from pipeline.study_b.hilbert import center_rows, diam
@@ -39,10 +43,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pipeline.study_b.train import train_run
     from pipeline.text.corpus import load_meta, load_tokens
 
-    equidistance.WARM_ANGLE = args.warm_angle
     spec = RunSpec(*RUN)
-    cfg = load_params(args.params).train.for_run(spec)
-    cfg = cfg.model_copy(update={"steps": args.steps, "eval_interval": args.steps})
+    cfg = load_params(args.params).train.for_run(spec)  # the study's steps: its schedule, stopped early
     tokens = {split: load_tokens(args.tokens, split) for split in ("train", "val")}
     rows: list[dict[str, Any]] = []
     build = optim.HeadLMO.__init__
@@ -63,16 +65,21 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                              "warm_A_g": descent_share(x, grad), "cold_A_g": descent_share(y, grad)})
             else:
                 rows.append({"step": done})
+            if done >= max(args.at):
+                raise _Enough
             return x
 
         build(self, params, step, **kw)
 
+    angle, equidistance.WARM_ANGLE = equidistance.WARM_ANGLE, args.warm_angle
     optim.HeadLMO.__init__ = observed  # type: ignore[method-assign]
     try:
         train_run(spec, cfg, tokens["train"], tokens["val"], load_meta(args.tokens)["vocab_size"],
                   load_meta(args.tokens)["seq_len"], "tracking", lambda *_: None)  # fmt: skip
+    except _Enough:
+        pass
     finally:
-        optim.HeadLMO.__init__ = build  # type: ignore[method-assign]
+        optim.HeadLMO.__init__, equidistance.WARM_ANGLE = build, angle  # type: ignore[method-assign]
     return [row for row in rows if len(row) > 1]
 
 
@@ -80,7 +87,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=Path, default=Path("params.yaml"))
     parser.add_argument("--tokens", type=Path, default=Path("data/tokens"))
-    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--at", type=int, nargs="+", default=[20, 60, 100])
     parser.add_argument("--warm-iters", type=int, help="the run's equi_iters (default: the params')")
     parser.add_argument("--warm-angle", type=float, help="equidistance.WARM_ANGLE (default: the code's)")

@@ -113,25 +113,29 @@ TOKENWISE = "cos_full_tok_near_1"  # the paper's first claim: a layer's update f
 
 def meaning(claims: list[ClaimSummary]) -> str | None:
     """Study A in plain words: does a layer's update follow a tokenwise map fitted on nearby tokens (the paper's
-    first claim), and is what that map misses the residual the paper describes (its other claims)?"""
+    first claim), and is what that map misses the residual the paper describes (its other claims)? "Supported"
+    as the headline reads it: by every voting class."""
     trained = [c for c in claims if c.subject.endswith("@final") and CLAIMS_BY_NAME[c.claim].source == "paper"]
-    if not trained:
-        return None
     along = sorted(c.subject.removesuffix("@final") for c in trained if c.claim == TOKENWISE and c.verdict == SUPPORTED)
-    follows = (f"a layer's update follows what a tokenwise map fitted on nearby tokens predicts ({', '.join(along)})"
-               if along else "no layer update reliably follows what a tokenwise map fitted on nearby tokens predicts")
     about_rest = list(dict.fromkeys(c.claim for c in trained if c.claim != TOKENWISE))
-    if not about_rest:
-        return f"Study A in plain words: on these small models {follows}."
     held = [name for name in about_rest if any(c.verdict == SUPPORTED for c in trained if c.claim == name)]
+    parts = []
+    if any(c.claim == TOKENWISE for c in trained):
+        where = f"({', '.join(along)})"
+        parts.append(f"a layer's update follows what a tokenwise map fitted on nearby tokens predicts {where}"
+                     if along else "no layer update is shown to follow what a tokenwise map fitted on nearby tokens "
+                     "predicts")  # fmt: skip
     if held:
         labels = ", ".join(f"“{CLAIMS_BY_NAME[name].label}”" for name in held)
-        misses = (f"and {len(held)} of the paper's {len(about_rest)} claims about what that map misses hold "
-                  f"somewhere ({labels})")
-    else:
-        misses = (f"{'but' if along else 'and'} what that map misses does not behave as the paper's residual does: "
-                  f"none of its {len(about_rest)} claims about it holds on any architecture")  # fmt: skip
-    return f"Study A in plain words: on these small models {follows}, {misses}."
+        parts.append(f"{len(held)} of the paper's {len(about_rest)} claims about what that map misses "
+                     f"{'holds' if len(held) == 1 else 'hold'} somewhere ({labels})")
+    elif about_rest:
+        parts.append(f"none of the paper's {len(about_rest)} claims about what that map misses is supported on any "
+                     "architecture")  # fmt: skip
+    if not parts:
+        return None
+    joined = f", {'but' if along and not held else 'and'} ".join(parts)
+    return f"Study A in plain words: on these small models {joined}."
 
 
 def _effects(trained: list[ClaimSummary], names: list[str]) -> str:
@@ -581,7 +585,9 @@ def _locality_sweep(rows: Sequence[Row]) -> str:
                 continue
             held = [str(k) for k, reading in readings.items() if reading == SUPPORTED]
             if held:  # what the headline counts changes with k
-                flips.append(f"{claim.label} ({s.removesuffix('@final')}: supported at k = {', '.join(held)} only)")
+                others = ", ".join(str(k) for k, reading in readings.items() if reading != SUPPORTED)
+                flips.append(f"{claim.label} ({s.removesuffix('@final')}: supported at k = {', '.join(held)}, not "
+                             f"at k = {others})")  # fmt: skip
             else:
                 shifts += 1
     ks = ", ".join(f"k = {k}" for k in by_k)
@@ -589,8 +595,7 @@ def _locality_sweep(rows: Sequence[Row]) -> str:
                 f"{'; '.join(flips)}."
                 if flips else "Whether a claim is supported changes with k in no cell.")
     if shifts:
-        verdicts += (f" In {shifts} more, the classes' votes shift with k within a reading that is supported at no "
-                     "k.")  # fmt: skip
+        verdicts += f" In {shifts} more, the verdict changes with k but is supported at no k."
     note = (f"The trained models' verdicts at {ks} (`presets/locality.yaml`, its committed tables in "
             f"`docs/locality/`), each cell in that order. {verdicts} Larger neighbourhoods are less local: a map "
             "fitted on them is closer to one fitted for the whole layer.\n")  # fmt: skip

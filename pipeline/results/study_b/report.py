@@ -138,8 +138,8 @@ def meaning(recipes: list[Row]) -> str | None:
             continue
         better, worse = ([r for r in hilbert if _reading(r) == f"{side} than muon"] for side in ("lower", "higher"))
         parts = [f"{_names(better)} {_trains(better)} a better model than `{reference}`'s head does" if better else
-                 f"stepping the LM head in the Hilbert geometry ({_names(hilbert)}) trains no better model than "
-                 f"`{reference}`'s head does"]  # fmt: skip
+                 f"stepping the LM head in the Hilbert geometry ({_names(hilbert)}) is not shown to train a better "
+                 f"model than `{reference}`'s head with these seeds"]  # fmt: skip
         if worse:
             parts.append(f"{_names(worse)} {_trains(worse)} a worse one")
         sentences.append(f"Study B in plain words ({arch}): {', and '.join(parts)}.")
