@@ -354,6 +354,9 @@ def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: P
 
     from pipeline.results import query
 
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN, (
+        "SIGINT is ignored in this process, as it is for a suite started with `&` in a shell without job control "
+        "or under nohup: run the suite in the foreground")
     monkeypatch.setattr(query, "_LOCKDOWN", ("SELECT count(*) FROM range(100000) a, range(100000) b", *query._LOCKDOWN))
     ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     started = time.monotonic()
