@@ -28,20 +28,13 @@ class _Enough(Exception):
     """Raised by the observed step after the last step asked for: the run need not go on."""
 
 
-def descent_share(x: Tensor, g: Tensor) -> float:
-    """A(X) = ⟨G, X⟩ / (½·diam(X)·Σ‖g_i‖), G centred (SPEC §3.3)."""
-    from pipeline.study_b.hilbert import center_rows, diam
-
-    g = center_rows(g.double())
-    return float((g * x.double()).sum() / (0.5 * diam(x.double())[0] * g.norm(dim=1).sum()))
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pipeline.core.contracts import RunSpec
     from pipeline.params import load_params
     from pipeline.study_b import equidistance, optim
     from pipeline.study_b.train import train_run
     from pipeline.text.corpus import load_meta, load_tokens
+    from tools.frontier import spread_and_descent  # ρ and A (SPEC §3.3), as the frontier measures them
 
     spec = RunSpec(*RUN)
     cfg = load_params(args.params).train.for_run(spec)  # the study's steps: its schedule, stopped early
@@ -57,12 +50,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             grad = (m - optim.MOMENTUM * state["momentum_buffer"].float()) / (1 - optim.MOMENTUM)
             done = len(rows) + 1
             if done in args.at:
-                cold = equidistance.solve(m, knobs.equi_alignment, COLD_ITERS)
-                y = cold.rows / cold.diameter
-                rows.append({"step": done, "warm_spread": float(equidistance.spread(state["equi_solution"].rows)),
-                             "cold_spread": float(equidistance.spread(cold.rows)),
-                             "warm_A_m": descent_share(x, m), "cold_A_m": descent_share(y, m),
-                             "warm_A_g": descent_share(x, grad), "cold_A_g": descent_share(y, grad)})
+                y = equidistance.solve(m, knobs.equi_alignment, COLD_ITERS).rows
+                (warm_spread, warm_a_m), (cold_spread, cold_a_m) = spread_and_descent(x, m), spread_and_descent(y, m)
+                rows.append({"step": done, "warm_spread": warm_spread, "cold_spread": cold_spread,
+                             "warm_A_m": warm_a_m, "cold_A_m": cold_a_m,
+                             "warm_A_g": spread_and_descent(x, grad)[1], "cold_A_g": spread_and_descent(y, grad)[1]})
             else:
                 rows.append({"step": done})
             if done >= max(args.at):
