@@ -105,7 +105,7 @@ def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, 
 def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
     text, _, rendered = default_study
     assert headings(text) == ["## Summary", "## Study B: LM-head update geometry", "## Study A: layer-update geometry",
-                              "## Appendix: per run", "## Provenance"]  # fmt: skip
+                              "## Appendix: per run", "## The headline as DVC shows it", "## Provenance"]  # fmt: skip
     assert rendered.lines == text.count("\n") < MAX_LINES
     provenance = section(text, "## Provenance")
     assert "revision `0123abc`" in provenance and "`feedbeef`" in provenance
@@ -191,13 +191,21 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
     recipes = [r for r in pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist() if not r["matched"]]
     compared = {r["arch"] for r in recipes if r["recipe"] != "muon"}
     assert compared == set(DEFAULT_TRAIN_ARCHS) and len(compared) == 1  # one: the means over archs are its values
-    expected = {r["recipe"]: r["test_loss_mean"] if r["recipe"] == "muon" else r["diff_vs_muon"]
+    expected = {"muon_loss" if r["recipe"] == "muon" else f"d_{r['recipe']}":
+                r["test_loss_mean"] if r["recipe"] == "muon" else r["diff_vs_muon"]
                 for r in recipes if r["arch"] in DEFAULT_TRAIN_ARCHS}  # fmt: skip
     expected["ci"] = max((r["diff_ci_high"] - r["diff_ci_low"]) / 2 for r in recipes if r["diff_ci_low"] is not None)
-    assert set(expected) == {*DEFAULT_RECIPES, "ci"}
+    assert set(expected) == {"muon_loss", *(f"d_{r}" for r in DEFAULT_RECIPES if r != "muon"), "ci"}
     assert {k: m[k] for k in expected} == pytest.approx(expected, abs=5e-5)
     # Study B's, muon first, then Study A's (the default study has no sweep: no `envelope`)
-    assert list(m) == ["muon", *(name for name in expected if name != "muon"), *scores]
+    assert list(m) == ["muon_loss", *(name for name in expected if name != "muon_loss"), *scores]
+    # The report names each with what it is, beside its value as metrics.json holds it
+    shown = section(default_study[0], "## The headline as DVC shows it")
+    for name, value in m.items():
+        (row,) = [line for line in shown.splitlines() if line.startswith(f"| `{name}` |")]
+        assert row.split(" | ")[1] == f"{value:g}" and len(row.split(" | ")[2]) > 30, row
+    assert "`muon`'s final test loss" in shown and "`hilbert`'s test loss minus `muon`'s" in shown
+    assert "residual orthogonal to it (`angle_res_tok_near_90`)" in shown
 
 
 HEADLINE_SCRIPT = """import json, yaml
@@ -803,13 +811,13 @@ def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effe
     summary = section(text, "## Summary")
     header = next(line for line in summary.splitlines() if line.startswith("| the paper states |"))
     assert header.count("here (raw)") == header.count("vs fair null") == len(DEFAULT_ARCHS)
-    rows = [line for line in summary.splitlines() if line.startswith("| ") and " | median cos " in line
+    rows = [line for line in summary.splitlines() if line.startswith("| ") and " | median cos(Δ_full, Δ_tok) " in line
             or line.startswith("| Spearman(RelErr, KL) strong")]  # fmt: skip
     assert len(rows) == 2
     values = pq.read_table(out.parent / "tables" / "paper_values.parquet").to_pylist()
     cos = [v["value"] for v in values if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final"
            and v["statistic"] == "cos_full_tok" and votes(v["fn"])]  # fmt: skip
-    assert len(cos) == 4 and f"median cos {min(cos):.2g}–{max(cos):.2g}" in rows[0]
+    assert len(cos) == 4 and f"median cos(Δ_full, Δ_tok) {min(cos):.2g}–{max(cos):.2g}" in rows[0]
     assert all(re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
                for r in rows)  # fmt: skip
     assert "small models trained here" in summary

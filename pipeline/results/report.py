@@ -23,7 +23,8 @@ from typing import Any
 
 from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
-from pipeline.results.common import Figures, Tables
+from pipeline.results.aggregate import metric_meaning, metrics
+from pipeline.results.common import Figures, Tables, markdown_table
 from pipeline.results.html import heading_anchor, to_html
 from pipeline.results.study_a import report as study_a
 from pipeline.results.study_a.claims import ClaimSummary, summarise
@@ -68,6 +69,7 @@ def render_report(
         study_b.section(tables, figures, tuning, sweep_tables),
         study_a.section(tables, claims, figures, locality),
         study_b.appendix(tables, step_times or {}),
+        _headline_metrics(tables),
         _provenance(provenance),
     ]
     title = "# lmgeo report\n"
@@ -128,6 +130,14 @@ def findings_in(readme: str) -> str | None:
     """The text of `readme`'s findings block, None without one."""
     found = re.search(f"{re.escape(FINDINGS_START)}\n(.*?)\n{re.escape(FINDINGS_END)}", readme, re.DOTALL)
     return found[1] if found else None
+
+
+def _headline_metrics(tables: Tables) -> str:
+    """`reports/metrics.json`, the names `dvc metrics show` and `dvc exp show` print, each with what it is."""
+    rows = [(f"`{name}`", f"{value:g}", metric_meaning(name)) for name, value in metrics(tables).items()]
+    return ("## The headline as DVC shows it\n\n`dvc metrics show` and `dvc exp show` print these short names "
+            "(`reports/metrics.json`; short, so that a row fits a 200-column terminal); the tables above hold "
+            "the intervals and the detail.\n\n" + markdown_table(["name", "value", "what it is"], rows) + "\n")
 
 
 # -------------------------------------------------------------------------------------- provenance

@@ -283,7 +283,7 @@ def _supported_count(at: SummaryAt, subject: str) -> str:
 
 
 def _cos(r: RawValues, s: str, at: SummaryAt) -> str:
-    return f"median cos {_range(r, s, 'cos_full_tok')}"
+    return f"median cos(Δ_full, Δ_tok) {_range(r, s, 'cos_full_tok')}"
 
 
 def _angle(r: RawValues, s: str, at: SummaryAt) -> str:
@@ -291,11 +291,11 @@ def _angle(r: RawValues, s: str, at: SummaryAt) -> str:
 
 
 def _projection(r: RawValues, s: str, at: SummaryAt) -> str:
-    return f"median proj_res {_range(r, s, 'proj_res')} vs proj_full {_range(r, s, 'proj_full')}"
+    return f"median projection: residual {_range(r, s, 'proj_res')} vs full update {_range(r, s, 'proj_full')}"
 
 
 def _rank_correlation(r: RawValues, s: str, at: SummaryAt) -> str:
-    return (f"ρ {_range(r, s, 'spearman')} (max {_range(r, s, 'spearman_max')}; > 0.7 in "
+    return (f"Spearman ρ {_range(r, s, 'spearman')} (max {_range(r, s, 'spearman_max')}; > 0.7 in "
             f"{_range(r, s, 'spearman_over_0.7', 100, 2)}% of layers)")  # fmt: skip
 
 
@@ -304,13 +304,13 @@ def _decisive(r: RawValues, s: str, at: SummaryAt) -> str:
 
 
 def _mlp_against_linear(r: RawValues, s: str, at: SummaryAt) -> str:
-    parts = [f"{name} {_range(r, s, name, classes=NONLINEAR)} vs {_range(r, s, name, classes=LINEAR)}"
-             for name in ("rel_err", "spearman")]  # fmt: skip
+    parts = [f"{label} {_range(r, s, name, classes=NONLINEAR)} vs {_range(r, s, name, classes=LINEAR)}"
+             for name, label in (("rel_err", "residual size (rel_err)"), ("spearman", "Spearman ρ"))]  # fmt: skip
     return f"MLP vs linear: {'; '.join(parts)}"
 
 
 def _diagonal(r: RawValues, s: str, at: SummaryAt) -> str:
-    return (f"rel_err diag_psd {_range(r, s, 'rel_err', classes=['diag_psd'])} vs lowrank "
+    return (f"residual size (rel_err): diag_psd {_range(r, s, 'rel_err', classes=['diag_psd'])} vs lowrank "
             f"{_range(r, s, 'rel_err', classes=['lowrank'])} (one model size here: not a comparison of sizes)")
 
 

@@ -29,6 +29,7 @@ from pipeline.results.common import measured, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman, spearman_by_layer
 from pipeline.results.study_a.claims import (
+    CLAIMS,
     LAYER_FIT,
     MIN_ANCHORS,
     VERSUS,
@@ -416,13 +417,19 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
 
 
-def metrics(tables: dict[str, pa.Table]) -> dict[str, float]:
+def metrics(tables: Mapping[str, Sequence[dict[str, Any]]]) -> dict[str, float]:
     """Study A's part of the DVC metrics (`pipeline.results.aggregate`): per claim of `HEADLINE`, under its
-    short name, the verdict score (+1 supported … −1 contradicted, over the classes) averaged over the
-    subjects, trained architectures (`@final`) and external models, to 2 decimals (more would only widen
-    the column)."""
+    short name, the verdict score (`metric_meaning`), to 2 decimals (more would only widen the column)."""
     scores: dict[str, list[float]] = {}
-    for s in summarise(tables["claim_tests"].to_pylist()):
+    for s in summarise(tables["claim_tests"]):
         if not s.subject.endswith("@init") and s.claim in HEADLINE:
             scores.setdefault(HEADLINE[s.claim], []).append(s.score)
     return measured({name: float(np.mean(values)) for name, values in scores.items()}, decimals=2)
+
+
+def metric_meaning(name: str) -> str:
+    """What Study A's DVC metric `name` is, in words (the report's table of them; SPEC §2)."""
+    (claim,) = (c for c in CLAIMS if HEADLINE.get(c.name) == name)
+    return (f"{claim.label} (`{claim.name}`{', a check of this project' if claim.source != 'paper' else ''}): its "
+            "verdict as a score, +1 supported, 0 inconclusive, −½ not supported, −1 contradicted, averaged over "
+            "the paper's classes, then over the trained architectures (`@final`) and external models")

@@ -27,9 +27,9 @@ PALETTE = ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:
 
 VAL_LOSS = Axis("val_loss", "validation loss (nats)")
 HEAD_STEP = (
-    Axis("hilbert_bound", "hilbert_bound: worst-case nats per step", log=True),
-    Axis("tightness", "hilbert_realized / hilbert_bound"),
-    Axis("equi_ratio", "equi_ratio (min / max row distance)"),
+    Axis("hilbert_bound", "worst-case step (nats)", log=True),
+    Axis("tightness", "realised / worst-case step"),
+    Axis("equi_ratio", "row spread (min / max distance)"),
 )
 STEP = "training step"
 

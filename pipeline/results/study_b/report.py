@@ -401,7 +401,7 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
         _power_statement(recipes),
         _tuning_statement(tuning, runs),
         ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
-         "well as direction (`hilbert_bound` below); the matched-budget sweep at the end of this section "
+         "well as direction (the worst-case step below); the matched-budget sweep at the end of this section "
          "compares them at equal worst-case nats per step, budget by budget."),
         _problem_runs(runs),
     ]  # fmt: skip
@@ -511,13 +511,16 @@ def _geometry_table(runs: list[Row]) -> str:
     """Per arch × recipe, medians over runs of each run's median over logged steps."""
     rows = [[arch, f"`{recipe}`", *(median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
             for (arch, recipe), rs in _by_arch_recipe(runs).items()]  # fmt: skip
-    header = ["arch", "recipe", "hilbert_bound (nats)", "d_H on its batch", "cos(ΔW, −G)", "descent / hilbert's",
-              "equi_ratio", "random rows"]  # fmt: skip
+    header = ["arch", "recipe", "worst-case step (nats)", "realised on its batch (nats)", "alignment cos(ΔW, −G)",
+              "descent per diameter vs `hilbert`", "row spread (min / max distance)",
+              "random rows' spread"]  # fmt: skip
     equi_bound = num(median([r["median_equi_ratio_bound"] for r in runs]))
-    note = ("Medians over logged steps, then seeds. *d_H on its batch*: the largest change of a token's "
-            "log-probability the head step made on the batch it was computed from; *descent / hilbert's*: −⟨G, ΔW⟩ "
-            "per unit diameter relative to the `hilbert` step (SPEC §3.3); *equi_ratio*: min/max row distance of ΔW "
-            f"on a fixed row sample, against random unit rows (no configuration exceeds {equi_bound}).\n")  # fmt: skip
+    note = ("Medians over logged steps, then seeds. *Worst-case step*: the most any token's log-probability can "
+            "change, over every input (`hilbert_bound`, SPEC §3.3); *realised on its batch*: the largest change the "
+            "head step made on the batch it was computed from (`hilbert_realized_train`); *descent per diameter*: "
+            "−⟨G, ΔW⟩ per unit diameter relative to the `hilbert` step; *row spread*: min / max distance between "
+            "rows of ΔW on a fixed row sample (`equi_ratio`), against random unit rows (no configuration exceeds "
+            f"{equi_bound}). In parentheses: the `runs` columns (`median_<name>`) to query.\n")  # fmt: skip
     return markdown_table(header, rows) + "\n" + note
 
 
@@ -543,8 +546,8 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
     rows = [[f"`{r['run']}`", r["head_step"] or "–", num(r["final_test_loss"], 4), num(r["final_val_loss"], 4),
              num(step_times.get(r["run"])), num(r["median_hilbert_bound"]), num(r["max_tightness"]),
              "sampled (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs]  # fmt: skip
-    header = ["run", "head step", "test loss", "val loss", "step time (s)", "hilbert_bound", "max tightness",
-              "diameter"]  # fmt: skip
+    header = ["run", "head step", "test loss", "val loss", "step time (s)", "worst-case step (nats)",
+              "largest realised / worst case", "diameter"]  # fmt: skip
     sweep = len(runs_of_kind(tables["runs"], True))
     query = '`lmgeo query "SELECT * FROM runs WHERE matched"`'
     more = f"\nThe matched-budget sweep's {sweep} runs: {query}.\n" if sweep else ""
