@@ -205,7 +205,7 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
         (row,) = [line for line in shown.splitlines() if line.startswith(f"| `{name}` |")]
         assert row.split(" | ")[1] == f"{value:g}" and len(row.split(" | ")[2]) > 30, row
     assert "`muon`'s final test loss" in shown and "`hilbert`'s test loss minus `muon`'s" in shown
-    assert "residual orthogonal to it (`angle_res_tok_near_90`)" in shown
+    assert "“residual orthogonal to it” (`angle_res_tok_near_90`): its verdict score" in shown
 
 
 HEADLINE_SCRIPT = """import json, yaml

@@ -137,7 +137,9 @@ def _headline_metrics(tables: Tables) -> str:
     rows = [(f"`{name}`", f"{value:g}", metric_meaning(name)) for name, value in metrics(tables).items()]
     return ("## The headline as DVC shows it\n\n`dvc metrics show` and `dvc exp show` print these short names "
             "(`reports/metrics.json`; short, so that a row fits a 200-column terminal); the tables above hold "
-            "the intervals and the detail.\n\n" + markdown_table(["name", "value", "what it is"], rows) + "\n")
+            "the intervals and the detail. A verdict score is +1 supported, 0 inconclusive, −½ not supported, −1 "
+            "contradicted, averaged over the paper's classes, then over the trained architectures (`@final`) and "
+            "the external models.\n\n" + markdown_table(["name", "value", "what it is"], rows) + "\n")
 
 
 # -------------------------------------------------------------------------------------- provenance

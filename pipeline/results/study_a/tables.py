@@ -430,6 +430,6 @@ def metrics(tables: Mapping[str, Sequence[dict[str, Any]]]) -> dict[str, float]:
 def metric_meaning(name: str) -> str:
     """What Study A's DVC metric `name` is, in words (the report's table of them; SPEC §2)."""
     (claim,) = (c for c in CLAIMS if HEADLINE.get(c.name) == name)
-    return (f"{claim.label} (`{claim.name}`{', a check of this project' if claim.source != 'paper' else ''}): its "
-            "verdict as a score, +1 supported, 0 inconclusive, −½ not supported, −1 contradicted, averaged over "
-            "the paper's classes, then over the trained architectures (`@final`) and external models")
+    project = ", a check of this project" if claim.source != "paper" else ""
+    return (f"“{claim.label}” (`{claim.name}`{project}): its verdict score, +1 supported … −1 contradicted, "
+            "averaged over classes and models")

@@ -446,7 +446,7 @@ def metric_meaning(name: str) -> str:
     if name == f"{muon}_loss":
         return f"`{muon}`'s final test loss (nats, mean over seeds)"
     if name == "ci":
-        return ("the widest half-width of the `d_` differences' 95 % intervals (nats): a change of a difference "
+        return ("the widest half-width of the `d_` differences' confidence intervals (nats): a change of a difference "
                 "smaller than it is noise")
     if name == "envelope":
         return (f"the matched-budget sweep's lowest difference to `{muon}`, each recipe at its best budget "
