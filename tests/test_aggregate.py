@@ -17,11 +17,11 @@ from pipeline.core.contracts import FIT_METRICS, parse_run_id, run_id, vectors_t
 from pipeline.core.contracts import RESULT_TABLES as TABLES
 from pipeline.core.store import ManifestKey, ShardWriter
 from pipeline.params import load_params
-from pipeline.results.aggregate import aggregate, build_tables, load_sources, metrics
+from pipeline.results.aggregate import aggregate, build_tables, load_sources
 from pipeline.results.config import ReportConfig
+from pipeline.results.headline import HEADLINE, metrics
 from pipeline.results.stats import holm, mean_interval, spearman_by_layer
 from pipeline.results.study_a.claims import CLAIMS, LAYER_FIT
-from pipeline.results.study_a.tables import HEADLINE
 from pipeline.results.study_b.tables import MAX_CURVE_POINTS
 from pipeline.study_a.classes import FIT_CLASSES
 

@@ -13,7 +13,7 @@ from study_helpers import REPO, commit, new_study, sh, write_params
 
 from pipeline.core.config import flatten_overrides, load_yaml
 from pipeline.params import apply_overrides, load_params
-from pipeline.results.study_a.tables import HEADLINE
+from pipeline.results.headline import HEADLINE
 
 pytestmark = pytest.mark.slow
 

@@ -32,6 +32,7 @@ from test_aggregate import (
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
 from pipeline.results.common import NARROW, axis_labels, markdown_table
+from pipeline.results.headline import HEADLINE
 from pipeline.results.html import to_html
 from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
 from pipeline.results.study_a import figures as fig_a
@@ -47,7 +48,6 @@ from pipeline.results.study_a.claims import (
     summarise,
     votes,
 )
-from pipeline.results.study_a.tables import HEADLINE
 from pipeline.results.study_b import figures as fig_b
 from pipeline.results.study_b import report as study_b_report
 from stages.layout import Layout

@@ -13,17 +13,7 @@ datasets (``pipeline.core.contracts``), the records of the finished runs and the
   ``pipeline.results.study_a.claims``), ``expressivity`` (per subject and local class, in order of capacity:
   rel_err and Spearman(rel_err, kl), what the expressivity trade-off ranks). Models are labelled
   ``<run>@init`` / ``<run>@final`` or by their hub id (``/``).
-- ``out_dir/metrics.json`` (DVC metrics): the headline numbers a person compares across experiments, one flat
-  object of short names, Study B's then Study A's, so that ``dvc metrics show`` (one row, a column per name) and
-  ``dvc exp show --only-changed`` fit a 200-column terminal; the detail stays in the tables, for ``lmgeo
-  query``. A name whose value is not measured is left out; ``metric_meaning`` says what each name is (the
-  report prints it beside the value). Study B (``study_b.tables.metrics``), over the archs that compare
-  recipes: ``muon_loss`` (its final test loss), ``d_<recipe>`` per other recipe (its paired difference to
-  ``muon``; negative: lower loss), ``ci`` (the widest half-width of those differences' intervals),
-  ``envelope`` (the matched-budget sweep's lowest difference to ``muon``), in nats to 4 decimals. Study A
-  (``study_a.tables.metrics``): one per claim of ``HEADLINE`` under its short name, the verdict score (+1
-  supported, 0 inconclusive, −½ not supported, −1 contradicted) averaged over classes and
-  subjects, to 2 decimals. Rounded, equal inputs give identical bytes.
+- ``out_dir/metrics.json`` (DVC metrics): the headline, ``pipeline.results.headline``.
 
 Non-finite values in fits are excluded from every statistic and counted (``n_nonfinite_values``). Study A's tables
 are built in ``pipeline.results.study_a.tables``, Study B's in ``pipeline.results.study_b.tables``; this module
@@ -44,8 +34,8 @@ import pyarrow as pa
 
 from pipeline.core.contracts import FITS, PERTURB, STEPS, RunRecord, scan
 from pipeline.core.store import ManifestKey, ShardWriter, atomic_write, verified_files, write_plan
-from pipeline.results.common import Tables
 from pipeline.results.config import ReportConfig
+from pipeline.results.headline import metrics
 from pipeline.results.study_a import tables as study_a
 from pipeline.results.study_b import tables as study_b
 from pipeline.study_a.config import AnalysisConfig
@@ -170,13 +160,3 @@ def aggregate(
     write_plan(out_dir / "tables", {"tables": key}, lineage)
     rows = {name: tables[name].to_pylist() for name in ("recipes", "envelope", "claim_tests")}
     atomic_write(out_dir / "metrics.json", json.dumps(metrics(rows), indent=2) + "\n")
-
-
-def metrics(tables: Tables) -> dict[str, float]:
-    """The DVC metrics (module docstring), in a stable order: the columns of `dvc metrics show`."""
-    return study_b.metrics(tables) | study_a.metrics(tables)
-
-
-def metric_meaning(name: str) -> str:
-    """What the DVC metric `name` is, in words."""
-    return study_a.metric_meaning(name) if name in study_a.HEADLINE.values() else study_b.metric_meaning(name)

@@ -23,8 +23,8 @@ from typing import Any
 
 from pipeline.core.contracts import RESULT_TABLES, read_result_tables
 from pipeline.core.store import atomic_write
-from pipeline.results.aggregate import metric_meaning, metrics
 from pipeline.results.common import Figures, Tables, markdown_table
+from pipeline.results.headline import metric_meaning, metrics
 from pipeline.results.html import heading_anchor, to_html
 from pipeline.results.study_a import report as study_a
 from pipeline.results.study_a.claims import ClaimSummary, summarise

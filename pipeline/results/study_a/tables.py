@@ -25,11 +25,10 @@ from pipeline.core.contracts import (
     vector_shape,
 )
 from pipeline.models.registry import FAMILIES
-from pipeline.results.common import measured, none_if_nan
+from pipeline.results.common import none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import spearman, spearman_by_layer
 from pipeline.results.study_a.claims import (
-    CLAIMS,
     LAYER_FIT,
     MIN_ANCHORS,
     VERSUS,
@@ -41,7 +40,6 @@ from pipeline.results.study_a.claims import (
     one_model_subjects,
     stratum_effect,
     subject_of,
-    summarise,
     t_interval,
     well_posed,
 )
@@ -55,16 +53,6 @@ EXPRESSIVITY_PARTS = {
     "spearman": Test(lambda c, idx: spearman(c["rel_err"][idx], c["kl"][idx]), 0.0, ("rel_err", "kl")),
 }
 ANGLE_BIN_DEG = 10
-# Each claim's name in the DVC metrics: short, so that `dvc metrics show` fits a 200-column terminal; the
-# project's own checks, not the paper's claims, carry `x_`. `cos_full_tok_near_1` has none: it is implied by
-# `rel_err` (cos_full_tok ≥ √(1 − rel_err²), SPEC §4.5); nor has `expressivity_tradeoff`, one verdict over
-# class pairs (the `expressivity` table and the report have it): a column more and `dvc metrics show` no longer
-# fits 200 columns.
-HEADLINE = {
-    "angle_res_tok_near_90": "ortho", "proj_res_below_full": "proj_loc", "proj_res_global_below_full": "proj_glob",
-    "spearman_rel_err_kl": "rho_kl", "residual_outweighs_null": "kl_null",
-    "partial_spearman_rel_err_kl": "x_rho_part", "local_beats_layer": "x_local",
-}  # fmt: skip
 
 
 def create_anchor_view(con: duckdb.DuckDBPyConnection) -> None:
@@ -415,21 +403,3 @@ def _aligned(anchors: np.ndarray, other: np.ndarray, values: np.ndarray) -> np.n
     where = np.searchsorted(other, anchors).clip(0, max(len(other) - 1, 0))
     found = len(other) > 0 and other[where] == anchors
     return np.where(found, values[where] if len(other) else np.nan, np.nan)
-
-
-def metrics(tables: Mapping[str, Sequence[dict[str, Any]]]) -> dict[str, float]:
-    """Study A's part of the DVC metrics (`pipeline.results.aggregate`): per claim of `HEADLINE`, under its
-    short name, the verdict score (`metric_meaning`), to 2 decimals (more would only widen the column)."""
-    scores: dict[str, list[float]] = {}
-    for s in summarise(tables["claim_tests"]):
-        if not s.subject.endswith("@init") and s.claim in HEADLINE:
-            scores.setdefault(HEADLINE[s.claim], []).append(s.score)
-    return measured({name: float(np.mean(values)) for name, values in scores.items()}, decimals=2)
-
-
-def metric_meaning(name: str) -> str:
-    """What Study A's DVC metric `name` is, in words (the report's table of them; SPEC §2)."""
-    (claim,) = (c for c in CLAIMS if HEADLINE.get(c.name) == name)
-    project = ", a check of this project" if claim.source != "paper" else ""
-    return (f"“{claim.label}” (`{claim.name}`{project}): its verdict score, +1 supported … −1 contradicted, "
-            "averaged over classes and models")

@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import RUN_ID_PATTERN
-from pipeline.results.common import Tables, measured, none_if_nan
+from pipeline.results.common import none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import detectable_difference, holm, mean_interval, paired_difference, seeds_needed
 from pipeline.study_b.baseline import baseline
@@ -31,7 +31,6 @@ POWER = 0.8
 REGIME_MARGIN = 0.3
 BOUND_TOLERANCE = 1e-5  # hilbert_realized / hilbert_bound may exceed 1 by float rounding only
 MAX_CURVE_POINTS = 1000
-METRIC_DECIMALS = 4  # 1e-4 nats: far below the differences Study B resolves (RESOLVE_NATS)
 
 _TIGHTNESS = "hilbert_realized / hilbert_bound"
 # The bound is tested on exact diameters only: a sampled diameter is a lower bound (SPEC §3.3).
@@ -416,40 +415,3 @@ def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | 
 
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{x:.3g}"
-
-
-def metrics(tables: Tables) -> dict[str, float]:
-    """Study B's part of the DVC metrics (`pipeline.results.aggregate`), over the archs that compare recipes
-    (not Study A's muon-only ones), each a mean over those archs, named as `metric_meaning` says. In nats, to
-    `METRIC_DECIMALS` places."""
-    rows = [r for r in tables["recipes"] if not r["matched"]]
-    muon = baseline().name
-    compared = {r["arch"] for r in rows if r["recipe"] != muon}
-    rows = [r for r in rows if r["arch"] in compared]
-    by_name: dict[str, list[float | None]] = {}
-    for r in sorted(rows, key=lambda r: (r["recipe"] != muon, RECIPES.order(r["recipe"]))):  # muon first
-        loss = r["recipe"] == muon
-        by_name.setdefault(f"{muon}_loss" if loss else f"d_{r['recipe']}", []).append(
-            r["test_loss_mean" if loss else "diff_vs_muon"])
-    half_widths = [(r["diff_ci_high"] - r["diff_ci_low"]) / 2 for r in rows if r["diff_ci_low"] is not None]
-    matched = [r["diff_vs_muon"] for r in tables["envelope"] if r["arch"] in compared]
-    return measured({
-        **{name: _mean(values) for name, values in by_name.items()},
-        "ci": max(half_widths, default=None),
-        "envelope": min(_finite(matched), default=None),
-    }, decimals=METRIC_DECIMALS)  # fmt: skip
-
-
-def metric_meaning(name: str) -> str:
-    """What Study B's DVC metric `name` is, in words (the report's table of them; SPEC §2)."""
-    muon = baseline().name
-    if name == f"{muon}_loss":
-        return f"`{muon}`'s final test loss (nats, mean over seeds)"
-    if name == "ci":
-        return ("the widest half-width of the `d_` differences' confidence intervals (nats): a change of a difference "
-                "smaller than it is noise")
-    if name == "envelope":
-        return (f"the matched-budget sweep's lowest difference to `{muon}`, each recipe at its best budget "
-                "(nats; negative: lower loss)")
-    recipe = name.removeprefix("d_")
-    return f"`{recipe}`'s test loss minus `{muon}`'s, paired by seed (nats; negative: `{recipe}` is better)"
