@@ -43,6 +43,7 @@ from pipeline.results.study_a.claims import (
     CONTRADICTED,
     INCONCLUSIVE,
     NOT_SUPPORTED,
+    PAPER_CLAIMS,
     SUPPORTED,
     ClaimSummary,
     summarise,
@@ -184,7 +185,7 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
     for s in summarise(claims):
         if s.subject.endswith("@final") and s.claim in HEADLINE:
             scores.setdefault(HEADLINE[s.claim], []).append(s.score)
-    assert set(HEADLINE) == set(CLAIM_NAMES) - {"cos_full_tok_near_1", "expressivity_tradeoff"}
+    assert set(HEADLINE) == set(PAPER_CLAIMS) - {"cos_full_tok_near_1", "expressivity_tradeoff"}
     assert {name: len(v) for name, v in scores.items()} == {name: len(DEFAULT_ARCHS) for name in HEADLINE.values()}
     assert {name: m[name] for name in scores} == pytest.approx({n: np.mean(v) for n, v in scores.items()}, abs=0.005001)
     # Study B: muon's test loss, each recipe's paired difference to it, the widest half-width of their intervals
@@ -253,6 +254,11 @@ def test_dvc_shows_the_metrics_in_a_200_column_terminal(default_study, tmp_path:
     for k in (DEFAULT.analysis.k, DEFAULT.analysis.k - 2, DEFAULT.analysis.k - 4):  # the commit, each experiment
         assert any(re.search(rf"\d\s+{k}\s*$", line) for line in experiments), (k, experiments)
     assert all(len(line) <= 200 for line in shown + experiments), "\n".join(shown + experiments)
+    # With the sweep's `envelope` and the widest value `ci` can take (0.0781: 6 characters), still one row
+    widest = {**json.loads((tmp_path / path).read_text()), "ci": 0.0781, "envelope": -0.0123}
+    (tmp_path / path).write_text(json.dumps(widest))
+    shown = sh("dvc", "metrics", "show", cwd=tmp_path, env=wide).stdout.splitlines()
+    assert len(shown) == 2 and all(len(line) <= 200 for line in shown), "\n".join(shown)
 
 
 # Per figure, the y label of each panel as it must read (row by row); the label bug of issue 14 put the last
@@ -811,13 +817,14 @@ def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effe
     summary = section(text, "## Summary")
     header = next(line for line in summary.splitlines() if line.startswith("| the paper states |"))
     assert header.count("here (raw)") == header.count("vs fair null") == len(DEFAULT_ARCHS)
-    rows = [line for line in summary.splitlines() if line.startswith("| ") and " | median cos(Δ_full, Δ_tok) " in line
+    rows = [line for line in summary.splitlines()
+            if line.startswith("| ") and " | median absolute cos(Δ_full, Δ_tok) " in line
             or line.startswith("| Spearman(RelErr, KL) strong")]  # fmt: skip
     assert len(rows) == 2
     values = pq.read_table(out.parent / "tables" / "paper_values.parquet").to_pylist()
     cos = [v["value"] for v in values if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final"
            and v["statistic"] == "cos_full_tok" and votes(v["fn"])]  # fmt: skip
-    assert len(cos) == 4 and f"median cos(Δ_full, Δ_tok) {min(cos):.2g}–{max(cos):.2g}" in rows[0]
+    assert len(cos) == 4 and f"median absolute cos(Δ_full, Δ_tok) {min(cos):.2g}–{max(cos):.2g}" in rows[0]
     assert all(re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
                for r in rows)  # fmt: skip
     assert "small models trained here" in summary

@@ -16,14 +16,13 @@ from pipeline.study_b.recipes import RECIPES
 
 STUDY_B_DECIMALS = 4  # 1e-4 nats: far below the differences Study B resolves (RESOLVE_NATS)
 STUDY_A_DECIMALS = 2  # verdict scores are multiples of 1/8 averaged over a few models: more only widens the column
-# Each claim's name: short, so that `dvc metrics show` fits a 200-column terminal; the project's own checks, not
-# the paper's claims, carry `x_`. `cos_full_tok_near_1` has none: it is implied by `rel_err` (cos_full_tok ≥
-# √(1 − rel_err²), SPEC §4.5); nor has `expressivity_tradeoff`, one verdict over class pairs (the `expressivity`
-# table and the report have it): a column more and `dvc metrics show` no longer fits 200 columns.
+# The paper's claims, each under a short name, so that `dvc metrics show` fits a 200-column terminal (with the
+# sweep's `envelope` too). `cos_full_tok_near_1` has none: it is implied by `rel_err` (cos_full_tok ≥
+# √(1 − rel_err²), SPEC §4.5); nor has `expressivity_tradeoff`, one verdict over class pairs, nor the project's
+# own checks (`partial_spearman_rel_err_kl`, `local_beats_layer`): the tables and the report have them.
 HEADLINE = {
     "angle_res_tok_near_90": "ortho", "proj_res_below_full": "proj_loc", "proj_res_global_below_full": "proj_glob",
     "spearman_rel_err_kl": "rho_kl", "residual_outweighs_null": "kl_null",
-    "partial_spearman_rel_err_kl": "x_rho_part", "local_beats_layer": "x_local",
 }  # fmt: skip
 
 
@@ -34,9 +33,9 @@ def metrics(tables: Tables) -> dict[str, float]:
 
 
 def study_b_metrics(tables: Tables) -> dict[str, float]:
-    """Over the archs that compare recipes (not Study A's muon-only ones), each a mean over those archs:
-    `muon_loss`, `d_<recipe>` per other recipe, `ci` and, when the study has the sweep, `envelope`
-    (`metric_meaning`). In nats."""
+    """Over the archs that compare recipes (not Study A's muon-only ones): `muon_loss` and `d_<recipe>` per
+    other recipe (means over those archs), `ci` (a maximum) and, when the study has the sweep, `envelope` (a
+    minimum; `metric_meaning`). In nats."""
     muon = baseline().name
     rows = [r for r in tables["recipes"] if not r["matched"]]
     compared = {r["arch"] for r in rows if r["recipe"] != muon}
@@ -70,19 +69,18 @@ def metric_meaning(name: str) -> str:
     muon = baseline().name
     if name in HEADLINE.values():
         (claim,) = (c for c in CLAIMS if HEADLINE.get(c.name) == name)
-        project = ", a check of this project" if claim.source != "paper" else ""
-        return (f"“{claim.label}” (`{claim.name}`{project}): its verdict score, +1 supported … −1 contradicted, "
-                "averaged over classes and models")
+        return (f"“{claim.label}” (`{claim.name}`): its verdict score, +1 supported … −1 contradicted, averaged "
+                "over classes and models")
     if name == f"{muon}_loss":
-        return f"`{muon}`'s final test loss (nats, mean over seeds)"
+        return f"`{muon}`'s final test loss (nats, mean over seeds and the archs that compare recipes)"
     if name == "ci":
         return ("the widest half-width of the `d_` differences' confidence intervals (nats): a change of a "
                 "difference smaller than it is noise")
     if name == "envelope":
-        return (f"the matched-budget sweep's lowest difference to `{muon}`, each recipe at its best budget "
-                "(nats; negative: lower loss)")
+        return (f"the matched-budget sweep's lowest difference to `{muon}`, each recipe and `{muon}` at its best "
+                "budget (nats; negative: lower loss)")
     recipe = name.removeprefix("d_")
-    return f"`{recipe}`'s test loss minus `{muon}`'s, paired by seed (nats; negative: `{recipe}` is better)"
+    return f"`{recipe}`'s test loss minus `{muon}`'s, paired by seed (nats; negative: lower loss than `{muon}`'s)"
 
 
 def _mean(values: list[float | None]) -> float | None:

@@ -232,7 +232,7 @@ CLAIMS: tuple[Claim, ...] = (
                                                            ("rel_err", "kl", "rel_err_state", kl))
                                                 for null, kl in NULL_PATCHES.items()}, 0.1, "(not reported)",
           plain="The same, once the residual's size relative to the hidden state is accounted for.",
-          label="… beyond its relative size", source="project"),
+          label="residual size → KL, partial", source="project"),
     Claim("local_beats_layer", "a local class explains more fitted per neighbourhood than the same class fitted "
           "once for the layer (same anchors, out of sample): median rel_err(<class>.layer) − rel_err(class), "
           "against 0", {"zero": Test(_median_difference("layer.rel_err", "rel_err"), 0.0,

@@ -283,7 +283,7 @@ def _supported_count(at: SummaryAt, subject: str) -> str:
 
 
 def _cos(r: RawValues, s: str, at: SummaryAt) -> str:
-    return f"median cos(Δ_full, Δ_tok) {_range(r, s, 'cos_full_tok')}"
+    return f"median absolute cos(Δ_full, Δ_tok) {_range(r, s, 'cos_full_tok')}"
 
 
 def _angle(r: RawValues, s: str, at: SummaryAt) -> str:

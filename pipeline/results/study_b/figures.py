@@ -28,7 +28,7 @@ PALETTE = ("tab:gray", "tab:blue", "tab:purple", "tab:olive", "tab:brown", "tab:
 VAL_LOSS = Axis("val_loss", "validation loss (nats)")
 HEAD_STEP = (
     Axis("hilbert_bound", "worst-case step (nats)", log=True),
-    Axis("tightness", "realised / worst-case step"),
+    Axis("tightness", "realised / worst case"),
     Axis("equi_ratio", "row spread (min / max distance)"),
 )
 STEP = "training step"

@@ -512,15 +512,19 @@ def _geometry_table(runs: list[Row]) -> str:
     rows = [[arch, f"`{recipe}`", *(median([r[c] for r in rs]) for c in GEOMETRY_COLUMNS)]
             for (arch, recipe), rs in _by_arch_recipe(runs).items()]  # fmt: skip
     header = ["arch", "recipe", "worst-case step (nats)", "realised on its batch (nats)", "alignment cos(ΔW, −G)",
-              "descent per diameter vs `hilbert`", "row spread (min / max distance)",
+              "descent per diameter (`hilbert` of G: ≥ 1)", "row spread (min / max distance)",
               "random rows' spread"]  # fmt: skip
     equi_bound = num(median([r["median_equi_ratio_bound"] for r in runs]))
-    note = ("Medians over logged steps, then seeds. *Worst-case step*: the most any token's log-probability can "
-            "change, over every input (`hilbert_bound`, SPEC §3.3); *realised on its batch*: the largest change the "
-            "head step made on the batch it was computed from (`hilbert_realized_train`); *descent per diameter*: "
-            "−⟨G, ΔW⟩ per unit diameter relative to the `hilbert` step; *row spread*: min / max distance between "
-            "rows of ΔW on a fixed row sample (`equi_ratio`), against random unit rows (no configuration exceeds "
-            f"{equi_bound}). In parentheses: the `runs` columns (`median_<name>`) to query.\n")  # fmt: skip
+    note = ("Medians over logged steps, then seeds. *Worst-case step*: the most the head step can move the output "
+            "distribution in Hilbert distance, so any token's log-probability, for a hidden state no longer than "
+            "the probe batch's longest (`hilbert_bound` = max‖h‖·diam(ΔW), SPEC §3.3; exact diameters, a sampled "
+            "one gives a lower bound); *realised on its batch*: the largest Hilbert distance, over the positions "
+            "of the batch it was computed from, by which it moved their outputs (`hilbert_realized_train`); "
+            "*alignment*: `head_alignment`; *descent per diameter*: "
+            "−⟨G, ΔW⟩ / (½·diam(ΔW)·Σ‖g̃ᵢ‖), at most 1/J ≈ 1.4 and ≥ 1 for the `hilbert` step of G itself "
+            "(`head_alignment_hilbert`, SPEC §3.1); *row spread*: min / max distance between rows of ΔW on a fixed "
+            "row sample (`equi_ratio`), against random unit rows (`equi_ratio_random`; no configuration exceeds "
+            f"{equi_bound}). The names in parentheses are `runs` columns (`median_<name>`) to query.\n")  # fmt: skip
     return markdown_table(header, rows) + "\n" + note
 
 
@@ -547,7 +551,7 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
              num(step_times.get(r["run"])), num(r["median_hilbert_bound"]), num(r["max_tightness"]),
              "sampled (lower bound)" if r["head_diam_sampled"] else "exact"] for r in runs]  # fmt: skip
     header = ["run", "head step", "test loss", "val loss", "step time (s)", "worst-case step (nats)",
-              "largest realised / worst case", "diameter"]  # fmt: skip
+              "largest realised / worst case (probe batch)", "diameter"]  # fmt: skip
     sweep = len(runs_of_kind(tables["runs"], True))
     query = '`lmgeo query "SELECT * FROM runs WHERE matched"`'
     more = f"\nThe matched-budget sweep's {sweep} runs: {query}.\n" if sweep else ""

@@ -296,11 +296,6 @@ def _holm(rows: list[dict[str, Any]], family: tuple[str, ...], p: str, adjusted:
             r[adjusted] = none_if_nan(value)
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    vals = _finite(values)
-    return float(vals.mean()) if vals.size else None
-
-
 def _median(values: Sequence[float | None]) -> float | None:
     vals = _finite(values)
     return float(np.median(vals)) if vals.size else None
