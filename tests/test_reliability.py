@@ -147,16 +147,23 @@ def test_killed_driver_leaves_no_ray_processes_and_the_rerun_resumes(extracted, 
             family = kill_group(driver)
         finally:
             stop(driver)
-        assert any(title(p).startswith("ray::") or "raylet" in title(p) for p in family), "Ray never ran"
+        done_before = manifest_times(fits)
+        if len(done_before) == FIT_SHARDS:
+            # Too late: the driver may already have been shutting Ray down, so its Ray processes can be gone
+            # before the kill (seen on a loaded CI machine as "Ray never ran"). Try afresh.
+            kill_all(alive(family))
+            continue
+        assert any(title(p).startswith("ray::") or "raylet" in title(p) for p in family), (
+            f"Ray never ran: {len(done_before)}/{FIT_SHARDS} shards done; the driver's family: "
+            f"{[title(p) for p in family]}"
+        )
         try:
             wait_for(lambda: not alive(family), 30, "the killed driver's Ray processes to exit")
         finally:
             leaked = alive(family)
             kill_all(leaked)
         assert not leaked, f"Ray processes outlived their driver: {[title(p) for p in leaked]}"
-        done_before = manifest_times(fits)
-        if len(done_before) < FIT_SHARDS:
-            break
+        break
     assert 0 < len(done_before) < FIT_SHARDS, "in three tries the kill never landed between the two shards"
     rerun = lmgeo(workspace, "fit")
     n = len(done_before)

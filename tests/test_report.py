@@ -578,6 +578,32 @@ def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_
     assert "The matched-budget sweep's 18 runs" in text
 
 
+def test_the_budget_figure_stops_above_the_bigram_and_labels_what_it_cuts() -> None:
+    """A budget that ruins a recipe (planted: 5.56 nats) must not squash the trained models' differences: the
+    loss axis stops ABOVE_BIGRAM of the span above the bigram's line, and the cut mean is a labelled triangle."""
+
+    def row(recipe, tau, loss):
+        return {"arch": "neox", "recipe": recipe, "matched": tau is not None, "head_budget_tau": tau,
+                "test_loss_mean": loss, "test_loss_ci_low": loss - 0.01, "test_loss_ci_high": loss + 0.01}  # fmt: skip
+
+    swept = [row("muon", 0.4, 4.02), row("muon", 0.8, 4.0), row("hilbert", 0.4, 4.05), row("hilbert", 0.8, 5.56)]
+    # rownorm's own step is not in the sweep (trained as hilbert's): not drawn, so no triangle either
+    own = [row("muon", None, 4.04), row("hilbert", None, 4.9), row("rownorm", None, 6.0)]
+    (ax,) = fig_b.loss_vs_budget(swept, own, bigram=4.47).axes[:1]
+    bottom, top = ax.get_ylim()
+    lowest = 4.0 - 0.01  # muon at 0.8, its interval's low end
+    assert top == pytest.approx(4.47 + fig_b.ABOVE_BIGRAM * (4.47 - lowest)) and lowest - 0.05 < bottom < lowest
+    assert any(list(line.get_ydata()) == [4.47, 4.47] for line in ax.get_lines())  # the bigram's line
+    assert sorted(t.get_text() for t in ax.texts) == ["4.90", "5.56", "smoothed bigram"]
+    (unclipped,) = fig_b.loss_vs_budget(swept, own).axes[:1]
+    assert unclipped.get_ylim()[1] > 5.56 and not unclipped.texts
+    # Every model above the bigram (an untrained study): nothing to zoom on, the axis shows them all
+    (untrained,) = fig_b.loss_vs_budget([row(r["recipe"], r["head_budget_tau"], r["test_loss_mean"] + 1.0)
+                                         for r in swept], [], bigram=4.47).axes[:1]  # fmt: skip
+    assert untrained.get_ylim()[0] < 5.0 < 6.56 < untrained.get_ylim()[1]
+    assert [t.get_text() for t in untrained.texts] == ["smoothed bigram"]
+
+
 def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     """A study without the sweep states the committed record's numbers, naming the preset and revision; a
     record whose table was changed after it was written is refused."""
@@ -588,7 +614,13 @@ def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     swept = tmp_path / "swept"
     render(swept, lambda data: write_study_b(data, matched=True))
     record = tmp_path / "docs" / "sweep"
+    record.mkdir(parents=True)
+    (record / "README.md").write_text("how the record is made\n")
+    (record / "recipes.parquet").write_bytes(b"a stale table")
     write_record(read_result_tables(swept / "reports" / "tables"), PROVENANCE, "the preset's command", record)
+    assert (record / "README.md").read_text() == "how the record is made\n"  # the folder's own files stay
+    assert sorted(p.name for p in record.iterdir()) == [
+        "README.md", "baselines.parquet", "envelope.parquet", "provenance.json", "recipes.parquet"]
     plain = tmp_path / "plain"
     write_study_b(plain / "data")
     aggregate(sources(plain / "data"), plain / "reports", CFG, KEY, DEFAULT.analysis)

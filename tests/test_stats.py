@@ -193,3 +193,11 @@ def test_average_ranks_are_scipys_rankdata_with_ties():
     np.testing.assert_array_equal(average_ranks(values), rankdata(values, axis=-1))
     continuous = rng.normal(size=(7, 33))
     np.testing.assert_array_equal(average_ranks(continuous), rankdata(continuous, axis=-1))
+
+
+def test_finite_keeps_only_measured_values_in_order():
+    from pipeline.results.common import finite
+
+    kept = finite([1.5, None, float("nan"), float("inf"), -2.0, -float("inf"), 0.0])
+    assert kept.dtype == np.float64 and kept.tolist() == [1.5, -2.0, 0.0]
+    assert finite([None, float("nan")]).size == 0

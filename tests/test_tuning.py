@@ -297,3 +297,12 @@ def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeyp
     other = tuning.trial_config(base.model_copy(update={"steps": 7}), trial)
     assert again.key(trial, other, SEQ, layout) != key
     assert TrialCache(path, tokens="another").key(trial, tuning.trial_config(base, trial), SEQ, layout) != key
+
+
+@pytest.mark.parametrize(("knobs", "size"), [(1, (3.2, 2.6)), (2, (6.4, 2.6)), (6, (12.8, 5.2))])
+def test_the_tuning_figure_is_as_wide_as_its_panels(knobs, size):
+    """A tune of one knob (`lmgeo tune --recipe adamw`) is one panel, not one panel beside three empty ones."""
+    curve = {"recipe": "adamw", "knob": "hidden_lr", "chosen": 0.003,
+             "points": [{"value": v, "mean": 4.2, "seeds": {"1000": 4.2}} for v in (0.0015, 0.003, 0.006)]}  # fmt: skip
+    fig = tuning.figure([curve] * knobs)
+    assert tuple(fig.get_size_inches()) == pytest.approx(size) and len(fig.axes) == knobs

@@ -504,7 +504,7 @@ def figure(curves_of: list[dict[str, Any]]) -> Any:
     step sizes), every seed's loss as a dot, the choice ringed."""
     from matplotlib.figure import Figure
 
-    columns = 4
+    columns = max(1, min(4, len(curves_of)))  # a tune of one or two knobs: a figure as narrow as its panels
     rows = math.ceil(len(curves_of) / columns)
     fig = Figure(figsize=(3.2 * columns, 2.6 * rows), layout="constrained")
     for i, curve in enumerate(curves_of):

@@ -25,6 +25,12 @@ def none_if_nan(x: float) -> float | None:
     return None if math.isnan(x) else x
 
 
+def finite(values: Sequence[float | None]) -> np.ndarray:
+    """The measured values of `values` (None, NaN and ±inf dropped), as floats."""
+    arr = np.array([v for v in values if v is not None], dtype=float)
+    return arr[np.isfinite(arr)]
+
+
 def measured(record: dict[str, float | None], decimals: int) -> dict[str, float]:
     """The DVC metrics of `record` that were measured (finite), rounded to `decimals` places: a value then
     takes a fixed width in `dvc metrics show` and `dvc exp show` (their 5 significant digits would print

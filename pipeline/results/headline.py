@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipeline.results.common import Tables, measured
+from pipeline.results.common import Tables, finite, measured
 from pipeline.results.study_a.claims import CLAIMS, summarise
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
@@ -50,7 +50,7 @@ def study_b_metrics(tables: Tables) -> dict[str, float]:
     return measured({
         **{name: _mean(values) for name, values in by_name.items()},
         "ci": max(half_widths, default=None),
-        "envelope": min(_finite(matched), default=None),
+        "envelope": min(finite(matched), default=None),
     }, decimals=STUDY_B_DECIMALS)  # fmt: skip
 
 
@@ -84,10 +84,5 @@ def metric_meaning(name: str) -> str:
 
 
 def _mean(values: list[float | None]) -> float | None:
-    vals = _finite(values)
+    vals = finite(values)
     return float(vals.mean()) if vals.size else None
-
-
-def _finite(values: list[float | None]) -> np.ndarray:
-    arr = np.array([v for v in values if v is not None], dtype=float)
-    return arr[np.isfinite(arr)]

@@ -156,11 +156,19 @@ BUDGET = "head budget tau (worst-case nats per step)"
 TEST_LOSS = Axis("test_loss_mean", "final test loss (nats)")
 
 
-def loss_vs_budget(swept: Sequence[Row], own_step: Sequence[Row]) -> Figure | None:
+# Above the bigram the loss axis stops this far (a share of the span from the lowest interval to the bigram): a
+# budget that ruins a recipe would otherwise squash the differences that matter, between trained models, to a few
+# pixels. Only where some model is below the bigram: otherwise there is nothing to zoom on.
+ABOVE_BIGRAM = 0.25
+MARGIN = 0.05  # below the lowest interval, a share of the shown span
+
+
+def loss_vs_budget(swept: Sequence[Row], own_step: Sequence[Row], bigram: float | None = None) -> Figure | None:
     """Does the verdict depend on the budget? Per arch, the matched-budget sweep's test loss against the
     budget (log axis): a line per recipe with its mean and t-interval over seeds, and the recipe at its own
     tuned step (`own_step`: the default runs of the sweep's seeds) as a square to the right of the largest
-    budget."""
+    budget. With the smoothed bigram's test loss (`bigram`), a dashed line marks it, the axis stops
+    `ABOVE_BIGRAM` above it, and a mean beyond the axis is a triangle on its top edge, labelled with its value."""
     swept = [r for r in swept if r["matched"] and r["test_loss_mean"] is not None]
     budgets = sorted({r["head_budget_tau"] for r in swept})
     archs = _archs(swept)
@@ -169,21 +177,46 @@ def loss_vs_budget(swept: Sequence[Row], own_step: Sequence[Row]) -> Figure | No
     own_x = budgets[-1] * 2  # beyond every budget, one octave to the right
     fig, axes = panel_grid(1, len(archs), width=5.2, height=3.8)
     for ax, arch in zip(axes[0], archs, strict=True):
+        drawn: list[tuple[float, Row]] = []  # (x, row) of every mean the panel shows
         for recipe in _recipes([r for r in swept if r["arch"] == arch]):
             mine = [r for r in swept if (r["arch"], r["recipe"]) == (arch, recipe)]
             line = sorted(mine, key=lambda r: r["head_budget_tau"])
             ax.errorbar([r["head_budget_tau"] for r in line], [r["test_loss_mean"] for r in line],
                         yerr=_interval_arms(line), label=recipe, markersize=4, linewidth=1.3, capsize=2,
                         **_recipe_style(recipe))  # fmt: skip
+            drawn += [(r["head_budget_tau"], r) for r in line]
             for r in (r for r in own_step if (r["arch"], r["recipe"]) == (arch, recipe) and r["test_loss_mean"]):
                 ax.plot([own_x], [r["test_loss_mean"]], marker="s", color=_recipe_color(recipe), linestyle="none")
+                drawn.append((own_x, r))
         ax.axvline(math.sqrt(budgets[-1] * own_x), color="gray", linewidth=0.8, linestyle=":")
+        if bigram is not None:
+            _clip_above_bigram(ax, drawn, bigram)
         ax.set_xscale("log")
         ax.set_xticks([*budgets, own_x], [*(f"{b:g}" for b in budgets), "own step"])
         ax.minorticks_off()
         label_axes(ax, arch, BUDGET, TEST_LOSS)
     figure_legend(fig)
     return fig
+
+
+def _clip_above_bigram(ax, means: Sequence[tuple[float, Row]], bigram: float) -> None:
+    """The bigram's line; the loss axis stopped `ABOVE_BIGRAM` of the span above it, and each mean (x, row)
+    beyond the axis drawn as a triangle on the top edge with its value."""
+    ax.axhline(bigram, color="black", linewidth=0.9, linestyle="--")
+    ax.annotate("smoothed bigram", (0.01, bigram), xycoords=("axes fraction", "data"), xytext=(0, 2),
+                textcoords="offset points", fontsize=7, va="bottom")  # fmt: skip
+    lowest = min(r["test_loss_mean"] if r["test_loss_ci_low"] is None else r["test_loss_ci_low"] for _, r in means)
+    top = bigram + ABOVE_BIGRAM * (bigram - lowest)
+    if lowest >= bigram or ax.get_ylim()[1] <= top:
+        return
+    ax.set_ylim(lowest - MARGIN * (top - lowest), top)
+    stacked: dict[float, int] = {}  # labels already at this x: the next goes below them
+    for x, r in sorted(((x, r) for x, r in means if r["test_loss_mean"] > top), key=lambda m: -m[1]["test_loss_mean"]):
+        colour = _recipe_color(r["recipe"])
+        ax.plot([x], [top], marker="^", color=colour, linestyle="none", clip_on=False)
+        below = stacked[x] = stacked.get(x, -1) + 1
+        ax.annotate(f"{r['test_loss_mean']:.2f}", (x, top), xytext=(5, -3 - 9 * below), textcoords="offset points",
+                    fontsize=7, ha="left", va="top", color=colour)  # fmt: skip
 
 
 def _interval_arms(rows: Sequence[Row]) -> list[list[float]]:

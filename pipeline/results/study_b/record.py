@@ -37,7 +37,8 @@ class SweepRecord:
 
 def write_record(tables: dict[str, Any], provenance: dict[str, Any], command: str, out: Path) -> None:
     """Copy the sweep's result tables (`name → pyarrow.Table`, read verified by the caller) into `out`, with
-    their sha256 and the run's provenance (`reports/provenance.json`)."""
+    their sha256 and the run's provenance (`reports/provenance.json`), replacing the record there; the
+    folder's other files (its README) are kept."""
     if not any(row["matched"] for row in tables["recipes"].to_pylist()):
         raise InputError("the result tables hold no matched-budget sweep: run the preset first, "
                          "`lmgeo exp run presets/sweep.yaml`")  # fmt: skip
@@ -54,6 +55,10 @@ def write_record(tables: dict[str, Any], provenance: dict[str, Any], command: st
               "uncommitted_changes": git.get("uncommitted_changes"), "params_hash": provenance["params_hash"],
               "seeds": provenance["seeds"], "tables": digests}  # fmt: skip
     (staging / PROVENANCE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    owned = {PROVENANCE, *(f"{name}.parquet" for name in TABLES)}
+    for kept in sorted(out.iterdir()) if out.is_dir() else []:
+        if kept.name not in owned:
+            (shutil.copytree if kept.is_dir() else shutil.copy2)(kept, staging / kept.name)
     shutil.rmtree(out, ignore_errors=True)
     staging.rename(out)
 

@@ -29,6 +29,7 @@ class SweepTables:
     matched: list[Row]
     envelope: list[Row]
     own_step: list[Row]
+    bigram: float | None  # the smoothed bigram's test loss on the sweep's test windows
     source: str | None = None
 
 
@@ -36,9 +37,15 @@ def sweep_source(tables: Tables, record: SweepRecord | None) -> SweepTables:
     """The study's own sweep where it ran one; else the committed record's (`docs/sweep/`), cited; else none."""
     matched = runs_of_kind(tables["recipes"], True)
     if matched or record is None:
-        return SweepTables(matched, tables["envelope"], runs_of_kind(tables["recipes"]))
+        return SweepTables(matched, tables["envelope"], runs_of_kind(tables["recipes"]),
+                           _bigram(tables.get("baselines", [])))  # fmt: skip
     return SweepTables(runs_of_kind(record.tables["recipes"], True), record.tables["envelope"],
-                       runs_of_kind(record.tables["recipes"]), record.describe())  # fmt: skip
+                       runs_of_kind(record.tables["recipes"]), _bigram(record.tables.get("baselines", [])),
+                       record.describe())  # fmt: skip
+
+
+def _bigram(baselines: Sequence[Row]) -> float | None:
+    return next((b["test_loss"] for b in baselines if b["model"] == "bigram"), None)
 
 
 def _pooled(sds: Sequence[float | None]) -> float | None:
@@ -77,9 +84,10 @@ def summary(tables: Tables, figures: Figures, sweep: SweepTables) -> str:
          f"over the arch's recipes, is below {SIGNIFICANCE:g}, the table's reading —, left of 0 beating "
          f"`{reference}`, right of 0 losing to it; hollow: not resolved, even where the unadjusted interval "
          "excludes 0."),
-        (fig.loss_vs_budget(sweep.matched, sweep.own_step), "study_b_loss_vs_budget",
+        (fig.loss_vs_budget(sweep.matched, sweep.own_step, sweep.bigram), "study_b_loss_vs_budget",
          "Right: the matched-budget sweep, final test loss against the head budget (log axis; mean and 95% "
-         "t-interval over seeds; square: the recipe at its own tuned step, same seeds and horizon); lines that "
+         "t-interval over seeds; square: the recipe at its own tuned step, same seeds and horizon; dashed: the "
+         "smoothed bigram, a triangle on the top edge: a mean above the axis, with its value); lines that "
          "cross mean the verdict depends on the budget."),
     ]))  # fmt: skip
     out.append(comparison_table(recipes))

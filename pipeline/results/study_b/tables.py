@@ -13,7 +13,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipeline.core.contracts import RUN_ID_PATTERN
-from pipeline.results.common import none_if_nan
+from pipeline.results.common import finite, none_if_nan
 from pipeline.results.config import ReportConfig
 from pipeline.results.stats import detectable_difference, holm, mean_interval, paired_difference, seeds_needed
 from pipeline.study_b.baseline import baseline
@@ -297,13 +297,8 @@ def _holm(rows: list[dict[str, Any]], family: tuple[str, ...], p: str, adjusted:
 
 
 def _median(values: Sequence[float | None]) -> float | None:
-    vals = _finite(values)
+    vals = finite(values)
     return float(np.median(vals)) if vals.size else None
-
-
-def _finite(values: Sequence[float | None]) -> np.ndarray:
-    arr = np.array([v for v in values if v is not None], dtype=float)
-    return arr[np.isfinite(arr)]
 
 
 def _single(values: Sequence[Any]) -> Any:
@@ -390,10 +385,10 @@ def _spread_claim(arch: str, runs: list[dict[str, Any]], ci: float) -> dict[str,
     """`equi_spreads_rows` as an interval: per `hilbert_equi` run, its rows' equi_ratio minus that of random
     unit rows drawn afresh at each logged step (same shape), averaged over the steps; the t-interval of that
     excess over seeds must lie above 0 (`hilbert`'s, as a reference, in the detail)."""
-    excess = mean_interval(_finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert_equi"]), ci)
+    excess = mean_interval(finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert_equi"]), ci)
     if excess.n == 0:
         return None
-    plain = mean_interval(_finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert"]), ci)
+    plain = mean_interval(finite([r["mean_equi_ratio_excess"] for r in runs if r["recipe"] == "hilbert"]), ci)
     equi = _median_of(runs, "hilbert_equi", "median_equi_ratio")
     random_rows = _median_of(runs, "hilbert_equi", "median_equi_ratio_random")
     holds = None if not math.isfinite(excess.low) else excess.low > 0
@@ -404,7 +399,7 @@ def _spread_claim(arch: str, runs: list[dict[str, Any]], ci: float) -> dict[str,
 
 
 def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | None:
-    vals = _finite([r[column] for r in runs if r["recipe"] == recipe])
+    vals = finite([r[column] for r in runs if r["recipe"] == recipe])
     return float(np.median(vals)) if vals.size else None
 
 
