@@ -28,6 +28,12 @@ RECORDED = json.loads((TESTS / "pinned_training.json").read_text())
 # What gpt2's GELU change may move: the two GELUs differ by float32 rounding per element (a few 1e-7
 # relative), which eight training steps of a tiny model carry to at most ~1e-5 of the loss.
 GELU_CHANGE_RTOL = 1e-4
+# What another CPU vendor's float32 kernels may move: the first loss (no step taken yet) to float32 rounding,
+# the later ones by round-off that every step carries forward and sign-based steps amplify (a near-zero
+# gradient entry whose sign flips moves its whole row). Measured on an Intel CI runner against this record
+# (written on AMD): at most 9.0e-5 relative (neox-sign, step 7); the bound is about five times that.
+CROSS_VENDOR_FIRST_RTOL = 1e-6
+CROSS_VENDOR_RTOL = 5e-4
 
 
 def cpu_vendor() -> str:
@@ -56,7 +62,8 @@ def test_neox_and_mamba_train_bit_for_bit_as_before(trained, name: str) -> None:
     now, before = trained[name], RECORDED["runs"][name]
     if cpu_vendor() != RECORDED["cpu_vendor"]:
         # float32 GEMMs may differ in their last bits between vendors: round-off, not a change of method
-        np.testing.assert_allclose(_floats(now), _floats(before), rtol=1e-5)
+        np.testing.assert_allclose(_floats(now)[0], _floats(before)[0], rtol=CROSS_VENDOR_FIRST_RTOL)
+        np.testing.assert_allclose(_floats(now), _floats(before), rtol=CROSS_VENDOR_RTOL)
         return
     assert now == before
 
