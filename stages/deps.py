@@ -31,9 +31,9 @@ def code_deps(stage: str, workspace: Path) -> list[str]:
 
 
 # Besides the code: what decides the results too (the params, the stage graph, the pinned packages, the
-# tuning record, the locality sweep and the matched-budget sweep the report states).
+# tuning records, the locality sweep and the matched-budget sweep the report states).
 DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", "docs/tuning.json",
-                  "docs/locality", "docs/sweep/provenance.json")
+                  "docs/tuning-adamw-hidden/tuning.json", "docs/locality", "docs/sweep/provenance.json")
 
 
 def result_inputs(workspace: Path) -> list[str]:

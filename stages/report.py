@@ -16,6 +16,9 @@ from stages.layout import Layout
 CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
 # The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
 TUNING_RECORD = "docs/tuning.json"
+# Knobs tuned alone at the study's protocol since TUNING_RECORD was written (`lmgeo tune --recipe … --out …`):
+# the report states them where TUNING_RECORD lacks them.
+KNOB_RECORDS = ("docs/tuning-adamw-hidden/tuning.json",)
 # Study A's claims at other neighbourhood sizes (`presets/locality.yaml` says how it is made); the report cites it.
 LOCALITY_SWEEP = "docs/locality/claim_tests.csv"
 # The matched-budget sweep's committed tables (`presets/sweep.yaml`, `python -m tools.sweep_record`): the report
@@ -64,7 +67,7 @@ def report_inputs(layout: Layout) -> list[str]:
     """Workspace-relative paths of the files the report is built from, as they are now: the result tables (with
     their manifest) and the committed records it cites."""
     found = [path for path in sorted(layout.tables.rglob("*")) if path.is_file()]
-    found += [layout.root / TUNING_RECORD, layout.root / LOCALITY_SWEEP]
+    found += [layout.root / name for name in (TUNING_RECORD, *KNOB_RECORDS, LOCALITY_SWEEP)]
     found += sorted(path for path in (layout.root / SWEEP_RECORD).glob("*") if path.is_file() and path.suffix != ".md")
     return [path.relative_to(layout.root).as_posix() for path in found]
 
@@ -104,6 +107,11 @@ def tuning_record(layout: Layout) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def knob_records(layout: Layout) -> list[tuple[str, dict[str, Any]]]:
+    return [(str(Path(name).parent), json.loads((layout.root / name).read_text()))
+            for name in KNOB_RECORDS if (layout.root / name).is_file()]  # fmt: skip
+
+
 def run(params: Params, ray_address: str | None = None) -> None:
     from pipeline.core.errors import InputError
     from pipeline.core.store import MANIFEST_DIR, atomic_write
@@ -119,7 +127,7 @@ def run(params: Params, ray_address: str | None = None) -> None:
     rendered = render_report(
         layout.tables, layout.reports / "report.md", layout.reports / "figures", provenance, tuning_record(layout),
         median_step_times(layout), read_record(layout.root / SWEEP_RECORD),
-        read_locality_sweep(layout.root / LOCALITY_SWEEP),
+        read_locality_sweep(layout.root / LOCALITY_SWEEP), knob_records(layout),
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     print(f"report: wrote {layout.reports / 'report.md'} ({rendered.lines} lines), report.html, {PROVENANCE} and "

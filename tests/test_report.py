@@ -554,6 +554,29 @@ def test_a_record_of_one_knob_per_recipe_names_the_knobs_it_never_tuned() -> Non
     assert "**Never tuned: `adamw` hidden_lr (at 0.003);" in text
 
 
+def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned() -> None:
+    """A knob the main record lacks that a record of its own tuned (`lmgeo tune --recipe … --out …`): the
+    statement gives that record's protocol, its best value and the value the runs used, each with its mean val
+    loss, and the lead against the seed noise; a knob no record tuned is still named as never tuned."""
+    from pipeline.results.study_b.report import _tuning_statement
+
+    record = {**TUNING, "chosen": {"adamw": {"knob": "head_lr", "value": 0.2, "mean_val_loss": 3.0}}}
+    del record["curves"]
+    alone = {"protocol": {"arch": "gpt2", "steps": 20, "batch_size": 4},
+             "chosen": {"adamw": {"hidden_lr": {"knob": "hidden_lr", "value": 0.002, "mean_val_loss": 2.9}}},
+             "curves": [{"recipe": "adamw", "knob": "hidden_lr", "chosen": 0.002, "margin": 0.004, "seed_noise": 0.005,
+                         "points": [{"value": 0.002, "mean": 2.9}, {"value": 0.003, "mean": 2.904}]}]}  # fmt: skip
+    runs = [{"arch": "gpt2", "recipe": "adamw", "head_step": "head_lr=0.2 hidden_lr=0.003 beta=0.9", "steps": 20,
+             "n_params": None}]  # fmt: skip
+    text = _tuning_statement(record, runs, [("docs/alone", alone)])
+    assert ("Tuned alone, not in the record: `adamw` hidden_lr on `gpt2`, 20 steps of 4 (`docs/alone`): best 0.002 "
+            "(2.9000), 0.003 as run here 2.9040 mean val loss; the best leads its runner-up by 0.0040, below the "
+            "trials' seed noise 0.0050.") in text  # fmt: skip
+    assert "**Never tuned: `adamw` beta (at 0.9);" in text and "hidden_lr (at" not in text
+    runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.001"
+    assert "0.001 as run here not tried" in _tuning_statement(record, runs, [("docs/alone", alone)])
+
+
 def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_budgets(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda data: write_study_b(data, matched=True))
     section = text[text.index("### Step size vs direction: the matched-budget sweep"):text.index("## Study A")]

@@ -50,12 +50,13 @@ class Rendered:
 def render_report(
     tables_dir: Path, out_md: Path, figures_dir: Path, provenance: dict[str, Any], tuning: dict[str, Any] | None = None,
     step_times: dict[str, float] | None = None, sweep: SweepRecord | None = None,
-    locality: Sequence[dict[str, Any]] = (),
+    locality: Sequence[dict[str, Any]] = (), knob_records: Sequence[study_b.KnobRecord] = (),
 ) -> Rendered:
     """Write ``out_md``, ``out_md`` with suffix ``.html`` and the figures (module docstring); `step_times`
     (run → median seconds per step) is telemetry, shown where given; `sweep`, the committed record of the
     matched-budget sweep, is what Study B cites when the study does not run the sweep itself; `locality`, the
-    committed claim tests of the locality sweep (`study_a.report.read_locality_sweep`), is cited where given."""
+    committed claim tests of the locality sweep (`study_a.report.read_locality_sweep`), is cited where given;
+    `knob_records`, knobs tuned alone beside `tuning` (path, record), are stated where `tuning` lacks them."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
     figures_dir.mkdir(parents=True, exist_ok=True)
@@ -66,7 +67,7 @@ def render_report(
     sweep_tables = study_b.sweep_source(tables, sweep)
     sections = [
         _summary(tables, claims, figures, sweep_tables),
-        study_b.section(tables, figures, tuning, sweep_tables),
+        study_b.section(tables, figures, tuning, sweep_tables, knob_records),
         study_a.section(tables, claims, figures, locality),
         study_b.appendix(tables, step_times or {}),
         _headline_metrics(tables),

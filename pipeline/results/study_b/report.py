@@ -20,6 +20,9 @@ from pipeline.results.study_b.tables import POWER, REGIME_MARGIN, RESOLVE_NATS, 
 from pipeline.study_b.baseline import baseline
 from pipeline.study_b.recipes import RECIPES
 
+# A record of knobs tuned alone (`lmgeo tune --recipe … --out …`) beside the main one: its path and content.
+KnobRecord = tuple[str, dict[str, Any]]
+
 
 @dataclass(frozen=True)
 class SweepTables:
@@ -231,12 +234,13 @@ def runs_of_kind(rows: list[Row], matched: bool = False) -> list[Row]:
     return [r for r in rows if bool(r["matched"]) == matched]
 
 
-def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None, sweep: SweepTables) -> str:
+def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None, sweep: SweepTables,
+            knob_records: Sequence[KnobRecord] = ()) -> str:
     runs, curves, recipes = runs_of_kind(tables["runs"]), tables["curves"], runs_of_kind(tables["recipes"])
     out = ["## Study B: LM-head update geometry\n"]
     if not runs:
         return out[0] + "\nStudy B was not run: there are no training logs.\n"
-    out.append(_protocol(runs, recipes, tuning))
+    out.append(_protocol(runs, recipes, tuning, knob_records))
     out.append(figures.show(fig.val_loss(curves, runs), "study_b_val_loss",
                             "Validation loss over training per recipe (mean over seeds): where the curves separate, "
                             "and whether they still fall at the last step."))  # fmt: skip
@@ -397,7 +401,8 @@ def _seeds_statement(runs: list[Row]) -> str:
     return "; ".join(f"{', '.join(sorted(archs))}: {text}" for text, archs in described.items())
 
 
-def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None) -> str:
+def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None,
+              knob_records: Sequence[KnobRecord] = ()) -> str:
     """What an optimizer researcher needs to trust the comparison (SPEC §3.2)."""
     lines = [
         "### Protocol\n",
@@ -407,7 +412,7 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
          "differences are paired on the seeds both runs have. Only the head's optimizer differs (`adamw`: every "
          "matrix); all recipes run the same steps and tokens."),
         _power_statement(recipes),
-        _tuning_statement(tuning, runs),
+        _tuning_statement(tuning, runs, knob_records),
         ("- **Step size vs direction.** Recipes take their own tuned step sizes, so their steps differ in size as "
          "well as direction (the worst-case step below); the matched-budget sweep at the end of this section "
          "compares them at equal worst-case nats per step, budget by budget."),
@@ -438,9 +443,10 @@ def _power_statement(recipes: list[Row]) -> str:
     return "- **Power.** " + ("; ".join(parts) + "." + more if parts else "Not measured: fewer than two paired seeds.")
 
 
-def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
+def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_records: Sequence[KnobRecord] = ()) -> str:
     """The tuning protocol, whether each run used its tuned knobs, and each knob's lead over its runner-up
-    against the seed noise of its trials (`docs/tuning.json`)."""
+    against the seed noise of its trials (`docs/tuning.json`); a knob that record lacks is stated from a
+    record that tuned it alone (`knob_records`), or named as never tuned."""
     if not tuning:
         return "- **Tuning.** No record of the step-size sweep (`docs/tuning.json`) was found."
     p = tuning["protocol"]
@@ -451,8 +457,11 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
     budgets = sorted({len(v) for v in per_knob.values()})
     chosen = {recipe: _chosen_knobs(entry) for recipe, entry in tuning["chosen"].items()}
     used = {r["recipe"]: _knobs(r["head_step"]) for r in runs if r["head_step"]}
-    untuned = [f"`{r}` {k} (at {v:g})" for r, knobs in sorted(used.items()) for k, v in knobs.items()
-               if k not in chosen.get(r, {})]  # fmt: skip
+    missing = [(r, k, v) for r, knobs in sorted(used.items()) for k, v in knobs.items() if k not in chosen.get(r, {})]
+    alone = {(r, k): (path, record) for path, record in knob_records
+             for r, entry in record["chosen"].items() for k in _chosen_knobs(entry)}  # fmt: skip
+    untuned = [f"`{r}` {k} (at {v:g})" for r, k, v in missing if (r, k) not in alone]
+    tuned_alone = [_tuned_alone(r, k, v, *alone[r, k]) for r, k, v in missing if (r, k) in alone]
     differing = sorted(r for r, knobs in used.items()
                        if r in chosen and any(knobs.get(k) != v for k, v in chosen[r].items()))  # fmt: skip
     steps = sorted({r["steps"] for r in runs if r["steps"] and r["arch"] == p["arch"]})
@@ -477,12 +486,32 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row]) -> str:
         noise = " Every winner leads its runner-up by more than its trials' seed noise (`docs/tuning.md`)."
     never = (f" **Never tuned: {', '.join(untuned)}; re-run `lmgeo tune` to tune every knob at this protocol.**"
              if untuned else "")  # fmt: skip
+    if tuned_alone:
+        never += f" Tuned alone, not in the record: {'; '.join(tuned_alone)}."
     return (
         f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). The recipes' knobs in the record were chosen on "
         f"`{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} values per knob ({p['grid']}), seeds "
         f"{', '.join(map(str, p['seeds']))} (not the study's), {horizon}, selected on the mean final **val** loss (a "
         f"divergence counts as +∞).{transfer}{noise} {used_note}{never}{size}"
     )
+
+
+def _tuned_alone(recipe: str, knob: str, used: float, path: str, record: dict[str, Any]) -> str:
+    """A knob tuned on its own (`lmgeo tune --recipe … --out …`): its protocol, best value and the value the
+    runs used, each with its mean val loss, and the best one's lead against the trials' seed noise."""
+    p = record["protocol"]
+    curve = next(c for c in record["curves"] if c["recipe"] == recipe and c["knob"] == knob)
+    means = {point["value"]: point["mean"] for point in curve["points"]}
+    chosen = curve["chosen"]
+    best = "none (every value diverged)" if chosen is None else f"{chosen:g} ({means[chosen]:.4f})"
+    here = f"{means[used]:.4f}" if used in means else "not tried"
+    lead = ""
+    margin, noise = curve["margin"], curve["seed_noise"]
+    if margin is not None and noise is not None:
+        side = "below" if margin < noise else "above"
+        lead = f"; the best leads its runner-up by {margin:.4f}, {side} the trials' seed noise {noise:.4f}"
+    return (f"`{recipe}` {knob} on `{p['arch']}`, {p['steps']} steps of {p['batch_size']} (`{path}`): best {best}, "
+            f"{used:g} as run here {here} mean val loss{lead}")
 
 
 def _knob_text(knobs: dict[str, float]) -> str:
