@@ -11,6 +11,7 @@ from pathlib import Path
 
 from pipeline.core.fingerprint import ALWAYS, closure, has_code
 from pipeline.core.store import atomic_write
+from stages import report
 
 STAGES = ("prepare", "train", "external", "extract", "fit", "perturb", "aggregate", "report")
 CODE_ROOTS = ("pipeline/", "stages/")
@@ -30,10 +31,9 @@ def code_deps(stage: str, workspace: Path) -> list[str]:
     )
 
 
-# Besides the code: what decides the results too (the params, the stage graph, the pinned packages, the
-# tuning records, the locality sweep and the matched-budget sweep the report states).
-DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", "docs/tuning.json",
-                  "docs/tuning-adamw-hidden/tuning.json", "docs/locality", "docs/sweep/provenance.json")
+# Besides the code: what decides the results too (the params, the stage graph, the pinned packages, and the
+# committed records the report states: tuning, the locality sweep, the matched-budget sweep's provenance).
+DECIDING_FILES = ("params.yaml", "dvc.yaml", "pyproject.toml", "constraints.txt", *report.RECORDS)
 
 
 def result_inputs(workspace: Path) -> list[str]:

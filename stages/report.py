@@ -17,13 +17,16 @@ CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
 # The head step-size sweep behind the recipes' defaults (`lmgeo tune`); Study B's protocol states it.
 TUNING_RECORD = "docs/tuning.json"
 # Knobs tuned alone at the study's protocol since TUNING_RECORD was written (`lmgeo tune --recipe … --out …`):
-# the report states them where TUNING_RECORD lacks them.
-KNOB_RECORDS = ("docs/tuning-adamw-hidden/tuning.json",)
+# the report states them beside (or instead of) TUNING_RECORD's.
+KNOB_RECORDS = ("docs/tuning-adamw-hidden/tuning.json", "docs/tuning-hilbert-equi/tuning.json")
 # Study A's claims at other neighbourhood sizes (`presets/locality.yaml` says how it is made); the report cites it.
 LOCALITY_SWEEP = "docs/locality/claim_tests.csv"
 # The matched-budget sweep's committed tables (`presets/sweep.yaml`, `python -m tools.sweep_record`): the report
 # cites them when the study itself does not run the sweep.
 SWEEP_RECORD = "docs/sweep"
+# The committed records above as the paths whose change makes committed results stale (`stages.deps`); each is a
+# dep of the report stage in dvc.yaml.
+RECORDS = (TUNING_RECORD, *KNOB_RECORDS, str(Path(LOCALITY_SWEEP).parent), f"{SWEEP_RECORD}/provenance.json")
 # The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
 PROVENANCE = "provenance.json"
 # The params sections whose hash the provenance records: what decides the results.

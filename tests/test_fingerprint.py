@@ -18,8 +18,8 @@ from pipeline.core import fingerprint
 from pipeline.core.contracts import parse_run_id
 from pipeline.core.fingerprint import INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
 from pipeline.params import Params, load_params
-from stages import aggregate, extract, fit, perturb, train
-from stages.deps import STAGES, code_deps, is_code
+from stages import aggregate, extract, fit, perturb, report, train
+from stages.deps import DECIDING_FILES, STAGES, code_deps, is_code
 from stages.layout import Layout
 from stages.sharded import _version
 
@@ -240,6 +240,15 @@ def test_dvc_yaml_depends_on_exactly_the_code_of_each_stage() -> None:
     for stage in SHARDED:
         config = {dep for dep in stages[stage]["deps"] if dep.endswith("config.py")}
         assert config, f"{stage}: a config module changes defaults, so DVC must rerun the stage (shards decide)"
+
+
+def test_the_report_stage_depends_on_every_record_the_report_states() -> None:
+    """A record the report reads but DVC does not track would leave the report stale when the record changes;
+    the same records are deciding files, so committed results are checked against them."""
+    deps = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["report"]["deps"]
+    for record in report.RECORDS:
+        assert any(record == dep or record.startswith(f"{dep}/") for dep in deps), f"dvc.yaml report deps: {record}"
+        assert record in DECIDING_FILES
 
 
 def _modules_under(package: str) -> list[str]:

@@ -554,7 +554,7 @@ def test_a_record_of_one_knob_per_recipe_names_the_knobs_it_never_tuned() -> Non
     assert "**Never tuned: `adamw` hidden_lr (at 0.003);" in text
 
 
-def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned() -> None:
+def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned_or_of_an_older_record() -> None:
     """A knob the main record lacks that a record of its own tuned (`lmgeo tune --recipe … --out …`): the
     statement gives that record's protocol, its best value and the value the runs used, each with its mean val
     loss, and the lead against the seed noise; a knob no record tuned is still named as never tuned."""
@@ -569,12 +569,24 @@ def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned
     runs = [{"arch": "gpt2", "recipe": "adamw", "head_step": "head_lr=0.2 hidden_lr=0.003 beta=0.9", "steps": 20,
              "n_params": None}]  # fmt: skip
     text = _tuning_statement(record, runs, [("docs/alone", alone)])
-    assert ("Tuned alone, not in the record: `adamw` hidden_lr on `gpt2`, 20 steps of 4 (`docs/alone`): best 0.002 "
+    assert ("Tuned alone after the record: `adamw` hidden_lr on `gpt2`, 20 steps of 4 (`docs/alone`): best 0.002 "
             "(2.9000), 0.003 as run here 2.9040 mean val loss; the best leads its runner-up by 0.0040, below the "
             "trials' seed noise 0.0050.") in text  # fmt: skip
     assert "**Never tuned: `adamw` beta (at 0.9);" in text and "hidden_lr (at" not in text
     runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.001"
-    assert "0.001 as run here not tried" in _tuning_statement(record, runs, [("docs/alone", alone)])
+    assert "0.001 as run here not tried;" in _tuning_statement(record, runs, [("docs/alone", alone)])
+    runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.0025"
+    assert ("0.0025 as run here not tried (tried either side: 0.002: 2.9000, 0.003: 2.9040);"
+            in _tuning_statement(record, runs, [("docs/alone", alone)]))  # fmt: skip
+    runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.003"
+    retuned = {**alone, "chosen": {"adamw": {"head_lr": {"value": 0.3}}}, "curves": [
+        {"recipe": "adamw", "knob": "head_lr", "chosen": 0.3, "margin": 0.02, "seed_noise": 0.005,
+         "points": [{"value": 0.2, "mean": 2.95}, {"value": 0.3, "mean": 2.93}]}]}  # the main record's knob, again
+    text = _tuning_statement(record, runs, [("docs/alone", alone), ("docs/retuned", retuned)])
+    assert ("`adamw` head_lr on `gpt2`, 20 steps of 4 (`docs/retuned`): best 0.3 (2.9300), 0.2 as run here 2.9500 "
+            "mean val loss; the best leads its runner-up by 0.0200, above the trials' seed noise 0.0050 (**the runs "
+            "here are 0.0200 nats of val loss off the best, above that noise: not at their tuned step**)") in text
+    assert text.count("not at their tuned step") == 1  # hidden_lr's 0.003 is 0.004 off, within its noise 0.005
 
 
 def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_budgets(tmp_path: Path) -> None:

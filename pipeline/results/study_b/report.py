@@ -446,7 +446,8 @@ def _power_statement(recipes: list[Row]) -> str:
 def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_records: Sequence[KnobRecord] = ()) -> str:
     """The tuning protocol, whether each run used its tuned knobs, and each knob's lead over its runner-up
     against the seed noise of its trials (`docs/tuning.json`); a knob that record lacks is stated from a
-    record that tuned it alone (`knob_records`), or named as never tuned."""
+    record that tuned it alone (`knob_records`), or named as never tuned. A knob the main record has that a record
+    of its own re-tuned (at a newer protocol) is stated from that record too."""
     if not tuning:
         return "- **Tuning.** No record of the step-size sweep (`docs/tuning.json`) was found."
     p = tuning["protocol"]
@@ -461,7 +462,8 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_recor
     alone = {(r, k): (path, record) for path, record in knob_records
              for r, entry in record["chosen"].items() for k in _chosen_knobs(entry)}  # fmt: skip
     untuned = [f"`{r}` {k} (at {v:g})" for r, k, v in missing if (r, k) not in alone]
-    tuned_alone = [_tuned_alone(r, k, v, *alone[r, k]) for r, k, v in missing if (r, k) in alone]
+    tuned_alone = [_tuned_alone(r, k, v, *alone[r, k]) for r, knobs in sorted(used.items()) for k, v in knobs.items()
+                   if (r, k) in alone]  # fmt: skip
     differing = sorted(r for r, knobs in used.items()
                        if r in chosen and any(knobs.get(k) != v for k, v in chosen[r].items()))  # fmt: skip
     steps = sorted({r["steps"] for r in runs if r["steps"] and r["arch"] == p["arch"]})
@@ -487,7 +489,7 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_recor
     never = (f" **Never tuned: {', '.join(untuned)}; re-run `lmgeo tune` to tune every knob at this protocol.**"
              if untuned else "")  # fmt: skip
     if tuned_alone:
-        never += f" Tuned alone, not in the record: {'; '.join(tuned_alone)}."
+        never += f" Tuned alone after the record: {'; '.join(tuned_alone)}."
     return (
         f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). The recipes' knobs in the record were chosen on "
         f"`{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} values per knob ({p['grid']}), seeds "
@@ -498,20 +500,33 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_recor
 
 def _tuned_alone(recipe: str, knob: str, used: float, path: str, record: dict[str, Any]) -> str:
     """A knob tuned on its own (`lmgeo tune --recipe … --out …`): its protocol, best value and the value the
-    runs used, each with its mean val loss, and the best one's lead against the trials' seed noise."""
+    runs used, each with its mean val loss, and the best one's lead against the trials' seed noise; a used value
+    worse than the best by more than that noise is called out."""
     p = record["protocol"]
     curve = next(c for c in record["curves"] if c["recipe"] == recipe and c["knob"] == knob)
     means = {point["value"]: point["mean"] for point in curve["points"]}
     chosen = curve["chosen"]
     best = "none (every value diverged)" if chosen is None else f"{chosen:g} ({means[chosen]:.4f})"
-    here = f"{means[used]:.4f}" if used in means else "not tried"
+    here = f"{means[used]:.4f} mean val loss" if used in means else f"not tried{_neighbours(used, means)}"
     lead = ""
     margin, noise = curve["margin"], curve["seed_noise"]
     if margin is not None and noise is not None:
         side = "below" if margin < noise else "above"
         lead = f"; the best leads its runner-up by {margin:.4f}, {side} the trials' seed noise {noise:.4f}"
+    off = ""
+    if chosen is not None and used in means and noise is not None and means[used] - means[chosen] > noise:
+        off = (f" (**the runs here are {means[used] - means[chosen]:.4f} nats of val loss off the best, above that "
+               "noise: not at their tuned step**)")
     return (f"`{recipe}` {knob} on `{p['arch']}`, {p['steps']} steps of {p['batch_size']} (`{path}`): best {best}, "
-            f"{used:g} as run here {here} mean val loss{lead}")
+            f"{used:g} as run here {here}{lead}{off}")
+
+
+def _neighbours(value: float, means: dict[float, float]) -> str:
+    """The tried values either side of an untried one, with their mean val loss: where it would fall."""
+    below = [v for v in means if v < value]
+    above = [v for v in means if v > value]
+    sides = [f"{v:g}: {means[v]:.4f}" for v in (max(below, default=None), min(above, default=None)) if v is not None]
+    return f" (tried either side: {', '.join(sides)})" if len(sides) == 2 else ""
 
 
 def _knob_text(knobs: dict[str, float]) -> str:
