@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import psutil
@@ -135,7 +135,7 @@ def wait_for(condition: Callable[[], object], timeout_s: float, what: str, poll_
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
+def alive(procs: Iterable[psutil.Process]) -> list[psutil.Process]:
     """The processes of `procs` that still run (a zombie has exited: only its exit status is left)."""
     running = []
     for proc in procs:
@@ -147,7 +147,7 @@ def alive(procs: list[psutil.Process]) -> list[psutil.Process]:
     return running
 
 
-def kill_all(procs: list[psutil.Process]) -> None:
+def kill_all(procs: Iterable[psutil.Process]) -> None:
     for proc in procs:
         try:
             proc.kill()
@@ -178,9 +178,10 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=30)
 
 
-def kill_group(proc: subprocess.Popen) -> list[psutil.Process]:
-    """SIGKILL the process group `proc` leads; returns its descendants as they were just before."""
-    family = descendants(proc.pid)
+def kill_group(proc: subprocess.Popen) -> dict[psutil.Process, str]:
+    """SIGKILL the process group `proc` leads; returns its descendants as they were just before, each with its
+    title read then (a killed process's title cannot be read afterwards: it is reaped or a zombie)."""
+    family = {child: title(child) for child in descendants(proc.pid)}
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     return family

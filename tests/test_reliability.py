@@ -153,9 +153,8 @@ def test_killed_driver_leaves_no_ray_processes_and_the_rerun_resumes(extracted, 
             # before the kill (seen on a loaded CI machine as "Ray never ran"). Try afresh.
             kill_all(alive(family))
             continue
-        assert any(title(p).startswith("ray::") or "raylet" in title(p) for p in family), (
-            f"Ray never ran: {len(done_before)}/{FIT_SHARDS} shards done; the driver's family: "
-            f"{[title(p) for p in family]}"
+        assert any(name.startswith("ray::") or "raylet" in name for name in family.values()), (
+            f"Ray never ran: {len(done_before)}/{FIT_SHARDS} shards done; the driver's family: {list(family.values())}"
         )
         try:
             wait_for(lambda: not alive(family), 30, "the killed driver's Ray processes to exit")
