@@ -555,9 +555,11 @@ def test_a_record_of_one_knob_per_recipe_names_the_knobs_it_never_tuned() -> Non
 
 
 def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned_or_of_an_older_record() -> None:
-    """A knob the main record lacks that a record of its own tuned (`lmgeo tune --recipe … --out …`): the
-    statement gives that record's protocol, its best value and the value the runs used, each with its mean val
-    loss, and the lead against the seed noise; a knob no record tuned is still named as never tuned."""
+    """A knob that a record of its own tuned (`lmgeo tune --recipe … --out …`), whether the main record lacks it
+    or tuned it before: the statement gives that record's protocol, its best value and the value the runs used,
+    each with its mean val loss (an untried one with the values tried either side), the lead against the seed
+    noise, and a call-out when the runs are off the best by more than that noise; a knob no record tuned is
+    still named as never tuned."""
     from pipeline.results.study_b.report import _tuning_statement
 
     record = {**TUNING, "chosen": {"adamw": {"knob": "head_lr", "value": 0.2, "mean_val_loss": 3.0}}}
