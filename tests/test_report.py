@@ -668,6 +668,19 @@ def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     assert "From `the preset's command` at revision 0123abc (params hash feedbeef)" in text
     assert "at budget 0.2 (gpt2), `hilbert` beats `muon` by 0.2 [" in text
     assert "| arch | recipe | tau 0.2 | tau 0.4 | tau 0.8 |" in text
+    assert "Every recipe there ran the head step run here." in text and "Not this study's head step" not in text
+    # A default_step adopted after the record: the record's rows of that recipe are named as another step's.
+    adopted = read_record(record)
+    stepped = [r for r in adopted.tables["recipes"] if r["recipe"] == "hilbert"]
+    assert stepped and len({r["head_step"] for r in stepped}) == 1
+    for row in stepped:
+        row["head_step"] = "tau=3.2"
+    render_report(plain / "reports" / "tables", out, plain / "reports" / "figures", PROVENANCE, None, None, adopted)
+    text = out.read_text()
+    named = ("**Not this study's head step**: the record trained `hilbert` (gpt2) at tau=3.2 (here: tau=0.8), so "
+             "its rows of that recipe")
+    assert text.count(named) == 2, text.count(named)  # in the summary and in the sweep's section
+    assert "Every recipe there ran the head step run here." not in text
     with pytest.raises(InputError, match="the preset first"):
         write_record(read_result_tables(plain / "reports" / "tables"), PROVENANCE, "x", tmp_path / "empty")
     (record / "envelope.parquet").write_bytes((record / "recipes.parquet").read_bytes())

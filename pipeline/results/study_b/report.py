@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +34,9 @@ class SweepTables:
     own_step: list[Row]
     bigram: float | None  # the smoothed bigram's test loss on the sweep's test windows
     source: str | None = None
+    # (arch, recipe) → (the cited record's head step, this study's) where the two differ: the record's rows of
+    # that recipe are of another step than this study's runs (a default_step adopted after the record).
+    other_steps: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
 
 
 def sweep_source(tables: Tables, record: SweepRecord | None) -> SweepTables:
@@ -42,9 +45,27 @@ def sweep_source(tables: Tables, record: SweepRecord | None) -> SweepTables:
     if matched or record is None:
         return SweepTables(matched, tables["envelope"], runs_of_kind(tables["recipes"]),
                            _bigram(tables.get("baselines", [])))  # fmt: skip
-    return SweepTables(runs_of_kind(record.tables["recipes"], True), record.tables["envelope"],
-                       runs_of_kind(record.tables["recipes"]), _bigram(record.tables.get("baselines", [])),
-                       record.describe())  # fmt: skip
+    own_step = runs_of_kind(record.tables["recipes"])
+    return SweepTables(runs_of_kind(record.tables["recipes"], True), record.tables["envelope"], own_step,
+                       _bigram(record.tables.get("baselines", [])), record.describe(),
+                       _other_steps(own_step, runs_of_kind(tables["recipes"])))  # fmt: skip
+
+
+def _other_steps(recorded: list[Row], here: list[Row]) -> dict[tuple[str, str], tuple[str, str]]:
+    ran = {(r["arch"], r["recipe"]): r["head_step"] for r in here}
+    return {key: (r["head_step"], ran[key]) for r in recorded
+            if (key := (r["arch"], r["recipe"])) in ran and r["head_step"] != ran[key]}  # fmt: skip
+
+
+def _other_steps_statement(sweep: SweepTables) -> str:
+    """The recipes the cited record trained at another head step than this study, in one bold sentence."""
+    if not sweep.other_steps:
+        return ""
+    listed = "; ".join(f"`{recipe}` ({arch}) at {then} (here: {now})"
+                       for (arch, recipe), (then, now) in sweep.other_steps.items())  # fmt: skip
+    return (f"**Not this study's head step**: the record trained {listed}, so its rows of "
+            f"{'that recipe' if len(sweep.other_steps) == 1 else 'those recipes'} (own step, every budget, "
+            "envelope) are of that step, not of this study's runs.")  # fmt: skip
 
 
 def _bigram(baselines: Sequence[Row]) -> float | None:
@@ -76,7 +97,7 @@ def summary(tables: Tables, figures: Figures, sweep: SweepTables) -> str:
     out = [f"At each recipe's own tuned step size, final test loss against `{reference}` on the same seeds:\n",
            plain_comparison(rows), regime_statement(recipes, tables.get("baselines", []))]  # fmt: skip
     if sweep.matched:
-        cited = f" From {sweep.source}." if sweep.source else ""
+        cited = f" From {sweep.source}. {_other_steps_statement(sweep)}".rstrip() if sweep.source else ""
         out.append("**At equal worst-case nats per step** (the matched-budget sweep: every head step rescaled to "
                    f"the same budget, against `{reference}` at that budget).{cited}\n\n"
                    f"{sweep_summary(sweep.matched, sweep.envelope)}")  # fmt: skip
@@ -269,7 +290,8 @@ def _matched_budget(sweep: SweepTables) -> str:
     if sweep.source:
         out.append(f"This study does not run the sweep (`train.matched_budget` is null, for its time); its numbers "
                    f"are the preset's: {sweep.source}. That run trains this study's default runs too, on the "
-                   "same seeds, so its own-step rows are this study's when the revision's code and params agree.\n")
+                   "same seeds, so its own-step rows are this study's where the revision's code and head steps "
+                   f"agree. {_other_steps_statement(sweep) or 'Every recipe there ran the head step run here.'}\n")
     out.append(_sweep_protocol(recipes) + " Every head step (decay included) is rescaled, up or down, so that "
                "diam(ΔW) = tau_t / r_t (tau on the head's schedule, r_t = max ‖h‖ over the batch): at each budget "
                "every recipe moves each token's log-probabilities by the same worst case, and only the direction "
