@@ -272,7 +272,8 @@ def section(tables: Tables, figures: Figures, tuning: dict[str, Any] | None, swe
                             "Head step per recipe (median over seeds): its size in Hilbert units (which recipes take "
                             "the largest steps), the bound's tightness on exact-diameter steps (≤ 1, SPEC §3.1: a "
                             "value near 1 means the bound is nearly attained), and how evenly the update's rows are "
-                            "spread (dotted: random unit rows; only `hilbert_equi` should reach it)."))  # fmt: skip
+                            "spread (dotted: random unit rows; only `hilbert_equi` trades descent for spread, as "
+                            "much as its descent share c allows)."))  # fmt: skip
     out.append(_matched_budget(sweep))
     return "\n".join(part for part in out if part)
 
