@@ -210,6 +210,25 @@ def test_the_step_is_a_deterministic_function_of_its_inputs() -> None:
     torch.testing.assert_close(warm[0].rows, warm[1].rows, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("shape", [(300, 24), (2100, 12)])  # exact candidates; bucketed (BUCKET_ROWS 2048)
+def test_row_chunks_change_no_bit_of_the_step(monkeypatch, shape) -> None:
+    """The iterations' products and candidate differences are formed a chunk of rows at a time (for the
+    cache); each chunked operation is the whole-tensor one row by row, so chunks of a few rows (7 of a V × d
+    product, 1 of the candidates' differences) and a single chunk give the same step to the bit, cold and
+    warm."""
+    grad = torch.from_numpy(ce_gradient(*shape, 128, seed=4)).float()
+
+    def steps(chunk_bytes: int) -> list[eq.Solution]:
+        monkeypatch.setattr(eq, "CHUNK_BYTES", chunk_bytes)
+        cold = eq.solve(grad, 0.9, iters=12)
+        return [cold, eq.solve(grad * 1.02 + 0.01, 0.9, iters=6, start=cold)]
+
+    for small, whole in zip(steps(7 * 4 * shape[1]), steps(2**40), strict=True):
+        torch.testing.assert_close(small.rows, whole.rows, rtol=0, atol=0)
+        torch.testing.assert_close(small.diameter, whole.diameter, rtol=0, atol=0)
+        assert torch.equal(small.found.near, whole.found.near)
+
+
 def test_lift_is_the_nearest_feasible_point_on_the_product_of_spheres() -> None:
     """`lift` against an independent SLSQP projection: min Σ‖u_i − y_i‖² over unit rows with ⟨G, U⟩ ≥ b."""
     rng = np.random.default_rng(5)
@@ -218,14 +237,15 @@ def test_lift_is_the_nearest_feasible_point_on_the_product_of_spheres() -> None:
     g = rng.standard_normal((5, 3))
     target = 0.8 * np.linalg.norm(g, axis=1).sum()
     assert (g * y).sum() < target  # infeasible: lift must move it
-    lifted = eq.lift(torch.from_numpy(y), torch.from_numpy(g), torch.tensor(target)).numpy()
+    gradient = eq.Gradient.of(torch.from_numpy(g))
+    lifted = eq.lift_(torch.from_numpy(y.copy()), gradient, torch.tensor(target)).numpy()
     found = minimize(lambda f: ((f.reshape(5, 3) - y) ** 2).sum(), y.ravel(), method="SLSQP",
                      constraints=[{"type": "eq", "fun": lambda f: (f.reshape(5, 3) ** 2).sum(1) - 1},
                                   {"type": "ineq", "fun": lambda f: np.array([(g * f.reshape(5, 3)).sum() - target])}],
                      options={"ftol": 1e-14, "maxiter": 500})  # fmt: skip
     np.testing.assert_allclose(lifted, found.x.reshape(5, 3), atol=1e-5)
     assert (g * lifted).sum() >= target
-    already = eq.lift(torch.from_numpy(y), torch.from_numpy(g), torch.tensor(-1.0)).numpy()
+    already = eq.lift_(torch.from_numpy(y.copy()), gradient, torch.tensor(-1.0)).numpy()
     np.testing.assert_allclose(already, y, atol=1e-12)  # feasible rows are left as they are
 
 

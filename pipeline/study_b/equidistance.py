@@ -32,13 +32,18 @@ d ≤ 4 (`tests/test_equidistance.py` measures both).
   angle and temperature, so over training the iterations accumulate while the momentum drifts.
 
 Deterministic for given inputs: the starts' noise comes from a fixed seed, ties are broken by index, and
-nothing depends on a generator's state. Every operation is a tensor operation (no Python loop over rows or
-buckets; row chunks bound the memory above `CHUNK_ROWS`), so the same code runs on a GPU.
+nothing depends on a generator's state. Every operation is a tensor operation (Python loops run over chunks
+of rows, never over single rows or buckets), so the same code runs on a GPU. The iterations' V × d products
+and (V, k, d) candidate differences are formed a chunk of rows at a time (`CHUNK_BYTES`) in one reused
+buffer: on a CPU a fresh V × d tensor costs ~10× an in-place pass over it (the page faults of a new
+mapping), and a chunk stays in cache between the operations applied to it. Each chunk computes, row by row,
+what the whole-tensor operation computes, so the chunk size changes no bit of the step (tested).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
@@ -50,7 +55,10 @@ from pipeline.study_b.lmo import sketch, sketch_projection, unit_rows, unit_rows
 NEAR = 8  # nearest-row candidates per row
 FAR = 4  # farthest-row candidates per row (exact search only)
 BUCKET_ROWS = 2048  # exact candidate search up to this many rows; buckets of about this size above
-CHUNK_ROWS = 4096  # rows whose candidate differences are held at once
+# A chunk's buffer: small enough to stay in a CPU's cache between the operations on it, large enough that
+# per-operation overheads do not dominate; a GPU reuses its freed memory without page faults and pays a
+# launch per operation, so it takes larger chunks (memory still bounded).
+CHUNK_BYTES, GPU_CHUNK_BYTES = 2**20, 2**27
 REFRESH = 10  # iterations between candidate searches (and one at the start of every solve)
 KAPPA, KAPPA_END = 80.0, 400.0  # soft-min/soft-max sharpness, relative to the smallest/largest distance
 # The per-iteration step of every row (radians): a cold solve decays it linearly from ANGLE to ANGLE_END (a
@@ -70,22 +78,53 @@ FEASIBILITY_ROUNDS = 3
 _SEED = 0  # the starts' noise and the tree's directions: fixed, so the step is a function of its inputs
 
 
+# ------------------------------------------------------------------------------------------- row chunks
+def _chunks(n_rows: int, like: Tensor, *shape: int) -> Iterator[tuple[slice, Tensor]]:
+    """Slices of `n_rows` rows, a chunk at a time, each with a scratch buffer of `(rows, *shape)` (one buffer,
+    reused: its contents do not survive the next chunk)."""
+    budget = GPU_CHUNK_BYTES if like.device.type == "cuda" else CHUNK_BYTES
+    chunk = max(1, budget // (like.element_size() * math.prod(shape)))
+    buffer = like.new_empty(min(chunk, n_rows), *shape)
+    for start in range(0, n_rows, chunk):
+        stop = min(start + chunk, n_rows)
+        yield slice(start, stop), buffer[: stop - start]
+
+
+def row_dots(a: Tensor, b: Tensor) -> Tensor:
+    """(V,) `(a * b).sum(1)`, the same sums, without its V × d temporary."""
+    dots = a.new_empty(a.shape[0])
+    for rows, scratch in _chunks(a.shape[0], a, a.shape[1]):
+        torch.sum(torch.mul(a[rows], b[rows], out=scratch), 1, out=dots[rows])
+    return dots
 
 
 # ---------------------------------------------------------------------------------- the descent condition
-def descent_target(g: Tensor, alignment: float, diameter: Tensor) -> Tensor:
+class Gradient(NamedTuple):
+    """The rows G the descent condition is stated for, and the row sums every lift reads (once per solve)."""
+
+    rows: Tensor
+    norms: Tensor  # ‖g_i‖
+    squares: Tensor  # ‖g_i‖², float64 (the lift's bisection)
+
+    @classmethod
+    def of(cls, g: Tensor) -> Gradient:
+        return cls(g, g.norm(dim=1), row_dots(g, g).to(torch.float64))
+
+
+def descent_target(grad: Gradient, alignment: float, diameter: Tensor) -> Tensor:
     """`⟨G, U⟩` that unit rows of diameter `diameter` need: `c · S · diameter / 2` (A(U) ≥ c)."""
-    return alignment * g.norm(dim=1).sum() * diameter / 2
+    return alignment * grad.norms.sum() * diameter / 2
 
 
-def lift(u: Tensor, g: Tensor, target: Tensor) -> Tensor:
-    """The nearest unit rows to `u` (Euclidean, row by row on the product of spheres) with ⟨G, U⟩ ≥
-    `target`: `unit(u_i + λ·g_i)` with the smallest λ ≥ 0 that reaches it, by bisection on per-row scalars
-    (λ = s·μ/(1 − μ), μ ∈ [0, 1], s the inverse mean row norm of G; ⟨g_i, u_i(λ)⟩ grows with λ, to ‖g_i‖).
-    Feasible whenever target ≤ S; rows are left as they are when already feasible. No host sync."""
+def lift_(u: Tensor, grad: Gradient, target: Tensor) -> Tensor:
+    """`u` moved, in place, to the nearest unit rows (Euclidean, row by row on the product of spheres) with
+    ⟨G, U⟩ ≥ `target`: `unit(u_i + λ·g_i)` with the smallest λ ≥ 0 that reaches it, by bisection on per-row
+    scalars (λ = s·μ/(1 − μ), μ ∈ [0, 1], s the inverse mean row norm of G; ⟨g_i, u_i(λ)⟩ grows with λ, to
+    ‖g_i‖). Feasible whenever target ≤ S; rows are left as they are when already feasible. No host sync."""
     exact = torch.float64
-    scale = 1.0 / g.norm(dim=1).mean().clamp_min(torch.finfo(g.dtype).tiny)
-    uu, ug, gg = (u * u).sum(1).to(exact), (u * g).sum(1).to(exact), (g * g).sum(1).to(exact)
+    g = grad.rows
+    scale = 1.0 / grad.norms.mean().clamp_min(torch.finfo(g.dtype).tiny)
+    uu, ug, gg = row_dots(u, u).to(exact), row_dots(u, g).to(exact), grad.squares
     goal = target.to(exact) * (1 + 1e-6) + 1e-30  # float rounding of the rows must not undo it
 
     def reached(mu: Tensor) -> Tensor:
@@ -99,7 +138,9 @@ def lift(u: Tensor, g: Tensor, target: Tensor) -> Tensor:
         short = reached(middle) < goal
         low, high = torch.where(short, middle, low), torch.where(short, high, middle)
     mu = torch.where(reached(low.new_zeros(())) >= goal, low.new_zeros(()), high).to(u.dtype)
-    return unit_rows_(u * (1 - mu) + g * (mu * scale))
+    for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+        u[rows].mul_(1 - mu).add_(torch.mul(g[rows], mu * scale, out=scratch))
+    return unit_rows_(u)
 
 
 # ------------------------------------------------------------------------------------------- candidates
@@ -168,17 +209,21 @@ def bucketed_nearest(s: Tensor, k: int) -> Tensor:
 
 # ---------------------------------------------------------------------------------------- the iterations
 def _pair_lengths(u: Tensor, index: Tensor) -> Tensor:
-    """(V, k) ‖u_i − u_{index_ij}‖, in row chunks."""
-    return torch.cat([
-        (u[start : start + CHUNK_ROWS, None, :] - u[index[start : start + CHUNK_ROWS]]).norm(dim=2)
-        for start in range(0, u.shape[0], CHUNK_ROWS)
-    ])  # fmt: skip
+    """(V, k) ‖u_i − u_{index_ij}‖: each chunk's candidates gathered into the buffer and differenced there."""
+    lengths = u.new_empty(index.shape)
+    for rows, pairs in _chunks(u.shape[0], u, index.shape[1], u.shape[1]):
+        torch.index_select(u, 0, index[rows].flatten(), out=pairs.view(-1, u.shape[1]))
+        torch.linalg.vector_norm(pairs.sub_(u[rows, None]), dim=2, out=lengths[rows])
+    return lengths
 
 
 def _pull(u: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     """Σ_j weights_ij · (u_i − u_{index_ij}) per row, without a (V, k, d) temporary."""
-    gathered = torch.nn.functional.embedding_bag(index, u, per_sample_weights=weights, mode="sum")
-    return u * weights.sum(1, keepdim=True) - gathered
+    pulled = torch.nn.functional.embedding_bag(index, u, per_sample_weights=weights, mode="sum")
+    total = weights.sum(1, keepdim=True)
+    for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+        torch.sub(torch.mul(u[rows], total[rows], out=scratch), pulled[rows], out=pulled[rows])
+    return pulled
 
 
 def _ascent(u: Tensor, found: Candidates, kappa: float) -> tuple[Tensor, Tensor]:
@@ -188,21 +233,22 @@ def _ascent(u: Tensor, found: Candidates, kappa: float) -> tuple[Tensor, Tensor]
     lengths = _pair_lengths(u, found.near).clamp_min(tiny)
     smallest = lengths.min()
     weights = torch.softmax((-kappa * lengths / smallest).flatten(), 0).view_as(lengths)
-    direction = _pull(u, found.near, weights / lengths) / smallest
+    direction = _pull(u, found.near, weights / lengths).div_(smallest)
     if found.far is None:
         return direction, u.new_tensor(2.0)
     far = _pair_lengths(u, found.far).clamp_min(tiny)
     largest = far.max()
     weights = torch.softmax((kappa * far / largest).flatten(), 0).view_as(far)
-    return direction - _pull(u, found.far, weights / far) / largest, largest
+    return direction.sub_(_pull(u, found.far, weights / far).div_(largest)), largest
 
 
 def _diameter(u: Tensor, found: Candidates) -> Tensor:
     return u.new_tensor(2.0) if found.far is None else _pair_lengths(u, found.far).max()
 
 
-def _iterate(u: Tensor, g: Tensor, alignment: float, iters: int, cold: bool, projection: Tensor | None,
+def _iterate(u: Tensor, grad: Gradient, alignment: float, iters: int, cold: bool, projection: Tensor | None,
              found: Candidates) -> Tensor:  # fmt: skip
+    """`iters` iterations from `u`, which they update in place (the caller's own rows)."""
     velocity = torch.zeros_like(u)
     tiny = torch.finfo(u.dtype).tiny
     for it in range(iters):
@@ -212,11 +258,15 @@ def _iterate(u: Tensor, g: Tensor, alignment: float, iters: int, cold: bool, pro
         kappa = KAPPA * (KAPPA_END / KAPPA) ** progress if cold else KAPPA_END
         angle = ANGLE * (1 - progress) + ANGLE_END * progress if cold else WARM_ANGLE
         direction, _ = _ascent(u, found, kappa)
-        direction -= (direction * u).sum(1, keepdim=True) * u  # along the sphere
+        radial = row_dots(direction, u)[:, None]
+        for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):  # along the sphere
+            direction[rows].sub_(torch.mul(radial[rows], u[rows], out=scratch))
         velocity.mul_(VELOCITY).add_(direction, alpha=1 - VELOCITY)
         push = velocity.norm(dim=1, keepdim=True)
-        u = unit_rows_(u + angle * velocity / torch.maximum(push, STEP_FLOOR * push.max()).clamp_min(tiny))
-        u = lift(u, g, descent_target(g, alignment, _diameter(u, found)))
+        step = torch.maximum(push, STEP_FLOOR * push.max()).clamp_min(tiny)
+        for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+            u[rows].add_(torch.mul(velocity[rows], angle, out=scratch).div_(step[rows]))
+        lift_(unit_rows_(u), grad, descent_target(grad, alignment, _diameter(u, found)))
     return u
 
 
@@ -237,18 +287,18 @@ def spread(u: Tensor) -> Tensor:
     return distances.min() / distances.max()
 
 
-def feasible(u: Tensor, g: Tensor, alignment: float, projection: Tensor | None) -> Solution:
-    """`u` lifted until A ≥ c holds with its certified diameter (the iterations used the candidates'): each
-    lift moves the diameter, so the rows are searched again (usually once or twice); should the diameter
-    keep growing, a last lift with the sphere's bound 2 settles it."""
+def feasible(u: Tensor, grad: Gradient, alignment: float, projection: Tensor | None) -> Solution:
+    """`u` (the caller's own rows) lifted until A ≥ c holds with its certified diameter (the iterations used
+    the candidates'): each lift moves the diameter, so the rows are searched again (usually once or twice);
+    should the diameter keep growing, a last lift with the sphere's bound 2 settles it."""
     found, diameter = search(u, projection)
     for _ in range(FEASIBILITY_ROUNDS):
-        target = descent_target(g, alignment, diameter)
-        if bool((g * u).sum() >= target):
+        target = descent_target(grad, alignment, diameter)
+        if bool((grad.rows * u).sum() >= target):
             return Solution(u, diameter, found)
-        u = lift(u, g, target)
+        lift_(u, grad, target)
         found, diameter = search(u, projection)
-    u = lift(u, g, descent_target(g, alignment, u.new_tensor(2.0)))
+    lift_(u, grad, descent_target(grad, alignment, u.new_tensor(2.0)))
     found, diameter = search(u, projection)
     return Solution(u, diameter, found)
 
@@ -259,16 +309,17 @@ def solve(m: Tensor, alignment: float, iters: int, start: Solution | None = None
     from hilbert's rows (several starts on small problems, the best spread kept)."""
     if not 0 < alignment <= 1:
         raise ValueError(f"the descent share must be in (0, 1], got {alignment}")
-    g = center_rows(m)
+    grad = Gradient.of(center_rows(m))
     projection = sketch_projection(m.shape[1], m) if m.shape[0] > BUCKET_ROWS else None
     if start is not None and start.rows.shape == m.shape:
-        u = lift(start.rows, g, descent_target(g, alignment, start.diameter))
-        return feasible(_iterate(u, g, alignment, iters, False, projection, start.found), g, alignment, projection)
+        u = lift_(start.rows.clone(), grad, descent_target(grad, alignment, start.diameter))
+        return feasible(_iterate(u, grad, alignment, iters, False, projection, start.found), grad, alignment,
+                        projection)  # fmt: skip
     best: Solution | None = None
-    for u in _starts(g):
+    for u in _starts(grad.rows):
         found, diameter = search(u, projection)
-        u = lift(u, g, descent_target(g, alignment, diameter))
-        solution = feasible(_iterate(u, g, alignment, iters, True, projection, found), g, alignment, projection)
+        lift_(u, grad, descent_target(grad, alignment, diameter))
+        solution = feasible(_iterate(u, grad, alignment, iters, True, projection, found), grad, alignment, projection)
         if best is None or bool(spread(solution.rows) > spread(best.rows)):  # several starts: small problems only
             best = solution
     assert best is not None

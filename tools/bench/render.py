@@ -54,10 +54,13 @@ KNOWN_LEVERS = {
         "`hilbert_equi`'s cost beyond `hilbert`'s is the candidate search for each row's nearest rows, "
         "2·V²·min(d, 64) FLOPs plus a top-k over V² similarities (a sketch of width 64 above d = 64), and "
         "`equi_iters` passes over V × 8 candidates; `muon_head` pays one Newton–Schulz, 5·(4·V·d² + 2·d³) in "
-        "bfloat16. At small d the V² search dominates; levers: fewer candidates, a narrower sketch, or "
-        "`equi_iters = 0` (random tangents only, no search). Already applied: every V × d step is in place "
-        "on the direction's own temporaries (a fresh V × d tensor costs ~10× an in-place pass over it on "
-        "CPU: the page faults of a new mapping) and the row inner products are batched matmuls."
+        "bfloat16. At small d the search dominates (its Gram matrices and top-k); at GPT-2 scale the "
+        "iterations' two gathers of V × 8 candidate rows (their differences, then their weighted sum), which "
+        "are memory-bound. Levers, each of which changes the step: fewer candidates or smaller buckets, fewer "
+        "`equi_iters`, or softmax weights lagged one iteration so that one gather serves both. Already "
+        "applied, the same step to the bit: the iterations' V × d products and candidate differences are "
+        "formed a cache-sized chunk of rows at a time in one reused buffer (a fresh V × d tensor costs ~10× "
+        "an in-place pass over it on CPU: the page faults of a new mapping)."
     ),
     "recipes: hilbert /": (
         "`hilbert_direction` is element-wise (two centrings and a row normalisation, ≈ 15·V·d FLOPs "
