@@ -79,12 +79,10 @@ def median_step_times(layout: Layout) -> dict[str, float]:
     """run → median seconds per step, from the train stage's telemetry (`telemetry/train/<run>.json`)."""
     import statistics
 
-    found = {}
-    for path in sorted((layout.telemetry / "train").glob("*.json")):
-        times = json.loads(path.read_text())["step_time_s"]
-        if times:
-            found[path.stem] = statistics.median(times)
-    return found
+    from stages.train import read_telemetry
+
+    found = read_telemetry(layout).items()
+    return {run: statistics.median(times.step_time_s) for run, times in found if times.step_time_s}
 
 
 def kernels() -> dict[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from typing import Any
+from typing import Any, NamedTuple
 
 from pipeline.core.execution import Load, Shard
 from pipeline.core.fingerprint import CodeSpec
@@ -114,6 +114,7 @@ def plan(params: Params, layout: Layout) -> Plan:
     # Read by the driver when the first run is submitted, then shared by every run.
     tokens_input = Load("tokens", functools.partial(training_tokens, layout))
     tokenizer_input = Load("tokenizer", functools.partial(read_folder, layout.tokenizer))
+    measured = read_telemetry(layout)  # the longest runs of the last training here are dispatched first
     planned = []
     for run in params.trained_runs():
         spec = parse_run_id(run)
@@ -122,7 +123,8 @@ def plan(params: Params, layout: Layout) -> Plan:
         key = ManifestKey(tokens, stage_params("train", params, seq_len, cfg), code[1])
         args = (run, cfg, seq_len, key.params_hash, tokens_input, tokenizer_input)
         write = functools.partial(write_run, layout, run, key)
-        planned.append((Shard(run, train_task, args, code=code, write=write), key))
+        expected_s = measured[run].wall_time_s if run in measured else None
+        planned.append((Shard(run, train_task, args, code=code, write=write, expected_s=expected_s), key))
     return planned
 
 
@@ -135,6 +137,25 @@ def run(params: Params, ray_address: str | None = None) -> None:
     diverged = sorted(run for run, out in results.items() if out["diverged"])
     if diverged:
         print(f"train: diverged (marked in run.json, pipeline continues): {', '.join(diverged)}", flush=True)
+
+
+class RunTimes(NamedTuple):
+    wall_time_s: float
+    step_time_s: list[float]
+
+
+def read_telemetry(layout: Layout) -> dict[str, RunTimes]:
+    """run → the wall-clock times its last training here measured (`telemetry/train/<run>.json`); a file that
+    does not hold them is left out (times are no result: they order the dispatch and fill the report's
+    step-time column)."""
+    found = {}
+    for path in sorted((layout.telemetry / "train").glob("*.json")):
+        try:
+            raw = json.loads(path.read_text())
+            found[path.stem] = RunTimes(float(raw["wall_time_s"]), [float(t) for t in raw["step_time_s"]])
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+    return found
 
 
 def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, dict]) -> None:

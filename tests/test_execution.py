@@ -511,3 +511,33 @@ def test_batches_are_consecutive_shards_of_one_function() -> None:
     shards = [Shard(f"a{i}", square) for i in range(5)] + [Shard("b0", fail_if), Shard("a5", square)]
     assert [[s.key for s in b] for b in _batches(shards, 2)] == [["a0", "a1"], ["a2", "a3"], ["a4"], ["b0"], ["a5"]]
     assert all(len(b) == 1 for b in _batches(shards, 1))
+
+
+def test_a_shard_expected_to_run_long_has_a_task_of_its_own() -> None:
+    from pipeline.core.execution import ALONE_S, _batches
+
+    times = [1.0, 2.0, ALONE_S, 3.0, None, 4.0, ALONE_S * 10]
+    shards = [Shard(f"s{i}", square, expected_s=t) for i, t in enumerate(times)]
+    assert [[s.key for s in b] for b in _batches(shards, 8)] == [["s0", "s1"], ["s2"], ["s3", "s4", "s5"], ["s6"]]
+
+
+def test_tasks_are_submitted_longest_first_and_unknown_ones_before_them() -> None:
+    from pipeline.core.execution import _longest_first
+
+    def batch(*times: float | None) -> list[Shard]:
+        return [Shard(f"{t}-{i}", square, expected_s=t) for i, t in enumerate(times)]
+
+    batches = [batch(5.0), batch(1.0, 2.0), batch(None), batch(40.0), batch(3.0), batch(2.0, None), batch(3.0)]
+    order = [[s.expected_s for s in b] for b in _longest_first(batches)]
+    # unknown first in plan order; known by their total, longest first; ties in plan order (the two 3.0s)
+    assert order == [[None], [2.0, None], [40.0], [5.0], [1.0, 2.0], [3.0], [3.0]]
+    assert [id(b) for b in _longest_first(batches[:2])] == [id(batches[0]), id(batches[1])]
+
+
+@pytest.mark.slow  # the session's embedded Ray
+def test_the_longest_shards_run_first(ray_local) -> None:
+    times = [1.0, 30.0, None, 25.0, 2.0]
+    shards = [Shard(f"s{i}", square, (i,), expected_s=t) for i, t in enumerate(times)]
+    # One task in flight at a time: results arrive in the order the tasks were submitted.
+    results = run_shards(shards, ONE_CPU, max_in_flight=1, max_retries=0, label="sq", shards_per_task=8)
+    assert list(results) == ["s2", "s1", "s3", "s4", "s0"] and results["s3"] == 9

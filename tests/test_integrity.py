@@ -317,3 +317,18 @@ def test_10_the_threads_of_a_task_are_in_its_key(ws):
     more = params.model_copy(update={"ray": params.ray.model_copy(update={"tasks": {"train": {"num_cpus": 2}}})})
     more = type(params).model_validate(more.model_dump(mode="json"))
     assert plan(params, layout)[0][1].params_hash != plan(more, layout)[0][1].params_hash
+
+
+def test_10_train_plans_each_run_with_the_time_its_last_training_took(ws):
+    from pipeline.params import load_params
+    from stages.layout import Layout
+    from stages.train import plan, read_telemetry
+
+    layout = Layout(ws)
+    measured = read_telemetry(layout)
+    planned = {shard.key: shard for shard, _ in plan(load_params(ws / "params.yaml"), layout)}
+    assert set(measured) == set(planned) == {RUN}
+    assert all(planned[run].expected_s == measured[run].wall_time_s > 0 for run in planned)
+    (layout.telemetry / "train" / f"{RUN}.json").write_text('{"wall_time_s": "soon"}')  # damaged: no hint
+    replanned = {shard.key: shard for shard, _ in plan(load_params(ws / "params.yaml"), layout)}
+    assert RUN not in read_telemetry(layout) and replanned[RUN].expected_s is None

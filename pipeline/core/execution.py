@@ -5,7 +5,7 @@ never holds thousands of refs or results at once. Every task runs through ``run_
 whose kernels and thread counts are pinned (``pipeline.core.determinism``; parallelism comes from Ray,
 not from BLAS oversubscription): it checks that the worker runs the code the driver planned with before
 it computes anything, and runs a batch of consecutive small shards, so the fixed cost of a task is paid
-once per batch.
+once per batch. Where a stage knows how long its shards ran last time, the longest are submitted first.
 
 Data moves through Ray's object store only, so a task never touches the driver's filesystem (SPEC §1): a
 shard's inputs are ``Load`` arguments, read by the driver when the task is submitted and put in the
@@ -18,6 +18,7 @@ shard's ``write`` (atomic, with a manifest) before it waits for the next. This m
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,6 +37,9 @@ if TYPE_CHECKING:
 # How long one ray.wait blocks: the loop wakes up this often to redraw the progress clock and to let
 # Ctrl-C through; completions are still handled the moment they arrive.
 WAIT_TIMEOUT_S = 1.0
+# A shard expected to run this long (seconds) gets a task of its own: a task's fixed cost (~2 s: scheduling,
+# the code check, its inputs) is then a tenth of it at most, and long shards spread over the workers.
+ALONE_S = 20.0
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,11 @@ class Shard:
 
     ``code`` is ``(what the version covers, code version)`` when the shard's output is keyed by that
     version: the task refuses to run on a worker whose code has another version.
+
+    ``expected_s`` is how long the shard is expected to run (its last measured time), where the stage knows it:
+    tasks are submitted longest first, so no long shard starts last while the other workers idle, and a shard
+    expected to run ``ALONE_S`` or longer has a task of its own. It changes when a shard runs, never what it
+    computes.
     """
 
     key: str
@@ -64,6 +73,7 @@ class Shard:
     kwargs: dict = field(default_factory=dict)
     code: tuple[CodeSpec, str] | None = None
     write: Callable[[Any], Any] | None = None
+    expected_s: float | None = None
 
     def loads(self) -> list[Load]:
         return [value for value in (*self.args, *self.kwargs.values()) if isinstance(value, Load)]
@@ -169,9 +179,10 @@ def run_shards(
     shards_per_task: int = 1,
 ) -> dict[str, Any]:
     """Run every shard in Ray tasks of up to ``shards_per_task`` consecutive shards (one for a GPU task,
-    whose worker is replaced after each task to free the device's memory), write each shard's result as
-    it arrives (``Shard.write``) and return ``{shard.key: result}``. On the first failure the remaining
-    tasks are cancelled and ``ShardFailed`` names the shard."""
+    whose worker is replaced after each task to free the device's memory, and for a shard expected to run
+    long), submitted longest first (``Shard.expected_s``), write each shard's result as it arrives
+    (``Shard.write``) and return ``{shard.key: result}``. On the first failure the remaining tasks are
+    cancelled and ``ShardFailed`` names the shard."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     _check_unique_keys(shards)
@@ -183,7 +194,7 @@ def run_shards(
         raise RuntimeError("Ray is not initialised: the CLI must call stages.runtime.start_ray first")
     _check_feasible(resources, label)
     remote_fn = _as_remote(resources, max_retries)  # one RemoteFunction: Ray exports the code once
-    pending: Iterator[list[Shard]] = _batches(shards, 1 if resources.num_gpus > 0 else shards_per_task)
+    pending = iter(_longest_first(_batches(shards, 1 if resources.num_gpus > 0 else shards_per_task)))
     inputs = _Inputs(shards)
     in_flight: dict[ObjectRefGenerator, list[Shard]] = {}  # a task → its shards not yet collected
     results: dict[str, Any] = {}
@@ -207,15 +218,36 @@ def run_shards(
 
 def _batches(shards: Sequence[Shard], size: int) -> Iterator[list[Shard]]:
     """Consecutive shards (a stage plans them model by model, layer by layer) sharing a function and a
-    code version, at most ``size`` per batch."""
+    code version, at most ``size`` per batch; a shard expected to run long is a batch of its own."""
     batch: list[Shard] = []
     for shard in shards:
-        if batch and (len(batch) == size or (shard.fn, shard.code) != (batch[0].fn, batch[0].code)):
+        if batch and (
+            len(batch) == size
+            or (shard.fn, shard.code) != (batch[0].fn, batch[0].code)
+            or _runs_alone(shard)
+            or _runs_alone(batch[0])
+        ):
             yield batch
             batch = []
         batch.append(shard)
     if batch:
         yield batch
+
+
+def _runs_alone(shard: Shard) -> bool:
+    return shard.expected_s is not None and shard.expected_s >= ALONE_S
+
+
+def _longest_first(batches: Iterable[list[Shard]]) -> list[list[Shard]]:
+    """The batches in the order to submit them: those holding a shard of unknown length first, in plan order
+    (any of them may be long), then the others by expected length, longest first (the longest-processing-time
+    rule: the last tasks to start are short, so the workers finish together)."""
+
+    def expected_s(batch: list[Shard]) -> float:
+        times = [shard.expected_s for shard in batch]
+        return math.inf if None in times else sum(times)  # type: ignore[arg-type]
+
+    return sorted(batches, key=expected_s, reverse=True)  # stable: ties keep plan order
 
 
 class _Inputs:

@@ -67,8 +67,8 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
 
 
 def median(values: Sequence[float | None]) -> float | None:
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return float(np.median(finite)) if finite else None
+    found = finite(values)
+    return float(np.median(found)) if found.size else None
 
 
 # ----------------------------------------------------------------------------------------- figures

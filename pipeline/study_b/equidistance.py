@@ -79,9 +79,11 @@ _SEED = 0  # the starts' noise and the tree's directions: fixed, so the step is 
 
 
 # ------------------------------------------------------------------------------------------- row chunks
-def _chunks(n_rows: int, like: Tensor, *shape: int) -> Iterator[tuple[slice, Tensor]]:
-    """Slices of `n_rows` rows, a chunk at a time, each with a scratch buffer of `(rows, *shape)` (one buffer,
-    reused: its contents do not survive the next chunk)."""
+def _chunks(like: Tensor, *shape: int) -> Iterator[tuple[slice, Tensor]]:
+    """Slices of `like`'s rows, a chunk at a time, each with a scratch buffer of `(rows, *shape)` (`like`'s row
+    shape by default; one buffer, reused: its contents do not survive the next chunk)."""
+    shape = shape or tuple(like.shape[1:])
+    n_rows = like.shape[0]
     budget = GPU_CHUNK_BYTES if like.device.type == "cuda" else CHUNK_BYTES
     chunk = max(1, budget // (like.element_size() * math.prod(shape)))
     buffer = like.new_empty(min(chunk, n_rows), *shape)
@@ -93,7 +95,7 @@ def _chunks(n_rows: int, like: Tensor, *shape: int) -> Iterator[tuple[slice, Ten
 def row_dots(a: Tensor, b: Tensor) -> Tensor:
     """(V,) `(a * b).sum(1)`, the same sums, without its V × d temporary."""
     dots = a.new_empty(a.shape[0])
-    for rows, scratch in _chunks(a.shape[0], a, a.shape[1]):
+    for rows, scratch in _chunks(a):
         torch.sum(torch.mul(a[rows], b[rows], out=scratch), 1, out=dots[rows])
     return dots
 
@@ -138,7 +140,7 @@ def lift_(u: Tensor, grad: Gradient, target: Tensor) -> Tensor:
         short = reached(middle) < goal
         low, high = torch.where(short, middle, low), torch.where(short, high, middle)
     mu = torch.where(reached(low.new_zeros(())) >= goal, low.new_zeros(()), high).to(u.dtype)
-    for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+    for rows, scratch in _chunks(u):
         u[rows].mul_(1 - mu).add_(torch.mul(g[rows], mu * scale, out=scratch))
     return unit_rows_(u)
 
@@ -211,7 +213,7 @@ def bucketed_nearest(s: Tensor, k: int) -> Tensor:
 def _pair_lengths(u: Tensor, index: Tensor) -> Tensor:
     """(V, k) ‖u_i − u_{index_ij}‖: each chunk's candidates gathered into the buffer and differenced there."""
     lengths = u.new_empty(index.shape)
-    for rows, pairs in _chunks(u.shape[0], u, index.shape[1], u.shape[1]):
+    for rows, pairs in _chunks(u, index.shape[1], u.shape[1]):
         torch.index_select(u, 0, index[rows].flatten(), out=pairs.view(-1, u.shape[1]))
         torch.linalg.vector_norm(pairs.sub_(u[rows, None]), dim=2, out=lengths[rows])
     return lengths
@@ -221,7 +223,7 @@ def _pull(u: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     """Σ_j weights_ij · (u_i − u_{index_ij}) per row, without a (V, k, d) temporary."""
     pulled = torch.nn.functional.embedding_bag(index, u, per_sample_weights=weights, mode="sum")
     total = weights.sum(1, keepdim=True)
-    for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+    for rows, scratch in _chunks(u):
         torch.sub(torch.mul(u[rows], total[rows], out=scratch), pulled[rows], out=pulled[rows])
     return pulled
 
@@ -259,12 +261,12 @@ def _iterate(u: Tensor, grad: Gradient, alignment: float, iters: int, cold: bool
         angle = ANGLE * (1 - progress) + ANGLE_END * progress if cold else WARM_ANGLE
         direction, _ = _ascent(u, found, kappa)
         radial = row_dots(direction, u)[:, None]
-        for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):  # along the sphere
+        for rows, scratch in _chunks(u):  # along the sphere
             direction[rows].sub_(torch.mul(radial[rows], u[rows], out=scratch))
         velocity.mul_(VELOCITY).add_(direction, alpha=1 - VELOCITY)
         push = velocity.norm(dim=1, keepdim=True)
         step = torch.maximum(push, STEP_FLOOR * push.max()).clamp_min(tiny)
-        for rows, scratch in _chunks(u.shape[0], u, u.shape[1]):
+        for rows, scratch in _chunks(u):
             u[rows].add_(torch.mul(velocity[rows], angle, out=scratch).div_(step[rows]))
         lift_(unit_rows_(u), grad, descent_target(grad, alignment, _diameter(u, found)))
     return u

@@ -5,14 +5,13 @@ per-run appendix."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from pipeline.results.common import Figures, Row, Tables, interval, markdown_table, median, num
+from pipeline.results.common import Figures, Row, Tables, finite, interval, markdown_table, median, num
 from pipeline.results.stats import detectable_difference, seeds_needed
 from pipeline.results.study_b import figures as fig
 from pipeline.results.study_b.record import SweepRecord
@@ -73,8 +72,9 @@ def _bigram(baselines: Sequence[Row]) -> float | None:
 
 
 def _pooled(sds: Sequence[float | None]) -> float | None:
-    finite = [s for s in sds if s is not None and math.isfinite(s)]
-    return float(np.sqrt(np.mean(np.square(finite)))) if finite else None
+    """The root mean square of the measured standard deviations."""
+    found = finite(sds)
+    return float(np.sqrt(np.mean(np.square(found)))) if found.size else None
 
 
 def _by_arch_recipe(rows: Sequence[Row]) -> dict[tuple[str, str], list[Row]]:
