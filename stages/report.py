@@ -79,7 +79,7 @@ def median_step_times(layout: Layout) -> dict[str, float]:
     """run → median seconds per step, from the train stage's telemetry (`telemetry/train/<run>.json`)."""
     import statistics
 
-    from stages.train import read_telemetry
+    from stages.telemetry import read_telemetry
 
     found = read_telemetry(layout).items()
     return {run: statistics.median(times.step_time_s) for run, times in found if times.step_time_s}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import sys
-from typing import Any, NamedTuple
+from typing import Any
 
 from pipeline.core.execution import Load, Shard
 from pipeline.core.fingerprint import CodeSpec
@@ -24,6 +24,7 @@ from pipeline.params import Params
 from pipeline.study_b.config import TrainConfig
 from stages.layout import Layout
 from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
+from stages.telemetry import read_telemetry, write_telemetry
 
 RUN_JSON = "run.json"
 
@@ -137,36 +138,3 @@ def run(params: Params, ray_address: str | None = None) -> None:
     diverged = sorted(run for run, out in results.items() if out["diverged"])
     if diverged:
         print(f"train: diverged (marked in run.json, pipeline continues): {', '.join(diverged)}", flush=True)
-
-
-class RunTimes(NamedTuple):
-    wall_time_s: float
-    step_time_s: list[float]
-
-
-def read_telemetry(layout: Layout) -> dict[str, RunTimes]:
-    """run → the wall-clock times its last training here measured (`telemetry/train/<run>.json`); a file that
-    does not hold them is left out (times are no result: they order the dispatch and fill the report's
-    step-time column)."""
-    found = {}
-    for path in sorted((layout.telemetry / "train").glob("*.json")):
-        try:
-            raw = json.loads(path.read_text())
-            found[path.stem] = RunTimes(float(raw["wall_time_s"]), [float(t) for t in raw["step_time_s"]])
-        except (OSError, ValueError, TypeError, KeyError):
-            continue
-    return found
-
-
-def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, dict]) -> None:
-    """Each run's wall-clock times, `telemetry/train/<run>.json`: those just measured are written, those of
-    runs no longer planned removed (a run skipped as complete keeps the times of the run that made it)."""
-    from pipeline.core.store import atomic_write
-
-    folder = layout.telemetry / "train"
-    folder.mkdir(parents=True, exist_ok=True)
-    for run, telemetry in measured.items():
-        atomic_write(folder / f"{run}.json", json.dumps(telemetry, sort_keys=True) + "\n")
-    for stale in folder.glob("*.json"):
-        if stale.stem not in planned:
-            stale.unlink()

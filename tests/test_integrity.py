@@ -322,7 +322,8 @@ def test_10_the_threads_of_a_task_are_in_its_key(ws):
 def test_10_train_plans_each_run_with_the_time_its_last_training_took(ws):
     from pipeline.params import load_params
     from stages.layout import Layout
-    from stages.train import plan, read_telemetry
+    from stages.telemetry import read_telemetry
+    from stages.train import plan
 
     layout = Layout(ws)
     measured = read_telemetry(layout)
