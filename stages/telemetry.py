@@ -32,15 +32,15 @@ def read_telemetry(layout: Layout) -> dict[str, RunTimes]:
     return found
 
 
-def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, dict]) -> None:
+def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, RunTimes]) -> None:
     """Each run's wall-clock times, `telemetry/train/<run>.json`: those just measured are written, those of
     runs no longer planned removed (a run skipped as complete keeps the times of the run that made it)."""
     from pipeline.core.store import atomic_write
 
     folder = layout.telemetry / "train"
     folder.mkdir(parents=True, exist_ok=True)
-    for run, telemetry in measured.items():
-        atomic_write(folder / f"{run}.json", json.dumps(telemetry, sort_keys=True) + "\n")
+    for run, times in measured.items():
+        atomic_write(folder / f"{run}.json", json.dumps({"run": run, **times._asdict()}, sort_keys=True) + "\n")
     for stale in folder.glob("*.json"):
         if stale.stem not in planned:
             stale.unlink()

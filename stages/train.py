@@ -24,7 +24,7 @@ from pipeline.params import Params
 from pipeline.study_b.config import TrainConfig
 from stages.layout import Layout
 from stages.sharded import Plan, members, run_sharded_stage, stage_code, stage_params, versioned
-from stages.telemetry import read_telemetry, write_telemetry
+from stages.telemetry import RunTimes, read_telemetry, write_telemetry
 
 RUN_JSON = "run.json"
 
@@ -68,8 +68,7 @@ def train_task(
     )
     steps_progress.close()
     log.write({"run": run_id}, steps, name="steps.parquet")
-    telemetry = {"run": run_id, "wall_time_s": round(clock.wall_time_s, 3),
-                 "step_time_s": [round(t, 6) for t in clock.step_times]}  # fmt: skip
+    telemetry = RunTimes(round(clock.wall_time_s, 3), [round(t, 6) for t in clock.step_times])
     return {"diverged": result.diverged, "final_test_loss": result.final_test_loss, "telemetry": telemetry,
             "log": log, "checkpoints": checkpoints}  # fmt: skip
 

@@ -330,6 +330,8 @@ def test_10_train_plans_each_run_with_the_time_its_last_training_took(ws):
     planned = {shard.key: shard for shard, _ in plan(load_params(ws / "params.yaml"), layout)}
     assert set(measured) == set(planned) == {RUN}
     assert all(planned[run].expected_s == measured[run].wall_time_s > 0 for run in planned)
+    written = json.loads((layout.telemetry / "train" / f"{RUN}.json").read_text())
+    assert written == {"run": RUN, **measured[RUN]._asdict()}  # what train wrote is what the reader returns
     (layout.telemetry / "train" / f"{RUN}.json").write_text('{"wall_time_s": "soon"}')  # damaged: no hint
     replanned = {shard.key: shard for shard, _ in plan(load_params(ws / "params.yaml"), layout)}
     assert RUN not in read_telemetry(layout) and replanned[RUN].expected_s is None

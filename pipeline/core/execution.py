@@ -244,8 +244,8 @@ def _longest_first(batches: Iterable[list[Shard]]) -> list[list[Shard]]:
     rule: the last tasks to start are short, so the workers finish together)."""
 
     def expected_s(batch: list[Shard]) -> float:
-        times = [shard.expected_s for shard in batch]
-        return math.inf if None in times else sum(times)  # type: ignore[arg-type]
+        known = [shard.expected_s for shard in batch if shard.expected_s is not None]
+        return sum(known) if len(known) == len(batch) else math.inf
 
     return sorted(batches, key=expected_s, reverse=True)  # stable: ties keep plan order
 
