@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import os
 import re
 import shutil
@@ -31,7 +32,7 @@ from test_aggregate import (
 
 from pipeline.params import Params
 from pipeline.results.aggregate import aggregate
-from pipeline.results.common import NARROW, axis_labels, markdown_table
+from pipeline.results.common import NARROW, axis_labels, markdown_table, num
 from pipeline.results.headline import HEADLINE
 from pipeline.results.html import to_html
 from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
@@ -506,6 +507,30 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     # How well each class fits, a row per class and a column per subject (not 2 columns per class beside the above)
     assert "| class: rel_err · cos ≥ bound | gpt2@final | gpt2@init | org/tiny-mamba |" in models
     assert "| `lowrank` | 0.4 · 0.93 ≥ 0.89 | 0.4 · 0.43 ≥ 0.89 | 0.4 · 0.93 ≥ 0.89 |" in models
+
+
+def test_the_summary_and_the_protocol_state_one_power_figure() -> None:
+    """Planted paired SDs (0.01 and 0.03 nats, 3 and 5 paired seeds): the summary's limit and the protocol's
+    detectable difference are one number, a paired t-test's at the pooled SD (their root mean square) and the
+    fewest seeds, computed here from scipy's noncentral t; not the median of the table's per-recipe column."""
+    from scipy import optimize
+    from scipy import stats as sps
+
+    def row(recipe: str, sd: float, n: int) -> dict:
+        return {"arch": "neox", "recipe": recipe, "diff_vs_muon": 0.001, "p_vs_muon_holm": 0.9, "n_runs": n,
+                "n_diverged": 0, "n_paired": n, "diff_sd": sd, "test_loss_sd": 0.01, "detectable_diff": 1.0}
+
+    def power(delta: float, sd: float, n: int) -> float:  # two-sided paired t-test at α = 0.05
+        critical, shift = sps.t.ppf(0.975, n - 1), delta * math.sqrt(n) / sd
+        return sps.nct.sf(critical, n - 1, shift) + sps.nct.cdf(-critical, n - 1, shift)
+
+    rows = [row("hilbert", 0.01, 3), row("sign", 0.03, 5)]
+    pooled = math.sqrt((0.01**2 + 0.03**2) / 2)
+    detectable = optimize.brentq(lambda d: power(d, pooled, 3) - 0.8, 1e-6, 1.0)
+    summary, protocol = study_b_report.plain_comparison(rows), study_b_report._power_statement(rows)
+    assert f"differences below about {num(detectable, 2)} nats are within seed noise" in summary
+    assert f"so 3 paired seeds detect {num(detectable, 2)} nats" in protocol
+    assert num(detectable, 2) != "1"  # the per-recipe column's planted value is not what is stated
 
 
 def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -219,14 +219,17 @@ def plain_comparison(rows: list[Row]) -> str:
         key = reading if reading in ("lower than muon", "higher than muon") else "unresolved"
         key = "not compared" if r["diff_vs_muon"] is None else key
         readings.setdefault(key, []).append(f"`{r['recipe']}` ({r['arch']})")
-    detectable = median([r["detectable_diff"] for r in rows])
+    power = power_by_arch(rows)
+    named = len(power) > 1  # several archs: each figure says whose it is
+    detectable = [f"{num(p.detectable, 2)} nats" + (f" on {arch}" if named else "") for arch, p in power.items()]
     lines = [f"- Lower test loss than `muon`: {', '.join(readings.get('lower than muon', [])) or 'no recipe'}.",
              f"- Higher than `muon`: {', '.join(readings.get('higher than muon', [])) or 'no recipe'}."]  # fmt: skip
     if "not compared" in readings:
         lines.append(f"- Not compared (no `muon` run on the same seeds, or every run diverged): "
                      f"{', '.join(readings['not compared'])}.")  # fmt: skip
     if "unresolved" in readings:
-        limit = f" (differences below about {num(detectable, 2)} nats are within seed noise)" if detectable else ""
+        limit = (f" (differences below about {', '.join(detectable)} are within seed noise at power {POWER:g}, "
+                 "as the protocol states)" if detectable else "")  # fmt: skip
         lines.append(f"- Not resolved from `muon` with these seeds{limit}: {', '.join(readings['unresolved'])}.")
     return "\n".join(lines) + "\n"
 
@@ -444,21 +447,37 @@ def _protocol(runs: list[Row], recipes: list[Row], tuning: dict[str, Any] | None
     return "\n".join(line for line in lines if line) + "\n"
 
 
-def _power_statement(recipes: list[Row]) -> str:
-    """Per arch, from one number, the paired differences' pooled SD: what these seeds detect, and the seeds
-    RESOLVE_NATS would need (paired t-test, POWER, SIGNIFICANCE); the test loss's own seed SD beside it."""
-    parts = []
+class Power(NamedTuple):
+    """What one arch's paired seeds resolve, from one number: its recipes' paired differences' pooled SD."""
+
+    seeds: int  # the fewest paired seeds among its recipes
+    paired_sd: float
+    detectable: float  # nats: the difference the paired t-test detects (POWER, SIGNIFICANCE)
+
+
+def power_by_arch(recipes: Sequence[Row]) -> dict[str, Power]:
+    """Per arch with paired differences against `muon`: the one power figure that the summary and the
+    protocol both state (the table's column gives each recipe's own)."""
+    found = {}
     for arch in sorted({r["arch"] for r in recipes}):
         paired = [r for r in recipes if r["arch"] == arch and r["diff_sd"] is not None]
-        if not paired:
-            continue
-        n = min(r["n_paired"] for r in paired)
         paired_sd = _pooled([r["diff_sd"] for r in paired])
+        if paired_sd is not None:
+            n = min(r["n_paired"] for r in paired)
+            found[arch] = Power(n, paired_sd, detectable_difference(paired_sd, n, SIGNIFICANCE, POWER))
+    return found
+
+
+def _power_statement(recipes: list[Row]) -> str:
+    """Per arch, `power_by_arch`: what these seeds detect, and the seeds RESOLVE_NATS would need (paired
+    t-test, POWER, SIGNIFICANCE); the test loss's own seed SD beside it."""
+    parts = []
+    for arch, power in power_by_arch(recipes).items():
         seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
-        needed = seeds_needed(RESOLVE_NATS, paired_sd, SIGNIFICANCE, POWER) if paired_sd else None
+        needed = seeds_needed(RESOLVE_NATS, power.paired_sd, SIGNIFICANCE, POWER) if power.paired_sd else None
         parts.append(
-            f"{arch}: the paired differences' pooled SD is {num(paired_sd, 2)} nats (the test loss's seed SD "
-            f"{num(seed_sd, 2)}), so {n} paired seeds detect {num(detectable_difference(paired_sd, n), 2)} nats and "
+            f"{arch}: the paired differences' pooled SD is {num(power.paired_sd, 2)} nats (the test loss's seed SD "
+            f"{num(seed_sd, 2)}), so {power.seeds} paired seeds detect {num(power.detectable, 2)} nats and "
             f"{RESOLVE_NATS:g} nats would need {needed if needed else 'more than 10,000'} seeds (power {POWER:g}, "
             f"α = {SIGNIFICANCE:g})"
         )
