@@ -531,6 +531,11 @@ def test_the_summary_and_the_protocol_state_one_power_figure() -> None:
     assert f"differences below about {num(detectable, 2)} nats are within seed noise" in summary
     assert f"so 3 paired seeds detect {num(detectable, 2)} nats" in protocol
     assert num(detectable, 2) != "1"  # the per-recipe column's planted value is not what is stated
+    # A figure names its arch when the sentence lists recipes of several, even if only one has paired seeds;
+    # paired differences of SD 0 give no figure, and the sentence then states none.
+    unpaired = {**row("hilbert", 0.01, 1), "arch": "gpt2", "diff_sd": None}
+    assert f"about {num(detectable, 2)} nats on neox are within" in study_b_report.plain_comparison([*rows, unpaired])
+    assert "(differences below" not in study_b_report.plain_comparison([row("hilbert", 0.0, 3)])
 
 
 def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -> None:

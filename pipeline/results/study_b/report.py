@@ -5,6 +5,7 @@ per-run appendix."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -219,9 +220,9 @@ def plain_comparison(rows: list[Row]) -> str:
         key = reading if reading in ("lower than muon", "higher than muon") else "unresolved"
         key = "not compared" if r["diff_vs_muon"] is None else key
         readings.setdefault(key, []).append(f"`{r['recipe']}` ({r['arch']})")
-    power = power_by_arch(rows)
-    named = len(power) > 1  # several archs: each figure says whose it is
-    detectable = [f"{num(p.detectable, 2)} nats" + (f" on {arch}" if named else "") for arch, p in power.items()]
+    named = len({r["arch"] for r in rows}) > 1  # several archs: each figure says whose it is
+    detectable = [f"{num(p.detectable, 2)} nats" + (f" on {arch}" if named else "")
+                  for arch, p in power_by_arch(rows).items() if math.isfinite(p.detectable)]  # fmt: skip
     lines = [f"- Lower test loss than `muon`: {', '.join(readings.get('lower than muon', [])) or 'no recipe'}.",
              f"- Higher than `muon`: {', '.join(readings.get('higher than muon', [])) or 'no recipe'}."]  # fmt: skip
     if "not compared" in readings:
