@@ -314,8 +314,9 @@ def test_10_the_threads_of_a_task_are_in_its_key(ws):
 
     params = load_params(ws / "params.yaml")
     layout = Layout(ws)
-    more = params.model_copy(update={"ray": params.ray.model_copy(update={"tasks": {"train": {"num_cpus": 2}}})})
-    more = type(params).model_validate(more.model_dump(mode="json"))
+    raw = params.model_dump(mode="json")
+    raw["ray"]["tasks"] = {**raw["ray"]["tasks"], "train": {**raw["ray"]["tasks"].get("train", {}), "num_cpus": 2}}
+    more = type(params).model_validate(raw)
     assert plan(params, layout)[0][1].params_hash != plan(more, layout)[0][1].params_hash
 
 

@@ -536,6 +536,10 @@ def test_the_summary_and_the_protocol_state_one_power_figure() -> None:
     unpaired = {**row("hilbert", 0.01, 1), "arch": "gpt2", "diff_sd": None}
     assert f"about {num(detectable, 2)} nats on neox are within" in study_b_report.plain_comparison([*rows, unpaired])
     assert "(differences below" not in study_b_report.plain_comparison([row("hilbert", 0.0, 3)])
+    # and the protocol says why instead of "detect – nats ... more than 10,000 seeds"
+    constant = study_b_report._power_statement([row("hilbert", 0.0, 3)])
+    assert "neox: the paired differences do not vary over its 3 paired seeds" in constant
+    assert "–" not in constant and "10,000" not in constant
 
 
 def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -> None:

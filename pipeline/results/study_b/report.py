@@ -475,7 +475,11 @@ def _power_statement(recipes: list[Row]) -> str:
     parts = []
     for arch, power in power_by_arch(recipes).items():
         seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
-        needed = seeds_needed(RESOLVE_NATS, power.paired_sd, SIGNIFICANCE, POWER) if power.paired_sd else None
+        if not math.isfinite(power.detectable):  # differences identical over the seeds: no t-test, no power
+            parts.append(f"{arch}: the paired differences do not vary over its {power.seeds} paired seeds (pooled SD "
+                         "0), so the paired t-test, and its power, are not defined")  # fmt: skip
+            continue
+        needed = seeds_needed(RESOLVE_NATS, power.paired_sd, SIGNIFICANCE, POWER)
         parts.append(
             f"{arch}: the paired differences' pooled SD is {num(power.paired_sd, 2)} nats (the test loss's seed SD "
             f"{num(seed_sd, 2)}), so {power.seeds} paired seeds detect {num(power.detectable, 2)} nats and "
