@@ -17,7 +17,6 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor
 
 COLD_ITERS = 400
@@ -28,14 +27,16 @@ class _Enough(Exception):
     """Raised by the observed step after the last step asked for: the run need not go on."""
 
 
-def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
     from pipeline.core.contracts import RunSpec
+    from pipeline.core.determinism import pin_torch
     from pipeline.params import load_params
     from pipeline.study_b import equidistance, optim
     from pipeline.study_b.train import train_run
     from pipeline.text.corpus import load_meta, load_tokens
     from tools.frontier import spread_and_descent  # ρ and A (SPEC §3.3), as the frontier measures them
 
+    pin_torch(threads)  # as a stage's task sets up torch
     spec = RunSpec(*RUN)
     cfg = load_params(args.params).train.for_run(spec)  # the study's steps: its schedule, stopped early
     tokens = {split: load_tokens(args.tokens, split) for split in ("train", "val")}
@@ -87,10 +88,13 @@ def main() -> None:
         from pipeline.study_b.equidistance import WARM_ANGLE
 
         args.warm_angle = WARM_ANGLE
-    torch.set_num_threads(1)
+    from pipeline.core.determinism import pinned_environment
+    from tools.bench.measure import run_fresh
+
     print(f"| step | ρ warm | ρ cold | A_m warm | A_m cold | A_g warm | A_g cold |  (warm angle {args.warm_angle}, "
           f"iters {args.warm_iters or 'params'})\n|---|---|---|---|---|---|---|")  # fmt: skip
-    for row in measure(args):
+    # A fresh process, one thread, the kernels pinned as the stages pin them: the run trains as `dvc repro` does.
+    for row in run_fresh(measure, 1, env=pinned_environment(1), args=args):
         print(f"| {row['step']} | {row['warm_spread']:.3f} | {row['cold_spread']:.3f} | {row['warm_A_m']:.3f} | "
               f"{row['cold_A_m']:.3f} | {row['warm_A_g']:.3f} | {row['cold_A_g']:.3f} |")
 

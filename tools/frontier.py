@@ -45,12 +45,14 @@ def spread_and_descent(x: torch.Tensor, grad: torch.Tensor) -> tuple[float, floa
     return float(dist.min() / dist.max()), float((g * x).sum() / (0.5 * dist.max() * g.norm(dim=1).sum()))
 
 
-def measure() -> dict[str, Any]:
+def measure(threads: int = 1) -> dict[str, Any]:
+    """The frontier's points, in this process (`main` runs it in a fresh one under the stages' kernel pins)."""
+    from pipeline.core.provenance import cpu_model
     from pipeline.study_b import equidistance
     from pipeline.study_b.hilbert import equi_ratio_bound, equi_ratio_random
     from pipeline.study_b.lmo import unit_rows
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(threads)
     grad = zipf_gradient(*SHAPE, TOKENS, SEED)
     points = []
     for share in SHARES:
@@ -63,8 +65,18 @@ def measure() -> dict[str, Any]:
     return {
         "shape": list(SHAPE), "tokens": TOKENS, "seed": SEED, "iters": SOLVE_ITERS, "points": points,
         "hilbert": {"spread": hilbert[0], "descent": hilbert[1]},
-        "random_rows": equi_ratio_random(*SHAPE, seed=0), "bound": equi_ratio_bound(*SHAPE),
+        "random_rows": equi_ratio_random(*SHAPE, seed=0), "bound": equi_ratio_bound(*SHAPE), "cpu": cpu_model(),
     }  # fmt: skip
+
+
+def measure_pinned() -> dict[str, Any]:
+    """`measure` in a fresh process with one thread and the kernels pinned as every stage pins them
+    (`pipeline.core.determinism`): the committed points reproduce on another machine as the stages' numbers do
+    (to the bit on the same CPU vendor); the machine's own kernels move them in the third decimal."""
+    from pipeline.core.determinism import pinned_environment
+    from tools.bench.measure import run_fresh
+
+    return run_fresh(measure, 1, env=pinned_environment(1))
 
 
 def figure(result: dict[str, Any]) -> Any:
@@ -74,9 +86,12 @@ def figure(result: dict[str, Any]) -> Any:
     ax = fig.add_subplot()
     pts = result["points"]
     ax.plot([p["descent"] for p in pts], [p["spread"] for p in pts], "o-", color="tab:green", label="hilbert_equi")
+    same_point: dict[tuple[float, float], list[float]] = {}  # shares whose constraint is inactive coincide
     for p in pts:
-        ax.annotate(f"c={p['share']:g}", (p["descent"], p["spread"]), textcoords="offset points", xytext=(4, 4),
-                    fontsize=7)  # fmt: skip
+        same_point.setdefault((round(p["descent"], 3), round(p["spread"], 3)), []).append(p["share"])
+    for (descent, spread), shares in same_point.items():
+        ax.annotate("c=" + ", ".join(f"{c:g}" for c in shares), (descent, spread), textcoords="offset points",
+                    xytext=(4, 4), fontsize=7)  # fmt: skip
     ax.plot([result["hilbert"]["descent"]], [result["hilbert"]["spread"]], "s", color="tab:red", label="hilbert")
     ax.axhline(result["random_rows"], color="gray", linestyle=":", label="random unit rows")
     ax.axhline(result["bound"], color="black", linestyle="--", label="Welch-type bound")
@@ -99,7 +114,8 @@ def render(result: dict[str, Any]) -> str:
         "the solver: SPEC §3.2, `pipeline/study_b/equidistance.py`.",
         "",
         f"A cross-entropy head gradient at V = {result['shape'][0]}, d = {result['shape'][1]} ({result['tokens']} "
-        f"tokens, labels ∝ 1/rank, seed {result['seed']}); each share c solved cold, {result['iters']} iterations. "
+        f"tokens, labels ∝ 1/rank, seed {result['seed']}); each share c solved cold, {result['iters']} iterations, "
+        f"one thread, the kernels pinned as the stages pin them ({result['cpu']}). "
         "*A*: descent per unit diameter relative to `hilbert`'s step (its rows, at A = "
         f"{result['hilbert']['descent']:.3f}, have spread {result['hilbert']['spread']:.3f}); *ρ*: min/max "
         f"pairwise distance over all rows; random unit rows of the same shape reach {result['random_rows']:.3f}, "
@@ -118,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, required=True, help="the markdown to write (its .png and .json beside)")
     out = parser.parse_args(argv).write
-    result = measure()
+    result = measure_pinned()
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     figure(result).savefig(out.with_suffix(".png"), dpi=110, metadata={"Software": None})
     out.write_text(render(result))
