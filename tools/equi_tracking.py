@@ -88,13 +88,11 @@ def main() -> None:
         from pipeline.study_b.equidistance import WARM_ANGLE
 
         args.warm_angle = WARM_ANGLE
-    from pipeline.core.determinism import pinned_environment
-    from tools.bench.measure import run_fresh
+    from tools.bench.measure import run_pinned
 
     print(f"| step | ρ warm | ρ cold | A_m warm | A_m cold | A_g warm | A_g cold |  (warm angle {args.warm_angle}, "
           f"iters {args.warm_iters or 'params'})\n|---|---|---|---|---|---|---|")  # fmt: skip
-    # A fresh process, one thread, the kernels pinned as the stages pin them: the run trains as `dvc repro` does.
-    for row in run_fresh(measure, 1, env=pinned_environment(1), args=args):
+    for row in run_pinned(measure, args=args):  # the stages' kernels: the run trains as `dvc repro` trains it
         print(f"| {row['step']} | {row['warm_spread']:.3f} | {row['cold_spread']:.3f} | {row['warm_A_m']:.3f} | "
               f"{row['cold_A_m']:.3f} | {row['warm_A_g']:.3f} | {row['cold_A_g']:.3f} |")
 

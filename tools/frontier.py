@@ -6,7 +6,7 @@ At the study's head size (V = 2048, d = 64), on a cross-entropy head gradient wi
 (`SOLVE_ITERS` iterations) at each descent share c of `SHARES`: its spread ρ (min/max pairwise row
 distance, all rows) against its descent per unit diameter A (`head_alignment_hilbert`: 1 is `hilbert`'s
 step), with `hilbert`'s own point, random unit rows' spread and the Welch-type bound of SPEC §3.1 for
-reference. The curve is what the knob `equi_alignment` trades: how much spread each share of descent buys.
+reference. The curve is what the knob `equi_alignment` costs in spread, solved cold.
 """
 
 from __future__ import annotations
@@ -46,13 +46,15 @@ def spread_and_descent(x: torch.Tensor, grad: torch.Tensor) -> tuple[float, floa
 
 
 def measure(threads: int = 1) -> dict[str, Any]:
-    """The frontier's points, in this process (`main` runs it in a fresh one under the stages' kernel pins)."""
-    from pipeline.core.provenance import cpu_model
+    """The frontier's points, in this process (`main` runs it in a fresh one under the stages' kernel pins), and
+    what the bits depend on besides the code: the CPU model and the numeric packages."""
+    from pipeline.core.determinism import pin_torch
+    from pipeline.core.provenance import cpu_model, versions
     from pipeline.study_b import equidistance
     from pipeline.study_b.hilbert import equi_ratio_bound, equi_ratio_random
     from pipeline.study_b.lmo import unit_rows
 
-    torch.set_num_threads(threads)
+    pin_torch(threads)
     grad = zipf_gradient(*SHAPE, TOKENS, SEED)
     points = []
     for share in SHARES:
@@ -66,17 +68,9 @@ def measure(threads: int = 1) -> dict[str, Any]:
         "shape": list(SHAPE), "tokens": TOKENS, "seed": SEED, "iters": SOLVE_ITERS, "points": points,
         "hilbert": {"spread": hilbert[0], "descent": hilbert[1]},
         "random_rows": equi_ratio_random(*SHAPE, seed=0), "bound": equi_ratio_bound(*SHAPE), "cpu": cpu_model(),
+        "packages": versions(("torch", "numpy")),
     }  # fmt: skip
 
-
-def measure_pinned() -> dict[str, Any]:
-    """`measure` in a fresh process with one thread and the kernels pinned as every stage pins them
-    (`pipeline.core.determinism`): the committed points reproduce on another machine as the stages' numbers do
-    (to the bit on the same CPU vendor); the machine's own kernels move them in the third decimal."""
-    from pipeline.core.determinism import pinned_environment
-    from tools.bench.measure import run_fresh
-
-    return run_fresh(measure, 1, env=pinned_environment(1))
 
 
 def figure(result: dict[str, Any]) -> Any:
@@ -134,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", type=Path, required=True, help="the markdown to write (its .png and .json beside)")
     out = parser.parse_args(argv).write
-    result = measure_pinned()
+    from tools.bench.measure import run_pinned
+
+    result = run_pinned(measure)  # the stages' kernels: the points reproduce elsewhere as theirs do
     out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
     figure(result).savefig(out.with_suffix(".png"), dpi=110, metadata={"Software": None})
     out.write_text(render(result))

@@ -147,6 +147,15 @@ def run_fresh(fn: Callable[..., Any], threads: int, env: dict[str, str] | None =
         return pool.submit(fn, threads=threads, **kwargs).result()
 
 
+def run_pinned(fn: Callable[..., Any], **kwargs: Any) -> Any:
+    """`fn(threads=1, **kwargs)` in a fresh process under the kernels every stage pins
+    (`pipeline.core.determinism`): for tools whose numbers are committed or quoted, so that they reproduce on
+    another machine as the stages' do (`fn` sets torch up with `pin_torch(threads)`, as a stage's task does)."""
+    from pipeline.core.determinism import pinned_environment
+
+    return run_fresh(fn, 1, env=pinned_environment(1), **kwargs)
+
+
 def run_here(fn: Callable[..., Any], threads: int, **kwargs: Any) -> Any:
     """`fn(threads=threads, **kwargs)` in this process: for smoke runs, where a child's start-up
     (importing torch) would cost more than the measurement. Peak memory always needs `run_fresh`."""

@@ -283,7 +283,7 @@ def paper_values_table(strata: list[Stratum]) -> pa.Table:
         if s.fn not in FIT_CLASSES or not FIT_CLASSES[s.fn].tokenwise:
             continue
         for name, (columns, statistic) in RAW.items():
-            if not all(c in s.columns and s.columns[c].size for c in columns):  # no null directions: not measured
+            if not all(c in s.columns and s.columns[c].size for c in columns):  # an empty column: nothing to compute on
                 continue
             complete = np.all([np.isfinite(s.columns[c]).reshape(len(s.columns[c]), -1).all(axis=1)
                                for c in columns], axis=0)  # fmt: skip

@@ -475,7 +475,7 @@ def _power_statement(recipes: list[Row]) -> str:
     parts = []
     for arch, power in power_by_arch(recipes).items():
         seed_sd = _pooled([r["test_loss_sd"] for r in recipes if r["arch"] == arch])
-        if not math.isfinite(power.detectable):  # differences identical over the seeds: no t-test, no power
+        if power.paired_sd == 0:  # differences identical over the seeds: no t-test, no power
             parts.append(f"{arch}: the paired differences do not vary over its {power.seeds} paired seeds (pooled SD "
                          "0), so the paired t-test, and its power, are not defined")  # fmt: skip
             continue
