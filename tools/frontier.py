@@ -72,7 +72,6 @@ def measure(threads: int = 1) -> dict[str, Any]:
     }  # fmt: skip
 
 
-
 def figure(result: dict[str, Any]) -> Any:
     from matplotlib.figure import Figure
 
