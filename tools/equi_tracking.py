@@ -10,6 +10,11 @@ held ≥ c by all). A warm step whose ρ stays far below the best cold one's is 
 cold solve far below it means the solver is not robust either; `--warm-iters` (the run's `equi_iters`) and
 `--warm-angle` (`equidistance.WARM_ANGLE`) try other trackings. This is how the warm solve's 0.005-rad tracking
 was found wanting (SPEC §3.2).
+
+Is the warm solve only in a poor basin, or can it not stay in a good one? `--from-best STEP` hands the run, at that
+step, the best cold solution as its warm state (and step) and lets it go on warm: the later `--at` steps show how
+much of the best spread the warm steps keep. The `turn` column is the weighted mean cosine between each measured
+step's momentum rows and the previous step's (centred; weights ‖g_i‖): how far the problem moves in one step.
 """
 
 from __future__ import annotations
@@ -19,27 +24,42 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 COLD_ITERS = 400
 RUN = ("neox", "hilbert_equi", 0)
 
 
-def cold_solve(m: Tensor, alignment: float, starts: int) -> Tensor:
+def best_solution(m: Tensor, alignment: float, starts: int) -> Any:
     """A cold solve of `COLD_ITERS` iterations from `starts` starts, the best spread kept (the solver's own
-    multi-start, which it runs only where V·d ≤ `MULTISTART_SIZE`)."""
+    multi-start, which it runs only where V·d ≤ `MULTISTART_SIZE`): an `equidistance.Solution`."""
     from pipeline.study_b import equidistance
 
     saved = equidistance.STARTS, equidistance.MULTISTART_SIZE
     equidistance.STARTS, equidistance.MULTISTART_SIZE = starts, m.numel() if starts > 1 else 0
     try:
-        return equidistance.solve(m, alignment, COLD_ITERS).rows
+        return equidistance.solve(m, alignment, COLD_ITERS)
     finally:
         equidistance.STARTS, equidistance.MULTISTART_SIZE = saved
 
 
+def cold_solve(m: Tensor, alignment: float, starts: int) -> Tensor:
+    """The rows of `best_solution`."""
+    return best_solution(m, alignment, starts).rows
+
+
 class _Enough(Exception):
     """Raised by the observed step after the last step asked for: the run need not go on."""
+
+
+def turn(previous: Tensor, m: Tensor) -> float:
+    """The weighted mean cosine between two momenta's centred rows (weights: the earlier one's row norms)."""
+    from pipeline.study_b.hilbert import center_rows
+
+    a, b = center_rows(previous.double()), center_rows(m.double())
+    weights = a.norm(dim=1)
+    return float((weights * torch.nn.functional.cosine_similarity(a, b, dim=1)).sum() / weights.sum())
 
 
 def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
@@ -47,6 +67,8 @@ def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
     from pipeline.core.determinism import pin_torch
     from pipeline.params import load_params
     from pipeline.study_b import equidistance, optim
+    from pipeline.study_b.hilbert import center_rows
+    from pipeline.study_b.recipes.hilbert_equi import STATE_KEY
     from pipeline.study_b.train import train_run
     from pipeline.text.corpus import load_meta, load_tokens
     from tools.frontier import spread_and_descent  # ρ and A (SPEC §3.3), as the frontier measures them
@@ -56,6 +78,7 @@ def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
     cfg = load_params(args.params).train.for_run(spec)  # the study's steps: its schedule, stopped early
     tokens = {split: load_tokens(args.tokens, split) for split in ("train", "val")}
     rows: list[dict[str, Any]] = []
+    previous: list[Tensor] = []  # the last step's momentum
     build = optim.HeadLMO.__init__
 
     def observed(self: optim.HeadLMO, params: Any, direction: Any, **kw: Any) -> None:
@@ -65,16 +88,20 @@ def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
             # the momentum is lerp(grad, buf, β) with buf already updated: the step's own gradient from both
             grad = (m - optim.MOMENTUM * state["momentum_buffer"].float()) / (1 - optim.MOMENTUM)
             done = len(rows) + 1
+            if done == args.from_best:  # the best cold solution becomes this step's and the warm solve's state
+                state[STATE_KEY] = best_solution(m, knobs.equi_alignment, args.starts)
+                x = center_rows(state[STATE_KEY].rows).div_(state[STATE_KEY].diameter)
             if done in args.at:
                 solutions = {"warm": x, "cold": cold_solve(m, knobs.equi_alignment, 1),
                              "best": cold_solve(m, knobs.equi_alignment, args.starts)}
-                row: dict[str, Any] = {"step": done}
+                row: dict[str, Any] = {"step": done, "turn": turn(previous[0], m) if previous else float("nan")}
                 for name, u in solutions.items():
                     row[f"{name}_spread"], row[f"{name}_A_m"] = spread_and_descent(u, m)
                     row[f"{name}_A_g"] = spread_and_descent(u, grad)[1]
                 rows.append(row)
             else:
                 rows.append({"step": done})
+            previous[:] = [m.clone()]
             if done >= max(args.at):
                 raise _Enough
             return x
@@ -101,6 +128,7 @@ def main() -> None:
     parser.add_argument("--starts", type=int, default=8, help="the best-of cold reference's starts")
     parser.add_argument("--warm-iters", type=int, help="the run's equi_iters (default: the params')")
     parser.add_argument("--warm-angle", type=float, help="equidistance.WARM_ANGLE (default: the code's)")
+    parser.add_argument("--from-best", type=int, help="at this step, hand the warm solve the best cold solution")
     args = parser.parse_args()
     if args.warm_angle is None:
         from pipeline.study_b.equidistance import WARM_ANGLE
@@ -109,11 +137,13 @@ def main() -> None:
     from tools.bench.measure import run_pinned
 
     best = f"cold, best of {args.starts}"
-    print(f"| step | ρ warm | ρ cold, 1 start | ρ {best} | A_g warm | A_g cold, 1 start | A_g {best} | A_m (least) |"
-          f"  (warm angle {args.warm_angle}, iters {args.warm_iters or 'params'})\n|---|---|---|---|---|---|---|---|")
+    seeded = f", the best cold solution handed over at step {args.from_best}" if args.from_best else ""
+    print(f"| step | turn | ρ warm | ρ cold, 1 start | ρ {best} | A_g warm | A_g cold, 1 start | A_g {best} "
+          f"| A_m (least) |  (warm angle {args.warm_angle}, iters {args.warm_iters or 'params'}{seeded})\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for row in run_pinned(measure, args=args):  # the stages' kernels: the run trains as `dvc repro` trains it
-        print(f"| {row['step']} | {row['warm_spread']:.3f} | {row['cold_spread']:.3f} | {row['best_spread']:.3f} | "
-              f"{row['warm_A_g']:.3f} | {row['cold_A_g']:.3f} | {row['best_A_g']:.3f} | "
+        print(f"| {row['step']} | {row['turn']:.3f} | {row['warm_spread']:.3f} | {row['cold_spread']:.3f} | "
+              f"{row['best_spread']:.3f} | {row['warm_A_g']:.3f} | {row['cold_A_g']:.3f} | {row['best_A_g']:.3f} | "
               f"{min(row[f'{name}_A_m'] for name in ('warm', 'cold', 'best')):.3f} |")
 
 
