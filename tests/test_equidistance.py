@@ -201,6 +201,23 @@ def test_in_training_the_warm_solve_spreads_rows_the_momentum_pulled_together() 
     assert float(eq.spread(solution.rows)) >= 0.75 * float(eq.spread(cold.rows))
 
 
+def test_the_tracking_tools_turn_is_the_norm_weighted_mean_cosine_of_the_centred_rows() -> None:
+    """`tools.equi_tracking`'s `turn` (how far the momentum moves in a step, SPEC §3.2) against numpy: the rows
+    centred, their cosines weighted by the earlier momentum's row norms; 1 for a rescaled copy, −1 reversed."""
+    from tools.equi_tracking import turn
+
+    rng = np.random.default_rng(5)
+    before, after = rng.normal(size=(40, 6)), rng.normal(size=(40, 6))
+    a, b = before - before.mean(0), after - after.mean(0)
+    weights = np.linalg.norm(a, axis=1)
+    cosines = (a * b).sum(1) / (weights * np.linalg.norm(b, axis=1))
+    expected = (weights * cosines).sum() / weights.sum()
+    as_torch = torch.from_numpy(before).float(), torch.from_numpy(after).float()
+    assert turn(*as_torch) == pytest.approx(expected, abs=1e-6)
+    assert turn(as_torch[0], 3 * as_torch[0] + 1) == pytest.approx(1.0, abs=1e-6)  # a common shift is centred away
+    assert turn(as_torch[0], -as_torch[0]) == pytest.approx(-1.0, abs=1e-6)
+
+
 # ---------------------------------------------------------------------------------- the solver's parts
 def test_the_step_is_a_deterministic_function_of_its_inputs() -> None:
     grad = torch.from_numpy(ce_gradient(300, 24, 128, seed=3)).float()
