@@ -14,7 +14,8 @@ was found wanting (SPEC §3.2).
 Is the warm solve only in a poor basin, or can it not stay in a good one? `--from-best STEP` hands the run, at that
 step, the best cold solution as its warm state (and step) and lets it go on warm: the later `--at` steps show how
 much of the best spread the warm steps keep. The `turn` column is the weighted mean cosine between each measured
-step's momentum rows and the previous step's (centred; weights ‖g_i‖): how far the problem moves in one step.
+step's momentum rows and the previous step's (centred; weights: the earlier momentum's centred row norms): how far
+the problem moves in one step.
 """
 
 from __future__ import annotations
@@ -92,8 +93,9 @@ def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
                 state[STATE_KEY] = best_solution(m, knobs.equi_alignment, args.starts)
                 x = center_rows(state[STATE_KEY].rows).div_(state[STATE_KEY].diameter)
             if done in args.at:
-                solutions = {"warm": x, "cold": cold_solve(m, knobs.equi_alignment, 1),
-                             "best": cold_solve(m, knobs.equi_alignment, args.starts)}
+                handed = done == args.from_best  # the best solution is the warm state already: not solved twice
+                best = state[STATE_KEY].rows if handed else cold_solve(m, knobs.equi_alignment, args.starts)
+                solutions = {"warm": x, "cold": cold_solve(m, knobs.equi_alignment, 1), "best": best}
                 row: dict[str, Any] = {"step": done, "turn": turn(previous[0], m) if previous else float("nan")}
                 for name, u in solutions.items():
                     row[f"{name}_spread"], row[f"{name}_A_m"] = spread_and_descent(u, m)
@@ -130,6 +132,8 @@ def main() -> None:
     parser.add_argument("--warm-angle", type=float, help="equidistance.WARM_ANGLE (default: the code's)")
     parser.add_argument("--from-best", type=int, help="at this step, hand the warm solve the best cold solution")
     args = parser.parse_args()
+    if args.from_best is not None and not 1 <= args.from_best < max(args.at):
+        parser.error(f"--from-best {args.from_best} must be a step before the last --at step ({max(args.at)})")
     if args.warm_angle is None:
         from pipeline.study_b.equidistance import WARM_ANGLE
 
