@@ -32,7 +32,7 @@ COLD_ITERS = 400
 RUN = ("neox", "hilbert_equi", 0)
 
 
-def best_solution(m: Tensor, alignment: float, starts: int) -> Any:
+def cold_solve(m: Tensor, alignment: float, starts: int) -> Any:
     """A cold solve of `COLD_ITERS` iterations from `starts` starts, the best spread kept (the solver's own
     multi-start, which it runs only where V·d ≤ `MULTISTART_SIZE`): an `equidistance.Solution`."""
     from pipeline.study_b import equidistance
@@ -43,11 +43,6 @@ def best_solution(m: Tensor, alignment: float, starts: int) -> Any:
         return equidistance.solve(m, alignment, COLD_ITERS)
     finally:
         equidistance.STARTS, equidistance.MULTISTART_SIZE = saved
-
-
-def cold_solve(m: Tensor, alignment: float, starts: int) -> Tensor:
-    """The rows of `best_solution`."""
-    return best_solution(m, alignment, starts).rows
 
 
 class _Enough(Exception):
@@ -90,12 +85,12 @@ def measure(args: argparse.Namespace, threads: int = 1) -> list[dict[str, Any]]:
             grad = (m - optim.MOMENTUM * state["momentum_buffer"].float()) / (1 - optim.MOMENTUM)
             done = len(rows) + 1
             if done == args.from_best:  # the best cold solution becomes this step's and the warm solve's state
-                state[STATE_KEY] = best_solution(m, knobs.equi_alignment, args.starts)
+                state[STATE_KEY] = cold_solve(m, knobs.equi_alignment, args.starts)
                 x = center_rows(state[STATE_KEY].rows).div_(state[STATE_KEY].diameter)
             if done in args.at:
                 handed = done == args.from_best  # the best solution is the warm state already: not solved twice
-                best = state[STATE_KEY].rows if handed else cold_solve(m, knobs.equi_alignment, args.starts)
-                solutions = {"warm": x, "cold": cold_solve(m, knobs.equi_alignment, 1), "best": best}
+                best = state[STATE_KEY] if handed else cold_solve(m, knobs.equi_alignment, args.starts)
+                solutions = {"warm": x, "cold": cold_solve(m, knobs.equi_alignment, 1).rows, "best": best.rows}
                 row: dict[str, Any] = {"step": done, "turn": turn(previous[0], m) if previous else float("nan")}
                 for name, u in solutions.items():
                     row[f"{name}_spread"], row[f"{name}_A_m"] = spread_and_descent(u, m)
