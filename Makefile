@@ -38,27 +38,27 @@ test: lint
 bench: install
 	$(VENV)/bin/lmgeo bench
 
-# The GPU check (tools/gpucheck): `make gpu-wheels` here fetches, into the git-ignored .whl/, the
+# The GPU check (scripts/gpucheck): `make gpu-wheels` here fetches, into the git-ignored .whl/, the
 # wheels the CUDA machine lacks (built for its Python 3.12); `make gpu-check` there installs the missing ones
-# into /tmp, and mamba-ssm's and causal-conv1d's kernel wheels from tools/gpucheck/wheelhouse/ when they are
+# into /tmp, and mamba-ssm's and causal-conv1d's kernel wheels from scripts/gpucheck/wheelhouse/ when they are
 # there (--no-deps, built against that machine's torch), and runs the check, writing gpu.json and gpu.md
 # under $$OUT (default build/gpu-check/). Without CUDA it prints "no CUDA: skipped" and exits 0. The machine's
 # own python3 runs it (no .venv there). GPU_CHECK_ARGS passes options, e.g.
 # GPU_CHECK_ARGS="--only compile --budget-s 400" to rerun what a run skipped.
 # The kernel wheels: `make mamba-sdists` here fetches their two sources into the git-ignored .sdist/;
 # `make mamba-wheels` on the CUDA machine (one device call, carrying .sdist) builds both wheels offline into
-# $$OUT (tools/gpucheck/mamba_wheels.py says how, and why so), and
-# `python -m tools.gpucheck.mamba_wheels adopt DIR` here keeps what came back in the wheelhouse.
+# $$OUT (scripts/gpucheck/mamba_wheels.py says how, and why so), and
+# `python -m scripts.gpucheck.mamba_wheels adopt DIR` here keeps what came back in the wheelhouse.
 GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
 
 gpu-wheels: install
-	$(PY) -m tools.gpucheck.wheels download --to .whl
+	$(PY) -m scripts.gpucheck.wheels download --to .whl
 
 gpu-check:
-	$(GPU_PYTHON) -m tools.gpucheck --wheels .whl $(GPU_CHECK_ARGS)
+	$(GPU_PYTHON) -m scripts.gpucheck --wheels .whl $(GPU_CHECK_ARGS)
 
 mamba-sdists: install
-	$(PY) -m tools.gpucheck.mamba_wheels download --to .sdist
+	$(PY) -m scripts.gpucheck.mamba_wheels download --to .sdist
 
 mamba-wheels:
-	GPU_PYTHON=$(GPU_PYTHON) bash tools/gpucheck/build_mamba_wheels.sh
+	GPU_PYTHON=$(GPU_PYTHON) bash scripts/gpucheck/build_mamba_wheels.sh

@@ -3,7 +3,7 @@
 Ray in the test suite
 ---------------------
 ``ray_local`` starts one embedded Ray for the whole session, the way the CLI does
-(``stages.runtime.start_ray``), pinned to ``num_cpus=2`` and no GPU whatever the machine has, so
+(``lmgeo.driver.runtime.start_ray``), pinned to ``num_cpus=2`` and no GPU whatever the machine has, so
 tests behave the same on a laptop, in CI and on a GPU box. It ignores ``RAY_ADDRESS``: tests never
 join a cluster by accident.
 
@@ -36,8 +36,8 @@ def ray_local() -> Iterator[ModuleType]:
     """The session's embedded Ray (2 CPUs, no GPU); yields the ``ray`` module."""
     import ray
 
-    from pipeline.core.config import RayConfig
-    from stages.runtime import start_ray
+    from lmgeo.core.config import RayConfig
+    from lmgeo.driver.runtime import start_ray
 
     address = os.environ.pop("RAY_ADDRESS", None)
     try:
@@ -58,13 +58,13 @@ VOCAB, SEQ_LEN = 128, 16
 
 
 def tiny_size():
-    from pipeline.models.config import ModelSize
+    from lmgeo.models.config import ModelSize
 
     return ModelSize(d_model=TINY_D_MODEL, n_layers=TINY_LAYERS, n_heads=4, d_state=8, expand=2)
 
 
 def trainable_families() -> list[str]:
-    from pipeline.models.registry import FAMILIES
+    from lmgeo.models.registry import FAMILIES
 
     return [family.name for family in FAMILIES if family.trainable]
 
@@ -78,6 +78,6 @@ def arch(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def tiny_model(arch: str):
     """A tiny random-weight model of `arch` (seed 0), in eval mode."""
-    from pipeline.models.registry import build_model
+    from lmgeo.models.registry import build_model
 
     return build_model(arch, tiny_size(), VOCAB, SEQ_LEN, seed=0).eval()

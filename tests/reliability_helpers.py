@@ -21,28 +21,28 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from pipeline.core.config import flatten_overrides, load_yaml
-from pipeline.core.store import (
+from lmgeo.core.config import flatten_overrides, load_yaml
+from lmgeo.core.store import (
     MANIFEST_DIR,
     ManifestKey,
     ShardWriter,
     manifest_path,
     verified_files,
 )
-from pipeline.params import Params, apply_overrides, load_params
+from lmgeo.params import Params, apply_overrides, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGE_TIMEOUT_S = 300
 
-# Every stage of a pipeline run in one process, the way `lmgeo <stage>` runs each (stages/cli.py), so
+# Every stage of a pipeline run in one process, the way `lmgeo <stage>` runs each (lmgeo/cli.py), so
 # that Ray starts once per pipeline instead of once per stage.
 _PIPELINE = (
     "import importlib, sys\n"
-    "from pipeline.params import load_params\n"
+    "from lmgeo.params import load_params\n"
     "params = load_params('params.yaml')\n"
     "for stage in sys.argv[1:]:\n"
-    "    importlib.import_module(f'stages.{stage}').run(params)\n"
+    "    importlib.import_module(f'lmgeo.stages.{stage}').run(params)\n"
 )
 
 
@@ -98,7 +98,11 @@ def start_stage(workspace: Path, stage: str, log: Path) -> subprocess.Popen:
     """`lmgeo <stage>` in the background, in its own process group, its output going to `log`."""
     with open(log, "w") as out:
         return subprocess.Popen(
-            [str(BIN / "lmgeo"), stage], cwd=workspace, env=env(), stdout=out, stderr=subprocess.STDOUT,
+            [str(BIN / "lmgeo"), stage],
+            cwd=workspace,
+            env=env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
 
@@ -223,7 +227,8 @@ def rewrite_shard(root: Path, shard: str, change: Callable[[dict[str, str], pa.T
     key = ManifestKey(manifest["inputs"], manifest["params_hash"], manifest["code_version"])
     files = [(entry["path"], pq.read_table(root / entry["path"])) for entry in manifest["files"]]
     metadata = {
-        k.decode(): v.decode() for k, v in (files[0][1].schema.metadata or {}).items()
+        k.decode(): v.decode()
+        for k, v in (files[0][1].schema.metadata or {}).items()
         if not k.startswith((b"lmgeo.", b"ARROW:"))
     }
     with ShardWriter(root, shard, key, metadata=metadata) as writer:

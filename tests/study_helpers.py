@@ -11,7 +11,7 @@ from pathlib import Path
 
 import yaml
 
-from pipeline.params import apply_overrides, load_params
+from lmgeo.params import apply_overrides, load_params
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -1,4 +1,4 @@
-"""Result tables on a hand-made tiny study whose summary numbers are known (pipeline/aggregate.py)."""
+"""Result tables on a hand-made tiny study whose summary numbers are known (lmgeo/aggregate.py)."""
 
 from __future__ import annotations
 
@@ -14,17 +14,17 @@ import pyarrow.parquet as pq
 import pytest
 from scipy import stats as sps
 
-from pipeline.core.contracts import FIT_METRICS, parse_run_id, run_id, vectors_to_arrow
-from pipeline.core.contracts import RESULT_TABLES as TABLES
-from pipeline.core.store import ManifestKey, ShardWriter
-from pipeline.params import load_params
-from pipeline.results.aggregate import aggregate, build_tables, load_sources
-from pipeline.results.config import ReportConfig
-from pipeline.results.headline import HEADLINE, metrics
-from pipeline.results.stats import holm, mean_interval, spearman_by_layer
-from pipeline.results.study_a.claims import CLAIMS, LAYER_FIT
-from pipeline.results.study_b.tables import MAX_CURVE_POINTS
-from pipeline.study_a.classes import FIT_CLASSES
+from lmgeo.core.contracts import FIT_METRICS, parse_run_id, run_id, vectors_to_arrow
+from lmgeo.core.contracts import RESULT_TABLES as TABLES
+from lmgeo.core.store import ManifestKey, ShardWriter
+from lmgeo.params import load_params
+from lmgeo.results.aggregate import aggregate, build_tables, load_sources
+from lmgeo.results.config import ReportConfig
+from lmgeo.results.headline import HEADLINE, metrics
+from lmgeo.results.stats import holm, mean_interval, spearman_by_layer
+from lmgeo.results.study_a.claims import CLAIMS, LAYER_FIT
+from lmgeo.results.study_b.tables import MAX_CURVE_POINTS
+from lmgeo.study_a.classes import FIT_CLASSES
 
 CFG = ReportConfig(bootstrap=200, ci=0.9, seed=3)
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
@@ -32,10 +32,16 @@ KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
 # Final validation losses per run (the test loss is TEST_OFFSET above); `sign` diverges, `adamw` has one
 # seed.
 FINAL_VAL = {
-    "gpt2-muon-s0": 3.0, "gpt2-muon-s1": 3.1, "gpt2-muon-s2": 3.3,
-    "gpt2-hilbert-s0": 2.5, "gpt2-hilbert-s1": 2.6, "gpt2-hilbert-s2": 2.65,
-    "gpt2-hilbert_equi-s0": 2.55, "gpt2-adamw-s0": 3.4, "gpt2-sign-s0": math.nan,
-}  # fmt: skip
+    "gpt2-muon-s0": 3.0,
+    "gpt2-muon-s1": 3.1,
+    "gpt2-muon-s2": 3.3,
+    "gpt2-hilbert-s0": 2.5,
+    "gpt2-hilbert-s1": 2.6,
+    "gpt2-hilbert-s2": 2.65,
+    "gpt2-hilbert_equi-s0": 2.55,
+    "gpt2-adamw-s0": 3.4,
+    "gpt2-sign-s0": math.nan,
+}
 # The matched-budget sweep, planted on the default runs' seeds: at each budget `muon` costs MUON_COST over its own
 # step (same seed); `hilbert` is `muon` at that budget plus DELTA, with a seed jitter of mean 0. So muon's best
 # budget (on val) is 0.4, inside the grid, and hilbert's 0.2, on its edge.
@@ -51,8 +57,12 @@ def sweep_val(recipe: str, seed: int, tau: float) -> float:
     return muon + DELTA[tau] + JITTER[seed] if recipe == "hilbert" else muon
 
 
-MATCHED_VAL = {run_id("gpt2", r, s, matched=True, cap=tau): sweep_val(r, s, tau)
-               for r in ("muon", "hilbert") for s in range(3) for tau in SWEEP_TAUS}  # fmt: skip
+MATCHED_VAL = {
+    run_id("gpt2", r, s, matched=True, cap=tau): sweep_val(r, s, tau)
+    for r in ("muon", "hilbert")
+    for s in range(3)
+    for tau in SWEEP_TAUS
+}
 TEST_OFFSET = 0.05
 EQUI_RATIO = {"hilbert": 0.4, "hilbert_equi": 0.6}
 EQUI_RATIO_RANDOM = 0.55
@@ -83,25 +93,37 @@ def steps_table(run: str, n_steps: int = STEPS) -> pa.Table:
     def nullable(x: np.ndarray) -> pa.Array:
         return pa.array(x, mask=np.isnan(x))
 
-    return pa.table({
-        "step": step, "tokens": step * 256, "lr": np.full(n_steps, 1e-3), "train_loss": 4.0 - step / n_steps,
-        "val_loss": nullable(val), "head_diam": nullable(bound),
-        "head_diam_sampled": pa.array(np.where(geo, sampled, False), mask=~geo),
-        "head_update_rms": nullable(np.where(geo, 0.01, np.nan)),
-        "head_update_spectral": pa.nulls(n_steps, pa.float64()),
-        "hilbert_realized": nullable(np.where(geo, realized, np.nan)), "hilbert_bound": nullable(bound),
-        "equi_ratio": nullable(np.where(geo, EQUI_RATIO.get(recipe, 0.2), np.nan)),
-        "equi_ratio_random": nullable(np.where(geo, EQUI_RATIO_RANDOM, np.nan)),
-        "head_alignment": nullable(np.where(geo, 0.3, np.nan)),
-    })  # fmt: skip
+    return pa.table(
+        {
+            "step": step,
+            "tokens": step * 256,
+            "lr": np.full(n_steps, 1e-3),
+            "train_loss": 4.0 - step / n_steps,
+            "val_loss": nullable(val),
+            "head_diam": nullable(bound),
+            "head_diam_sampled": pa.array(np.where(geo, sampled, False), mask=~geo),
+            "head_update_rms": nullable(np.where(geo, 0.01, np.nan)),
+            "head_update_spectral": pa.nulls(n_steps, pa.float64()),
+            "hilbert_realized": nullable(np.where(geo, realized, np.nan)),
+            "hilbert_bound": nullable(bound),
+            "equi_ratio": nullable(np.where(geo, EQUI_RATIO.get(recipe, 0.2), np.nan)),
+            "equi_ratio_random": nullable(np.where(geo, EQUI_RATIO_RANDOM, np.nan)),
+            "head_alignment": nullable(np.where(geo, 0.3, np.nan)),
+        }
+    )
 
 
 def diverged_steps(run: str) -> pa.Table:
     """The run diverges: its last logged step has NaN/Inf losses and geometry."""
     table = steps_table(run)
-    bad = pa.table({c: pa.array([math.inf if c == "train_loss" else math.nan])
-                    if table.schema.field(c).type == pa.float64()
-                    else table[c].slice(STEPS - 1) for c in table.column_names})  # fmt: skip
+    bad = pa.table(
+        {
+            c: pa.array([math.inf if c == "train_loss" else math.nan])
+            if table.schema.field(c).type == pa.float64()
+            else table[c].slice(STEPS - 1)
+            for c in table.column_names
+        }
+    )
     return pa.concat_tables([table.slice(0, STEPS - 1), bad.cast(table.schema)])
 
 
@@ -114,15 +136,23 @@ def write_run(data_dir: Path, run: str, val: float) -> None:
     write_steps(data_dir, run, steps)
     arch, recipe, head_budget_tau = spec.arch, spec.recipe, spec.cap
     record = {
-        "run": run, "arch": arch, "recipe": recipe, "seed": spec.seed, "steps": STEPS,
-        "steps_done": 7 if math.isnan(val) else STEPS, "tokens": STEPS * 256,
+        "run": run,
+        "arch": arch,
+        "recipe": recipe,
+        "seed": spec.seed,
+        "steps": STEPS,
+        "steps_done": 7 if math.isnan(val) else STEPS,
+        "tokens": STEPS * 256,
         "final_train_loss": None if math.isnan(val) else val - 0.1,
-        "final_val_loss": None if math.isnan(val) else val, "diverged": math.isnan(val),
-        "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET, "head_budget_tau": head_budget_tau,
+        "final_val_loss": None if math.isnan(val) else val,
+        "diverged": math.isnan(val),
+        "final_test_loss": None if math.isnan(val) else val + TEST_OFFSET,
+        "head_budget_tau": head_budget_tau,
         "head_step": "tau=0.8" if recipe.startswith("hilbert") else "head_lr=0.02",
-        "diverged_at_step": 7 if math.isnan(val) else None, "n_params": 1000,
+        "diverged_at_step": 7 if math.isnan(val) else None,
+        "n_params": 1000,
         "params_hash": "abc",
-    }  # fmt: skip
+    }
     with ShardWriter(data_dir / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
         (folder / "run.json").write_text(json.dumps(record))
 
@@ -148,11 +178,18 @@ def fit_columns(model: str, layer: int, fn: str) -> dict[str, np.ndarray]:
     i = np.arange(n, dtype=float)
     init = model.endswith(".init")
     cols = {
-        "rel_err": rel.copy(), "rel_err_state": rel / 10, "cos_full_tok": 0.95 - 0.01 * i - (0.5 if init else 0),
-        "cos_full_res": 0.2 + 0.01 * i, "angle_res_tok": 30.0 + 25.0 * i + 5 * layer,
-        "proj_full": 0.8 + 0.01 * i, "proj_res": 0.3 + 0.01 * i + (0.6 if init else 0),
-        "proj_full_global": 0.7 + 0.0 * i, "proj_res_global": 0.2 + 0.02 * i, "norm_full": 1.0 + i, "norm_res": rel,
-    }  # fmt: skip
+        "rel_err": rel.copy(),
+        "rel_err_state": rel / 10,
+        "cos_full_tok": 0.95 - 0.01 * i - (0.5 if init else 0),
+        "cos_full_res": 0.2 + 0.01 * i,
+        "angle_res_tok": 30.0 + 25.0 * i + 5 * layer,
+        "proj_full": 0.8 + 0.01 * i,
+        "proj_res": 0.3 + 0.01 * i + (0.6 if init else 0),
+        "proj_full_global": 0.7 + 0.0 * i,
+        "proj_res_global": 0.2 + 0.02 * i,
+        "norm_full": 1.0 + i,
+        "norm_res": rel,
+    }
     if fn == "identity":
         for c in ("cos_full_tok", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global"):
             cols[c] = np.full(n, np.nan)
@@ -168,14 +205,20 @@ def write_study_a(data_dir: Path, *, with_perturb: bool = True) -> None:
                 cols = fit_columns(model, layer, fn)
                 n = cols["rel_err"].size
                 seq = np.arange(n, dtype=np.int32)
-                table = pa.table({
-                    "sample": ["real"] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
-                    "k": np.full(n, 4, np.int32),
-                    **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
-                    "value_identified": np.ones(n, bool), "subspace_tied": np.zeros(n, bool),
-                    "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
-                    "patched": vectors_to_arrow(np.ones((n, 3))),
-                })  # fmt: skip
+                table = pa.table(
+                    {
+                        "sample": ["real"] * n,
+                        "seq_id": seq,
+                        "pos": seq + 1,
+                        "token_id": seq,
+                        "k": np.full(n, 4, np.int32),
+                        **{c: pa.array(v, mask=np.isnan(v) & (fn == "identity")) for c, v in cols.items()},
+                        "value_identified": np.ones(n, bool),
+                        "subspace_tied": np.zeros(n, bool),
+                        "n_nonfinite": np.full(n, 2 if layer == 0 else 0, np.int32),
+                        "patched": vectors_to_arrow(np.ones((n, 3))),
+                    }
+                )
                 partition = {"model": model, "layer": layer, "fn": fn}
                 # Two shards, the second with float32 metrics: the reader unifies them.
                 second = table.slice(2)
@@ -217,8 +260,12 @@ def write_default_shape_study(data_dir: Path) -> None:
         for i, recipe in enumerate(train.recipes):
             for seed in train.seeds:
                 write_run(data_dir, f"{arch}-{recipe}-s{seed}", 3.0 + 0.01 * i + 0.02 * seed + rng.normal(0, 0.01))
-    runs = [f"{arch}-{recipe}-s{seed}" for arch in DEFAULT_ARCHS for recipe in (analysis.runs.recipes or train.recipes)
-            for seed in (analysis.runs.seeds or train.seeds)]  # fmt: skip
+    runs = [
+        f"{arch}-{recipe}-s{seed}"
+        for arch in DEFAULT_ARCHS
+        for recipe in (analysis.runs.recipes or train.recipes)
+        for seed in (analysis.runs.seeds or train.seeds)
+    ]
     for run in runs:
         for checkpoint in analysis.checkpoints:
             model = f"{run}.{checkpoint}"
@@ -230,7 +277,12 @@ def write_default_shape_study(data_dir: Path) -> None:
 
 
 def write_random_stratum(
-    data_dir: Path, model: str, layer: int, fn: str, rng: np.random.Generator, null_patches: bool = True,
+    data_dir: Path,
+    model: str,
+    layer: int,
+    fn: str,
+    rng: np.random.Generator,
+    null_patches: bool = True,
     distinct: int = 4000,
 ) -> None:
     """One (model, layer, class): real and null fits of DEFAULT_ANCHORS anchors and their patches (with the
@@ -243,28 +295,55 @@ def write_random_stratum(
     for sample, shift in (("real", 1.0), ("shuffled", 0.0), ("gaussian", 0.2)):
         rel = rng.uniform(0.1, 0.9, n)
         cols = {c: rng.normal(0.5 + 0.3 * shift * (layer % 2), 0.2, n) for c in FIT_METRICS}
-        cols |= {"rel_err": rel, "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
-                 "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n)}  # fmt: skip
-        parts.append(pa.table({
-            "sample": [sample] * n, "seq_id": seq, "pos": seq + 1, "token_id": seq,
-            "k": np.full(n, 96, np.int32), **cols, "value_identified": rng.random(n) >= 0.05,
-            "subspace_tied": np.zeros(n, bool), "n_nonfinite": np.zeros(n, np.int32),
-            "n_distinct": np.full(n, distinct, np.int32), "patched": patched,
-        }))  # fmt: skip
+        cols |= {
+            "rel_err": rel,
+            "angle_res_tok": rng.normal(80 + 20 * shift, 10, n),
+            "cos_full_tok": np.sqrt(1 - rel**2) + rng.uniform(0, 0.05, n),
+        }
+        parts.append(
+            pa.table(
+                {
+                    "sample": [sample] * n,
+                    "seq_id": seq,
+                    "pos": seq + 1,
+                    "token_id": seq,
+                    "k": np.full(n, 96, np.int32),
+                    **cols,
+                    "value_identified": rng.random(n) >= 0.05,
+                    "subspace_tied": np.zeros(n, bool),
+                    "n_nonfinite": np.zeros(n, np.int32),
+                    "n_distinct": np.full(n, distinct, np.int32),
+                    "patched": patched,
+                }
+            )
+        )
     partition = {"model": model, "layer": layer, "fn": fn}
     with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
         writer.write(partition, pa.concat_tables(parts))
     kl = np.exp(rng.normal(0, 1, n))
     directions = DEFAULT.analysis.null_directions
     each = kl[:, None] * rng.uniform(0.3, 1.5, (n, directions))
-    nulls = {"kl_random": each.mean(axis=1), "kl_other": kl * rng.uniform(0.5, 2.0, n),
-             "kl_directions": pa.ListArray.from_arrays(pa.array(np.arange(n + 1) * directions, pa.int32()),
-                                                       pa.array(each.ravel()))}  # fmt: skip
+    nulls = {
+        "kl_random": each.mean(axis=1),
+        "kl_other": kl * rng.uniform(0.5, 2.0, n),
+        "kl_directions": pa.ListArray.from_arrays(
+            pa.array(np.arange(n + 1) * directions, pa.int32()), pa.array(each.ravel())
+        ),
+    }
     with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
-        writer.write(partition, pa.table({
-            "seq_id": seq, "pos": seq + 1, "kl": kl, "kl_seq": kl / 2, **(nulls if null_patches else {}),
-            "n_random": np.full(n, DEFAULT.analysis.null_directions, np.int32),
-        }))  # fmt: skip
+        writer.write(
+            partition,
+            pa.table(
+                {
+                    "seq_id": seq,
+                    "pos": seq + 1,
+                    "kl": kl,
+                    "kl_seq": kl / 2,
+                    **(nulls if null_patches else {}),
+                    "n_random": np.full(n, DEFAULT.analysis.null_directions, np.int32),
+                }
+            ),
+        )
 
 
 @pytest.fixture(scope="module")
@@ -299,7 +378,10 @@ def test_runs_table_summarises_each_run(tables: dict[str, pa.Table]) -> None:
     assert r["median_equi_ratio"] == pytest.approx(EQUI_RATIO["hilbert"])
     crashed = runs["gpt2-rownorm-s0"]
     assert (crashed["finished"], crashed["recipe"], crashed["seed"], crashed["final_val_loss"]) == (
-        False, "rownorm", 0, None
+        False,
+        "rownorm",
+        0,
+        None,
     )
     diverged = runs["gpt2-sign-s0"]
     assert diverged["diverged"] is True
@@ -341,10 +423,24 @@ def test_holm_adjusts_the_comparisons_of_an_arch_together(tmp_path: Path) -> Non
             run = f"neox-{recipe}-s{seed}"
             capped = np.where(np.arange(STEPS) % 4 == 0, 2.0, 0.5)  # a quarter of the steps enlarged
             write_steps(tmp_path, run, steps_table(run).append_column("head_step_scale", pa.array(capped)))
-            record = {"run": run, "arch": "neox", "recipe": recipe, "seed": seed, "steps": STEPS, "steps_done": STEPS,
-                      "tokens": 1, "final_train_loss": 1.0, "final_val_loss": loss, "final_test_loss": loss,
-                      "head_budget_tau": 0.3, "head_step": "head_lr=0.1", "diverged": False, "diverged_at_step": None,
-                      "n_params": 1, "params_hash": "x"}  # fmt: skip
+            record = {
+                "run": run,
+                "arch": "neox",
+                "recipe": recipe,
+                "seed": seed,
+                "steps": STEPS,
+                "steps_done": STEPS,
+                "tokens": 1,
+                "final_train_loss": 1.0,
+                "final_val_loss": loss,
+                "final_test_loss": loss,
+                "head_budget_tau": 0.3,
+                "head_step": "head_lr=0.1",
+                "diverged": False,
+                "diverged_at_step": None,
+                "n_params": 1,
+                "params_hash": "x",
+            }
             with ShardWriter(tmp_path / "models", run, KEY) as writer, writer.directory(f"{run}/final") as folder:
                 (folder / "run.json").write_text(json.dumps(record))
     tables = build_tables(sources(tmp_path), CFG)
@@ -377,8 +473,12 @@ def test_the_sweep_compares_each_budget_with_muon_at_the_same_budget(tmp_path: P
         assert hilbert["diff_vs_muon"] == pytest.approx(DELTA[tau])
     # Holm over every comparison of the sweep (all budgets), not budget by budget
     raw = [recipes[("hilbert", True, tau)]["p_vs_muon"] for tau in SWEEP_TAUS]
-    expected = [sps.ttest_rel([sweep_val("hilbert", s, tau) for s in range(3)],
-                              [sweep_val("muon", s, tau) for s in range(3)]).pvalue for tau in SWEEP_TAUS]  # fmt: skip
+    expected = [
+        sps.ttest_rel(
+            [sweep_val("hilbert", s, tau) for s in range(3)], [sweep_val("muon", s, tau) for s in range(3)]
+        ).pvalue
+        for tau in SWEEP_TAUS
+    ]
     assert raw == pytest.approx(expected)
     assert [recipes[("hilbert", True, tau)]["p_vs_muon_holm"] for tau in SWEEP_TAUS] == pytest.approx(holm(raw))
     # the envelope: each recipe at its best budget on val (ties: the smaller), compared on test at the best
@@ -417,7 +517,9 @@ def test_long_curves_are_thinned_but_keep_evals_and_last_step(tmp_path: Path) ->
 def test_geometry_per_layer_matches_numpy(tables: dict[str, pa.Table]) -> None:
     geo = tables["geometry"]
     assert sorted({r["model"] for r in geo.to_pylist()}) == [
-        "gpt2-muon-s0@final", "gpt2-muon-s0@init", "org/tiny-mamba"
+        "gpt2-muon-s0@final",
+        "gpt2-muon-s0@init",
+        "org/tiny-mamba",
     ]
     for model in MODELS:
         label = model.replace(".final", "@final").replace(".init", "@init").replace("--", "/")
@@ -468,7 +570,7 @@ def test_spearman_of_monotone_relation_is_plus_or_minus_one(tables: dict[str, pa
 
 
 def test_correlations_are_per_layer_and_stratified(tmp_path: Path) -> None:
-    """Noisy data, two layers: per-layer and stratified rows are those of pipeline.results.stats.spearman_by_layer."""
+    """Noisy data, two layers: per-layer and stratified rows are those of lmgeo.results.stats.spearman_by_layer."""
     rng = np.random.default_rng(1)
     n = 30
     seq, pos = np.arange(n, dtype=np.int32) // 5, np.arange(n, dtype=np.int32) % 5
@@ -489,8 +591,9 @@ def test_correlations_are_per_layer_and_stratified(tmp_path: Path) -> None:
     assert "outweighs_random" not in tables["paper_values"].column("statistic").to_pylist()
     assert "spearman" in tables["paper_values"].column("statistic").to_pylist()
     got = tables["correlations"].to_pylist()
-    want = spearman_by_layer(np.concatenate(layers), np.concatenate(rel), np.concatenate(kl),
-                             n_boot=CFG.bootstrap, ci=CFG.ci, seed=CFG.seed)  # fmt: skip
+    want = spearman_by_layer(
+        np.concatenate(layers), np.concatenate(rel), np.concatenate(kl), n_boot=CFG.bootstrap, ci=CFG.ci, seed=CFG.seed
+    )
     for row in got:
         c = want["stratified" if row["scope"] == "stratified" else row["layer"]]
         assert (row["n"], row["spearman"], row["ci_low"], row["ci_high"]) == pytest.approx((c.n, c.rho, c.low, c.high))
@@ -570,10 +673,16 @@ def test_the_spread_claim_is_an_interval_against_random_rows(tmp_path: Path, exc
         logged = np.isfinite(np.asarray(table["head_diam"].to_numpy(zero_copy_only=False), dtype=float))
         draws = EQUI_RATIO_RANDOM + rng.normal(0, 0.01, len(table))
         draws = draws - draws[logged].mean() + EQUI_RATIO_RANDOM  # each run's random rows average 0.55
-        table = table.set_column(table.schema.get_field_index("equi_ratio"), "equi_ratio",
-                                 pa.array(np.where(logged, draws + gain, np.nan), mask=~logged))
-        table = table.set_column(table.schema.get_field_index("equi_ratio_random"), "equi_ratio_random",
-                                 pa.array(np.where(logged, draws, np.nan), mask=~logged))
+        table = table.set_column(
+            table.schema.get_field_index("equi_ratio"),
+            "equi_ratio",
+            pa.array(np.where(logged, draws + gain, np.nan), mask=~logged),
+        )
+        table = table.set_column(
+            table.schema.get_field_index("equi_ratio_random"),
+            "equi_ratio_random",
+            pa.array(np.where(logged, draws, np.nan), mask=~logged),
+        )
         write_steps(tmp_path, run, table)
     claim = rows(build_tables(sources(tmp_path), CFG)["claims"], claim="equi_spreads_rows")[0]
     assert claim["value"] == pytest.approx(np.mean(excess)) and claim["holds"] is holds
@@ -597,8 +706,9 @@ def test_aggregate_outputs_are_byte_identical_across_runs(tmp_path: Path) -> Non
     hilbert = np.array([2.5, 2.6, 2.65]) - np.array([3.0, 3.1, 3.3])
     half = sps.t.ppf(0.5 + CFG.ci / 2, df=2) * hilbert.std(ddof=1) / math.sqrt(3)
     assert list(m) == ["muon_loss", "d_adamw", "d_hilbert", "d_hilbert_equi", "ci"]
-    assert m == pytest.approx({"muon_loss": 3.1833, "d_adamw": 0.4, "d_hilbert": -0.55, "d_hilbert_equi": -0.45,
-                               "ci": half}, abs=5e-5)  # fmt: skip
+    assert m == pytest.approx(
+        {"muon_loss": 3.1833, "d_adamw": 0.4, "d_hilbert": -0.55, "d_hilbert_equi": -0.45, "ci": half}, abs=5e-5
+    )
     for name in TABLES:
         first, second = (pq.read_table(o / "tables" / f"{name}.parquet") for o in outs)
         assert first.equals(second)
@@ -627,8 +737,8 @@ def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
     exceed the cos median."""
     import duckdb
 
-    from pipeline.core.contracts import PERTURB_METRICS
-    from pipeline.results.study_a.tables import geometry_table
+    from lmgeo.core.contracts import PERTURB_METRICS
+    from lmgeo.results.study_a.tables import geometry_table
 
     rng = np.random.default_rng(3)
     n = 40
@@ -637,10 +747,22 @@ def test_the_cos_bound_is_a_median_over_cos_full_toks_own_anchors() -> None:
     columns = {c: rng.uniform(0.1, 1.0, n) for c in FIT_METRICS + PERTURB_METRICS}
     columns |= {"rel_err": rel, "cos_full_tok": cos}
     locality = rng.uniform(0.2, 0.9, n)
-    anchors = pa.table({"model": ["m"] * n, "layer": [0] * n, "fn": ["lowrank"] * n, "sample": ["real"] * n,
-                        "k": [96] * n, "locality": locality, "n_nonfinite": [0] * n, "n_distinct": [4000] * n,
-                        "has_nonfinite": [False] * n, "subspace_tied": [False] * n, "converged": [None] * n,
-                        **columns})  # fmt: skip
+    anchors = pa.table(
+        {
+            "model": ["m"] * n,
+            "layer": [0] * n,
+            "fn": ["lowrank"] * n,
+            "sample": ["real"] * n,
+            "k": [96] * n,
+            "locality": locality,
+            "n_nonfinite": [0] * n,
+            "n_distinct": [4000] * n,
+            "has_nonfinite": [False] * n,
+            "subspace_tied": [False] * n,
+            "converged": [None] * n,
+            **columns,
+        }
+    )
     con = duckdb.connect()
     con.register("anchors", anchors)
     (row,) = geometry_table(con).to_pylist()
@@ -675,10 +797,19 @@ def write_tradeoff_study(data_dir: Path, rng: np.random.Generator) -> dict[tuple
                 partition = {"model": model, "layer": layer, "fn": fn}
                 patched = vectors_to_arrow(np.ones((n, WIDTH)))
                 with ShardWriter(data_dir / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
-                    writer.write(partition, pa.table({"sample": ["real"] * n, "seq_id": seq, "pos": seq,
-                                                      "locality": np.full(n, 0.25 + 0.5 * layer + 0.1 * seed),
-                                                      "rel_err": pa.array(rel, mask=np.isnan(rel)),
-                                                      "patched": patched}))  # fmt: skip
+                    writer.write(
+                        partition,
+                        pa.table(
+                            {
+                                "sample": ["real"] * n,
+                                "seq_id": seq,
+                                "pos": seq,
+                                "locality": np.full(n, 0.25 + 0.5 * layer + 0.1 * seed),
+                                "rel_err": pa.array(rel, mask=np.isnan(rel)),
+                                "patched": patched,
+                            }
+                        ),
+                    )
                 with ShardWriter(data_dir / "perturb", f"{model}/{layer}/{fn}", KEY) as writer:
                     writer.write(partition, pa.table({"seq_id": seq, "pos": seq, "kl": kl}))
     return planted
@@ -714,20 +845,25 @@ def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_w
             assert r[f"{part}_low"] <= r[part] <= r[f"{part}_high"]
     tradeoff = rows(tables["claim_tests"], claim="expressivity_tradeoff", scope="stratified")
     pairs = {f"mlp vs {fn}" for fn in TRADEOFF_CLASSES if fn != "mlp"}
-    assert {(t["fn"], t["null"]) for t in tradeoff} == {(pair, part) for pair in pairs for part in ("rel_err",
-                                                                                                    "spearman")}
+    assert {(t["fn"], t["null"]) for t in tradeoff} == {
+        (pair, part) for pair in pairs for part in ("rel_err", "spearman")
+    }
     for t in tradeoff:  # paired per anchor on the anchors both keep, each model's mean over layers, then seeds
         linear = t["fn"].split(" vs ")[1]
         per_model = []
         for seed in (0, 1):
             layers = []
             for layer in (0, 1):
-                (rel, kl), (rel_mlp, kl_mlp) = (planted[(f"gpt2-muon-s{seed}.final", layer, fn)]
-                                                for fn in (linear, "mlp"))  # fmt: skip
+                (rel, kl), (rel_mlp, kl_mlp) = (
+                    planted[(f"gpt2-muon-s{seed}.final", layer, fn)] for fn in (linear, "mlp")
+                )
                 both = np.isfinite(rel) & np.isfinite(rel_mlp)
-                layers.append(np.median(rel[both] - rel_mlp[both]) if t["null"] == "rel_err" else
-                              sps.spearmanr(rel[both], kl[both]).statistic
-                              - sps.spearmanr(rel_mlp[both], kl_mlp[both]).statistic)  # fmt: skip
+                layers.append(
+                    np.median(rel[both] - rel_mlp[both])
+                    if t["null"] == "rel_err"
+                    else sps.spearmanr(rel[both], kl[both]).statistic
+                    - sps.spearmanr(rel_mlp[both], kl_mlp[both]).statistic
+                )
             per_model.append(np.mean(layers))
         low, high = sps.t.interval(CFG.ci, 1, loc=np.mean(per_model), scale=sps.sem(per_model))
         assert (t["effect"], t["ci_low"], t["ci_high"]) == pytest.approx((np.mean(per_model), low, high))
@@ -737,7 +873,7 @@ def test_the_expressivity_table_ranks_each_class_by_its_capacity_at_the_models_w
 
 
 def test_the_report_shows_the_classes_in_capacity_order_the_tradeoff_pairs_and_the_locality(tmp_path: Path) -> None:
-    from pipeline.results.study_a import report
+    from lmgeo.results.study_a import report
 
     write_tradeoff_study(tmp_path, np.random.default_rng(4))
     tables = {name: t.to_pylist() for name, t in build_tables(sources(tmp_path), CFG, DEFAULT.analysis).items()}

@@ -19,10 +19,10 @@ import yaml
 from reliability_helpers import env, preset_overrides
 from test_e2e import readme_commands
 
-from pipeline.core.errors import InputError
-from pipeline.params import apply_overrides, default_study
-from tools import analyse as tool
-from tools.families import save_tiny_model, tiny_config
+from lmgeo.commands import analyse as tool
+from lmgeo.commands.verify.families import save_tiny_model, tiny_config
+from lmgeo.core.errors import InputError
+from lmgeo.params import apply_overrides, default_study
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -41,8 +41,9 @@ def tokenizer(vocab_size: int = 300, eos: bool = False):
 
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "</s>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<unk>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     bpe.train_from_iterator([SAMPLE], trainer=trainer)
     bpe.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=bpe, unk_token="<unk>", **({"eos_token": "</s>"} if eos else {}))
@@ -54,8 +55,14 @@ def save_model(
     """A tiny random-weight model (seed 1, so that it differs from the random copy analyse makes with seed 0)."""
     tok = tokenizer(eos=eos)
     config = tiny_config(model_type)
-    for key, value in {"hidden_size": width, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "num_key_value_heads": 1, "head_dim": 16, "vocab_size": len(tok)}.items():  # fmt: skip
+    for key, value in {
+        "hidden_size": width,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 16,
+        "vocab_size": len(tok),
+    }.items():
         if hasattr(config, key):
             setattr(config, key, value)
     save_tiny_model(config, path, seed=1)
@@ -67,8 +74,14 @@ def save_model(
 def lmgeo(cwd: Path, *args: str, extra_env: dict[str, str] | None = None, check: bool = True):
     """`lmgeo ARGS` in `cwd`, this venv's; returns the completed process and its wall time."""
     started = time.monotonic()
-    done = subprocess.run([str(BIN / "lmgeo"), *args], cwd=cwd, env={**env(), **(extra_env or {})},
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [str(BIN / "lmgeo"), *args],
+        cwd=cwd,
+        env={**env(), **(extra_env or {})},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     elapsed = time.monotonic() - started
     if check and done.returncode != 0:
         raise AssertionError(f"lmgeo {shlex.join(args)}: exit {done.returncode}\n{done.stdout[-3000:]}{done.stderr}")
@@ -124,8 +137,13 @@ def test_the_analysis_is_queryable_and_names_both_models_by_their_folder(analyse
     done, _ = lmgeo(out, "query", "SELECT DISTINCT model FROM geometry ORDER BY model", "--format", "csv")
     assert done.stdout.split() == ["model", "my-model", "my-model-random"], done.stdout
     # the two models differ (seed 1 and the copy's seed 0): their fits are not the same numbers
-    medians, _ = lmgeo(out, "query", "SELECT model, round(median(rel_err), 6) AS m FROM fits WHERE sample = 'real' "
-                       "GROUP BY model ORDER BY model", "--format", "json")  # fmt: skip
+    medians, _ = lmgeo(
+        out,
+        "query",
+        "SELECT model, round(median(rel_err), 6) AS m FROM fits WHERE sample = 'real' GROUP BY model ORDER BY model",
+        "--format",
+        "json",
+    )
     first, second = json.loads(medians.stdout)
     assert first["m"] != second["m"], medians.stdout
 
@@ -162,16 +180,30 @@ def test_a_hub_id_with_the_command_lines_settings_and_no_copy(tmp_path_factory):
     root = outside_the_checkout(tmp_path_factory, "hub")
     # a tokenizer without an end-of-text token: the eval text is split by a BPE, then re-encoded with the model's
     extra = hub_cache(root / "hf", "lmgeo-test/tiny-llama", save_model(root / "saved", eos=False))
-    done, _ = lmgeo(root, "analyse", "lmgeo-test/tiny-llama", "--k", "40", "--anchors", "32", "--classes",
-                    "lowrank,identity", "--layers", "1", "--no-baseline", extra_env=extra)  # fmt: skip
+    done, _ = lmgeo(
+        root,
+        "analyse",
+        "lmgeo-test/tiny-llama",
+        "--k",
+        "40",
+        "--anchors",
+        "32",
+        "--classes",
+        "lowrank,identity",
+        "--layers",
+        "1",
+        "--no-baseline",
+        extra_env=extra,
+    )
     out = root / "analyse-lmgeo-test--tiny-llama"
     assert "the verdicts rest on one model:" in done.stdout, done.stdout
     assert "split into documents by a BPE trained on it (lmgeo-test/tiny-llama's tokenizer has no end-of-text" in (
         done.stdout
     )
     rows, _ = lmgeo(out, "query", "SELECT DISTINCT model, layer, fn FROM fits ORDER BY fn", "--format", "json")
-    assert json.loads(rows.stdout) == [{"model": "lmgeo-test/tiny-llama", "layer": 1, "fn": f}
-                                       for f in ("identity", "lowrank", "lowrank.layer")], rows.stdout  # fmt: skip
+    assert json.loads(rows.stdout) == [
+        {"model": "lmgeo-test/tiny-llama", "layer": 1, "fn": f} for f in ("identity", "lowrank", "lowrank.layer")
+    ], rows.stdout
     text = (out / "report.md").read_text()
     assert "(from the hub)" in text and "without a random-weight copy" in text and "layers 1" in text
     assert "Against the random-weight copy" not in text
@@ -180,9 +212,11 @@ def test_a_hub_id_with_the_command_lines_settings_and_no_copy(tmp_path_factory):
 def test_the_command_lines_settings_become_overrides_the_params_validate() -> None:
     settings = tool.overrides(k=40, anchors=32, classes=["lowrank,identity", "diag_psd"], layers=["0,1"])
     assert settings == {
-        "analysis.k": "40", "analysis.anchors": "32", "analysis.classes": '["lowrank", "identity", "diag_psd"]',
+        "analysis.k": "40",
+        "analysis.anchors": "32",
+        "analysis.classes": '["lowrank", "identity", "diag_psd"]',
         "analysis.layers": "[0, 1]",
-    }  # fmt: skip
+    }
     params = apply_overrides(default_study(), settings)
     assert (params.analysis.k, params.analysis.anchors, params.analysis.layers) == (40, 32, [0, 1])
     assert params.analysis.classes == ["lowrank", "identity", "diag_psd"]
@@ -194,8 +228,9 @@ def bert(path: Path) -> Path:
     from transformers import BertConfig, BertForMaskedLM
 
     tok = tokenizer()
-    config = BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64)  # fmt: skip
+    config = BertConfig(
+        vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64
+    )
     BertForMaskedLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -246,8 +281,11 @@ def test_the_quick_causal_check_never_refuses_a_causal_lm_and_refuses_encoders()
     causal = set(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     assert all(tool._CAUSAL_NAME.search(name) for name in causal)
     others = set()
-    for mapping in (auto.MODEL_MAPPING_NAMES, auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-                    auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES):  # fmt: skip
+    for mapping in (
+        auto.MODEL_MAPPING_NAMES,
+        auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+        auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    ):
         for names in mapping.values():
             others.update(names if isinstance(names, tuple) else [names])
     others -= causal
@@ -271,7 +309,7 @@ def test_out_may_be_an_earlier_analysis_of_the_same_model_only(tmp_path: Path) -
 
 
 def _refusal(tmp_path: Path, model: Path, **overrides: str) -> str:
-    """The refusal of `tools.analyse.run`, in process (before any stage: the folder it created is gone)."""
+    """The refusal of `lmgeo.commands.analyse.run`, in process (before any stage: the folder it created is gone)."""
     params = apply_overrides(default_study(), {**TINY, **overrides})
     out = tmp_path / "out"
     with pytest.raises(InputError) as refused:

@@ -11,9 +11,9 @@ import torch
 from conftest import SEQ_LEN, VOCAB, tiny_size
 from safetensors.torch import load_file
 
-from pipeline.core.errors import InputError
-from pipeline.models.loading import ModelLoadError, load_model
-from pipeline.models.registry import (
+from lmgeo.core.errors import InputError
+from lmgeo.models.loading import ModelLoadError, load_model
+from lmgeo.models.registry import (
     FAMILIES,
     UnsupportedArchitecture,
     blocks_of,
@@ -186,16 +186,23 @@ def test_paths_stay_inside_the_workspace_unless_allowed(tmp_path):
 def test_a_model_the_stages_refuse_is_named_by_its_path(tmp_path):
     """A config transformers cannot build or a structure Study A cannot use is refused by messages that do
     not name the model (they stay free of paths for `lmgeo families`' table); the stages name it."""
-    from pipeline.models.structure import StructureError
-    from pipeline.params import Params
-    from stages.analysis_set import model_source
-    from stages.layout import Layout
+    from lmgeo.driver.analysis_set import model_source
+    from lmgeo.driver.layout import Layout
+    from lmgeo.models.structure import StructureError
+    from lmgeo.params import Params
 
     layout, params = Layout(tmp_path), Params()
     (tmp_path / "models").mkdir()
     _config_only_dir(tmp_path / "models" / "bad", model_type="gpt2", n_embd=5, n_head=2, n_layer=1, vocab_size=VOCAB)
-    _config_only_dir(tmp_path / "models" / "bert", model_type="bert-generation", hidden_size=8, num_hidden_layers=1,
-                     num_attention_heads=2, intermediate_size=8, vocab_size=VOCAB)  # fmt: skip
+    _config_only_dir(
+        tmp_path / "models" / "bert",
+        model_type="bert-generation",
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=8,
+        vocab_size=VOCAB,
+    )
     (tmp_path / "models" / "file").write_text("not a folder")
     with pytest.raises(ModelLoadError, match="^models/bad: config.json does not describe a model"):
         model_source(layout, params, "models/bad", None)
@@ -206,11 +213,11 @@ def test_a_model_the_stages_refuse_is_named_by_its_path(tmp_path):
 
 
 def test_weights_changed_after_planning_and_a_missing_tokenizer_name_the_model_files(tmp_path):
-    from pipeline.core.store import ManifestKey, ShardWriter
-    from pipeline.params import Params
-    from stages.analysis_set import AnalysedModel, model_tokenizer
-    from stages.layout import Layout
-    from stages.opening import verify_weights
+    from lmgeo.core.store import ManifestKey, ShardWriter
+    from lmgeo.driver.analysis_set import AnalysedModel, model_tokenizer
+    from lmgeo.driver.layout import Layout
+    from lmgeo.driver.opening import verify_weights
+    from lmgeo.params import Params
 
     layout, params = Layout(tmp_path), Params()
     folder = _save(build_model("gpt2", TINY, VOCAB, SEQ_LEN, seed=0), tmp_path / "models" / "ext")

@@ -31,7 +31,7 @@ import pytest
 from conftest import SEQ_LEN, VOCAB, tiny_size
 from test_integrity import fails
 
-from pipeline.core.store import (
+from lmgeo.core.store import (
     MANIFEST_DIR,
     CorruptShardError,
     ManifestKey,
@@ -44,10 +44,10 @@ from pipeline.core.store import (
     verified_files,
     write_plan,
 )
-from pipeline.results.query import QueryError
-from pipeline.results.query import query_table as query_in
-from pipeline.results.query import run_query as run_in
-from stages.layout import Layout
+from lmgeo.driver.layout import Layout
+from lmgeo.results.query import QueryError
+from lmgeo.results.query import query_table as query_in
+from lmgeo.results.query import run_query as run_in
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -68,13 +68,25 @@ def state(path: Path) -> tuple[int, bytes]:
     return path.stat().st_mtime_ns, path.read_bytes()
 
 
-def write_fits(root: Path, shard: str, layer: int, rel_err: float, key: ManifestKey = KEY,
-               classes: tuple[str, ...] = ("diag_psd", "identity")) -> None:  # fmt: skip
+def write_fits(
+    root: Path,
+    shard: str,
+    layer: int,
+    rel_err: float,
+    key: ManifestKey = KEY,
+    classes: tuple[str, ...] = ("diag_psd", "identity"),
+) -> None:
     """A fit shard of one layer: one Parquet part per class (its partitions), as the fit stage writes them."""
     with ShardWriter(root, shard, key) as writer:
         for fn in classes:
-            table = pa.table({"sample": ["real", "real"], "seq_id": pa.array([0, 1], pa.int32()),
-                              "pos": pa.array([1, 2], pa.int32()), "rel_err": [rel_err, rel_err]})  # fmt: skip
+            table = pa.table(
+                {
+                    "sample": ["real", "real"],
+                    "seq_id": pa.array([0, 1], pa.int32()),
+                    "pos": pa.array([1, 2], pa.int32()),
+                    "rel_err": [rel_err, rel_err],
+                }
+            )
             writer.write({"model": "m", "layer": layer, "fn": fn}, table)
 
 
@@ -185,7 +197,7 @@ def test_1_a_manifest_folder_that_is_a_symlink_out_is_refused_before_any_manifes
 # ==================================================== 2. a model folder's weights index can point outside it
 def save_sharded(path: Path) -> Path:
     """A tiny model saved as a sharded checkpoint: its weights index names each weight file."""
-    from pipeline.models.registry import build_model
+    from lmgeo.models.registry import build_model
 
     model = build_model("neox", tiny_size(), VOCAB, SEQ_LEN, seed=0)
     model.save_pretrained(path, safe_serialization=True, max_shard_size="100KB")
@@ -199,8 +211,8 @@ def save_sharded(path: Path) -> Path:
 def test_2_a_weights_index_naming_a_file_outside_the_model_folder_is_refused_by_every_reader(
     tmp_path: Path, shape: str, allowed: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.models.loading import ModelLoadError, check_model
-    from pipeline.params import Params, apply_overrides
+    from lmgeo.models.loading import ModelLoadError, check_model
+    from lmgeo.params import Params, apply_overrides
 
     workspace = tmp_path / "ws"
     folder = save_sharded(workspace / "models" / "ext")
@@ -210,8 +222,11 @@ def test_2_a_weights_index_naming_a_file_outside_the_model_folder_is_refused_by_
     outside = tmp_path / "outside"
     outside.mkdir()
     shutil.move(folder / first, outside / first)
-    name = {"absolute": str(outside / first), "parent": f"../../../outside/{first}",
-            "symlinked folder": f"linked/{first}"}[shape]  # fmt: skip
+    name = {
+        "absolute": str(outside / first),
+        "parent": f"../../../outside/{first}",
+        "symlinked folder": f"linked/{first}",
+    }[shape]
     if shape == "symlinked folder":
         (folder / "linked").symlink_to(outside, target_is_directory=True)
     record["weight_map"] = {k: (name if v == first else v) for k, v in record["weight_map"].items()}
@@ -222,10 +237,12 @@ def test_2_a_weights_index_naming_a_file_outside_the_model_folder_is_refused_by_
     # the `external` stage's hashing: it records nothing that would leave extract's results "complete"
     monkeypatch.chdir(workspace)
     (workspace / "params.yaml").write_text("{}\n")
-    from stages import external
+    from lmgeo.stages import external
 
-    params = apply_overrides(Params(), {"analysis.external_models": '[{"id": "./models/ext"}]',
-                                        "security.allow_outside_paths": str(allowed).lower()})
+    params = apply_overrides(
+        Params(),
+        {"analysis.external_models": '[{"id": "./models/ext"}]', "security.allow_outside_paths": str(allowed).lower()},
+    )
     with pytest.raises(ModelLoadError, match=re.escape(str(index))):
         external.run(params)
     assert not (workspace / "data" / "external.json").exists()
@@ -234,7 +251,7 @@ def test_2_a_weights_index_naming_a_file_outside_the_model_folder_is_refused_by_
 # ===================================================== 3. forged, self-consistent shards are never kept
 def committed_record(root: Path):  # noqa: ANN201
     """What a dvc.lock would record of `root` as it is now (md5 of each file, and each file's content)."""
-    from pipeline.core.store import Committed
+    from lmgeo.core.store import Committed
 
     contents = {p.relative_to(root).as_posix(): p.read_bytes() for p in root.rglob("*") if p.is_file()}
     md5s = {rel: hashlib.md5(data).hexdigest() for rel, data in contents.items()}  # noqa: S324 - DVC's hash
@@ -252,7 +269,7 @@ def forge(fits: Path, shard: str, factor: float) -> None:
 
 
 def test_3_a_forged_self_consistent_shard_is_redone_where_dvc_lock_records_the_dataset(tmp_path: Path) -> None:
-    from pipeline.core.store import incomplete_shards
+    from lmgeo.core.store import incomplete_shards
 
     fits = tmp_path / "fits"
     write_fits(fits, "m/layer=0", 0, 0.5)
@@ -275,7 +292,7 @@ def test_3_a_forged_self_consistent_shard_is_redone_where_dvc_lock_records_the_d
 
 
 def test_3_the_record_is_read_from_dvc_lock_and_the_dvc_cache(tmp_path: Path) -> None:
-    from pipeline.core.committed import committed
+    from lmgeo.core.committed import committed
 
     workspace = tmp_path / "ws"
     fits = workspace / "data" / "fits"
@@ -317,7 +334,7 @@ def test_4_a_manifest_dropping_a_planned_partition_is_incomplete_and_refused_by_
         verified_files(fits)  # a query, a result at an old revision
     with pytest.raises(CorruptShardError, match=message):
         verified_files(fits, {"m/layer=0": KEY, "m/layer=1": KEY})  # perturb reading its planned fits
-    from pipeline.core.store import incomplete_shards
+    from lmgeo.core.store import incomplete_shards
 
     prune_shards(fits, {"m/layer=0", "m/layer=1"})  # the stage sweeps the now unlisted file...
     assert incomplete_shards(fits, {"m/layer=0": KEY, "m/layer=1": KEY}) == ["m/layer=0"]  # ...and redoes the shard
@@ -337,8 +354,8 @@ def test_4_a_dataset_without_a_finished_plan_is_served_with_a_warning_naming_it(
 
 # ============================================================ 5. `lmgeo analyse --out` inside a study
 def test_5_analyse_refuses_to_write_into_a_study_or_a_folder_it_did_not_make(tmp_path: Path) -> None:
-    from pipeline.core.errors import InputError
-    from tools import analyse
+    from lmgeo.commands import analyse
+    from lmgeo.core.errors import InputError
 
     source = analyse.ModelSource(str(tmp_path / "model"), "model")
     study = tmp_path / "study"
@@ -369,15 +386,21 @@ def readme_join() -> str:
 
 def two_stage_workspace(root: Path) -> tuple[Path, Path]:
     """fits, and perturb computed from them (its plan's lineage records the fits it read)."""
-    from pipeline.core.store import lineage_of
+    from lmgeo.core.store import lineage_of
 
     fits, perturb = root / "data" / "fits", root / "data" / "perturb"
     write_fits(fits, "m/layer=0", 0, 0.5)
     write_plan(fits, {"m/layer=0": KEY}, lineage_of([]))
     with ShardWriter(perturb, "m/layer=0", KEY) as writer:
         for fn in ("diag_psd", "identity"):
-            table = pa.table({"seq_id": pa.array([0, 1], pa.int32()), "pos": pa.array([1, 2], pa.int32()),
-                              "kl": [0.2, 0.4], "kl_random": [0.1, 0.1]})  # fmt: skip
+            table = pa.table(
+                {
+                    "seq_id": pa.array([0, 1], pa.int32()),
+                    "pos": pa.array([1, 2], pa.int32()),
+                    "kl": [0.2, 0.4],
+                    "kl_random": [0.1, 0.1],
+                }
+            )
             writer.write({"model": "m", "layer": 0, "fn": fn}, table)
     write_plan(perturb, {"m/layer=0": KEY}, lineage_of([fits]))
     return fits, perturb
@@ -391,8 +414,11 @@ def test_6_the_readmes_join_answers_for_one_run_and_is_refused_across_two(tmp_pa
     other = ManifestKey({"activations": "a1"}, "p2", "c1")
     write_fits(fits, "m/layer=0", 0, 0.25, other)
     write_plan(fits, {"m/layer=0": other})
-    with pytest.raises(QueryError, match=r"fits \(.*\) and perturb \(.*\) come from different runs of the pipeline: "
-                                         r"they were computed from different versions of fits"):
+    with pytest.raises(
+        QueryError,
+        match=r"fits \(.*\) and perturb \(.*\) come from different runs of the pipeline: "
+        r"they were computed from different versions of fits",
+    ):
         query_table(readme_join(), tmp_path)
     assert query_table("SELECT avg(rel_err) AS e FROM fits", tmp_path)["e"].to_pylist() == [0.25]  # one at a time
     assert query_table("SELECT avg(kl) AS kl FROM perturb", tmp_path)["kl"].to_pylist() == [pytest.approx(0.3)]
@@ -400,16 +426,19 @@ def test_6_the_readmes_join_answers_for_one_run_and_is_refused_across_two(tmp_pa
 
 # ======================================================================== 7. every failure one line
 def project_errors() -> list[type[BaseException]]:
-    """Every exception type the project defines (pipeline/, stages/, tools/)."""
+    """Every exception type the project defines (lmgeo/)."""
     found = []
-    for package in ("pipeline", "stages", "tools"):
+    for package in ("lmgeo",):
         root = importlib.import_module(package)
         for info in pkgutil.walk_packages(root.__path__, f"{package}."):
             if info.name.endswith("__main__"):
                 continue
             module = importlib.import_module(info.name)
-            found += [c for _, c in inspect.getmembers(module, inspect.isclass)
-                      if issubclass(c, BaseException) and c.__module__ == info.name]  # fmt: skip
+            found += [
+                c
+                for _, c in inspect.getmembers(module, inspect.isclass)
+                if issubclass(c, BaseException) and c.__module__ == info.name
+            ]
     return sorted(set(found), key=lambda c: f"{c.__module__}.{c.__qualname__}")
 
 
@@ -439,8 +468,8 @@ def test_7_every_error_type_the_project_defines_survives_pickling_as_ray_sends_i
 
 
 def test_7_a_shard_error_whose_cause_cannot_travel_keeps_its_message_and_kind() -> None:
-    from pipeline.core.errors import InputError
-    from pipeline.core.execution import ShardError
+    from lmgeo.core.errors import InputError
+    from lmgeo.core.execution import ShardError
 
     class Stubborn(InputError):  # as a third party's exception may be: its constructor takes other arguments
         def __init__(self, code: int) -> None:
@@ -453,8 +482,8 @@ def test_7_a_shard_error_whose_cause_cannot_travel_keeps_its_message_and_kind() 
 def test_7_disk_full_names_the_folder_and_the_space_needed_and_keeps_nothing_half_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from pipeline.core.errors import InputError
-    from pipeline.core.store import atomic_write
+    from lmgeo.core.errors import InputError
+    from lmgeo.core.store import atomic_write
 
     def full(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -462,13 +491,18 @@ def test_7_disk_full_names_the_folder_and_the_space_needed_and_keeps_nothing_hal
     parts = ShardParts()
     parts.write({"model": "m", "layer": 0}, pa.table({"x": list(range(100_000))}))
     monkeypatch.setattr(pq.ParquetWriter, "write_table", full)
-    with pytest.raises(InputError, match=re.escape(f"{tmp_path / 'fits'}: no space left on the device for shard "
-                                                 "'m/seq=0' (about 0.8 MiB needed, ")):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=re.escape(
+            f"{tmp_path / 'fits'}: no space left on the device for shard 'm/seq=0' (about 0.8 MiB needed, "
+        ),
+    ):
         parts.commit(tmp_path / "fits", "m/seq=0", KEY)
     assert not [p for p in (tmp_path / "fits").rglob("*") if p.is_file()]
     monkeypatch.setattr(Path, "write_bytes", full)
-    with pytest.raises(InputError, match=re.escape(f"{tmp_path}: no space left on the device for metrics.json "
-                                                 "(about 0.0 MiB needed")):  # fmt: skip
+    with pytest.raises(
+        InputError, match=re.escape(f"{tmp_path}: no space left on the device for metrics.json (about 0.0 MiB needed")
+    ):
         atomic_write(tmp_path / "metrics.json", "{}")
     assert not list(tmp_path.glob("*metrics.json*"))
 
@@ -476,40 +510,63 @@ def test_7_disk_full_names_the_folder_and_the_space_needed_and_keeps_nothing_hal
 def test_7_a_ray_that_does_not_start_is_one_error_saying_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
     import ray
 
-    from pipeline.core.config import RayConfig
-    from pipeline.core.errors import InputError
-    from stages import runtime
+    from lmgeo.core.config import RayConfig
+    from lmgeo.core.errors import InputError
+    from lmgeo.driver import runtime
 
     def timed_out(**kwargs):  # noqa: ANN003, ANN202 - what Ray raises when its node does not come up
-        raise Exception("The current node timed out during startup. This could happen because some of the raylet "  # noqa: TRY002
-                        "failed to startup or the GCS has become overloaded.")  # fmt: skip
+        raise Exception(
+            "The current node timed out during startup. This could happen because some of the raylet "  # noqa: TRY002
+            "failed to startup or the GCS has become overloaded."
+        )
 
     monkeypatch.setattr(ray, "init", timed_out)
     monkeypatch.setattr(runtime, "_reap_when_gone", lambda: None, raising=False)  # no reaper for no Ray
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    with pytest.raises(InputError, match=r"^the embedded Ray did not start \(Exception: The current node timed out "
-                                         r"during startup.*\); .*`ray stop`.*--ray-address$"):  # fmt: skip
+    with pytest.raises(
+        InputError,
+        match=r"^the embedded Ray did not start \(Exception: The current node timed out "
+        r"during startup.*\); .*`ray stop`.*--ray-address$",
+    ):
         runtime.start_ray(RayConfig(num_cpus=1, num_gpus=0))
 
 
 def test_7_a_step_size_that_blows_up_marks_the_run_diverged_and_training_goes_on() -> None:
     import numpy as np
 
-    from pipeline.core.contracts import parse_run_id
-    from pipeline.params import Params, apply_overrides
-    from pipeline.study_b.train import train_run
+    from lmgeo.core.contracts import parse_run_id
+    from lmgeo.params import Params, apply_overrides
+    from lmgeo.study_b.train import train_run
 
-    params = apply_overrides(Params(), {
-        "train.archs": '["gpt2"]', "train.recipes": '["adamw"]', "train.steps": "6", "train.batch_size": "4",
-        "train.model": '{"d_model": 32, "n_layers": 1, "n_heads": 2}', "train.geometry_interval": "2",
-        "train.recipe_overrides": '{"adamw": {"head_lr": 1e38}}', "prepare.seq_len": "16",
-        "train.probe_sequences": "2", "train.eval_batches": "1", "train.test_batches": "1",
-    })  # fmt: skip
+    params = apply_overrides(
+        Params(),
+        {
+            "train.archs": '["gpt2"]',
+            "train.recipes": '["adamw"]',
+            "train.steps": "6",
+            "train.batch_size": "4",
+            "train.model": '{"d_model": 32, "n_layers": 1, "n_heads": 2}',
+            "train.geometry_interval": "2",
+            "train.recipe_overrides": '{"adamw": {"head_lr": 1e38}}',
+            "prepare.seq_len": "16",
+            "train.probe_sequences": "2",
+            "train.eval_batches": "1",
+            "train.test_batches": "1",
+        },
+    )
     spec = parse_run_id("gpt2-adamw-s0")
     tokens = np.random.default_rng(0).integers(0, 300, 4000).astype(np.int32)
     saved = []
-    record, steps = train_run(spec, params.train.for_run(spec), tokens, tokens[:1500], 300, 16, "h",
-                              lambda model, checkpoint, meta: saved.append(checkpoint))  # fmt: skip
+    record, steps = train_run(
+        spec,
+        params.train.for_run(spec),
+        tokens,
+        tokens[:1500],
+        300,
+        16,
+        "h",
+        lambda model, checkpoint, meta: saved.append(checkpoint),
+    )
     assert (record.diverged, record.diverged_at_step, record.steps_done) == (True, 1, 0)
     assert saved == ["init", "final"] and steps.num_rows == 0
 
@@ -522,21 +579,30 @@ def test_7_rev_values_that_name_no_commit_are_one_error(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "README.md").write_text("a file: its blob is no commit\n")
-    for command in (["init", "-q"], ["add", "README.md"], ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm",
-                                                            "one"]):  # fmt: skip
+    for command in (
+        ["init", "-q"],
+        ["add", "README.md"],
+        ["-c", "user.email=t@t", "-c", "user.name=t", "commit", "-qm", "one"],
+    ):
         subprocess.run(["git", *command], cwd=repo, check=True)
     for rev in ("HEAD^{tree}", "HEAD:README.md"):
-        with pytest.raises(QueryError, match=rf"^revision {re.escape(repr(rev))} does not name a commit \(.*\); give a "
-                                             r"commit, branch, tag, DVC experiment, or `workspace`$"):  # fmt: skip
+        with pytest.raises(
+            QueryError,
+            match=rf"^revision {re.escape(repr(rev))} does not name a commit \(.*\); give a "
+            r"commit, branch, tag, DVC experiment, or `workspace`$",
+        ):
             query_table("SELECT 1", repo, [rev])
 
 
-@pytest.mark.parametrize(("sql", "expected"), [
-    ("SELECT 'infinity'::DATE AS d, 'infinity'::TIMESTAMP AS t", "\ninfinity  infinity\n"),
-    ("SELECT '2000-01-01 00:00:00.123456789'::TIMESTAMP_NS AS n", "2000-01-01 00:00:00.123456789"),
-    ("SELECT 1 AS a, 2 AS a", "a  a\n-  -\n1  2"),
-    ("SELECT TIME '24:00:00' AS t, INTERVAL 1 DAY AS i, '1010'::BIT AS b", "24:00:00  1 day  1010"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sql", "expected"),
+    [
+        ("SELECT 'infinity'::DATE AS d, 'infinity'::TIMESTAMP AS t", "\ninfinity  infinity\n"),
+        ("SELECT '2000-01-01 00:00:00.123456789'::TIMESTAMP_NS AS n", "2000-01-01 00:00:00.123456789"),
+        ("SELECT 1 AS a, 2 AS a", "a  a\n-  -\n1  2"),
+        ("SELECT TIME '24:00:00' AS t, INTERVAL 1 DAY AS i, '1010'::BIT AS b", "24:00:00  1 day  1010"),
+    ],
+)
 def test_7_query_results_python_cannot_hold_are_printed_exactly(tmp_path: Path, sql: str, expected: str) -> None:
     assert expected in run_query(sql, tmp_path)
 
@@ -570,24 +636,30 @@ def test_7_a_corrupt_table_fails_only_the_queries_that_read_it(
 
 
 # ====================================================================================== 8. lower
-@pytest.mark.parametrize(("text", "message"), [
-    ("train: {weight_decay: .inf}", "train.weight_decay: Input should be a finite number"),
-    ("train: {hidden_lr: .nan}", "train.hidden_lr: Input should be a finite number"),
-    ("train: {steps: 100000000000}", "train.steps: Input should be less than or equal to 2147483647"),
-    ("train: {model: {d_model: 10000000}}", "train.model.d_model: Input should be less than or equal to 65536"),
-    ("ray: {tasks: {fit: {num_cpus: 1.0e+300}}}", "ray.tasks.fit.num_cpus: Input should be less than or equal to 4096"),
-    ("", "empty: it names no params section"),
-    ("# nothing but a comment\n", "empty: it names no params section"),
-    ("train: {steps: 10}\ntrain: {steps: 20}\n", "the key 'train' is given twice in one mapping"),
-    ("train: {steps: 10, steps: 20}\n", "the key 'steps' is given twice in one mapping"),
-    ("prepare: {corpus: {sha256: abc}}", r"prepare.corpus.sha256: String should match pattern '^[0-9a-f]{64}$'"),
-    ("a: &a [1, 1]\ntrain: {seeds: *a}\n", "anchors and aliases (&name, *name) are not allowed"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("train: {weight_decay: .inf}", "train.weight_decay: Input should be a finite number"),
+        ("train: {hidden_lr: .nan}", "train.hidden_lr: Input should be a finite number"),
+        ("train: {steps: 100000000000}", "train.steps: Input should be less than or equal to 2147483647"),
+        ("train: {model: {d_model: 10000000}}", "train.model.d_model: Input should be less than or equal to 65536"),
+        (
+            "ray: {tasks: {fit: {num_cpus: 1.0e+300}}}",
+            "ray.tasks.fit.num_cpus: Input should be less than or equal to 4096",
+        ),
+        ("", "empty: it names no params section"),
+        ("# nothing but a comment\n", "empty: it names no params section"),
+        ("train: {steps: 10}\ntrain: {steps: 20}\n", "the key 'train' is given twice in one mapping"),
+        ("train: {steps: 10, steps: 20}\n", "the key 'steps' is given twice in one mapping"),
+        ("prepare: {corpus: {sha256: abc}}", r"prepare.corpus.sha256: String should match pattern '^[0-9a-f]{64}$'"),
+        ("a: &a [1, 1]\ntrain: {seeds: *a}\n", "anchors and aliases (&name, *name) are not allowed"),
+    ],
+)
 def test_8_params_refuse_non_finite_unbounded_empty_duplicated_malformed_and_aliased_values(
     tmp_path: Path, text: str, message: str
 ) -> None:
-    from pipeline.core.config import ParamsError
-    from pipeline.params import load_params
+    from lmgeo.core.config import ParamsError
+    from lmgeo.params import load_params
 
     (tmp_path / "params.yaml").write_text(text)
     with pytest.raises(ParamsError, match=re.escape(message)):
@@ -595,8 +667,8 @@ def test_8_params_refuse_non_finite_unbounded_empty_duplicated_malformed_and_ali
 
 
 def test_8_an_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path: Path) -> None:
-    from pipeline.core.config import ParamsError
-    from pipeline.params import load_params
+    from lmgeo.core.config import ParamsError
+    from lmgeo.params import load_params
 
     bomb = ['a0: &a0 ["x", "x", "x", "x", "x", "x", "x", "x", "x", "x"]']
     # a million values from six lines (three more would be a billion: the message that named them all, as the
@@ -610,13 +682,18 @@ def test_8_an_alias_bomb_is_refused_at_once_with_a_short_message(tmp_path: Path)
 
 
 def test_8_query_output_escapes_control_characters_and_prints_128_bit_integers_exactly(tmp_path: Path) -> None:
-    sql = ("SELECT chr(27) || '[2J' || chr(8238) AS \"name" + "\x1b" + "\", "
-           "340282366920938463463374607431768211455::UHUGEINT AS u, "
-           "(-170141183460469231731687303715884105728)::HUGEINT AS h")  # fmt: skip
+    sql = (
+        "SELECT chr(27) || '[2J' || chr(8238) AS \"name" + "\x1b" + '", '
+        "340282366920938463463374607431768211455::UHUGEINT AS u, "
+        "(-170141183460469231731687303715884105728)::HUGEINT AS h"
+    )
     table = run_query(sql, tmp_path).splitlines()
     assert table[0].split() == ["name\\x1b", "u", "h"]
-    assert table[2].split() == ["\\x1b[2J\\u202e", "340282366920938463463374607431768211455",
-                                "-170141183460469231731687303715884105728"]  # fmt: skip
+    assert table[2].split() == [
+        "\\x1b[2J\\u202e",
+        "340282366920938463463374607431768211455",
+        "-170141183460469231731687303715884105728",
+    ]
     csv_text = run_query(sql, tmp_path, "csv")
     assert "\x1b" not in csv_text and "\u202e" not in csv_text and "340282366920938463463374607431768211455" in csv_text
     assert json.loads(run_query(sql, tmp_path, "json"))[0]["name\x1b"] == "\x1b[2J\u202e"  # JSON escapes them
@@ -625,23 +702,30 @@ def test_8_query_output_escapes_control_characters_and_prints_128_bit_integers_e
 def test_8_a_query_has_a_memory_and_a_temp_disk_limit_and_a_time_out_by_default(tmp_path: Path) -> None:
     import psutil
 
-    from pipeline.results.query import Limits, query_table
+    from lmgeo.results.query import Limits, query_table
 
-    settings = query_table("SELECT current_setting('memory_limit') AS m, current_setting('max_temp_directory_size') "
-                           "AS t", None, tmp_path, SOURCES).to_pylist()[0]  # fmt: skip
+    settings = query_table(
+        "SELECT current_setting('memory_limit') AS m, current_setting('max_temp_directory_size') AS t",
+        None,
+        tmp_path,
+        SOURCES,
+    ).to_pylist()[0]
     assert settings["m"] != "" and settings["t"] not in ("", "90% of available disk space")
     quarter = psutil.virtual_memory().total / 4 / 2**30
     assert float(settings["m"].split()[0]) == pytest.approx(quarter, rel=0.1), settings
     hungry = "SELECT list(range) FROM range(30000000)"
-    with pytest.raises(QueryError, match=r"^query failed: Out of Memory Error: [^\n]*\(the query's limits stopped it: "
-                                         r"narrow the query, or raise --memory-limit\)$"):
+    with pytest.raises(
+        QueryError,
+        match=r"^query failed: Out of Memory Error: [^\n]*\(the query's limits stopped it: "
+        r"narrow the query, or raise --memory-limit\)$",
+    ):
         query_table(hungry, None, tmp_path, SOURCES, Limits(memory="64MB", temp_disk="64MB"))
     from typer.testing import CliRunner
 
-    from stages import cli
+    from lmgeo import cli
 
     seen = []
-    import pipeline.results.query as query_module
+    import lmgeo.results.query as query_module
 
     original = query_module.run_query
     query_module.run_query = lambda *args: seen.append(args[-1]) or ""
@@ -653,8 +737,12 @@ def test_8_a_query_has_a_memory_and_a_temp_disk_limit_and_a_time_out_by_default(
 
 
 # ================================================================ slow: a tiny study, `lmgeo`, `dvc`, Ray
-STUDY = {"train.matched_budget": "null", "train.archs": '["neox"]', "train.recipes": '["adamw"]',
-         "analysis.classes": '["diag_psd","identity"]'}  # fmt: skip
+STUDY = {
+    "train.matched_budget": "null",
+    "train.archs": '["neox"]',
+    "train.recipes": '["adamw"]',
+    "analysis.classes": '["diag_psd","identity"]',
+}
 
 
 @pytest.fixture(scope="module")
@@ -718,12 +806,20 @@ def test_3_a_forged_shard_is_refused_by_query_and_recomputed_by_dvc_repro_never_
     shard = fit_shards(study)[0]
     manifest = manifest_path(fits, shard)
     before = {p: p.read_bytes() for p in fits.rglob("*") if p.is_file()}
-    rewrite_shard(fits, shard, lambda partition, table: table.set_column(
-        table.schema.get_field_index("rel_err"), "rel_err", pa.compute.divide(table["rel_err"], 2.0)))  # fmt: skip
+    rewrite_shard(
+        fits,
+        shard,
+        lambda partition, table: table.set_column(
+            table.schema.get_field_index("rel_err"), "rel_err", pa.compute.divide(table["rel_err"], 2.0)
+        ),
+    )
     assert {p: p.read_bytes() for p in fits.rglob("*") if p.is_file()} != before
     verified_files(fits)  # self-consistent: its own manifest vouches for it
-    fails(sh("lmgeo", "query", "SELECT max(rel_err) FROM fits", cwd=study, check=False), str(manifest),
-             "differs from the manifest dvc.lock (data/fits: ")  # fmt: skip
+    fails(
+        sh("lmgeo", "query", "SELECT max(rel_err) FROM fits", cwd=study, check=False),
+        str(manifest),
+        "differs from the manifest dvc.lock (data/fits: ",
+    )
     done = sh("dvc", "repro", "perturb", cwd=study)
     assert "Running stage 'fit'" in done.stdout and "fit: 1/2 shards complete, 1 to do" in done.stdout, done.stdout
     assert {p: p.read_bytes() for p in fits.rglob("*") if p.is_file()} == before
@@ -740,8 +836,7 @@ def test_4_a_manifest_dropping_a_planned_file_is_refused_by_query_and_redone_by_
         manifest["files"] = [f for f in manifest["files"] if "/fn=identity/" not in f["path"]]
 
     manifest = edit_manifest(fits, shard, drop_identity)
-    fails(sh("lmgeo", "query", "SELECT count(*) FROM fits", cwd=study, check=False), str(manifest),
-             "fn=identity/")  # fmt: skip
+    fails(sh("lmgeo", "query", "SELECT count(*) FROM fits", cwd=study, check=False), str(manifest), "fn=identity/")
     done = sh("dvc", "repro", "perturb", cwd=study)
     assert "fit: 1/2 shards complete, 1 to do" in done.stdout, done.stdout
     assert {p: p.read_bytes() for p in fits.rglob("*") if p.is_file()} == before
@@ -753,32 +848,38 @@ def test_4_a_manifest_dropping_a_planned_file_is_refused_by_query_and_redone_by_
 def test_6_after_an_interrupted_repro_the_readmes_join_is_refused_until_the_pipeline_is_finished(study: Path) -> None:
     from study_helpers import write_params
 
-    k = json.loads(sh("lmgeo", "query", "SELECT value FROM params WHERE key = 'analysis.k'", "--format", "json",
-                      cwd=study).stdout)[0]["value"]  # fmt: skip
+    k = json.loads(
+        sh("lmgeo", "query", "SELECT value FROM params WHERE key = 'analysis.k'", "--format", "json", cwd=study).stdout
+    )[0]["value"]
     write_params(study, {"analysis.k": str(int(k) - 2)})
     sh("lmgeo", "fit", cwd=study)  # `dvc repro` stopped after fit: the KLs are of the old fits
-    fails(sh("lmgeo", "query", readme_join(), cwd=study, check=False),
-             "come from different runs of the pipeline", "fits", "perturb")  # fmt: skip
+    fails(
+        sh("lmgeo", "query", readme_join(), cwd=study, check=False),
+        "come from different runs of the pipeline",
+        "fits",
+        "perturb",
+    )
     sh("dvc", "repro", "perturb", cwd=study)
     answer = json.loads(sh("lmgeo", "query", readme_join(), "--format", "json", cwd=study).stdout)
     assert [row["layer"] for row in answer] == [0, 1] and all(row["kl_vs_random"] > 0 for row in answer)
 
 
 def fail_verification() -> None:
-    from pipeline.study_a.verify import VerificationFailed
+    from lmgeo.study_a.verify import VerificationFailed
 
     raise VerificationFailed("readout", "the head does not read the final norm's output")
 
 
 @pytest.mark.slow
 def test_7_a_verification_failure_inside_a_ray_task_reaches_the_driver_as_itself(ray_local) -> None:
-    from pipeline.core.config import TaskResources
-    from pipeline.core.execution import Shard, ShardFailed, run_shards
-    from pipeline.study_a.verify import VerificationFailed
+    from lmgeo.core.config import TaskResources
+    from lmgeo.core.execution import Shard, ShardFailed, run_shards
+    from lmgeo.study_a.verify import VerificationFailed
 
     with pytest.raises(ShardFailed) as failed:
-        run_shards([Shard("m/seq=0", fail_verification)], TaskResources(), max_in_flight=1, max_retries=0,
-                   label="extract")  # fmt: skip
+        run_shards(
+            [Shard("m/seq=0", fail_verification)], TaskResources(), max_in_flight=1, max_retries=0, label="extract"
+        )
     assert type(failed.value.cause) is VerificationFailed and failed.value.key == "m/seq=0"
     assert str(failed.value.cause) == "verification failed: readout: the head does not read the final norm's output"
 
@@ -790,8 +891,9 @@ def test_7_a_full_disk_is_one_line_naming_the_dataset_and_the_space_needed(study
     fits = study / "data" / "fits"
     shutil.rmtree(fits)
     fits.mkdir()
-    done = sh("unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=48k tmpfs {fits} && lmgeo fit", cwd=study,
-              check=False)  # fmt: skip
+    done = sh(
+        "unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=48k tmpfs {fits} && lmgeo fit", cwd=study, check=False
+    )
     fails(done, f"{fits}: no space left on the device for shard", "needed", "free some space")
 
 
@@ -802,8 +904,14 @@ def test_8_no_ray_process_outlives_a_killed_driver(study: Path) -> None:
 
     shard = fit_shards(study)[0]
     manifest_path(study / "data" / "fits", shard).unlink()  # fit has a shard to do
-    driver = subprocess.Popen([str(BIN / "lmgeo"), "fit"], cwd=study, env=env(), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
+    driver = subprocess.Popen(
+        [str(BIN / "lmgeo"), "fit"],
+        cwd=study,
+        env=env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     family: list[psutil.Process] = []
     try:
         wait_for(busy_worker(driver.pid, "ray::fit_task", 0.5), 240, "a fit task running")

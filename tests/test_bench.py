@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_b.baseline import baseline
-from pipeline.study_b.recipes import RECIPES
-from tools.bench.fits import compare_with_reference
-from tools.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
-from tools.bench.recipe_costs import COSTS, newton_schulz_flops
-from tools.bench.sizes import fit_bench_classes
-from tools.bench.synthetic import synthetic_states
+from lmgeo.commands.bench.fits import compare_with_reference
+from lmgeo.commands.bench.measure import Timings, bar, interleaved, peak_rss_bytes, reset_peak_rss, run_fresh
+from lmgeo.commands.bench.recipe_costs import COSTS, newton_schulz_flops
+from lmgeo.commands.bench.sizes import fit_bench_classes
+from lmgeo.commands.bench.synthetic import synthetic_states
+from lmgeo.study_b.baseline import baseline
+from lmgeo.study_b.recipes import RECIPES
 
 REPO = Path(__file__).resolve().parents[1]
 SECTIONS = ("extraction", "fits", "knn_memory", "knn_vs_faiss", "patching", "recipes", "fanout", "gpu")
@@ -53,9 +53,23 @@ def quick_bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "bench", "--quick", "--out", str(out),
-         "--params", str(REPO / "params.yaml")],
-        cwd=out, env=env, capture_output=True, text=True, timeout=400, check=False,
+        [
+            sys.executable,
+            "-m",
+            "lmgeo.cli",
+            "bench",
+            "--quick",
+            "--out",
+            str(out),
+            "--params",
+            str(REPO / "params.yaml"),
+        ],
+        cwd=out,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        check=False,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
@@ -71,10 +85,20 @@ def test_quick_bench_writes_json_with_every_section_and_finite_numbers(quick_ben
     assert {"cpu", "logical_cores", "memory_gib", "gpus"} <= report["machine"].keys()
     assert {"python", "torch", "transformers", "ray", "lmgeo"} <= report["versions"].keys()
     names = [r["name"] for r in report["ratios"]]
-    for prefix in ("extraction: extract path", "extraction: peak RSS", "fits diag_psd", "fits lowrank", "fits mlp",
-                   "fits orthogonal", "kNN: working memory", "kNN vs FAISS", "patching: suffix vs full",
-                   "recipes: hilbert /", "recipes: hilbert_equi",
-                   "fan-out"):
+    for prefix in (
+        "extraction: extract path",
+        "extraction: peak RSS",
+        "fits diag_psd",
+        "fits lowrank",
+        "fits mlp",
+        "fits orthogonal",
+        "kNN: working memory",
+        "kNN vs FAISS",
+        "patching: suffix vs full",
+        "recipes: hilbert /",
+        "recipes: hilbert_equi",
+        "fan-out",
+    ):
         assert any(name.startswith(prefix) for name in names), prefix
     for row in report["ratios"]:
         assert row.keys() >= {"name", "value", "op", "threshold", "passed", "unit", "note"}
@@ -143,7 +167,7 @@ def test_every_recipe_and_nothing_else_has_its_bench_costs():
 def test_newton_schulz_flops_match_torchs_flop_counter():
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipeline.study_b.muon import newton_schulz
+    from lmgeo.study_b.muon import newton_schulz
 
     for shape in [(300, 24), (24, 300), (40, 40)]:
         with FlopCounterMode(display=False) as counter:
@@ -157,8 +181,8 @@ def test_the_equidistance_searchs_products_are_what_its_cost_model_counts(monkey
     2·V·B·s). `hilbert_equi_flops` counts two searches a step."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipeline.study_b import equidistance
-    from pipeline.study_b.lmo import sketch_projection
+    from lmgeo.study_b import equidistance
+    from lmgeo.study_b.lmo import sketch_projection
 
     monkeypatch.setattr(equidistance, "BUCKET_ROWS", 256)
     for rows, width in [(200, 24), (1024, 96)]:
@@ -197,10 +221,10 @@ def test_run_fresh_runs_in_another_process_with_the_thread_count():
 
 
 def test_compare_with_reference_finds_a_difference_and_a_null_mismatch():
-    from pipeline.study_a.classes import FIT_CLASSES
-    from pipeline.study_a.config import AnalysisConfig
-    from pipeline.study_a.fits import choose_anchors, fit_layer
-    from pipeline.study_a.reference import reference_rows
+    from lmgeo.study_a.classes import FIT_CLASSES
+    from lmgeo.study_a.config import AnalysisConfig
+    from lmgeo.study_a.fits import choose_anchors, fit_layer
+    from lmgeo.study_a.reference import reference_rows
 
     states = synthetic_states(n_seq=6, seq_len=10, d=5, n_layers=1, seed=0)
     seq = np.repeat(np.arange(6), 10)
@@ -223,9 +247,9 @@ def test_suffix_flops_count_the_weight_products_torch_counts_and_every_causal_at
     does not see fused attention) plus the attention pairs counted one query at a time."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from pipeline.models.config import ModelSize
-    from pipeline.models.registry import build_model
-    from tools.bench.study_a import suffix_flops
+    from lmgeo.commands.bench.study_a import suffix_flops
+    from lmgeo.models.config import ModelSize
+    from lmgeo.models.registry import build_model
 
     d, n_blocks, vocab, seq_len = 32, 3, 97, 16
     model = build_model("neox", ModelSize(d_model=d, n_layers=n_blocks, n_heads=4), vocab, seq_len, seed=0).eval()
@@ -236,17 +260,34 @@ def test_suffix_flops_count_the_weight_products_torch_counts_and_every_causal_at
     assert suffix_flops(model, n_blocks, np.zeros(2, dtype=int), seq_len) == products + attention
     # From positions 5 and 9 on, one block: the head on every suffix position, one block's products and pairs
     per_token_one_block = sum(p.numel() for p in model.gpt_neox.layers[-1].parameters() if p.ndim >= 2)
-    want = sum(2 * (per_token_one_block + vocab * d) + 4 * d * (t + 1)
-               for first in (5, 9) for t in range(first, seq_len))
+    want = sum(
+        2 * (per_token_one_block + vocab * d) + 4 * d * (t + 1) for first in (5, 9) for t in range(first, seq_len)
+    )
     assert suffix_flops(model, 1, np.array([5, 9]), seq_len) == want
 
 
 @pytest.mark.slow  # a fresh interpreter
 def test_bench_only_refuses_an_unknown_section_naming_the_choices(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "stages.cli", "bench", "--only", "extraction", "--only", "fitz", "--out", str(tmp_path),
-         "--params", str(REPO / "params.yaml")],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False,
+        [
+            sys.executable,
+            "-m",
+            "lmgeo.cli",
+            "bench",
+            "--only",
+            "extraction",
+            "--only",
+            "fitz",
+            "--out",
+            str(tmp_path),
+            "--params",
+            str(REPO / "params.yaml"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("lmgeo: error:") == 1 and "--only fitz" in done.stderr
@@ -255,10 +296,12 @@ def test_bench_only_refuses_an_unknown_section_naming_the_choices(tmp_path):
 
 def test_collect_bars_takes_the_sections_that_ran():
     """`lmgeo bench --only` leaves the other sections out of the report; their bars are not looked for."""
-    from tools.bench.command import collect_bars
+    from lmgeo.commands.bench.command import collect_bars
 
-    report = {"patching": {"bars": [bar("p", 1.0, ">=", 0.5)], "speedup": 2.0},
-              "recipes": {"bars": [], "profile": {"r": ["line"]}}}  # fmt: skip
+    report = {
+        "patching": {"bars": [bar("p", 1.0, ">=", 0.5)], "speedup": 2.0},
+        "recipes": {"bars": [], "profile": {"r": ["line"]}},
+    }
     collected = collect_bars(report)
     assert [b.name for b in collected["ratios"]] == ["p"] and collected["profiles"] == {"r": ["line"]}
 
@@ -269,9 +312,9 @@ def _tiny_layer(n_anchors: int = 3, k: int = 12, d: int = 4) -> tuple[torch.Tens
 
 
 def test_mlp_step_row_times_every_anchor_for_exactly_its_steps(monkeypatch):
-    from pipeline.study_a.classes import mlp
-    from pipeline.study_a.config import AnalysisConfig
-    from tools.bench.mlp_step import fit_steps
+    from lmgeo.commands.bench.mlp_step import fit_steps
+    from lmgeo.study_a.classes import mlp
+    from lmgeo.study_a.config import AnalysisConfig
 
     batches: list[int] = []
     step = mlp._Training.adam_step
@@ -286,8 +329,8 @@ def test_mlp_step_row_times_every_anchor_for_exactly_its_steps(monkeypatch):
 
 
 def test_plain_batched_adam_step_is_each_anchors_own_adam_step():
-    from pipeline.study_a.classes.mlp import LEARNING_RATE
-    from tools.bench.mlp_step import PlainMLP
+    from lmgeo.commands.bench.mlp_step import PlainMLP
+    from lmgeo.study_a.classes.mlp import LEARNING_RATE
 
     xn, yn = _tiny_layer()
     ridge = 1e-3

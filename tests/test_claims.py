@@ -17,13 +17,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.core.contracts import vectors_to_arrow
-from pipeline.core.store import ManifestKey, ShardWriter
-from pipeline.results.aggregate import build_tables, load_sources
-from pipeline.results.config import ReportConfig
-from pipeline.results.stats import spearman
-from pipeline.results.study_a import claims
-from pipeline.results.study_a.claims import (
+from lmgeo.core.contracts import vectors_to_arrow
+from lmgeo.core.store import ManifestKey, ShardWriter
+from lmgeo.results.aggregate import build_tables, load_sources
+from lmgeo.results.config import ReportConfig
+from lmgeo.results.stats import spearman
+from lmgeo.results.study_a import claims
+from lmgeo.results.study_a.claims import (
     ANCHOR_GROUP,
     CONTRADICTED,
     INCONCLUSIVE,
@@ -37,16 +37,23 @@ from pipeline.results.study_a.claims import (
     verdict,
     votes,
 )
-from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer
-from pipeline.study_a.nulls import derangement, null_patches
+from lmgeo.study_a.config import AnalysisConfig
+from lmgeo.study_a.fits import choose_anchors, fit_layer
+from lmgeo.study_a.nulls import derangement, null_patches
 
 KEY = ManifestKey(inputs={}, params_hash="test", code_version="test")
 CFG = ReportConfig(bootstrap=300, ci=0.95, seed=0)
 D, TOKENWISE_DIMS = 8, 4  # the tokenwise map scales the first 4 coordinates; the cross-token term is on the last
 N_SEQ, SEQ_LEN = 150, 20
-FIT = AnalysisConfig(k=40, anchors=300, rank=2, p=2, ridge=1e-6, classes=["diag_psd", "lowrank", "global_linear"],
-                     nulls=["shuffled", "gaussian"])  # fmt: skip
+FIT = AnalysisConfig(
+    k=40,
+    anchors=300,
+    rank=2,
+    p=2,
+    ridge=1e-6,
+    classes=["diag_psd", "lowrank", "global_linear"],
+    nulls=["shuffled", "gaussian"],
+)
 
 
 def planted_layer(rng: np.random.Generator, shuffled: bool) -> tuple[np.ndarray, ...]:
@@ -93,8 +100,16 @@ def rounded(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return a.astype(np.float64) * (1 + 2.0**-52 * rng.uniform(-1, 1, size=a.shape))
 
 
-def write_study(root: Path, model: str, shuffled: bool, by_direction: bool, seed: int, local: bool = False,
-                fit: AnalysisConfig = FIT, rounding: bool = False) -> None:  # fmt: skip
+def write_study(
+    root: Path,
+    model: str,
+    shuffled: bool,
+    by_direction: bool,
+    seed: int,
+    local: bool = False,
+    fit: AnalysisConfig = FIT,
+    rounding: bool = False,
+) -> None:
     """Two planted layers of `model`: fits on the real pairs and every null sample, and the KLs of a toy readout
     for the real patch, each random direction and another anchor's residual. `rounding`: the inputs moved by
     float64 rounding before fitting."""
@@ -109,8 +124,9 @@ def write_study(root: Path, model: str, shuffled: bool, by_direction: bool, seed
         if "diag_psd" in tables:
             real_diag = tables["diag_psd"].filter(pa.compute.equal(tables["diag_psd"]["sample"], "real"))
             rel_err = pa.array(layer_wide_rel_err(x, y, anchors))  # the fits' rows: anchor order
-            tables["diag_psd.layer"] = real_diag.set_column(real_diag.schema.get_field_index("rel_err"), "rel_err",
-                                                            rel_err)  # fmt: skip
+            tables["diag_psd.layer"] = real_diag.set_column(
+                real_diag.schema.get_field_index("rel_err"), "rel_err", rel_err
+            )
         for fn, table in tables.items():
             where = {"model": model, "layer": layer, "fn": fn}
             with ShardWriter(root / "fits", f"{model}/{layer}/{fn}", KEY) as writer:
@@ -130,12 +146,23 @@ def perturb_rows(real: pa.Table, clean: np.ndarray, patches, readout) -> pa.Tabl
         if vectors is not None:
             kl[name][patches.valid] = readout(clean[patches.valid] - vectors)
     each = np.full((n, directions), np.nan)
-    each[patches.valid] = readout((clean[patches.valid][:, None] - patches.random).reshape(-1, clean.shape[1])
-                                  ).reshape(-1, directions)  # fmt: skip
-    lists = pa.ListArray.from_arrays(pa.array(np.arange(n + 1) * directions, pa.int32()), pa.array(each.ravel()),
-                                     mask=pa.array(~patches.valid))  # fmt: skip
-    return pa.table({"seq_id": real["seq_id"], "pos": real["pos"], "kl": kl["kl"], "kl_seq": kl["kl"],
-                     "kl_random": each.mean(axis=1), "kl_other": kl["kl_other"], "kl_directions": lists})
+    each[patches.valid] = readout((clean[patches.valid][:, None] - patches.random).reshape(-1, clean.shape[1])).reshape(
+        -1, directions
+    )
+    lists = pa.ListArray.from_arrays(
+        pa.array(np.arange(n + 1) * directions, pa.int32()), pa.array(each.ravel()), mask=pa.array(~patches.valid)
+    )
+    return pa.table(
+        {
+            "seq_id": real["seq_id"],
+            "pos": real["pos"],
+            "kl": kl["kl"],
+            "kl_seq": kl["kl"],
+            "kl_random": each.mean(axis=1),
+            "kl_other": kl["kl_other"],
+            "kl_directions": lists,
+        }
+    )
 
 
 def verdicts(root: Path) -> dict[tuple[str, str, str, str], str]:
@@ -223,8 +250,14 @@ def test_a_point_estimate_on_the_margin_is_not_supported_until_its_interval_clea
         assert row["verdict"] == expected
 
 
-def _proj_strata(effects: np.ndarray, subject: str = "gpt2@final", fn: str = "diag_psd", n: int = 60,
-                 noise: float = 0.0, rng: np.random.Generator | None = None) -> list[Stratum]:  # fmt: skip
+def _proj_strata(
+    effects: np.ndarray,
+    subject: str = "gpt2@final",
+    fn: str = "diag_psd",
+    n: int = 60,
+    noise: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> list[Stratum]:
     """One model per effect (a seed), one layer: proj_full − proj_res around the effect (plus anchor noise of SD
     `noise`), the null samples' exactly 0."""
     rng = rng or np.random.default_rng(0)
@@ -294,15 +327,25 @@ def test_a_one_model_subjects_interval_over_anchor_blocks_covers_its_own_effect(
             n = 128
             rel_err = rng.normal(size=n)
             kl = 0.5 * rel_err + rng.normal(size=n)
-            columns = {"proj_full": 0.7 + rng.normal(size=n), "proj_res": np.full(n, 0.5), "rel_err": rel_err,
-                       "kl": kl, "kl_other": rng.normal(size=n)}  # the null patch: unrelated to rel_err, ρ = 0
+            columns = {
+                "proj_full": 0.7 + rng.normal(size=n),
+                "proj_res": np.full(n, 0.5),
+                "rel_err": rel_err,
+                "kl": kl,
+                "kl_other": rng.normal(size=n),
+            }  # the null patch: unrelated to rel_err, ρ = 0
             for null in ("shuffled", "gaussian"):
                 columns |= {f"{null}.proj_full": np.full(n, 0.5), f"{null}.proj_res": np.full(n, 0.5)}
             strata.append(Stratum("external/model", "external/model", layer, "diag_psd", columns))
         rows = claim_tests(strata, 0.95).to_pylist()
         for claim, truth in (("proj_res_below_full", 0.2), ("spearman_rel_err_kl", rho_true)):
-            (row,) = [r for r in rows if r["claim"] == claim and r["scope"] == "stratified"
-                      and r["null"] == ("shuffled" if claim.startswith("proj") else "other")]  # fmt: skip
+            (row,) = [
+                r
+                for r in rows
+                if r["claim"] == claim
+                and r["scope"] == "stratified"
+                and r["null"] == ("shuffled" if claim.startswith("proj") else "other")
+            ]
             assert (row["unit"], row["n_units"], row["n_models"]) == (ANCHOR_GROUP, claims.ANCHOR_GROUPS, 1)
             covered[claim] += row["ci_low"] <= truth <= row["ci_high"]
     assert all(c / 1000 >= 0.94 for c in covered.values()), covered
@@ -312,8 +355,9 @@ def test_verdicts_do_not_depend_on_the_random_stream(planted_root):
     """Nothing in a verdict is drawn: another report seed and bootstrap size (which the descriptive correlation
     intervals use) give the same claim tests, row for row, on the planted study (three one-model subjects, so
     the anchor blocks' intervals)."""
-    sources = load_sources(planted_root / "train", planted_root / "fits", planted_root / "perturb",
-                           planted_root / "models")  # fmt: skip
+    sources = load_sources(
+        planted_root / "train", planted_root / "fits", planted_root / "perturb", planted_root / "models"
+    )
     first = build_tables(sources, CFG)["claim_tests"]
     second = build_tables(sources, ReportConfig(bootstrap=50, ci=0.95, seed=7))["claim_tests"]
     assert first.num_rows > 100 and first.equals(second)
@@ -324,8 +368,11 @@ def test_holm_adjusts_over_the_voting_classes_and_nulls_of_a_summary_cell(monkey
     here) of the raw t-test p-values (the same run with the adjustment switched off); the baseline
     `global_linear` and the diagnostic `orthogonal` are outside the family."""
     rng = np.random.default_rng(2)
-    strata = [s for fn in ("diag_psd", "lowrank", "global_linear", "orthogonal")
-              for s in _proj_strata(0.02 + 0.03 * rng.normal(size=3), fn=fn, noise=0.1, rng=rng)]  # fmt: skip
+    strata = [
+        s
+        for fn in ("diag_psd", "lowrank", "global_linear", "orthogonal")
+        for s in _proj_strata(0.02 + 0.03 * rng.normal(size=3), fn=fn, noise=0.1, rng=rng)
+    ]
 
     def cell() -> list[dict]:
         return [t for t in _rows_of([strata]) if t["scope"] == "stratified"]
@@ -351,13 +398,27 @@ def test_the_headline_of_a_claim_is_its_weakest_test_over_the_papers_classes():
     baseline and `orthogonal` a diagnostic, outside the count."""
 
     def row(fn: str, null: str, v: str, low: float, scope: str = "stratified", layers: int = 4) -> dict:
-        return {"subject": "neox@final", "claim": "angle_res_tok_near_90", "fn": fn, "null": null, "scope": scope,
-                "verdict": v, "ci_low": low, "effect": low + 1, "n_layers": layers}  # fmt: skip
+        return {
+            "subject": "neox@final",
+            "claim": "angle_res_tok_near_90",
+            "fn": fn,
+            "null": null,
+            "scope": scope,
+            "verdict": v,
+            "ci_low": low,
+            "effect": low + 1,
+            "n_layers": layers,
+        }
 
-    tests = [row("lowrank", "shuffled", SUPPORTED, 3.0), row("lowrank", "gaussian", SUPPORTED, 2.0),
-             row("similarity", "shuffled", SUPPORTED, 1.0), row("similarity", "gaussian", INCONCLUSIVE, 4.0, layers=1),
-             row("lowrank", "shuffled", NOT_SUPPORTED, -9.0, scope="layer"),
-             row("global_linear", "shuffled", CONTRADICTED, -9.0), row("orthogonal", "shuffled", CONTRADICTED, -9.0)]
+    tests = [
+        row("lowrank", "shuffled", SUPPORTED, 3.0),
+        row("lowrank", "gaussian", SUPPORTED, 2.0),
+        row("similarity", "shuffled", SUPPORTED, 1.0),
+        row("similarity", "gaussian", INCONCLUSIVE, 4.0, layers=1),
+        row("lowrank", "shuffled", NOT_SUPPORTED, -9.0, scope="layer"),
+        row("global_linear", "shuffled", CONTRADICTED, -9.0),
+        row("orthogonal", "shuffled", CONTRADICTED, -9.0),
+    ]
     (s,) = summarise(tests)
     assert s.verdicts == {"lowrank": SUPPORTED, "similarity": INCONCLUSIVE}
     assert s.layers == {"lowrank": 4, "similarity": 1}  # what each class's verdict rests on: its fewest layers
@@ -371,11 +432,25 @@ def test_the_headline_of_a_claim_is_its_weakest_test_over_the_papers_classes():
 
 
 def test_the_papers_classes_vote_and_the_unscaled_orthogonal_map_does_not():
-    assert [fn for fn in ("diag_psd", "lowrank", "similarity", "mlp", "orthogonal", "global_linear", "identity",
-                          "lowrank.layer") if votes(fn)] == ["diag_psd", "lowrank", "similarity", "mlp"]  # fmt: skip
+    assert [
+        fn
+        for fn in (
+            "diag_psd",
+            "lowrank",
+            "similarity",
+            "mlp",
+            "orthogonal",
+            "global_linear",
+            "identity",
+            "lowrank.layer",
+        )
+        if votes(fn)
+    ] == ["diag_psd", "lowrank", "similarity", "mlp"]
     assert votes("mlp vs lowrank") and not votes("mlp vs orthogonal") and claims.is_diagnostic("mlp vs orthogonal")
-    assert [c.name for c in claims.CLAIMS if c.source == "project"] == ["partial_spearman_rel_err_kl",
-                                                                        "local_beats_layer"]  # fmt: skip
+    assert [c.name for c in claims.CLAIMS if c.source == "project"] == [
+        "partial_spearman_rel_err_kl",
+        "local_beats_layer",
+    ]
 
 
 def test_derangement_moves_every_anchor():
@@ -394,8 +469,9 @@ def test_null_patches_have_the_residuals_norm_and_the_stated_count_of_directions
     assert patches.valid.tolist() == [True] * 5 + [False]
     assert patches.random.shape == (5, 9, 4) and patches.other.shape == (5, 4)
     size = np.linalg.norm(clean[:5] - patches.real, axis=1)
-    np.testing.assert_allclose(np.linalg.norm(clean[:5, None] - patches.random, axis=2), size[:, None].repeat(9, 1),
-                               rtol=1e-5)  # fmt: skip
+    np.testing.assert_allclose(
+        np.linalg.norm(clean[:5, None] - patches.random, axis=2), size[:, None].repeat(9, 1), rtol=1e-5
+    )
     np.testing.assert_allclose(np.linalg.norm(clean[:5] - patches.other, axis=1), size, rtol=1e-5)
     directions = (clean[:5, None] - patches.random) / size[:, None, None]
     assert len(np.unique(directions.round(4).reshape(-1, 4), axis=0)) == 45  # every direction its own
@@ -439,10 +515,12 @@ def null_stratum(rng: np.random.Generator, head: np.ndarray, n: int = 128, d: in
     readout = lambda removed: softmax_kl(head, clean.astype(np.float64), removed)  # noqa: E731
     removed_random = clean[:, None] - patches.random
     columns = {
-        "rel_err": size / update, "rel_err_state": size / np.linalg.norm(clean, axis=1),
-        "kl": readout(clean - patches.real), "kl_other": readout(clean - patches.other),
+        "rel_err": size / update,
+        "rel_err_state": size / np.linalg.norm(clean, axis=1),
+        "kl": readout(clean - patches.real),
+        "kl_other": readout(clean - patches.other),
         "kl_directions": np.stack([readout(removed_random[:, j]) for j in range(8)], axis=1),
-    }  # fmt: skip
+    }
     return Stratum("m", "m", 0, "diag_psd", columns)
 
 
@@ -459,15 +537,19 @@ def test_the_functional_nulls_give_zero_when_the_residual_is_a_random_direction(
         for null, test in claim.tests.items():
             effects = [stratum_effect(s, test).effect for s in strata]
             assert abs(np.mean(effects)) < 0.02, (claim.name, null, np.mean(effects))
-    old_rho = [spearman(s.columns["rel_err"], s.columns["kl"])
-               - spearman(s.columns["rel_err"], s.columns["kl_directions"].mean(axis=1)) for s in strata]
+    old_rho = [
+        spearman(s.columns["rel_err"], s.columns["kl"])
+        - spearman(s.columns["rel_err"], s.columns["kl_directions"].mean(axis=1))
+        for s in strata
+    ]
     old_ratio = [np.median(np.log(s.columns["kl"] / s.columns["kl_directions"].mean(axis=1))) for s in strata]
     assert np.mean(old_rho) < -0.03 and np.mean(old_ratio) < -0.1, (np.mean(old_rho), np.mean(old_ratio))
 
 
 # ------------------------------------------------------------------------- the expressivity trade-off
-def _pairs(linear: float, mlp: float, linear_noise: float, mlp_noise: float, rng: np.random.Generator,
-           seeds: int = 3) -> list[Stratum]:  # fmt: skip
+def _pairs(
+    linear: float, mlp: float, linear_noise: float, mlp_noise: float, rng: np.random.Generator, seeds: int = 3
+) -> list[Stratum]:
     """Per seed and layer a `mlp vs lowrank` stratum: each class's rel_err around its level on anchors of a
     shared difficulty, its kl that rel_err plus noise of SD `*_noise` (the more, the weaker ρ(rel_err, kl))."""
     strata = []
@@ -475,8 +557,12 @@ def _pairs(linear: float, mlp: float, linear_noise: float, mlp_noise: float, rng
         for layer in (0, 1):
             n, base = 80, rng.uniform(0, 0.2, 80)
             rel, rel_mlp = linear + base + 0.01 * rng.normal(size=n), mlp + base + 0.01 * rng.normal(size=n)
-            columns = {"rel_err": rel, "kl": rel + linear_noise * rng.normal(size=n), "nonlinear.rel_err": rel_mlp,
-                       "nonlinear.kl": rel_mlp + mlp_noise * rng.normal(size=n)}  # fmt: skip
+            columns = {
+                "rel_err": rel,
+                "kl": rel + linear_noise * rng.normal(size=n),
+                "nonlinear.rel_err": rel_mlp,
+                "nonlinear.kl": rel_mlp + mlp_noise * rng.normal(size=n),
+            }
             strata.append(Stratum(f"gpt2-muon-s{seed}@final", "gpt2@final", layer, "mlp vs lowrank", columns))
     return strata
 
@@ -504,8 +590,15 @@ def test_a_planted_tradeoff_is_supported_and_the_reverse_or_no_difference_is_not
 
 
 # ------------------------------------------------------------------------------- rounding
-ROUNDING = AnalysisConfig(k=40, anchors=200, rank=2, p=2, ridge=1e-6,
-                          classes=["diag_psd", "lowrank", "orthogonal", "similarity"], nulls=["shuffled", "gaussian"])
+ROUNDING = AnalysisConfig(
+    k=40,
+    anchors=200,
+    rank=2,
+    p=2,
+    ridge=1e-6,
+    classes=["diag_psd", "lowrank", "orthogonal", "similarity"],
+    nulls=["shuffled", "gaussian"],
+)
 
 
 @pytest.mark.slow
@@ -518,8 +611,15 @@ def test_verdicts_and_projections_do_not_move_with_float64_rounding(tmp_path: Pa
     for rounding in (False, True):
         roots[rounding] = tmp_path / str(rounding)
         for seed in (1, 2):
-            write_study(roots[rounding], f"gpt2-muon-s{seed}@final".replace("@", "."), shuffled=False,
-                        by_direction=True, seed=seed, fit=ROUNDING, rounding=rounding)  # fmt: skip
+            write_study(
+                roots[rounding],
+                f"gpt2-muon-s{seed}@final".replace("@", "."),
+                shuffled=False,
+                by_direction=True,
+                seed=seed,
+                fit=ROUNDING,
+                rounding=rounding,
+            )
     first, second = verdicts(roots[False]), verdicts(roots[True])
     assert len(first) > 50 and first == second
     tied = 0

@@ -47,7 +47,7 @@ def unshare_refused() -> str | None:
 def readme_cluster_commands() -> dict[str, list[str]]:
     """The README's cluster commands by role (`token`, `head`, `worker`, `driver`), each as argv."""
     text = README.read_text()
-    section = text[text.index("- **A Ray cluster, no shared filesystem.**"):]
+    section = text[text.index("- **A Ray cluster, no shared filesystem.**") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert len(lines) == 4, block
@@ -55,8 +55,12 @@ def readme_cluster_commands() -> dict[str, list[str]]:
 
 
 def as_written(argv: list[str], port: int, token: str) -> list[str]:
-    return [arg.replace("<head-node>:6379", f"127.0.0.1:{port}").replace("<token>", token).replace(
-        "--port=6379", f"--port={port}") for arg in argv]  # fmt: skip
+    return [
+        arg.replace("<head-node>:6379", f"127.0.0.1:{port}")
+        .replace("<token>", token)
+        .replace("--port=6379", f"--port={port}")
+        for arg in argv
+    ]
 
 
 def data_files(workspace: Path) -> dict[str, bytes]:
@@ -100,20 +104,24 @@ def test_stages_on_a_worker_that_sees_neither_workspace_nor_checkout_write_what_
     plain["RAY_USAGE_STATS_ENABLED"] = "0"
     ray_cli = str(Path(sys.executable).parent / "ray")
     head_env = {**plain, "HOME": str(head_home)}
-    token = subprocess.run([ray_cli, *commands["token"][1:]], env=head_env, capture_output=True, text=True,
-                           check=True).stdout.strip()  # fmt: skip
+    token = subprocess.run(
+        [ray_cli, *commands["token"][1:]], env=head_env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     quiet = ["--include-dashboard=false", "--disable-usage-stats", "--block"]
     head_start = [ray_cli, *as_written(commands["head"], port, token)[1:], *quiet]
     head = start_node(head_start, head_env, tmp_path / "head.log")
     try:
         worker = start_node(
             hidden_node(as_written(commands["worker"], port, token), hidden, tmp_path),
-            {**plain, "HOME": str(tmp_path)}, tmp_path / "worker.log",
+            {**plain, "HOME": str(tmp_path)},
+            tmp_path / "worker.log",
         )
         try:
             cluster = copy_workspace(prepared, hidden / "cluster")
-            driver_env = {"HOME": str(driver_home), **dict(a.split("=", 1) for a in as_written(
-                commands["driver"], port, token)[1:])}  # fmt: skip
+            driver_env = {
+                "HOME": str(driver_home),
+                **dict(a.split("=", 1) for a in as_written(commands["driver"], port, token)[1:]),
+            }
             for stage in STAGES:
                 done = run_driver(cluster, stage, {**plain, **driver_env})
                 assert "shards done" in done.stdout + done.stderr, done.stdout
@@ -126,8 +134,9 @@ def test_stages_on_a_worker_that_sees_neither_workspace_nor_checkout_write_what_
 
     local_files, cluster_files = data_files(local), data_files(cluster)
     for dataset in ("models", "train", "activations", "fits", "perturb"):
-        assert any(name.startswith(f"{dataset}/") and name.endswith((".parquet", ".safetensors"))
-                   for name in local_files), dataset  # fmt: skip
+        assert any(
+            name.startswith(f"{dataset}/") and name.endswith((".parquet", ".safetensors")) for name in local_files
+        ), dataset
     assert local_files.keys() == cluster_files.keys()
     assert [name for name in local_files if local_files[name] != cluster_files[name]] == []
 
@@ -142,24 +151,32 @@ def hidden_node(worker: list[str], hidden: Path, tmp_path: Path) -> list[str]:
     prefix = Path(sys.prefix)
     venv = tmp_path / "python"
     venv.mkdir()
-    shell = " && ".join([
-        f"mount --bind {shlex.quote(str(prefix))} {shlex.quote(str(venv))}",
-        f"mount -t tmpfs tmpfs {shlex.quote(str(REPO))}",
-        f"mount -t tmpfs tmpfs {shlex.quote(str(hidden))}",
-        f"test ! -e {shlex.quote(str(REPO / 'pyproject.toml'))}",
-        f"test -z \"$(ls -A {shlex.quote(str(hidden))})\"",
-        "echo 'hidden: yes'",
-        "cd /",  # a working directory inside the checkout would still reach it
-        f"exec env {' '.join(map(shlex.quote, assignments))} {shlex.quote(str(venv / python.relative_to(prefix)))} "
-        f"-m ray.scripts.scripts {' '.join(map(shlex.quote, ray_start))} --num-cpus=2 "
-        "--disable-usage-stats --block",
-    ])
+    shell = " && ".join(
+        [
+            f"mount --bind {shlex.quote(str(prefix))} {shlex.quote(str(venv))}",
+            f"mount -t tmpfs tmpfs {shlex.quote(str(REPO))}",
+            f"mount -t tmpfs tmpfs {shlex.quote(str(hidden))}",
+            f"test ! -e {shlex.quote(str(REPO / 'pyproject.toml'))}",
+            f'test -z "$(ls -A {shlex.quote(str(hidden))})"',
+            "echo 'hidden: yes'",
+            "cd /",  # a working directory inside the checkout would still reach it
+            f"exec env {' '.join(map(shlex.quote, assignments))} {shlex.quote(str(venv / python.relative_to(prefix)))} "
+            f"-m ray.scripts.scripts {' '.join(map(shlex.quote, ray_start))} --num-cpus=2 "
+            "--disable-usage-stats --block",
+        ]
+    )
     return ["unshare", "-m", "--propagation", "private", "sh", "-c", shell]
 
 
 def run_driver(workspace: Path, stage: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """`lmgeo <stage>` in the workspace, joining the cluster by the README's `export`s."""
-    done = subprocess.run([str(Path(sys.executable).parent / "lmgeo"), stage], cwd=workspace, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "lmgeo"), stage],
+        cwd=workspace,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, f"{stage}:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     return done

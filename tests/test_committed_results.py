@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.core.config import parse_yaml
-from pipeline.core.provenance import committed_results_problems, git_state
-from stages.deps import result_inputs
-from stages.report import PROVENANCE
+from lmgeo.core.config import parse_yaml
+from lmgeo.core.provenance import committed_results_problems, git_state
+from lmgeo.driver.deps import result_inputs
+from lmgeo.stages.report import PROVENANCE
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,8 +60,13 @@ def _lookup(tree: dict, dotted: str):
 
 # ----------------------------------------------------------------------------------- the check itself
 def git(workspace: Path, *args: str) -> str:
-    done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=workspace,
-                          check=True, capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=workspace,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return done.stdout.strip()
 
 
@@ -121,7 +126,7 @@ def test_results_of_a_revision_outside_the_history_are_refused(history: Path) ->
 def test_the_readmes_findings_are_the_committed_reports() -> None:
     """README's findings block is what `lmgeo findings --write README.md` wrote from the committed results (the
     first paragraph of the report's summary), so it cannot go stale."""
-    from pipeline.results.report import findings_in
+    from lmgeo.results.report import findings_in
 
     found = findings_in((REPO / "README.md").read_text())
     assert found, "README.md has no findings block (<!-- findings:start --> … <!-- findings:end -->)"

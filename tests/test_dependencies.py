@@ -1,4 +1,4 @@
-"""Every third-party package that pipeline/, stages/ and tools/ import is declared in pyproject's dependencies, so
+"""Every third-party package that lmgeo/, scripts/ and experiments/ import is declared in pyproject's dependencies, so
 an install from the declared ranges alone has everything the code imports (a package pulled in only as
 another's dependency can disappear when that one changes)."""
 
@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {"pipeline", "stages", "tools"}
+FIRST_PARTY = {"lmgeo", "scripts", "experiments"}
 
 
 def top_level_imports(root: Path) -> dict[str, set[str]]:

@@ -11,9 +11,9 @@ import pytest
 import yaml
 from study_helpers import REPO, commit, new_study, sh, write_params
 
-from pipeline.core.config import flatten_overrides, load_yaml
-from pipeline.params import apply_overrides, load_params
-from pipeline.results.headline import HEADLINE
+from lmgeo.core.config import flatten_overrides, load_yaml
+from lmgeo.params import apply_overrides, load_params
+from lmgeo.results.headline import HEADLINE
 
 pytestmark = pytest.mark.slow
 
@@ -31,8 +31,16 @@ def test_repro_query_and_metrics_diff(study: Path):
     assert load_params(study / "params.yaml") == apply_overrides(
         load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / "tiny.yaml"))
     )
-    for produced in ("reports/report.md", "reports/report.html", "reports/metrics.json", "reports/tables/runs.parquet",
-                     "reports/figures/study_b_val_loss.png", "data/train", "data/fits", "data/perturb"):
+    for produced in (
+        "reports/report.md",
+        "reports/report.html",
+        "reports/metrics.json",
+        "reports/tables/runs.parquet",
+        "reports/figures/study_b_val_loss.png",
+        "data/train",
+        "data/fits",
+        "data/perturb",
+    ):
         assert (study / produced).exists(), produced
     report = (study / "reports" / "report.md").read_text()
     for section in ("## Summary", "## Study B", "## Study A", "## Provenance"):
@@ -55,11 +63,35 @@ def test_repro_query_and_metrics_diff(study: Path):
     assert "Running stage 'fit'" in rerun.stdout and "Running stage 'train'" not in rerun.stdout
     commit(study, "smaller k")
 
-    rows = json.loads(sh("lmgeo", "query", "SELECT rev, count(*) AS n FROM geometry GROUP BY rev ORDER BY rev",
-                         "--rev", "HEAD~1", "--rev", "HEAD", "--format", "json", cwd=study).stdout)
+    rows = json.loads(
+        sh(
+            "lmgeo",
+            "query",
+            "SELECT rev, count(*) AS n FROM geometry GROUP BY rev ORDER BY rev",
+            "--rev",
+            "HEAD~1",
+            "--rev",
+            "HEAD",
+            "--format",
+            "json",
+            cwd=study,
+        ).stdout
+    )
     assert {r["rev"] for r in rows} == {"HEAD~1", "HEAD"} and all(r["n"] > 0 for r in rows)
-    ks = json.loads(sh("lmgeo", "query", "SELECT DISTINCT rev, k FROM fits ORDER BY rev",
-                       "--rev", "HEAD~1", "--rev", "HEAD", "--format", "json", cwd=study).stdout)
+    ks = json.loads(
+        sh(
+            "lmgeo",
+            "query",
+            "SELECT DISTINCT rev, k FROM fits ORDER BY rev",
+            "--rev",
+            "HEAD~1",
+            "--rev",
+            "HEAD",
+            "--format",
+            "json",
+            cwd=study,
+        ).stdout
+    )
     assert {(r["rev"], r["k"]) for r in ks} == {("HEAD~1", k_before), ("HEAD", k_before - 2)}
 
     # The headline across the two revisions (`--all`: the tiny study's Study A verdicts need not move with k)
@@ -93,22 +125,23 @@ def test_dvc_shows_the_experiments_metrics_and_params_and_draws_the_data_plots_a
         assert drawn["type"] == "vega" and {v["recipe"] for v in values} == {"adamw", "hilbert"}, series
         assert {x, "arch"} <= values[0].keys(), values[0]
     images = sorted(name for name, drawn in plots.items() if drawn and drawn[0]["type"] == "image")
-    wide = sorted(f"reports/figures/{p.name}" for p in (study / "reports" / "figures").glob("*.png")
-                  if ".narrow." not in p.name)  # fmt: skip
+    wide = sorted(
+        f"reports/figures/{p.name}" for p in (study / "reports" / "figures").glob("*.png") if ".narrow." not in p.name
+    )
     assert images == wide, (images, wide)  # each figure once, every figure the report drew
 
 
 def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
     """The code version of a shard covers the glue in `stages/` as well as the library: after an edit of
-    `stages/fit.py` DVC reruns fit and every fit shard is recomputed (none skipped as complete), while a
+    `lmgeo/stages/fit.py` DVC reruns fit and every fit shard is recomputed (none skipped as complete), while a
     comment in the report's code reruns the report alone."""
     sh("dvc", "repro", cwd=study)
-    fit = study / "stages" / "fit.py"
+    fit = study / "lmgeo" / "stages" / "fit.py"
     fit.write_text(fit.read_text().replace("    return planned\n", "    return list(planned)\n", 1))
     rerun = sh("dvc", "repro", cwd=study)
     assert "Running stage 'fit'" in rerun.stdout and "Running stage 'extract'" not in rerun.stdout, rerun.stdout
     assert re.search(r"fit: 0/(\d+) shards complete, \1 to do", rerun.stdout), rerun.stdout
-    report = study / "pipeline" / "results" / "report.py"
+    report = study / "lmgeo" / "results" / "report.py"
     report.write_text(report.read_text() + "\n# a comment\n")
     last = sh("dvc", "repro", cwd=study)
     assert "Running stage 'report'" in last.stdout, last.stdout

@@ -1,4 +1,4 @@
-"""The equidistance step as the solver of its stated problem (SPEC §3.2, `pipeline.study_b.equidistance`):
+"""The equidistance step as the solver of its stated problem (SPEC §3.2, `lmgeo.study_b.equidistance`):
 maximise the smallest pairwise distance of rows of a common norm, subject to diam ≤ η and at least c of
 `hilbert`'s descent. Checked against independent solvers written here: a multi-start SLSQP on small problems
 (every reference solution checked feasible), and a plain repulsion at V = 2048, d = 64."""
@@ -12,8 +12,8 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from pipeline.study_b import equidistance as eq
-from pipeline.study_b.hilbert import equi_ratio_bound
+from lmgeo.study_b import equidistance as eq
+from lmgeo.study_b.hilbert import equi_ratio_bound
 
 
 def ce_gradient(n_rows: int, width: int, tokens: int, seed: int, zipf: bool = False) -> np.ndarray:
@@ -67,15 +67,27 @@ def reference_spread(grad: np.ndarray, share: float, starts: int = 8, seed: int 
 
     zeros = np.zeros((pairs, 2))
     constraints = [
-        {"type": "ineq", "fun": lambda z: pair_sq(rows(z)) - z[nv] ** 2,
-         "jac": lambda z: np.hstack([pair_jac(rows(z)), -2 * z[nv] * np.ones((pairs, 1)), np.zeros((pairs, 1))])},
-        {"type": "ineq", "fun": lambda z: 1.0 - pair_sq(rows(z)),
-         "jac": lambda z: np.hstack([-pair_jac(rows(z)), zeros])},
-        {"type": "ineq", "fun": lambda z: np.array([(g * rows(z)).sum() - share * total / 2]),
-         "jac": lambda z: np.concatenate([g.ravel(), [0.0, 0.0]])[None]},
-        {"type": "eq", "fun": lambda z: (rows(z) ** 2).sum(1) - z[nv + 1] ** 2,
-         "jac": lambda z: np.hstack([norm_jac(rows(z)), np.zeros((n, 1)), -2 * z[nv + 1] * np.ones((n, 1))])},
-    ]  # fmt: skip
+        {
+            "type": "ineq",
+            "fun": lambda z: pair_sq(rows(z)) - z[nv] ** 2,
+            "jac": lambda z: np.hstack([pair_jac(rows(z)), -2 * z[nv] * np.ones((pairs, 1)), np.zeros((pairs, 1))]),
+        },
+        {
+            "type": "ineq",
+            "fun": lambda z: 1.0 - pair_sq(rows(z)),
+            "jac": lambda z: np.hstack([-pair_jac(rows(z)), zeros]),
+        },
+        {
+            "type": "ineq",
+            "fun": lambda z: np.array([(g * rows(z)).sum() - share * total / 2]),
+            "jac": lambda z: np.concatenate([g.ravel(), [0.0, 0.0]])[None],
+        },
+        {
+            "type": "eq",
+            "fun": lambda z: (rows(z) ** 2).sum(1) - z[nv + 1] ** 2,
+            "jac": lambda z: np.hstack([norm_jac(rows(z)), np.zeros((n, 1)), -2 * z[nv + 1] * np.ones((n, 1))]),
+        },
+    ]
     rng = np.random.default_rng(seed)
     best = -math.inf
     axes = g / np.linalg.norm(g, axis=1, keepdims=True)
@@ -84,13 +96,19 @@ def reference_spread(grad: np.ndarray, share: float, starts: int = 8, seed: int 
         mix = rng.uniform()
         x0 = mix * axes + (1 - mix) * noise / np.linalg.norm(noise, axis=1, keepdims=True)
         x0 = 0.5 * x0 / np.linalg.norm(x0, axis=1, keepdims=True)
-        found = minimize(lambda z: -z[nv], np.concatenate([x0.ravel(), [0.01, 0.5]]),
-                         jac=lambda z: np.concatenate([np.zeros(nv), [-1.0, 0.0]]), constraints=constraints,
-                         method="SLSQP", options={"maxiter": 1000, "ftol": 1e-10})  # fmt: skip
+        found = minimize(
+            lambda z: -z[nv],
+            np.concatenate([x0.ravel(), [0.01, 0.5]]),
+            jac=lambda z: np.concatenate([np.zeros(nv), [-1.0, 0.0]]),
+            constraints=constraints,
+            method="SLSQP",
+            options={"maxiter": 1000, "ftol": 1e-10},
+        )
         x = rows(found.x)
         dist, norms = np.sqrt(pair_sq(x)), np.linalg.norm(x, axis=1)
-        feasible = (dist.max() <= 1 + 1e-7 and np.ptp(norms) <= 1e-6 * norms.max()
-                    and (g * x).sum() >= share * total / 2 - 1e-7)  # fmt: skip
+        feasible = (
+            dist.max() <= 1 + 1e-7 and np.ptp(norms) <= 1e-6 * norms.max() and (g * x).sum() >= share * total / 2 - 1e-7
+        )
         if feasible:
             best = max(best, dist.min())
     return best
@@ -99,11 +117,31 @@ def reference_spread(grad: np.ndarray, share: float, starts: int = 8, seed: int 
 SMALL_CASES = [  # (V, d, share, generator seed): 21 random cross-entropy gradients, V ≤ 16, d ≤ 4
     (n, d, share, seed)
     for seed, (n, d, share) in enumerate(
-        [(6, 2, 0.3), (6, 3, 0.6), (6, 3, 0.9), (8, 2, 0.6), (8, 3, 0.3), (8, 4, 0.9), (10, 3, 0.6),
-         (10, 3, 0.9), (10, 4, 0.3), (12, 2, 0.9), (12, 3, 0.3), (12, 4, 0.6), (14, 3, 0.9), (14, 4, 0.3),
-         (14, 4, 0.6), (16, 3, 0.6), (16, 4, 0.3), (16, 4, 0.6), (16, 4, 0.9), (9, 4, 0.5), (11, 3, 0.5)]
+        [
+            (6, 2, 0.3),
+            (6, 3, 0.6),
+            (6, 3, 0.9),
+            (8, 2, 0.6),
+            (8, 3, 0.3),
+            (8, 4, 0.9),
+            (10, 3, 0.6),
+            (10, 3, 0.9),
+            (10, 4, 0.3),
+            (12, 2, 0.9),
+            (12, 3, 0.3),
+            (12, 4, 0.6),
+            (14, 3, 0.9),
+            (14, 4, 0.3),
+            (14, 4, 0.6),
+            (16, 3, 0.6),
+            (16, 4, 0.3),
+            (16, 4, 0.6),
+            (16, 4, 0.9),
+            (9, 4, 0.5),
+            (11, 3, 0.5),
+        ]
     )
-]  # fmt: skip
+]
 
 
 @pytest.mark.slow  # a multi-start SLSQP solve and an 8-start solver run: seconds each, 21 cases
@@ -133,8 +171,9 @@ def repulsion(grad: np.ndarray, share: float, iters: int = 300, step: float = 0.
     total = g.norm(dim=1).sum()
     rng = np.random.default_rng(0)
     noise = torch.from_numpy(rng.standard_normal(grad.shape))
-    u = torch.nn.functional.normalize(torch.nn.functional.normalize(g, dim=1)
-                                      + torch.nn.functional.normalize(noise, dim=1), dim=1)  # fmt: skip
+    u = torch.nn.functional.normalize(
+        torch.nn.functional.normalize(g, dim=1) + torch.nn.functional.normalize(noise, dim=1), dim=1
+    )
 
     def diameter(u: torch.Tensor) -> torch.Tensor:
         return (2 - 2 * (u @ u.T).min()).clamp_min(0).sqrt()
@@ -149,8 +188,11 @@ def repulsion(grad: np.ndarray, share: float, iters: int = 300, step: float = 0.
                 high *= 2
             for _ in range(60):
                 middle = (low + high) / 2
-                low, high = ((middle, high) if (g * torch.nn.functional.normalize(u + middle * g, dim=1)).sum() < goal
-                             else (low, middle))  # fmt: skip
+                low, high = (
+                    (middle, high)
+                    if (g * torch.nn.functional.normalize(u + middle * g, dim=1)).sum() < goal
+                    else (low, middle)
+                )
             u = torch.nn.functional.normalize(u + high * g, dim=1)
         return u
 
@@ -173,8 +215,10 @@ def test_at_the_study_size_the_step_spreads_rows_more_than_a_plain_repulsion_wit
     plain = spread_and_descent(repulsion(grad, 0.5), grad)
     solution = eq.solve(torch.from_numpy(grad), min(plain[1], 1.0), iters=300)
     ours = spread_and_descent((solution.rows / solution.diameter).double().numpy(), grad)
-    print(f"repulsion: spread {plain[0]:.4f}, descent {plain[1]:.4f}; step: spread {ours[0]:.4f}, descent "
-          f"{ours[1]:.4f}; bound {equi_ratio_bound(2048, 64):.4f}")
+    print(
+        f"repulsion: spread {plain[0]:.4f}, descent {plain[1]:.4f}; step: spread {ours[0]:.4f}, descent "
+        f"{ours[1]:.4f}; bound {equi_ratio_bound(2048, 64):.4f}"
+    )
     assert ours[1] >= plain[1] - 1e-6  # equal or higher descent
     assert ours[0] > plain[0], (ours, plain)
     assert ours[0] <= equi_ratio_bound(2048, 64)
@@ -186,9 +230,9 @@ def test_in_training_the_warm_solve_spreads_rows_the_momentum_pulled_together() 
     here), 10 of the study's warm steps (its `equi_iters`) reach ¾ of a cold solve's spread; the 0.005 rad × 5
     iterations the study first ran reach less than half (and in training spread its rows less than random rows
     do). The momentum is held fixed: this is the speed of the recovery, not a replay of training, which
-    `python -m tools.equi_tracking` measures on the study's own run."""
-    from pipeline.params import default_study
-    from pipeline.study_b.optim import resolve_head_step
+    `python -m experiments.equi_tracking` measures on the study's own run."""
+    from lmgeo.params import default_study
+    from lmgeo.study_b.optim import resolve_head_step
 
     knobs = resolve_head_step("hilbert_equi", default_study().train).knobs
     m = torch.from_numpy(ce_gradient(512, 32, 256, seed=0, zipf=True)).float()
@@ -202,9 +246,9 @@ def test_in_training_the_warm_solve_spreads_rows_the_momentum_pulled_together() 
 
 
 def test_the_tracking_tools_turn_is_the_norm_weighted_mean_cosine_of_the_centred_rows() -> None:
-    """`tools.equi_tracking`'s `turn` (how far the momentum moves in a step, SPEC §3.2) against numpy: the rows
+    """`experiments.equi_tracking`'s `turn` (how far the momentum moves in a step, SPEC §3.2) against numpy: the rows
     centred, their cosines weighted by the earlier momentum's row norms; 1 for a rescaled copy, −1 reversed."""
-    from tools.equi_tracking import turn
+    from experiments.equi_tracking import turn
 
     rng = np.random.default_rng(5)
     before, after = rng.normal(size=(40, 6)), rng.normal(size=(40, 6))
@@ -256,10 +300,16 @@ def test_lift_is_the_nearest_feasible_point_on_the_product_of_spheres() -> None:
     assert (g * y).sum() < target  # infeasible: lift must move it
     gradient = eq.Gradient.of(torch.from_numpy(g))
     lifted = eq.lift_(torch.from_numpy(y.copy()), gradient, torch.tensor(target)).numpy()
-    found = minimize(lambda f: ((f.reshape(5, 3) - y) ** 2).sum(), y.ravel(), method="SLSQP",
-                     constraints=[{"type": "eq", "fun": lambda f: (f.reshape(5, 3) ** 2).sum(1) - 1},
-                                  {"type": "ineq", "fun": lambda f: np.array([(g * f.reshape(5, 3)).sum() - target])}],
-                     options={"ftol": 1e-14, "maxiter": 500})  # fmt: skip
+    found = minimize(
+        lambda f: ((f.reshape(5, 3) - y) ** 2).sum(),
+        y.ravel(),
+        method="SLSQP",
+        constraints=[
+            {"type": "eq", "fun": lambda f: (f.reshape(5, 3) ** 2).sum(1) - 1},
+            {"type": "ineq", "fun": lambda f: np.array([(g * f.reshape(5, 3)).sum() - target])},
+        ],
+        options={"ftol": 1e-14, "maxiter": 500},
+    )
     np.testing.assert_allclose(lifted, found.x.reshape(5, 3), atol=1e-5)
     assert (g * lifted).sum() >= target
     already = eq.lift_(torch.from_numpy(y.copy()), gradient, torch.tensor(-1.0)).numpy()
@@ -318,12 +368,12 @@ OTHER_CPU_ATOL = 0.01
 def test_the_committed_frontier_is_what_the_code_computes_under_the_stages_kernel_pins():
     """`docs/frontier.json` (what `docs/frontier.md` and the SPEC quote) is recomputed: to the bit on a CPU of
     the recorded model, within OTHER_CPU_ATOL elsewhere. A solver change that moves the frontier fails here until
-    `python -m tools.frontier --write docs/frontier.md` writes it again."""
+    `python -m experiments.frontier --write docs/frontier.md` writes it again."""
     import json
     from pathlib import Path
 
-    from tools.bench.measure import run_pinned
-    from tools.frontier import measure
+    from experiments.frontier import measure
+    from lmgeo.commands.bench.measure import run_pinned
 
     recorded = json.loads((Path(__file__).resolve().parents[1] / "docs" / "frontier.json").read_text())
     fresh = run_pinned(measure)

@@ -23,11 +23,11 @@ import pytest
 import ray
 from ray_nodes import free_port, start_node, stop_process_group
 
-from pipeline.core.config import RayConfig, TaskResources
-from pipeline.core.errors import InputError
-from pipeline.core.execution import Load, Shard, ShardFailed, run_shards
-from pipeline.core.progress import Progress
-from stages.runtime import resolve_address, start_ray
+from lmgeo.core.config import RayConfig, TaskResources
+from lmgeo.core.errors import InputError
+from lmgeo.core.execution import Load, Shard, ShardFailed, run_shards
+from lmgeo.core.progress import Progress
+from lmgeo.driver.runtime import resolve_address, start_ray
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_CPU = TaskResources(num_cpus=1)
@@ -71,7 +71,7 @@ def wait_for_file(path: str, timeout_s: float) -> bool:
 
 def shipped_sources() -> list[str]:
     """The folders on this worker's sys.path that hold lmgeo's packages."""
-    return [folder for folder in sys.path if (Path(folder) / "pipeline").is_dir() or (Path(folder) / "stages").is_dir()]
+    return [folder for folder in sys.path if (Path(folder) / "lmgeo").is_dir()]
 
 
 @ray.remote(num_cpus=0)
@@ -187,10 +187,10 @@ def test_every_task_runs_with_the_thread_count_of_its_resources(ray_local, cpus:
 
 @pytest.mark.slow  # the session's embedded Ray
 def test_a_worker_running_other_code_than_planned_refuses_the_task(ray_local) -> None:
-    from pipeline.core.execution import CodeMismatch
-    from pipeline.core.fingerprint import CodeSpec, code_version
+    from lmgeo.core.execution import CodeMismatch
+    from lmgeo.core.fingerprint import CodeSpec, code_version
 
-    spec = CodeSpec("stages.fit", ("pipeline.study_a.classes.lowrank",))
+    spec = CodeSpec("lmgeo.stages.fit", ("lmgeo.study_a.classes.lowrank",))
     planned = Shard("ok", square, (3,), code=(spec, code_version(spec)))
     assert run_shards([planned], ONE_CPU, max_in_flight=1, max_retries=0, label="fit") == {"ok": 9}
     other = Shard("stale", square, (3,), code=(spec, "0.1.0+0000000000000000"))
@@ -249,15 +249,17 @@ def test_a_failure_cancels_the_tasks_in_flight(ray_local, tmp_path: Path) -> Non
     with pytest.raises(ShardFailed, match="'bad'"):
         run_shards(shards, TaskResources(num_cpus=0.5), max_in_flight=4, max_retries=0, label="fit")
     # Needs both CPUs: schedulable only because the blocked tasks were cancelled (else: timeout).
-    assert run_shards([Shard("all-cpus", square, (3,))], TaskResources(num_cpus=2), max_in_flight=1,
-                      max_retries=0, label="after") == {"all-cpus": 9}
+    assert run_shards(
+        [Shard("all-cpus", square, (3,))], TaskResources(num_cpus=2), max_in_flight=1, max_retries=0, label="after"
+    ) == {"all-cpus": 9}
 
 
 @pytest.mark.slow
 def test_a_dead_worker_is_retried_then_reported(ray_local, tmp_path: Path) -> None:
     marker = str(tmp_path / "died-once")
-    assert run_shards([Shard("phoenix", die_first_time, (marker,))], ONE_CPU, max_in_flight=1,
-                      max_retries=1, label="retry") == {"phoenix": "survived"}
+    assert run_shards(
+        [Shard("phoenix", die_first_time, (marker,))], ONE_CPU, max_in_flight=1, max_retries=1, label="retry"
+    ) == {"phoenix": "survived"}
     with pytest.raises(ShardFailed, match="shard 'doomed' failed"):
         run_shards([Shard("doomed", die)], ONE_CPU, max_in_flight=1, max_retries=0, label="retry")
 
@@ -267,16 +269,21 @@ def test_resources_no_node_has_fail_fast_naming_them(ray_local) -> None:
     with pytest.raises(InputError, match=r"fit: no node .*'GPU': 1\.0"):
         run_shards([Shard("a", square, (1,))], TaskResources(num_gpus=1), max_in_flight=1, max_retries=0, label="fit")
     with pytest.raises(InputError, match="fake_gpu"):
-        run_shards([Shard("a", square, (1,))], TaskResources(resources={"fake_gpu": 1}), max_in_flight=1,
-                   max_retries=0, label="fit")
+        run_shards(
+            [Shard("a", square, (1,))],
+            TaskResources(resources={"fake_gpu": 1}),
+            max_in_flight=1,
+            max_retries=0,
+            label="fit",
+        )
 
 
 @pytest.mark.slow  # the session's embedded Ray
 def test_workers_get_the_code_ray_ships_from_this_checkout(ray_local) -> None:
-    """Ray ships `pipeline` and `stages` (runtime_env py_modules) onto every worker's sys.path: a node
-    without the checkout imports them from there (tests/test_cluster.py runs the stages on one)."""
+    """Ray ships `lmgeo` (runtime_env py_modules) onto every worker's sys.path: a node
+    without the checkout imports it from there (tests/test_cluster.py runs the stages on one)."""
     found = run_shards([Shard("src", shipped_sources)], ONE_CPU, max_in_flight=1, max_retries=0, label="src")["src"]
-    for package in ("pipeline", "stages"):
+    for package in ("lmgeo",):
         shipped = [Path(f) / package for f in found if "py_modules" in f and (Path(f) / package).is_dir()]
         assert len(shipped) == 1, found
         assert _sources(shipped[0]) == _sources(REPO / package)
@@ -376,7 +383,11 @@ def _cluster_env(**extra: str) -> dict[str, str]:
 def _run_driver(scenario: str, env: dict[str, str]) -> None:
     proc = subprocess.run(
         [sys.executable, "-c", f"import test_execution; test_execution.{scenario}()"],
-        env=env, cwd=REPO, capture_output=True, text=True, timeout=300,
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"{scenario} failed:\n{proc.stdout}\n{proc.stderr}"
     assert f"{scenario}: ok" in proc.stdout
@@ -399,18 +410,34 @@ def test_joins_a_ray_started_separately_by_address(tmp_path: Path) -> None:
     plain = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     head_env = {**plain, "HOME": str(head_home), "RAY_USAGE_STATS_ENABLED": "0"}
     ray_cli = str(Path(sys.executable).parent / "ray")
-    token = subprocess.run([ray_cli, "get-auth-token", "--generate"], env=head_env, capture_output=True, text=True,
-                           check=True).stdout.strip()
+    token = subprocess.run(
+        [ray_cli, "get-auth-token", "--generate"], env=head_env, capture_output=True, text=True, check=True
+    ).stdout.strip()
     log = tmp_path / "ray-head.log"
     head = start_node(
-        [ray_cli, "start", "--head", f"--port={port}", "--num-cpus=1", "--num-gpus=0",
-         '--resources={"joined_head": 1}', "--include-dashboard=false", "--disable-usage-stats", "--block"],
-        head_env, log,
+        [
+            ray_cli,
+            "start",
+            "--head",
+            f"--port={port}",
+            "--num-cpus=1",
+            "--num-gpus=0",
+            '--resources={"joined_head": 1}',
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        head_env,
+        log,
     )
     try:
         assert "Token authentication is enabled" in log.read_text(), log.read_text()
-        driver_env = {**plain, "HOME": str(driver_home), "RAY_ADDRESS": f"127.0.0.1:{port}",
-                      "RAY_USAGE_STATS_ENABLED": "0"}
+        driver_env = {
+            **plain,
+            "HOME": str(driver_home),
+            "RAY_ADDRESS": f"127.0.0.1:{port}",
+            "RAY_USAGE_STATS_ENABLED": "0",
+        }
         _run_driver("scenario_refused_without_the_token", driver_env)
         _run_driver("scenario_joined_by_address", {**driver_env, "RAY_AUTH_TOKEN": token})
     finally:
@@ -445,15 +472,25 @@ def scenario_two_node_cluster() -> None:
 
         failing = [Shard(f"remote-{i}", fail_if, (i, 2)) for i in range(4)]
         try:
-            run_shards(failing, TaskResources(num_cpus=0.5, resources={"fake_gpu": 0.5}), max_in_flight=2,
-                       max_retries=0, label="fit")
+            run_shards(
+                failing,
+                TaskResources(num_cpus=0.5, resources={"fake_gpu": 0.5}),
+                max_in_flight=2,
+                max_retries=0,
+                label="fit",
+            )
         except ShardFailed as err:
             assert str(err).startswith("shard 'remote-2' failed: ValueError: boom at 2"), err
         else:
             raise AssertionError("ShardFailed not raised")
         try:
-            run_shards([Shard("x", square, (1,))], TaskResources(resources={"fake_gpu": 2}), max_in_flight=1,
-                       max_retries=0, label="fit")
+            run_shards(
+                [Shard("x", square, (1,))],
+                TaskResources(resources={"fake_gpu": 2}),
+                max_in_flight=1,
+                max_retries=0,
+                label="fit",
+            )
         except ValueError as err:  # an InputError: one line, exit 2, in the CLI
             assert "fake_gpu" in str(err), err
         else:
@@ -479,8 +516,13 @@ def scenario_joined_by_address() -> None:
     try:
         assert ray.cluster_resources().get("joined_head") == 1, ray.cluster_resources()
         shards = [Shard(f"sq{i}", square, (i,)) for i in range(4)]
-        results = run_shards(shards, TaskResources(num_cpus=1, resources={"joined_head": 0.5}), max_in_flight=2,
-                             max_retries=1, label="squares")
+        results = run_shards(
+            shards,
+            TaskResources(num_cpus=1, resources={"joined_head": 0.5}),
+            max_in_flight=2,
+            max_retries=1,
+            label="squares",
+        )
         assert results == {f"sq{i}": i * i for i in range(4)}, results
         try:
             run_shards([Shard("joined-bad", fail_if, (0, 0))], ONE_CPU, max_in_flight=1, max_retries=0, label="fit")
@@ -506,7 +548,7 @@ def test_small_shards_share_tasks_and_a_failure_still_names_its_shard(ray_local)
 
 
 def test_batches_are_consecutive_shards_of_one_function() -> None:
-    from pipeline.core.execution import _batches
+    from lmgeo.core.execution import _batches
 
     shards = [Shard(f"a{i}", square) for i in range(5)] + [Shard("b0", fail_if), Shard("a5", square)]
     assert [[s.key for s in b] for b in _batches(shards, 2)] == [["a0", "a1"], ["a2", "a3"], ["a4"], ["b0"], ["a5"]]
@@ -514,7 +556,7 @@ def test_batches_are_consecutive_shards_of_one_function() -> None:
 
 
 def test_a_shard_expected_to_run_long_has_a_task_of_its_own() -> None:
-    from pipeline.core.execution import ALONE_S, _batches
+    from lmgeo.core.execution import ALONE_S, _batches
 
     times = [1.0, 2.0, ALONE_S, 3.0, None, 4.0, ALONE_S * 10]
     shards = [Shard(f"s{i}", square, expected_s=t) for i, t in enumerate(times)]
@@ -522,7 +564,7 @@ def test_a_shard_expected_to_run_long_has_a_task_of_its_own() -> None:
 
 
 def test_tasks_are_submitted_longest_first_and_unknown_ones_before_them() -> None:
-    from pipeline.core.execution import _longest_first
+    from lmgeo.core.execution import _longest_first
 
     def batch(*times: float | None) -> list[Shard]:
         return [Shard(f"{t}-{i}", square, expected_s=t) for i, t in enumerate(times)]

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.params import default_study
-from pipeline.results.report import FINDINGS_END, FINDINGS_START, findings_in
-from stages import cli
-from stages.report import RESULT_SECTIONS
+from lmgeo.params import default_study
+from lmgeo.results.report import FINDINGS_END, FINDINGS_START, findings_in
+from lmgeo import cli
+from lmgeo.stages.report import RESULT_SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -108,4 +108,4 @@ def test_the_readme_opens_with_its_purpose_and_puts_your_own_model_right_after_t
     assert sections[:2] == ["The two commands", "Your own model"]
     opening = text[: text.index("## The two commands")].split("\n\n")[1]
     assert "tests whether the claims of two papers" in opening and "researchers" in opening
-    assert "lmgeo analyse" in text[text.index("## Your own model"):text.index(f"## {sections[2]}")]
+    assert "lmgeo analyse" in text[text.index("## Your own model") : text.index(f"## {sections[2]}")]

@@ -8,10 +8,10 @@ import pytest
 import torch
 from conftest import SEQ_LEN, VOCAB, tiny_size
 
-from pipeline.core.contracts import arrow_to_vectors, vector_type
-from pipeline.models.hooks import block_input, block_output
-from pipeline.models.registry import blocks_of, build_model, final_norm_of, head_of
-from pipeline.study_a.extract import extract_batches
+from lmgeo.core.contracts import arrow_to_vectors, vector_type
+from lmgeo.models.hooks import block_input, block_output
+from lmgeo.models.registry import blocks_of, build_model, final_norm_of, head_of
+from lmgeo.study_a.extract import extract_batches
 
 TINY = tiny_size()
 N_SEQ = 5

@@ -10,19 +10,46 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from pipeline.models.loading import load_model
-from pipeline.models.registry import final_norm_of, head_of, logits_from_last_state, structure_of
-from pipeline.models.structure import LogitMap, StructureError
-from pipeline.study_a import verify
-from pipeline.study_a.verify import VerificationFailed, verify_model
-from tools.families import CI_FAMILIES, Coverage, check_family, render_markdown, save_tiny_model, tiny_config
+from lmgeo.commands.verify.families import (
+    CI_FAMILIES,
+    Coverage,
+    check_family,
+    render_markdown,
+    save_tiny_model,
+    tiny_config,
+)
+from lmgeo.models.loading import load_model
+from lmgeo.models.registry import final_norm_of, head_of, logits_from_last_state, structure_of
+from lmgeo.models.structure import LogitMap, StructureError
+from lmgeo.study_a import verify
+from lmgeo.study_a.verify import VerificationFailed, verify_model
 
 # The families issue 13 names; the CI list may hold more, never fewer.
 REQUIRED = {
-    "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi", "phi3", "olmo", "olmo2",
-    "gpt2", "gpt_neo", "gpt_neox", "gptj", "falcon", "bloom", "opt", "stablelm", "starcoder2", "mamba",
-    "mamba2", "falcon_mamba",
-}  # fmt: skip
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi",
+    "phi3",
+    "olmo",
+    "olmo2",
+    "gpt2",
+    "gpt_neo",
+    "gpt_neox",
+    "gptj",
+    "falcon",
+    "bloom",
+    "opt",
+    "stablelm",
+    "starcoder2",
+    "mamba",
+    "mamba2",
+    "falcon_mamba",
+}
 # Families whose state at a position exists only by running the prefix: their patched copies recompute it.
 RECURRENT = {"mamba", "mamba2", "falcon_mamba"}
 
@@ -168,7 +195,7 @@ def test_a_patch_that_does_not_reach_the_next_block_fails_the_patching_check():
 def test_check_model_reports_a_verified_model_and_names_the_failed_check(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from stages.cli import app
+    from lmgeo.cli import app
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "params.yaml").write_text("{}\n")
@@ -190,7 +217,7 @@ def test_the_seed_preset_analyses_the_rehearsed_models():
 
     import yaml
 
-    from tools.rehearsal import SEED_STUDY
+    from lmgeo.commands.rehearse.rehearsal import SEED_STUDY
 
     preset = yaml.safe_load((Path(__file__).parents[1] / "presets" / "seed.yaml").read_text())
     assert [m["id"] for m in preset["analysis"]["external_models"]] == list(SEED_STUDY)
@@ -202,12 +229,12 @@ def test_a_seed_model_saved_locally_opens_as_the_stages_open_it(hub_id, tmp_path
     """The seed's configurations (their published settings, shrunk to a tiny size), saved with
     save_pretrained inside the workspace, go through the stages' loading path (`external_model`:
     the safety checks and digest; `open_model`: load and verify), then extraction and patching."""
-    from pipeline.params import Params
-    from stages.analysis_set import external_model
-    from stages.layout import Layout
-    from stages.opening import model_input, open_model
-    from tools.families import extract_and_check, patch_and_check
-    from tools.rehearsal import SEED_STUDY
+    from lmgeo.commands.rehearse.rehearsal import SEED_STUDY
+    from lmgeo.commands.verify.families import extract_and_check, patch_and_check
+    from lmgeo.driver.analysis_set import external_model
+    from lmgeo.driver.layout import Layout
+    from lmgeo.driver.opening import model_input, open_model
+    from lmgeo.params import Params
 
     published = SEED_STUDY[hub_id][0]()
     config = tiny_config(published.model_type, base=published)

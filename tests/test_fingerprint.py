@@ -1,6 +1,6 @@
 """Sound, fine-grained code versions: a shard is keyed by exactly the code that can change its numbers (its
 stage's, its own recipe's, family's or classes'), and dvc.yaml depends on the same files
-(pipeline/core/fingerprint.py, stages/deps.py)."""
+(lmgeo/core/fingerprint.py, lmgeo/driver/deps.py)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core import fingerprint
-from pipeline.core.contracts import parse_run_id
-from pipeline.core.fingerprint import INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
-from pipeline.params import Params, load_params
-from stages import aggregate, extract, fit, perturb, report, train
-from stages.deps import DECIDING_FILES, STAGES, code_deps, is_code
-from stages.layout import Layout
-from stages.sharded import _version
+from lmgeo.core import fingerprint
+from lmgeo.core.contracts import parse_run_id
+from lmgeo.core.fingerprint import INDEXES, INFRASTRUCTURE, NUMERIC_PACKAGES, closure, index_members
+from lmgeo.driver.deps import DECIDING_FILES, STAGES, code_deps, is_code
+from lmgeo.driver.layout import RECORDS, Layout
+from lmgeo.driver.sharded import _version
+from lmgeo.params import Params, load_params
+from lmgeo.stages import aggregate, extract, fit, perturb, train
 
 REPO = Path(__file__).resolve().parents[1]
 SHARDED = ("train", "extract", "fit", "perturb")
@@ -32,7 +32,7 @@ CLASSES = ("diag_psd", "lowrank", "orthogonal", "mlp", "identity", "global_linea
 @pytest.fixture
 def workspace(tmp_path: Path) -> Path:
     """A copy of the project's code, which the tests edit; versions are computed from it first."""
-    for package in ("pipeline", "stages", "tools"):
+    for package in ("lmgeo",):
         shutil.copytree(REPO / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
     return tmp_path
 
@@ -45,8 +45,11 @@ def versions(workspace: Path) -> dict[str, str]:
     specs = {f"train:{r}": train.code_spec(layout, r, "neox") for r in RECIPES}
     specs |= {f"train:{a}:muon": train.code_spec(layout, "muon", a) for a in ("gpt2", "mamba")}
     specs |= {f"fit:{c}": fit.code_spec(layout, [c]) for c in CLASSES}
-    specs |= {"extract": extract.code_spec(layout), "perturb": perturb.code_spec(layout),
-              "aggregate": aggregate.code_spec(layout)}  # fmt: skip
+    specs |= {
+        "extract": extract.code_spec(layout),
+        "perturb": perturb.code_spec(layout),
+        "aggregate": aggregate.code_spec(layout),
+    }
     return {unit: _version(spec, workspace) for unit, spec in specs.items()}
 
 
@@ -76,58 +79,80 @@ def test_a_version_is_the_package_version_and_a_hash_of_the_sources_not_of_where
 def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> None:
     spec = train.code_spec(Layout(REPO), "hilbert", "neox")
     names = {entry.name for entry in closure([spec.module, *spec.members, *fingerprint.ALWAYS])}
-    assert {"stages.train", "pipeline.study_b.train", "pipeline.study_b.recipes.hilbert",
-            "pipeline.study_b.recipes.base", "pipeline.models.families.neox",
-            "pipeline.core.determinism"} <= names  # fmt: skip
-    others = {f"pipeline.study_b.recipes.{r}" for r in RECIPES if r != "hilbert"} | {
-        "pipeline.models.families.gpt2", "pipeline.models.families.mamba"}
+    assert {
+        "lmgeo.stages.train",
+        "lmgeo.study_b.train",
+        "lmgeo.study_b.recipes.hilbert",
+        "lmgeo.study_b.recipes.base",
+        "lmgeo.models.families.neox",
+        "lmgeo.core.determinism",
+    } <= names
+    others = {f"lmgeo.study_b.recipes.{r}" for r in RECIPES if r != "hilbert"} | {
+        "lmgeo.models.families.gpt2",
+        "lmgeo.models.families.mamba",
+    }
     assert not names & others
     assert not names & set(INFRASTRUCTURE + INDEXES)
-    assert not {name for name in names if name.endswith(".config") or name == "pipeline.params"}  # params hash
-    assert not {name for name in names if name.startswith(("pipeline.results", "stages.fit"))}
+    assert not {name for name in names if name.endswith(".config") or name == "lmgeo.params"}  # params hash
+    assert not {name for name in names if name.startswith(("lmgeo.results", "lmgeo.stages.fit"))}
 
 
 @pytest.mark.parametrize(
     ("relative", "old", "new", "expected"),
     [
         # science a stage runs, in the library and in the glue
-        ("pipeline/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", FIT),
-        ("stages/fit.py", 'device = "cuda" if', 'device = "cuda"  if', set()),  # formatting only
-        ("stages/fit.py", 'ShardParts(metadata={"model": model})',
-         "ShardParts(metadata=dict(model=model))", FIT),  # a stage's own module: all its shards
-        ("pipeline/study_a/patching.py", "clamp_min(0.0)", "clamp_min(0.0) * 1.0", {"perturb"}),
+        ("lmgeo/study_a/fits.py", "return np.arange(n)", "return np.arange(n).copy()", FIT),
+        ("lmgeo/stages/fit.py", 'device = "cuda" if', 'device = "cuda"  if', set()),  # formatting only
+        (
+            "lmgeo/stages/fit.py",
+            'ShardParts(metadata={"model": model})',
+            "ShardParts(metadata=dict(model=model))",
+            FIT,
+        ),  # a stage's own module: all its shards
+        ("lmgeo/study_a/patching.py", "clamp_min(0.0)", "clamp_min(0.0) * 1.0", {"perturb"}),
         # one recipe: exactly its runs (and the tables, which describe every recipe)
-        ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.50 * center_rows", set()),
-        ("pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.25 * center_rows",
-         {"train:hilbert", "aggregate"}),
+        ("lmgeo/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.50 * center_rows", set()),
+        (
+            "lmgeo/study_b/recipes/hilbert.py",
+            "return 0.5 * center_rows",
+            "return 0.25 * center_rows",
+            {"train:hilbert", "aggregate"},
+        ),
         # one class: exactly the fit shards that fit it
-        ("pipeline/study_a/classes/lowrank.py", "def fit(", "def fit_(", {"fit:lowrank", "aggregate"}),
+        ("lmgeo/study_a/classes/lowrank.py", "def fit(", "def fit_(", {"fit:lowrank", "aggregate"}),
         # a family: its runs, and every analysis of a model (any model may take its overrides)
-        ("pipeline/models/families/mamba.py", "def make_config(", "def make_config_(",
-         {"train:mamba:muon", "extract", "perturb", "aggregate"}),
-        # perturb verifies the model it opens, extraction's capture included (`pipeline.study_a.verify`)
-        ("pipeline/study_a/extract.py", "def capture_states(", "def capture_states_(", {"extract", "perturb"}),
+        (
+            "lmgeo/models/families/mamba.py",
+            "def make_config(",
+            "def make_config_(",
+            {"train:mamba:muon", "extract", "perturb", "aggregate"},
+        ),
+        # perturb verifies the model it opens, extraction's capture included (`lmgeo.study_a.verify`)
+        ("lmgeo/study_a/extract.py", "def capture_states(", "def capture_states_(", {"extract", "perturb"}),
         # a dataset's declaration enters by its declared schema (see below), not as code; the contracts'
         # codecs and readers are code
-        ("pipeline/core/contracts.py", 'written_by="fit",', 'written_by="fit (tokenwise)",', set()),
-        ("pipeline/core/contracts.py", "def parse_run_id(", "def parse_run_id_(", EVERY),
-        ("pipeline/core/contracts.py", "return table.sort_by(order) if order else table", "return table", EVERY),
+        ("lmgeo/core/contracts.py", 'written_by="fit",', 'written_by="fit (tokenwise)",', set()),
+        ("lmgeo/core/contracts.py", "def parse_run_id(", "def parse_run_id_(", EVERY),
+        ("lmgeo/core/contracts.py", "return table.sort_by(order) if order else table", "return table", EVERY),
         # infrastructure cannot change a number: progress lines, the Ray loop, the runtime
-        ("pipeline/core/progress.py", 'unit: str = "shards"', 'unit: str = "items"', set()),
-        ("pipeline/core/execution.py", "WAIT_TIMEOUT_S = 1.0", "WAIT_TIMEOUT_S = 2.0", set()),
-        ("stages/runtime.py", '"TRANSFORMERS_VERBOSITY": "error"', '"TRANSFORMERS_VERBOSITY": "info"', set()),
+        ("lmgeo/core/progress.py", 'unit: str = "shards"', 'unit: str = "items"', set()),
+        ("lmgeo/core/execution.py", "WAIT_TIMEOUT_S = 1.0", "WAIT_TIMEOUT_S = 2.0", set()),
+        ("lmgeo/driver/runtime.py", '"TRANSFORMERS_VERBOSITY": "error"', '"TRANSFORMERS_VERBOSITY": "info"', set()),
         # the pinned kernels decide every float
-        ("pipeline/core/determinism.py", '"OPENBLAS_CORETYPE": "Haswell"', '"OPENBLAS_CORETYPE": "Zen"',
-         EVERY),
+        ("lmgeo/core/determinism.py", '"OPENBLAS_CORETYPE": "Haswell"', '"OPENBLAS_CORETYPE": "Zen"', EVERY),
         # the report and the tools: no shard
-        ("pipeline/results/study_a/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', set()),
-        ("tools/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
+        ("lmgeo/results/study_a/report.py", '"shuffled": "shuffled pairs"', '"shuffled": "permuted pairs"', set()),
+        ("lmgeo/commands/bench/fits.py", "def knn_section(", "def knn_section_(", set()),
         # comments or docstrings anywhere: nothing
-        ("pipeline/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
-        ("pipeline/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
+        ("lmgeo/core/store.py", "def file_sha256(", "# a comment\ndef file_sha256(", set()),
+        ("lmgeo/study_a/knn.py", '"""Exact k-nearest', '"""Exact (really) k-nearest', set()),
         # configuration: values reach shards through their params hash, not through the code version
-        ("pipeline/study_a/config.py", "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 32",
-         "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 16", set()),
+        (
+            "lmgeo/study_a/config.py",
+            "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 32",
+            "k: Annotated[int, Field(ge=2, le=MAX_COUNT)] = 16",
+            set(),
+        ),
     ],
 )
 def test_an_edit_changes_exactly_the_shards_that_run_it(workspace: Path, relative, old, new, expected) -> None:
@@ -141,7 +166,7 @@ def test_a_contract_enters_by_the_schema_it_declares() -> None:
 
     import pyarrow as pa
 
-    from pipeline.core.contracts import FITS
+    from lmgeo.core.contracts import FITS
 
     layout = Layout(REPO)
     spec = fit.code_spec(layout, ["lowrank"])
@@ -153,13 +178,13 @@ def test_a_contract_enters_by_the_schema_it_declares() -> None:
 
 def test_adding_a_recipe_redoes_no_run_of_another(workspace: Path) -> None:
     before = versions(workspace)
-    recipes = workspace / "pipeline" / "study_b" / "recipes"
+    recipes = workspace / "lmgeo" / "study_b" / "recipes"
     source = (recipes / "sign.py").read_text().replace('name="sign"', 'name="sign2"')
     (recipes / "sign2.py").write_text(source)
-    edit(workspace, "pipeline/study_b/recipes/__init__.py", "rownorm, sign", "rownorm, sign, sign2")
-    edit(workspace, "pipeline/study_b/recipes/__init__.py", "sign.RECIPE,", "sign.RECIPE, sign2.RECIPE,")
+    edit(workspace, "lmgeo/study_b/recipes/__init__.py", "rownorm, sign", "rownorm, sign, sign2")
+    edit(workspace, "lmgeo/study_b/recipes/__init__.py", "sign.RECIPE,", "sign.RECIPE, sign2.RECIPE,")
     assert changed(before, versions(workspace)) == {"aggregate"}
-    assert "pipeline.study_b.recipes.sign2" in index_members("pipeline.study_b.recipes", [workspace])
+    assert "lmgeo.study_b.recipes.sign2" in index_members("lmgeo.study_b.recipes", [workspace])
 
 
 def run_keys(params: Params, workspace: Path) -> dict[str, tuple[str, str]]:
@@ -172,7 +197,7 @@ def run_keys(params: Params, workspace: Path) -> dict[str, tuple[str, str]]:
 
 
 def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
-    from pipeline.study_b.config import MatchedBudget
+    from lmgeo.study_b.config import MatchedBudget
 
     default = load_params(REPO / "params.yaml")
     sweep = MatchedBudget(taus=[0.2, 0.8], seeds=default.train.seeds[:1])
@@ -187,8 +212,16 @@ def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
         return {run for run in before if after[run] != before[run]}
 
     # another budget list: the runs of the budgets kept keep their keys
-    fewer = run_keys(params.model_copy(update={"train": params.train.model_copy(
-        update={"matched_budget": sweep.model_copy(update={"taus": sweep.taus[1:]})})}), workspace)
+    fewer = run_keys(
+        params.model_copy(
+            update={
+                "train": params.train.model_copy(
+                    update={"matched_budget": sweep.model_copy(update={"taus": sweep.taus[1:]})}
+                )
+            }
+        ),
+        workspace,
+    )
     assert fewer.keys() < before.keys() and all(fewer[run] == before[run] for run in fewer)
     hilbert = {"hilbert": params.train.recipe_overrides.get("hilbert") or _override(tau=0.3)}
     assert {run for run in before if "-hilbert-" in run} <= keys_after({"recipe_overrides": hilbert})
@@ -196,7 +229,7 @@ def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
 
 
 def _override(**values: float):
-    from pipeline.study_b.config import RecipeConfig
+    from lmgeo.study_b.config import RecipeConfig
 
     return RecipeConfig(**values)
 
@@ -211,10 +244,14 @@ def test_infrastructure_is_unreachable_from_the_science() -> None:
 
 def test_a_member_imported_by_another_member_is_part_of_its_code(workspace: Path) -> None:
     """A member reached by a real import (not through its index) is code like any other."""
-    edit(workspace, "pipeline/study_b/recipes/hilbert_equi.py", "from torch import Tensor\n",
-         "from torch import Tensor\n\nfrom pipeline.study_b.recipes import hilbert  # noqa: F401\n")
+    edit(
+        workspace,
+        "lmgeo/study_b/recipes/hilbert_equi.py",
+        "from torch import Tensor\n",
+        "from torch import Tensor\n\nfrom lmgeo.study_b.recipes import hilbert  # noqa: F401\n",
+    )
     before = versions(workspace)
-    edit(workspace, "pipeline/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.25 * center_rows")
+    edit(workspace, "lmgeo/study_b/recipes/hilbert.py", "return 0.5 * center_rows", "return 0.25 * center_rows")
     assert changed(before, versions(workspace)) == {"train:hilbert", "train:hilbert_equi", "aggregate"}
 
 
@@ -230,11 +267,11 @@ def test_a_registry_index_holds_nothing_but_its_list(index: str) -> None:
 
 
 def test_dvc_yaml_depends_on_exactly_the_code_of_each_stage() -> None:
-    """Regenerate with `python -m stages.deps --write` when this fails."""
+    """Regenerate with `python -m scripts.dvc_deps --write` when this fails."""
     stages = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]
     for stage in STAGES:
         listed = sorted(dep for dep in stages[stage]["deps"] if is_code(dep))
-        assert listed == code_deps(stage, REPO), f"dvc.yaml deps of {stage}: run `python -m stages.deps --write`"
+        assert listed == code_deps(stage, REPO), f"dvc.yaml deps of {stage}: run `python -m scripts.dvc_deps --write`"
         assert all((REPO / dep).is_file() for dep in stages[stage]["deps"] if is_code(dep))
         assert not {dep for dep in listed if dep.removesuffix(".py").replace("/", ".") in INFRASTRUCTURE}
     for stage in SHARDED:
@@ -246,7 +283,7 @@ def test_the_report_stage_depends_on_every_record_the_report_states() -> None:
     """A record the report reads but DVC does not track would leave the report stale when the record changes;
     the same records are deciding files, so committed results are checked against them."""
     deps = yaml.safe_load((REPO / "dvc.yaml").read_text())["stages"]["report"]["deps"]
-    for record in report.RECORDS:
+    for record in RECORDS:
         assert any(record == dep or record.startswith(f"{dep}/") for dep in deps), f"dvc.yaml report deps: {record}"
         assert record in DECIDING_FILES
 

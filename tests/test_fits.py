@@ -1,6 +1,6 @@
 """Tokenwise fits against an independent per-anchor reference.
 
-The reference (`pipeline.study_a.reference` with each class's `FitClass.reference`, which `lmgeo bench`
+The reference (`lmgeo.study_a.reference` with each class's `FitClass.reference`, which `lmgeo bench`
 also times) works one anchor at a time in NumPy float64: its own neighbour search by fully sorting the
 distances, its own least squares (`np.linalg.lstsq` on ridge-augmented systems), the full `d × d`
 Jacobian of each fitted map (by autograd for the MLP) and its full SVD. It shares nothing with the
@@ -15,16 +15,16 @@ import pyarrow as pa
 import pytest
 import torch
 
-from pipeline.core.contracts import FIT_METRICS as METRICS
-from pipeline.core.contracts import FITS, arrow_to_vectors, vector_type
-from pipeline.study_a.classes import FIT_CLASSES
-from pipeline.study_a.classes.diag_psd import fit_diag_psd
-from pipeline.study_a.classes.lowrank import fit_lowrank
-from pipeline.study_a.classes.orthogonal import fit_orthogonal
-from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer, null_sample
-from pipeline.study_a.knn import nearest_neighbours
-from pipeline.study_a.reference import reference_rows
+from lmgeo.core.contracts import FIT_METRICS as METRICS
+from lmgeo.core.contracts import FITS, arrow_to_vectors, vector_type
+from lmgeo.study_a.classes import FIT_CLASSES
+from lmgeo.study_a.classes.diag_psd import fit_diag_psd
+from lmgeo.study_a.classes.lowrank import fit_lowrank
+from lmgeo.study_a.classes.orthogonal import fit_orthogonal
+from lmgeo.study_a.config import AnalysisConfig
+from lmgeo.study_a.fits import choose_anchors, fit_layer, null_sample
+from lmgeo.study_a.knn import nearest_neighbours
+from lmgeo.study_a.reference import reference_rows
 
 CLASSES = FIT_CLASSES.names()
 
@@ -70,8 +70,15 @@ CONFIGS = {
     "euclid": dict(k=10, rank=2, p=3, ridge=1e-3, mlp_hidden=4, mlp_steps=25, anchors=9),
     # p > rank exercises the rank convention; cosine kNN excluding the anchor's own sequence.
     "cosine": dict(
-        k=14, rank=2, p=5, ridge=1e-2, mlp_hidden=3, mlp_steps=25, anchors=9,
-        distance="cosine", exclude_same_sequence=True,
+        k=14,
+        rank=2,
+        p=5,
+        ridge=1e-2,
+        mlp_hidden=3,
+        mlp_steps=25,
+        anchors=9,
+        distance="cosine",
+        exclude_same_sequence=True,
     ),
 }
 
@@ -101,7 +108,7 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
 def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
     """Memory is bounded by the anchor chunk (`fits.CHUNK_VALUES`); the rows do not depend on it (the
     MLP's start is drawn per anchor, whatever its chunk)."""
-    from pipeline.study_a import fits
+    from lmgeo.study_a import fits
 
     rng = np.random.default_rng(4)
     x, y, seq, pos, tok = random_layer(rng, d=6)
@@ -115,8 +122,19 @@ def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
         got, want = chunked.column(name).to_pylist(), whole.column(name).to_pylist()
         if name == "patched":  # stored vectors: compare the decoded values
             got, want = (_vectors_or_none(table.column(name)) for table in (chunked, whole))
-        if name in ("sample", "value_identified", "operator_identified", "converged", "subspace_tied", "subspace_dim",
-                    "seq_id", "pos", "token_id", "k", "input_rank"):
+        if name in (
+            "sample",
+            "value_identified",
+            "operator_identified",
+            "converged",
+            "subspace_tied",
+            "subspace_dim",
+            "seq_id",
+            "pos",
+            "token_id",
+            "k",
+            "input_rank",
+        ):
             assert got == want, name
         else:
             assert [g is None for g in got] == [w is None for w in want], name
@@ -134,11 +152,32 @@ def _vectors_or_none(column):
 
 def test_schema_is_the_contract():
     assert FITS.file_schema(3).names == [
-        "sample", "seq_id", "pos", "token_id", "k", "locality", "rel_err", "rel_err_state", "cos_full_tok",
-        "cos_full_res", "angle_res_tok", "proj_full", "proj_res", "proj_full_global", "proj_res_global", "norm_full",
-        "norm_res", "input_rank", "value_identified", "operator_identified", "converged", "subspace_tied",
-        "subspace_dim", "patched",
-        "n_nonfinite", "n_distinct",
+        "sample",
+        "seq_id",
+        "pos",
+        "token_id",
+        "k",
+        "locality",
+        "rel_err",
+        "rel_err_state",
+        "cos_full_tok",
+        "cos_full_res",
+        "angle_res_tok",
+        "proj_full",
+        "proj_res",
+        "proj_full_global",
+        "proj_res_global",
+        "norm_full",
+        "norm_res",
+        "input_rank",
+        "value_identified",
+        "operator_identified",
+        "converged",
+        "subspace_tied",
+        "subspace_dim",
+        "patched",
+        "n_nonfinite",
+        "n_distinct",
     ]
     assert FITS.file_schema(3).field("patched").type == vector_type(3)
 
@@ -210,8 +249,9 @@ def test_a_scaled_rotation_is_recovered_and_never_flagged():
     seq = np.arange(n)
     cfg = AnalysisConfig(k=24, anchors=30, p=2)
     anchors = choose_anchors(n, cfg.anchors, seed=1)
-    tables, _ = fit_layer(x.astype(np.float32), y.astype(np.float32), seq, seq, seq, anchors,
-                          ["similarity", "orthogonal"], cfg)  # fmt: skip
+    tables, _ = fit_layer(
+        x.astype(np.float32), y.astype(np.float32), seq, seq, seq, anchors, ["similarity", "orthogonal"], cfg
+    )
     sim = tables["similarity"]
     assert all(sim.column("value_identified").to_pylist()) and all(sim.column("operator_identified").to_pylist())
     patched = arrow_to_vectors(sim.column("patched"))
@@ -313,7 +353,7 @@ def test_choose_anchors_is_seeded_sorted_and_valid():
 def test_neighbours_are_searched_once_per_pool(monkeypatch):
     """One search for the real inputs, shared by every class and by `shuffled` (which permutes outputs only),
     whatever the order of the nulls; `gaussian` draws new inputs, so it gets its own."""
-    import pipeline.study_a.fits as fits
+    import lmgeo.study_a.fits as fits
 
     rng = np.random.default_rng(32)
     x, y, seq, pos, tok = random_layer(rng)
@@ -359,8 +399,8 @@ def test_layer_wide_fit_matches_the_reference_on_the_whole_pool(fn):
 def test_locality_is_the_kth_neighbour_over_the_median_pair_distance():
     """Against an independent computation: the reference's sorted distances and NumPy's median over the same
     seeded pairs; typically below 1 for neighbourhoods much smaller than the pool."""
-    from pipeline.study_a.fits import LOCALITY_PAIRS
-    from pipeline.study_a.reference import ref_distances
+    from lmgeo.study_a.fits import LOCALITY_PAIRS
+    from lmgeo.study_a.reference import ref_distances
 
     rng = np.random.default_rng(13)
     x, y, seq, pos, tok = random_layer(rng, n_seq=40, d=5)
@@ -430,8 +470,9 @@ def test_every_class_mlp_included_is_fitted_on_every_sample():
     x, y, seq, pos, tok = random_layer(rng)
     cfg = AnalysisConfig(**CONFIGS["euclid"])
     anchors = choose_anchors(len(x), 4, 2)
-    tables, _ = fit_layer(x, y, seq, pos, tok, anchors, ["mlp", "diag_psd"], cfg,
-                          samples=("real", "shuffled", "gaussian"))  # fmt: skip
+    tables, _ = fit_layer(
+        x, y, seq, pos, tok, anchors, ["mlp", "diag_psd"], cfg, samples=("real", "shuffled", "gaussian")
+    )
     for fn in ("mlp", "mlp.layer", "diag_psd"):
         assert tables[fn].column("sample").to_pylist() == ["real"] * 4 + ["shuffled"] * 4 + ["gaussian"] * 4, fn
     real, shuffled = (tables["mlp"].filter(pa.compute.equal(tables["mlp"]["sample"], s)) for s in ("real", "shuffled"))
@@ -457,7 +498,7 @@ def test_an_mlp_on_neighbours_that_are_one_point_is_the_constant_mean_update():
     """k copies of one input (a frequent token's embedding at layer 0) with different outputs: the map can only
     be a constant, so its value at the anchor is the mean update and J − I is 0 — finite, where 1/σ of the
     rounding noise overflowed before."""
-    from pipeline.study_a.classes.mlp import fit_mlp
+    from lmgeo.study_a.classes.mlp import fit_mlp
 
     rng = np.random.default_rng(3)
     d, k = 8, 24
@@ -473,7 +514,7 @@ def test_an_mlp_on_neighbours_that_are_one_point_is_the_constant_mean_update():
 
 def test_a_layer_with_no_identified_anchor_has_an_empty_global_subspace():
     """No identified value to span it (a tiny or degenerate layer): the layer's subspace is empty, not an error."""
-    from pipeline.study_a.geometry import global_basis
+    from lmgeo.study_a.geometry import global_basis
 
     basis = global_basis(torch.zeros(0, 5, dtype=torch.float64), 2)
     assert not bool(basis.columns.abs().sum()) and not bool(basis.tied.any())

@@ -1,7 +1,7 @@
 """The library on CUDA against the same calls on the CPU (marker `gpu`; `make gpu-check` runs these first).
 
 Without CUDA every test here skips itself, with the reason. Each compares through the check's own functions
-(`tools.gpucheck.compare`) at tiny sizes, or tests a property the CPU suite cannot: that the kNN's
+(`scripts.gpucheck.compare`) at tiny sizes, or tests a property the CPU suite cannot: that the kNN's
 tie-breaking and the exact diameter hold with CUDA's kernels.
 """
 
@@ -11,21 +11,31 @@ import pytest
 import torch
 from conftest import SEQ_LEN, VOCAB, tiny_size, trainable_families
 
-from pipeline.models.registry import build_model, head_of
-from pipeline.study_a.classes import FIT_CLASSES
-from pipeline.study_a.knn import nearest_neighbours
-from pipeline.study_b import hilbert
-from pipeline.study_b.baseline import baseline
-from tools.bench.sizes import identifiable_k
-from tools.gpucheck import compare
+from lmgeo.commands.bench.sizes import identifiable_k
+from lmgeo.models.registry import build_model, head_of
+from lmgeo.study_a.classes import FIT_CLASSES
+from lmgeo.study_a.knn import nearest_neighbours
+from lmgeo.study_b import hilbert
+from lmgeo.study_b.baseline import baseline
+from scripts.gpucheck import compare
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA: run on a CUDA machine with make gpu-check"),
 ]
 CUDA = torch.device("cuda")
-STUDY_A = compare.StudyAShape("tiny", tiny_size(), VOCAB, SEQ_LEN, n_seq=6, batch=3, anchors=16, patch_anchors=4,
-                              knn_chunk=32, k=identifiable_k(tiny_size().d_model))
+STUDY_A = compare.StudyAShape(
+    "tiny",
+    tiny_size(),
+    VOCAB,
+    SEQ_LEN,
+    n_seq=6,
+    batch=3,
+    anchors=16,
+    patch_anchors=4,
+    knn_chunk=32,
+    k=identifiable_k(tiny_size().d_model),
+)
 TRAIN = compare.TrainShape("tiny", tiny_size(), VOCAB, SEQ_LEN, batch=2, steps=3, save_checkpoints=True)
 
 
@@ -73,7 +83,7 @@ def test_gpu_memory_is_back_to_baseline_after_each_shard():
 def test_the_fused_loss_on_bf16_logits_is_transformers_loss_and_keeps_no_float32_copy():
     from transformers.loss.loss_utils import ForCausalLMLoss
 
-    from pipeline.study_b.loss import fused_next_token_loss
+    from lmgeo.study_b.loss import fused_next_token_loss
 
     gen = torch.Generator(device=CUDA).manual_seed(0)
     logits = (3 * torch.randn(4, 128, 2048, device=CUDA, generator=gen)).bfloat16()
@@ -91,7 +101,7 @@ def test_the_fused_loss_on_bf16_logits_is_transformers_loss_and_keeps_no_float32
 
 
 def test_losses_come_back_from_the_device_in_order_without_a_wait_per_step():
-    from pipeline.study_b.train import LossReadback
+    from lmgeo.study_b.train import LossReadback
 
     readback, values = LossReadback(max_unread=3), torch.arange(1.0, 11.0, device=CUDA)
     arrived = []
@@ -104,7 +114,7 @@ def test_losses_come_back_from_the_device_in_order_without_a_wait_per_step():
 
 
 def test_the_batched_muon_step_on_cuda_is_torch_muons():
-    from pipeline.study_b.muon import Muon
+    from lmgeo.study_b.muon import Muon
 
     gen = torch.Generator().manual_seed(7)
     start = [torch.randn(shape, generator=gen) for shape in [(96, 32), (96, 32), (32, 96), (64, 64)]]
@@ -124,9 +134,9 @@ def test_the_batched_muon_step_on_cuda_is_torch_muons():
 
 
 def test_on_cuda_the_radius_stays_on_the_device_and_adamw_is_fused():
-    from pipeline.study_b.config import TrainConfig
-    from pipeline.study_b.optim import build_optimizers
-    from pipeline.study_b.train import HeadInputs
+    from lmgeo.study_b.config import TrainConfig
+    from lmgeo.study_b.optim import build_optimizers
+    from lmgeo.study_b.train import HeadInputs
 
     model = build_model("neox", tiny_size(), VOCAB, SEQ_LEN, seed=0).to(CUDA)
     inputs = HeadInputs(head_of(model))
@@ -141,10 +151,10 @@ def test_on_cuda_the_radius_stays_on_the_device_and_adamw_is_fused():
 
 
 def test_mamba_trains_on_its_kernels_as_on_the_fallback():
-    from pipeline.models.kernels import kernels_chosen, use_mamba_kernels
+    from lmgeo.models.kernels import kernels_chosen, use_mamba_kernels
 
     if not kernels_chosen():
-        pytest.skip("mamba-ssm's kernels are not installed (tools/gpucheck/build_mamba_wheels.sh)")
+        pytest.skip("mamba-ssm's kernels are not installed (scripts/gpucheck/build_mamba_wheels.sh)")
     model = build_model("mamba", tiny_size(), VOCAB, SEQ_LEN, seed=0).to(CUDA)
     ids = torch.randint(0, VOCAB, (2, SEQ_LEN), device=CUDA, generator=torch.Generator(device=CUDA).manual_seed(0))
     losses, grads = [], []

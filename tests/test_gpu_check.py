@@ -17,11 +17,11 @@ import pytest
 import torch
 from packaging.requirements import Requirement
 
-from tools.gpucheck import compat, plan, summary, wheels
-from tools.gpucheck.compare import hilbert_invariant
-from tools.gpucheck.plan import Item
-from tools.gpucheck.summary import Outcome, Result
-from tools.gpucheck.tolerances import TOLERANCES, Tolerance, agree, combine, largest
+from scripts.gpucheck import compat, plan, summary, wheels
+from scripts.gpucheck.compare import hilbert_invariant
+from scripts.gpucheck.plan import Item
+from scripts.gpucheck.summary import Outcome, Result
+from scripts.gpucheck.tolerances import TOLERANCES, Tolerance, agree, combine, largest
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = torch.device("cpu")
@@ -78,9 +78,9 @@ def test_the_hilbert_invariant_counts_violations_and_sampled_diameters():
 
 # ------------------------------------------------------------------------------ fit comparisons
 def _fit_table():
-    from pipeline.study_a.config import AnalysisConfig
-    from pipeline.study_a.fits import choose_anchors, fit_layer
-    from tools.bench.synthetic import synthetic_states
+    from lmgeo.commands.bench.synthetic import synthetic_states
+    from lmgeo.study_a.config import AnalysisConfig
+    from lmgeo.study_a.fits import choose_anchors, fit_layer
 
     states = synthetic_states(n_seq=8, seq_len=12, d=6, n_layers=1, seed=2)
     seq = np.repeat(np.arange(8), 12)
@@ -94,8 +94,8 @@ def _with(table: pa.Table, name: str, values: list) -> pa.Table:
 
 
 def test_fit_comparisons_are_null_aware_and_leave_tied_anchors_out_of_the_subspace_columns():
-    from pipeline.core.contracts import arrow_to_vectors, vectors_to_arrow
-    from tools.gpucheck.compare import compare_fit_tables
+    from lmgeo.core.contracts import arrow_to_vectors, vectors_to_arrow
+    from scripts.gpucheck.compare import compare_fit_tables
 
     cpu = _fit_table()
     assert all(cpu["operator_identified"].to_pylist())  # k = 2d: every anchor is compared
@@ -104,12 +104,14 @@ def test_fit_comparisons_are_null_aware_and_leave_tied_anchors_out_of_the_subspa
     # A tied anchor (on either device) is left out of proj_full / proj_res, whatever its values there.
     tied_flag = [True] + cpu["subspace_tied"].to_pylist()[1:]
     off = [v + 0.5 for v in cpu["proj_res"].to_pylist()]
-    both = compare_fit_tables(_with(_with(cpu, "proj_res", off), "subspace_tied", tied_flag),
-                              _with(cpu, "subspace_tied", tied_flag))
+    both = compare_fit_tables(
+        _with(_with(cpu, "proj_res", off), "subspace_tied", tied_flag), _with(cpu, "subspace_tied", tied_flag)
+    )
     assert both.tied == 1 and not both.values["proj_res"].passed  # the other anchors' values are off
     only_tied = [v + 0.5 if i == 0 else v for i, v in enumerate(cpu["proj_res"].to_pylist())]
-    left_out = compare_fit_tables(_with(_with(cpu, "proj_res", only_tied), "subspace_tied", tied_flag),
-                                  _with(cpu, "subspace_tied", tied_flag))
+    left_out = compare_fit_tables(
+        _with(_with(cpu, "proj_res", only_tied), "subspace_tied", tied_flag), _with(cpu, "subspace_tied", tied_flag)
+    )
     assert left_out.values["proj_res"].passed and left_out.values["proj_res"].size == len(only_tied) - 1
     # A flag that differs is named (the tie itself must agree)...
     assert "subspace_tied" in compare_fit_tables(_with(cpu, "subspace_tied", tied_flag), cpu).mismatched
@@ -118,8 +120,9 @@ def test_fit_comparisons_are_null_aware_and_leave_tied_anchors_out_of_the_subspa
     assert nulled.mismatched == ["rel_err"] and nulled.values["rel_err"].passed
     vectors = arrow_to_vectors(cpu["patched"]).copy()
     vectors[2, 0] += 1e-2
-    moved = compare_fit_tables(cpu.set_column(cpu.schema.get_field_index("patched"), "patched",
-                                              vectors_to_arrow(vectors)), cpu)
+    moved = compare_fit_tables(
+        cpu.set_column(cpu.schema.get_field_index("patched"), "patched", vectors_to_arrow(vectors)), cpu
+    )
     assert not moved.values["patched"].passed and not moved.mismatched
 
 
@@ -159,7 +162,10 @@ def test_gpu_test_outcomes_are_read_from_pytests_junit_report():
         "</testsuite>"
     )
     assert [plan.case_outcome(c) for c in cases] == [
-        ("passed", ""), ("failed", "assert 1 == 2"), ("skipped", "no CUDA: run it there"), ("error", ""),
+        ("passed", ""),
+        ("failed", "assert 1 == 2"),
+        ("skipped", "no CUDA: run it there"),
+        ("error", ""),
     ]
 
 
@@ -167,13 +173,29 @@ def test_summaries_hold_every_result_tables_and_failures(tmp_path):
     results = [
         Result("Study A", "fit x", "pass", 1.0, "max |Δ| 1e-9", {"worst": np.float64(1e-9), "nan": float("nan")}),
         Result("Study A", "fit y", "error", 0.5, "ValueError: bad", {"traceback": "Traceback …\nValueError: bad"}),
-        Result("speed", "steps", "measured", 2.0, "fast",
-               {"tables": {"per recipe": {"columns": ["recipe", "ms"], "rows": [["muon", 12.5], ["adamw", None]]}},
-                "array": np.arange(3)}),
+        Result(
+            "speed",
+            "steps",
+            "measured",
+            2.0,
+            "fast",
+            {
+                "tables": {"per recipe": {"columns": ["recipe", "ms"], "rows": [["muon", 12.5], ["adamw", None]]}},
+                "array": np.arange(3),
+            },
+        ),
     ]
-    header = {"mode": "CUDA", "command": "make gpu-check", "device": "NVIDIA H200", "started_utc": "now",
-              "budget_s": 420.0, "wall_s": 3.5, "finished": True, "versions": {"torch": "2.11.0"},
-              "install": {"installed": ["pydantic.whl"], "unmet_requirements": ["lmgeo needs ray"]}}
+    header = {
+        "mode": "CUDA",
+        "command": "make gpu-check",
+        "device": "NVIDIA H200",
+        "started_utc": "now",
+        "budget_s": 420.0,
+        "wall_s": 3.5,
+        "finished": True,
+        "versions": {"torch": "2.11.0"},
+        "install": {"installed": ["pydantic.whl"], "unmet_requirements": ["lmgeo needs ray"]},
+    }
     summary.write(tmp_path, header, results)
     document = json.loads((tmp_path / summary.JSON_NAME).read_text())
     assert document["counts"] == {"pass": 1, "FAIL": 0, "error": 1, "skipped": 0, "measured": 1}
@@ -190,11 +212,14 @@ def test_summaries_hold_every_result_tables_and_failures(tmp_path):
 
 # ------------------------------------------------------------------------- issue #39's training items
 def test_the_step_bars_are_adamw_within_20_ms_and_every_recipe_within_1_3_times_it():
-    from tools.gpucheck.speed import step_bars
+    from scripts.gpucheck.speed import step_bars
 
     bars = step_bars({"adamw": 18.0, "muon": 23.0, "hilbert": 24.0})
     assert [(name, bar["passed"]) for name, bar in bars.items()] == [
-        ("adamw ≤ 20 ms", True), ("muon ≤ 1.3× adamw", True), ("hilbert ≤ 1.3× adamw", False)]
+        ("adamw ≤ 20 ms", True),
+        ("muon ≤ 1.3× adamw", True),
+        ("hilbert ≤ 1.3× adamw", False),
+    ]
     assert bars["hilbert ≤ 1.3× adamw"]["value"] == pytest.approx(24 / 18)
     assert not step_bars({"adamw": 21.0})["adamw ≤ 20 ms"]["passed"]
 
@@ -213,12 +238,17 @@ def test_mamba_on_its_kernels_is_compared_with_the_fallback_or_skipped_saying_wh
 
 
 def test_without_kernels_mambas_path_is_reported_and_not_judged_on_the_cpu():
-    from tools.gpucheck.speed import heaviest_kernels, mamba_kernel_path
+    from scripts.gpucheck.speed import heaviest_kernels, mamba_kernel_path
 
     found = mamba_kernel_path(CPU)
     assert found.passed is None and "not installed" in found.summary
-    assert set(found.detail["implementations"]) == {"mamba_inner_fn", "causal_conv1d_fn", "causal_conv1d_update",
-                                                    "mamba_selective_scan", "mamba_selective_state_update"}
+    assert set(found.detail["implementations"]) == {
+        "mamba_inner_fn",
+        "causal_conv1d_fn",
+        "causal_conv1d_update",
+        "mamba_selective_scan",
+        "mamba_selective_state_update",
+    }
     assert heaviest_kernels(lambda: None, CPU)["rows"] == []  # device kernels exist on CUDA only
 
 
@@ -238,8 +268,9 @@ def test_the_wheel_list_is_what_the_machine_lacks_plus_version_floors():
         "mambapy": [Requirement("torch")],
     }
     pins = {"pydantic": "2.14", "pydantic-core": "2.5", "typing-extensions": "4.16.0", "mambapy": "1.2"}
-    carried = wheels.wheel_list(["Pydantic", "torch", "mambapy"], lambda n: requires.get(n, []),
-                                frozenset({"torch", "typing-extensions"}), pins)
+    carried = wheels.wheel_list(
+        ["Pydantic", "torch", "mambapy"], lambda n: requires.get(n, []), frozenset({"torch", "typing-extensions"}), pins
+    )
     pinned = ["mambapy==1.2", "pydantic==2.14", "pydantic-core==2.5", "typing-extensions==4.16.0"]
     assert [c.pin for c in carried] == pinned
     assert "installed only if" in carried[-1].reason
@@ -315,8 +346,15 @@ def test_a_module_needing_an_uncarried_package_is_not_a_failure(tmp_path, monkey
 # --------------------------------------------------------------------------------- entry point
 def _check(*args: str, out: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    return subprocess.run([sys.executable, "-m", "tools.gpucheck", "--out", str(out), *args],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=500, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.gpucheck", "--out", str(out), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=False,
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would run")
@@ -338,8 +376,9 @@ def test_the_whole_plan_runs_end_to_end_with_the_cpu_standing_in(tmp_path):
     for item in expected:
         status = results[(item.section, item.name)]["status"]
         skipped = item.cuda_only or item.unavailable
-        assert status == ("skipped" if skipped else "measured" if item.section.startswith("measurements")
-                          else "pass"), (item.name, results[(item.section, item.name)]["summary"])
+        assert status == (
+            "skipped" if skipped else "measured" if item.section.startswith("measurements") else "pass"
+        ), (item.name, results[(item.section, item.name)]["summary"])
     gpu_tests = results[("environment", "GPU tests (pytest -m gpu)")]["summary"]
     assert "skipped (no CUDA" in gpu_tests  # each test skipped itself, saying why
     assert document["finished"] and document["mode"].startswith("CPU stand-in")

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.spatial.distance import pdist, squareform
 
-from pipeline.study_b import hilbert
+from lmgeo.study_b import hilbert
 
 DOUBLE = torch.float64
 
@@ -245,8 +245,12 @@ def _best_spread(n_points: int, width: int, restarts: int) -> float:
 
     best = 0.0
     for _ in range(restarts):
-        found = minimize(negative_soft_ratio, rng.standard_normal(n_points * width), method="Nelder-Mead",
-                         options={"maxiter": 20000, "xatol": 1e-9, "fatol": 1e-12})  # fmt: skip
+        found = minimize(
+            negative_soft_ratio,
+            rng.standard_normal(n_points * width),
+            method="Nelder-Mead",
+            options={"maxiter": 20000, "xatol": 1e-9, "fatol": 1e-12},
+        )
         d = pdist(found.x.reshape(n_points, width))
         best = max(best, d.min() / d.max())
     return best

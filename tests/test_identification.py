@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_a.classes import FIT_CLASSES
-from pipeline.study_a.classes.base import FitContext
-from pipeline.study_a.classes.lowrank import fit_lowrank
-from pipeline.study_a.classes.orthogonal import fit_orthogonal, procrustes_reference
-from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import Fitted, _identifications, _identified
-from pipeline.study_a.identification import U32, NeighbourhoodGram, identify
-from pipeline.study_a.reference import identification
+from lmgeo.study_a.classes import FIT_CLASSES
+from lmgeo.study_a.classes.base import FitContext
+from lmgeo.study_a.classes.lowrank import fit_lowrank
+from lmgeo.study_a.classes.orthogonal import fit_orthogonal, procrustes_reference
+from lmgeo.study_a.config import AnalysisConfig
+from lmgeo.study_a.fits import Fitted, _identifications, _identified
+from lmgeo.study_a.identification import U32, NeighbourhoodGram, identify
+from lmgeo.study_a.reference import identification
 
 
 def float32(a: np.ndarray) -> np.ndarray:
@@ -47,7 +47,6 @@ def test_rank_and_span_match_numpys_svd(k, d):
     assert got.in_span.tolist() == [inside or rank == d for rank, inside in cases]
 
 
-
 def test_identification_does_not_depend_on_what_is_decomposed_with_it():
     """The span test decomposes only the neighbourhoods that lack full rank, one matrix at a time in LAPACK:
     the same answer for each anchor alone, all together, and after a class has asked for every
@@ -64,8 +63,12 @@ def test_identification_does_not_depend_on_what_is_decomposed_with_it():
     assert after_eigen.in_span.tolist() == together.in_span.tolist()
     assert [int(a.input_rank) for a in alone] == together.input_rank.tolist() == [8, 8, 5, 5, 3, 3, 8, 8]
     # full rank (d = 8): every anchor is in the span; deficient: only those planted inside
-    assert [bool(a.in_span) for a in alone] == together.in_span.tolist() == [True, True, True, False,
-                                                                              True, False, True, True]
+    assert (
+        [bool(a.in_span) for a in alone]
+        == together.in_span.tolist()
+        == [True, True, True, False, True, False, True, True]
+    )
+
 
 def refit(fn, xn, yn, x_a, cfg):
     xt, yt, at = (torch.from_numpy(v)[None] for v in (xn, yn, x_a))
@@ -101,8 +104,9 @@ def test_identified_values_move_by_the_float32_rounding(fn, case):
     if case == "deficient_inside" and FIT_CLASSES[fn].needs_rank(x_a.size) == x_a.size:
         assert fitted.operator_identified.tolist() == [False]  # rank 6 < d: the map itself is not determined
     scale = np.linalg.norm(value - x_a)
-    moves = [np.linalg.norm(refit(fn, *(perturbed(rng, v) for v in (xn, yn, x_a)), cfg)[1] - value) / scale
-             for _ in range(4)]  # fmt: skip
+    moves = [
+        np.linalg.norm(refit(fn, *(perturbed(rng, v) for v in (xn, yn, x_a)), cfg)[1] - value) / scale for _ in range(4)
+    ]
     assert max(moves) < 1e-4, moves
 
 

@@ -1,6 +1,6 @@
-"""The library's import graph: no circle, no arrow from `pipeline/core` to a later layer (CONTRIBUTING:
+"""The library's import graph: no circle, no arrow from `lmgeo/core` to a later layer (CONTRIBUTING:
 `core` → `models` → `text` → `study_a`, `study_b` → `results`, with `params` assembling them) and none out
-of the library to `stages/` or `tools/`.
+of the library to the driver, the stages, the commands or the CLI above it.
 
 Every import counts, lazy ones inside functions included (they run as soon as the function does), except
 those under `if TYPE_CHECKING:`, which never run. Importing `a.b.c` runs `a/__init__` and `a/b/__init__`
@@ -21,7 +21,7 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-MODULES = {module_name(path): path for path in sorted((REPO / "pipeline").rglob("*.py"))}
+MODULES = {module_name(path): path for path in sorted((REPO / "lmgeo").rglob("*.py"))}
 
 
 def is_type_checking(test: ast.expr) -> bool:
@@ -104,13 +104,13 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_lazy_imports_and_package_inits():
     graph = import_graph()
-    assert "pipeline.core.store" in graph["pipeline.core.contracts"]  # imported inside a function
-    assert "pipeline.study_a.classes.base" not in graph["pipeline.study_a.reference"]  # if TYPE_CHECKING
-    # importing `pipeline.study_b.recipes.base` runs the package's __init__ (the registry) first...
-    base = "pipeline.study_b.recipes.base"
-    assert targets(base, "pipeline.tools.bench.recipes") == {"pipeline.study_b", "pipeline.study_b.recipes", base}
+    assert "lmgeo.core.store" in graph["lmgeo.core.contracts"]  # imported inside a function
+    assert "lmgeo.study_a.classes.base" not in graph["lmgeo.study_a.reference"]  # if TYPE_CHECKING
+    # importing `lmgeo.study_b.recipes.base` runs the package's __init__ (the registry) first...
+    base = "lmgeo.study_b.recipes.base"
+    assert targets(base, "lmgeo.tools.bench.recipes") == {"lmgeo.study_b", "lmgeo.study_b.recipes", base}
     # ...but not from inside the package, which Python has begun to initialise before any of its modules
-    assert targets(base, "pipeline.study_b.recipes.adamw") == {base}
+    assert targets(base, "lmgeo.study_b.recipes.adamw") == {base}
 
 
 def test_no_import_circle():
@@ -122,18 +122,37 @@ def test_core_imports_no_later_layer():
     arrows = [
         f"{module} -> {target}"
         for module, edges in import_graph().items()
-        if module.startswith("pipeline.core")
+        if module.startswith("lmgeo.core")
         for target in sorted(edges)
         if target.split(".")[1:2] and target.split(".")[1] in LATER_LAYERS
     ]
-    assert not arrows, "pipeline/core imports a later layer:\n" + "\n".join(arrows)
+    assert not arrows, "lmgeo/core imports a later layer:\n" + "\n".join(arrows)
 
 
-def test_the_library_imports_neither_stages_nor_tools():
+# The package's floors, lowest first: the library (its own layers checked above), the driver, the stages, the
+# commands beside them, the CLI on top. A module imports from its own floor and those below it only.
+FLOORS = (
+    ("core", "models", "text", "study_a", "study_b", "results", "params"),
+    ("driver",),
+    ("stages",),
+    ("commands",),
+    ("cli",),
+)
+
+
+def floor(module: str) -> int:
+    part = module.split(".")[1] if "." in module else ""
+    return next((i for i, names in enumerate(FLOORS) if part in names), 0)
+
+
+def test_no_import_runs_back_up_a_floor():
     arrows = [
-        f"{name} -> {imported}"
-        for name in MODULES
-        for imported in imports_of(name)
-        if imported.split(".")[0] in ("stages", "tools")
+        f"{module} -> {target}"
+        for module, edges in import_graph().items()
+        for target in sorted(edges)
+        if floor(target) > floor(module)
     ]
     assert not arrows, "\n".join(arrows)
+    assert (
+        floor("lmgeo.cli") > floor("lmgeo.commands.analyse") > floor("lmgeo.stages.fit") > floor("lmgeo.driver.layout")
+    )

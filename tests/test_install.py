@@ -16,8 +16,11 @@ LINUX_X86 = {"sys_platform": "linux", "platform_machine": "x86_64"}
 
 
 def torch_pins(environment: dict[str, str]) -> list[str]:
-    pins = [Requirement(line.split("#")[0]) for line in (REPO / "constraints.txt").read_text().splitlines()
-            if line.startswith("torch=")]  # fmt: skip
+    pins = [
+        Requirement(line.split("#")[0])
+        for line in (REPO / "constraints.txt").read_text().splitlines()
+        if line.startswith("torch=")
+    ]
     return [str(pin.specifier) for pin in pins if pin.marker is None or pin.marker.evaluate(environment)]
 
 

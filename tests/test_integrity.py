@@ -29,9 +29,9 @@ from reliability_helpers import (
     write_params,
 )
 
-from pipeline.core.store import ManifestKey, ShardWriter, manifest_path, verified_files
-from pipeline.models.loading import ModelLoadError, check_model, load_model
-from pipeline.models.registry import build_model
+from lmgeo.core.store import ManifestKey, ShardWriter, manifest_path, verified_files
+from lmgeo.models.loading import ModelLoadError, check_model, load_model
+from lmgeo.models.registry import build_model
 
 pytestmark = pytest.mark.slow
 
@@ -126,10 +126,10 @@ def test_2_a_changed_external_model_is_noticed_by_dvc_and_recomputed(ws):
 
 
 def test_2_an_external_model_changed_after_planning_is_refused_when_opened(ws):
-    from pipeline.params import load_params
-    from stages.analysis_set import analysed_models
-    from stages.layout import Layout
-    from stages.opening import verify_weights
+    from lmgeo.driver.analysis_set import analysed_models
+    from lmgeo.driver.layout import Layout
+    from lmgeo.driver.opening import verify_weights
+    from lmgeo.params import load_params
 
     layout, params = Layout(ws), load_params(ws / "params.yaml")
     external = next(m for m in analysed_models(params, layout) if not m.trained)
@@ -160,8 +160,17 @@ def test_3_a_config_over_the_budget_or_the_memory_is_refused_before_allocation(t
     huge = tmp_path / "huge"
     huge.mkdir()
     config = json.loads((save_tiny(tmp_path / "small") / "config.json").read_text())
-    (huge / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 48, "hidden_size": 16384,
-                                                  "intermediate_size": 65536, "num_attention_heads": 128}))  # fmt: skip
+    (huge / "config.json").write_text(
+        json.dumps(
+            {
+                **config,
+                "num_hidden_layers": 48,
+                "hidden_size": 16384,
+                "intermediate_size": 65536,
+                "num_attention_heads": 128,
+            }
+        )
+    )
     (huge / "model.safetensors").write_bytes(b"")
     with pytest.raises(ModelLoadError, match="max_model_parameters"):
         check_model(str(huge))
@@ -187,10 +196,11 @@ def test_5_code_in_the_workspace_is_the_code_that_keys_the_shards(ws):
     comes first on their path), so the edited fit redoes every fit shard."""
     import shutil
 
-    for package in ("pipeline", "stages"):
-        shutil.copytree(Path(__file__).resolve().parents[1] / package, ws / package,
-                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    fits = ws / "pipeline" / "study_a" / "fits.py"
+    for package in ("lmgeo",):
+        shutil.copytree(
+            Path(__file__).resolve().parents[1] / package, ws / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
+    fits = ws / "lmgeo" / "study_a" / "fits.py"
     fits.write_text(fits.read_text().replace("return np.arange(n)", "return np.arange(n).copy()", 1))
     done = lmgeo(ws, "fit")
     assert "fit: 0/4 shards complete, 4 to do" in done.stdout, done.stdout
@@ -254,8 +264,14 @@ def test_10_an_unreachable_ray_address_fails_fast_naming_it_before_pruning(ws):
     before = snapshot(ws / "data")
     write_params(ws, {"analysis.rank": "1"})  # fit has work to do, and stale shards to prune
     started = time.monotonic()
-    done = subprocess.run([str(BIN / "lmgeo"), "fit", "--ray-address", "127.0.0.1:1"], cwd=ws, env=env(),
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [str(BIN / "lmgeo"), "fit", "--ray-address", "127.0.0.1:1"],
+        cwd=ws,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     fails(done, "127.0.0.1:1", "cannot reach")
     assert time.monotonic() - started < 60
     assert snapshot(ws / "data") == before
@@ -285,8 +301,14 @@ def test_10_ctrl_c_in_a_query_is_one_line_and_exit_130(ws, tmp_path):
     slow = "SELECT count(*) FROM range(100000000) a, range(100000000) b"
     private = tmp_path / "tmp"  # the query's own temp folder appears here: the sign it is past the imports
     private.mkdir()
-    proc = subprocess.Popen([str(BIN / "lmgeo"), "query", slow], cwd=ws, env={**env(), "TMPDIR": str(private)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [str(BIN / "lmgeo"), "query", slow],
+        cwd=ws,
+        env={**env(), "TMPDIR": str(private)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         # Past the imports once `query_table` has made its temp folder: Ctrl-C lands in the set-up or the
         # query (set-up alone: tests/test_query.py).
@@ -308,9 +330,9 @@ def test_10_a_query_past_its_timeout_is_stopped(ws):
 
 
 def test_10_the_threads_of_a_task_are_in_its_key(ws):
-    from pipeline.params import load_params
-    from stages.layout import Layout
-    from stages.train import plan
+    from lmgeo.driver.layout import Layout
+    from lmgeo.params import load_params
+    from lmgeo.stages.train import plan
 
     params = load_params(ws / "params.yaml")
     layout = Layout(ws)
@@ -321,10 +343,10 @@ def test_10_the_threads_of_a_task_are_in_its_key(ws):
 
 
 def test_10_train_plans_each_run_with_the_time_its_last_training_took(ws):
-    from pipeline.params import load_params
-    from stages.layout import Layout
-    from stages.telemetry import read_telemetry
-    from stages.train import plan
+    from lmgeo.driver.layout import Layout
+    from lmgeo.driver.telemetry import read_telemetry
+    from lmgeo.params import load_params
+    from lmgeo.stages.train import plan
 
     layout = Layout(ws)
     measured = read_telemetry(layout)

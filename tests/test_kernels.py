@@ -1,4 +1,4 @@
-"""Mamba's kernel selection (`pipeline.models.kernels`), on the CPU: with stand-in `mamba_ssm` and
+"""Mamba's kernel selection (`lmgeo.models.kernels`), on the CPU: with stand-in `mamba_ssm` and
 `causal_conv1d` packages on the path, transformers picks them as it would pick the real ones, and our
 routing keeps every CPU call on the PyTorch reference (the same numbers as without them), while a CUDA
 argument reaches the kernel unless `use_mamba_kernels(False)` says otherwise. The real kernels run on a CUDA
@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.models import kernels
+from lmgeo.models import kernels
 
 # Stand-ins with the kernels' import paths and names; each returns its own name, so a call that reaches one
 # is seen (a CPU model that reached one would fail at once).
@@ -50,9 +50,9 @@ FAKE_PACKAGES = {
 # a CPU training step of a tiny Mamba, its loss and gradient norm, and one routed call per device.
 PROBE = """
 import json, types, torch
-from pipeline.models import kernels
-from pipeline.models.config import ModelSize
-from pipeline.models.registry import build_model
+from lmgeo.models import kernels
+from lmgeo.models.config import ModelSize
+from lmgeo.models.registry import build_model
 model = build_model("mamba", ModelSize(d_model=16, n_layers=2, d_state=4, expand=2), 32, 12, seed=0)
 ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(1))
 loss = model(input_ids=ids, labels=ids).loss
@@ -81,8 +81,9 @@ def probe(extra_path: Path | None) -> dict:
     env = dict(os.environ)
     if extra_path is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(extra_path), env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_a import knn
-from pipeline.study_a.knn import nearest_neighbours, neighbour_distances
-from pipeline.study_a.reference import ref_distances
+from lmgeo.study_a import knn
+from lmgeo.study_a.knn import nearest_neighbours, neighbour_distances
+from lmgeo.study_a.reference import ref_distances
 
 
 @pytest.fixture(params=["faiss", "torch"])

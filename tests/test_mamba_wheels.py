@@ -1,4 +1,4 @@
-"""The build of mamba-ssm's and causal-conv1d's wheels for the CUDA machine (`tools/gpucheck/mamba_wheels.py`),
+"""The build of mamba-ssm's and causal-conv1d's wheels for the CUDA machine (`scripts/gpucheck/mamba_wheels.py`),
 everything but the compilation: the setup.py patch, the split of the slow translation unit, the prepared
 trees and the commands (`build --dry-run`), keeping what a build returns, and what `make gpu-check` installs.
 nvcc's compilation itself runs on the CUDA machine. Tests that need the real sdists skip without them
@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tools.gpucheck import mamba_wheels
-from tools.gpucheck.mamba_wheels import SDISTS, RecipeError, patch_setup, split_instantiations
+from scripts.gpucheck import mamba_wheels
+from scripts.gpucheck.mamba_wheels import SDISTS, RecipeError, patch_setup, split_instantiations
 
 REPO = Path(__file__).resolve().parents[1]
 HAVE_SDISTS = all((mamba_wheels.SDIST_DIR / s.filename).is_file() for s in SDISTS)
 needs_sdists = pytest.mark.skipif(not HAVE_SDISTS, reason="no sdists in .sdist/: run `make mamba-sdists`")
 
 # causal-conv1d 1.7.0's setup.py, cut to the lines the patch reads (the architectures, the source list).
-SETUP = textwrap.dedent('''
+SETUP = textwrap.dedent("""
     if not SKIP_CUDA_BUILD:
         cc_flag = []
         if HIP_BUILD:
@@ -50,7 +50,7 @@ SETUP = textwrap.dedent('''
                 ],
             )
         )
-''')
+""")
 
 
 def string_constants(text: str) -> list[str]:
@@ -77,7 +77,7 @@ def test_a_unit_splits_into_parts_holding_everything_before_and_three_instantiat
     lines = [f"template void f<T{i}>(P &params, S stream);\n" for i in range(7)]
     parts = split_instantiations(head + "".join(lines) + "\n")
     assert len(parts) == 3 and all(part.startswith(head) for part in parts)
-    assert [part[len(head):] for part in parts] == ["".join(lines[0:3]), "".join(lines[3:6]), lines[6]]
+    assert [part[len(head) :] for part in parts] == ["".join(lines[0:3]), "".join(lines[3:6]), lines[6]]
     with pytest.raises(RecipeError, match="at the end"):
         split_instantiations(head + lines[0] + "int g() { return 1; }\n")
 
@@ -94,12 +94,26 @@ def test_the_real_sources_are_prepared_as_the_recipe_says(tmp_path):
     parts = sorted((conv / "csrc").glob("causal_conv1d_bwd_part*.cu"))
     assert len(parts) == 6 and not (conv / "csrc/causal_conv1d_bwd.cu").exists()
     listed = [c for c in string_constants((conv / "setup.py").read_text()) if c.startswith("csrc/")]
-    assert sorted(listed) == sorted(["csrc/causal_conv1d.cpp", "csrc/causal_conv1d_fwd.cu",
-                                     "csrc/causal_conv1d_update.cu", *(f"csrc/{p.name}" for p in parts)])
+    assert sorted(listed) == sorted(
+        [
+            "csrc/causal_conv1d.cpp",
+            "csrc/causal_conv1d_fwd.cu",
+            "csrc/causal_conv1d_update.cu",
+            *(f"csrc/{p.name}" for p in parts),
+        ]
+    )
     # the parts together are the original unit: one copy of what precedes the 18 instantiations, each once
-    original = subprocess.run(["tar", "xzOf", str(mamba_wheels.SDIST_DIR / SDISTS[1].filename),
-                               "causal_conv1d-1.7.0/csrc/causal_conv1d_bwd.cu"], capture_output=True, text=True,
-                              check=True).stdout
+    original = subprocess.run(
+        [
+            "tar",
+            "xzOf",
+            str(mamba_wheels.SDIST_DIR / SDISTS[1].filename),
+            "causal_conv1d-1.7.0/csrc/causal_conv1d_bwd.cu",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     instantiations = [line for line in original.splitlines() if line.startswith("template void ")]
     found = [line for p in parts for line in p.read_text().splitlines() if line.startswith("template void ")]
     assert len(instantiations) == 18 and found == instantiations
@@ -109,9 +123,15 @@ def test_the_real_sources_are_prepared_as_the_recipe_says(tmp_path):
 
 @needs_sdists
 def test_a_dry_run_prepares_and_prints_both_builds_without_compiling(tmp_path):
-    done = subprocess.run(["bash", "tools/gpucheck/build_mamba_wheels.sh", "--dry-run", "--out", str(tmp_path)],
-                          cwd=REPO, capture_output=True, text=True, timeout=120, check=False,
-                          env={"PATH": "/usr/bin:/bin", "GPU_PYTHON": sys.executable})
+    done = subprocess.run(
+        ["bash", "scripts/gpucheck/build_mamba_wheels.sh", "--dry-run", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={"PATH": "/usr/bin:/bin", "GPU_PYTHON": sys.executable},
+    )
     assert done.returncode == 0, done.stderr
     commands = [line for line in done.stdout.splitlines() if "pip wheel" in line]
     assert len(commands) == 2
@@ -141,8 +161,12 @@ def fake_build(folder: Path, torch_version: str = "2.11.0+cu130") -> Path:
     for sdist in SDISTS:
         wheel = folder / f"{sdist.name}-{sdist.version}-cp312-cp312-linux_x86_64.whl"
         wheel.write_bytes(f"not a real wheel: {sdist.name}".encode())
-        results[sdist.name] = {"status": "built", "seconds": 1.0, "wheel": wheel.name,
-                               "wheel_sha256": mamba_wheels.sha256(wheel)}
+        results[sdist.name] = {
+            "status": "built",
+            "seconds": 1.0,
+            "wheel": wheel.name,
+            "wheel_sha256": mamba_wheels.sha256(wheel),
+        }
     mamba_wheels.write_manifest(folder, {"torch": torch_version}, results)
     return folder
 
@@ -152,8 +176,10 @@ def test_a_build_is_kept_with_its_sums_and_manifest_and_installed_only_on_its_to
     kept = mamba_wheels.adopt(source, house)
     assert [p.name.split("-")[0] for p in kept] == ["causal_conv1d", "mamba_ssm"]
     manifest = json.loads((house / "BUILD.json").read_text())
-    assert set(manifest["recipe"]["scripts_sha256"]) == {"tools/gpucheck/build_mamba_wheels.sh",
-                                                         "tools/gpucheck/mamba_wheels.py"}
+    assert set(manifest["recipe"]["scripts_sha256"]) == {
+        "scripts/gpucheck/build_mamba_wheels.sh",
+        "scripts/gpucheck/mamba_wheels.py",
+    }
     assert mamba_wheels.plan_kernel_install(house, "2.11.0+cu130").wheels == kept
     other = mamba_wheels.plan_kernel_install(house, "2.12.0+cu130")
     assert other.wheels == [] and "rebuild" in other.reason
@@ -175,4 +201,4 @@ def test_the_sdists_are_ignored_by_git_and_the_wheelhouse_is_not():
         return subprocess.run(["git", "check-ignore", "-q", path], cwd=REPO, check=False).returncode == 0
 
     assert ignored(".sdist/mamba_ssm-2.3.2.post1.tar.gz")
-    assert not ignored("tools/gpucheck/wheelhouse/mamba_ssm-2.3.2.post1-cp312-cp312-linux_x86_64.whl")
+    assert not ignored("scripts/gpucheck/wheelhouse/mamba_ssm-2.3.2.post1-cp312-cp312-linux_x86_64.whl")

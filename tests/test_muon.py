@@ -1,4 +1,4 @@
-"""`pipeline.study_b.muon`: Muon's Newton–Schulz products on CPU are bf16 GEMMs computed in float32 and rounded
+"""`lmgeo.study_b.muon`: Muon's Newton–Schulz products on CPU are bf16 GEMMs computed in float32 and rounded
 once; checked against an exact (float64) computation, against torch's own bf16 kernels, and step for step
 against torch.optim.Muon."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS, _zeropower_via_newtonschulz
 
-from pipeline.study_b.muon import Muon, bf16_product, newton_schulz, same_shape_batches
+from lmgeo.study_b.muon import Muon, bf16_product, newton_schulz, same_shape_batches
 
 BF16_ULP = 2.0**-7  # bf16 keeps 8 significant bits: one unit in the last place is ≤ 2⁻⁷ of the value
 

@@ -1,4 +1,4 @@
-"""The n-gram baselines of Study B's trained regime (`pipeline.study_b.ngram`), against independent
+"""The n-gram baselines of Study B's trained regime (`lmgeo.study_b.ngram`), against independent
 computations written here."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_b import ngram
-from pipeline.study_b.train import Windows
+from lmgeo.study_b import ngram
+from lmgeo.study_b.train import Windows
 
 
 def test_the_bigram_is_interpolated_kneser_ney_counted_by_hand() -> None:

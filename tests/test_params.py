@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.core.config import ParamsError
-from pipeline.params import load_params, parse_params
+from lmgeo.core.config import ParamsError
+from lmgeo.params import load_params, parse_params
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,15 +29,17 @@ def test_default_params_are_valid():
         ({"train": {"steps": "3"}}, "train.steps: Input should be a valid integer"),
         ({"train": {"steps": 0}}, "train.steps: Input should be greater than or equal to 1"),
         ({"prepare": {"val_fraction": 1.5}}, "prepare.val_fraction"),
-        ({"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}},
-         "val_fraction + test_fraction must leave a train split"),
+        (
+            {"prepare": {"val_fraction": 0.5, "test_fraction": 0.5}},
+            "val_fraction + test_fraction must leave a train split",
+        ),
         ({"train": {"recipe_overrides": {"hilbert_equi": {"equi_alignment": 1.5}}}}, "equi_alignment"),
         ({"train": {"matched_budget": {"taus": [0.1, 0], "seeds": [0]}}}, "train.matched_budget.taus.1"),
         ({"train": {"matched_budget": {"taus": [0.5], "seeds": []}}}, "matched_budget.seeds"),
         ({"train": {"matched_budget": {"taus": [0.5, 0.5], "seeds": [0]}}}, "matched_budget.taus"),
         ({"train": {"recipes": ["adamw", "lion"]}}, "train.recipes.1: unknown recipe 'lion'; registered: adamw, muon"),
         ({"analysis": {"classes": ["diag_psd", "kernel"]}}, "analysis.classes.1: unknown function class 'kernel'"),
-        # registered names are checked wherever a section holds one (pipeline.params walks the sections)
+        # registered names are checked wherever a section holds one (lmgeo.params walks the sections)
         ({"train": {"archs": ["neox", "llama"]}}, "train.archs.1: unknown model family 'llama'; registered: gpt2"),
         ({"train": {"recipe_overrides": {"lion": {"head_lr": 0.1}}}}, "train.recipe_overrides.lion.[key]: unknown"),
         ({"analysis": {"runs": {"archs": ["llama"]}}}, "analysis.runs.archs.0: unknown model family 'llama'"),
@@ -51,9 +53,13 @@ def test_default_params_are_valid():
         ({"prepare": {"corpus": {"source": "files"}}}, "corpus.paths must name at least one path"),
         # Values a task would crash on are refused here, before a stage deletes anything.
         ({"train": {"seeds": [18446744073709551616]}}, "train.seeds.0: Input should be less than or equal to"),
-        ({"analysis": {"exclude_same_sequence": True, "eval_sequences": 2, "k": 100, "anchors": 10},
-          "prepare": {"seq_len": 64}},
-         "too few neighbours once an anchor's own sequence"),
+        (
+            {
+                "analysis": {"exclude_same_sequence": True, "eval_sequences": 2, "k": 100, "anchors": 10},
+                "prepare": {"seq_len": 64},
+            },
+            "too few neighbours once an anchor's own sequence",
+        ),
     ],
 )
 def test_each_kind_of_error_names_the_key(raw, needle):
@@ -71,18 +77,22 @@ def test_every_unknown_name_is_reported_on_its_own_line():
 
 
 def test_names_left_out_are_every_registered_one():
-    """The sections cannot see the registries (they are imported by them): `pipeline.params` fills these in,
+    """The sections cannot see the registries (they are imported by them): `lmgeo.params` fills these in,
     whether the section is left out, given without the key, or given as an object."""
-    from pipeline.models.registry import FAMILIES
-    from pipeline.params import Params
-    from pipeline.study_a.classes import FIT_CLASSES
-    from pipeline.study_a.config import AnalysisConfig
-    from pipeline.study_b.config import TrainConfig
-    from pipeline.study_b.recipes import RECIPES
+    from lmgeo.models.registry import FAMILIES
+    from lmgeo.params import Params
+    from lmgeo.study_a.classes import FIT_CLASSES
+    from lmgeo.study_a.config import AnalysisConfig
+    from lmgeo.study_b.config import TrainConfig
+    from lmgeo.study_b.recipes import RECIPES
 
     trainable = [family.name for family in FAMILIES if family.trainable]
-    for params in (parse_params({}), parse_params({"train": {"steps": 3}, "analysis": {"k": 8}}),
-                   Params(train=TrainConfig(steps=3), analysis=AnalysisConfig(k=8)), Params()):  # fmt: skip
+    for params in (
+        parse_params({}),
+        parse_params({"train": {"steps": 3}, "analysis": {"k": 8}}),
+        Params(train=TrainConfig(steps=3), analysis=AnalysisConfig(k=8)),
+        Params(),
+    ):
         assert params.train.archs == trainable
         assert params.train.recipes == list(RECIPES.names())
         assert params.analysis.classes == list(FIT_CLASSES.names())
@@ -91,7 +101,7 @@ def test_names_left_out_are_every_registered_one():
 
 
 def test_importing_params_loads_no_registry():
-    code = "import sys, pipeline.params\nassert 'torch' not in sys.modules, 'torch'\n"
+    code = "import sys, lmgeo.params\nassert 'torch' not in sys.modules, 'torch'\n"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -111,7 +121,7 @@ def test_yaml_syntax_error_is_reported(tmp_path):
 
 def _lmgeo(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "stages.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "lmgeo.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
     )
 
 
@@ -159,7 +169,7 @@ def test_help_does_not_import_torch_or_ray():
     code = (
         "import sys\n"
         "from typer.testing import CliRunner\n"
-        "from stages.cli import app\n"
+        "from lmgeo.cli import app\n"
         "runner = CliRunner()\n"
         "for args in [['--help']] + [[c, '--help'] for c in "
         "['prepare','train','extract','fit','perturb','aggregate','report','query','bench']]:\n"
@@ -193,17 +203,17 @@ def test_every_param_dvc_tracks_is_written_in_params_yaml():
 
 @pytest.mark.parametrize("preset", sorted(p.name for p in (REPO / "presets").glob("*.yaml")))
 def test_every_preset_applies_to_the_default_params(preset):
-    from pipeline.core.config import flatten_overrides, load_yaml
-    from pipeline.params import apply_overrides
+    from lmgeo.core.config import flatten_overrides, load_yaml
+    from lmgeo.params import apply_overrides
 
     params = apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / preset)))
     assert params.train.runs()
 
 
 def test_the_ablation_presets_set_what_they_say():
-    from pipeline.core.config import flatten_overrides, load_yaml
-    from pipeline.params import apply_overrides
-    from pipeline.study_b.recipes import RECIPES
+    from lmgeo.core.config import flatten_overrides, load_yaml
+    from lmgeo.params import apply_overrides
+    from lmgeo.study_b.recipes import RECIPES
 
     def preset(name):
         return apply_overrides(load_params(REPO / "params.yaml"), flatten_overrides(load_yaml(REPO / "presets" / name)))
@@ -224,7 +234,7 @@ def test_the_ablation_presets_set_what_they_say():
 def test_a_preset_value_reads_back_through_dvcs_grammar():
     """`lmgeo preset` prints mappings with bare keys and no spaces (Hydra, which DVC's `-S` uses, takes no
     quoted key, and the shell splits `$(lmgeo preset ...)` on spaces); the value reads back unchanged."""
-    from pipeline.core.config import override_value, parse_override_value
+    from lmgeo.core.config import override_value, parse_override_value
 
     value = [{"id": "EleutherAI/pythia-70m", "revision": "step143000"}, {"id": "./models/x"}, {"n": 1.5e-6, "on": None}]
     printed = override_value(value)
@@ -233,24 +243,39 @@ def test_a_preset_value_reads_back_through_dvcs_grammar():
 
 
 def test_the_matched_budget_sweep_is_the_grid_again_per_seed_and_budget_and_study_as_own_runs_go_first():
-    from pipeline.core.contracts import parse_run_id
-    from pipeline.study_b.train import head_budget
+    from lmgeo.core.contracts import parse_run_id
+    from lmgeo.study_b.train import head_budget
 
     taus = [0.1, 0.2, 0.4, 0.8, 1.6]
-    params = parse_params({
-        "train": {"archs": ["neox"], "recipes": ["muon", "hilbert"], "seeds": [0, 1, 2], "steps": 50,
-                  "matched_budget": {"taus": taus, "seeds": [1, 2]}},
-        "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
-    })  # fmt: skip
+    params = parse_params(
+        {
+            "train": {
+                "archs": ["neox"],
+                "recipes": ["muon", "hilbert"],
+                "seeds": [0, 1, 2],
+                "steps": 50,
+                "matched_budget": {"taus": taus, "seeds": [1, 2]},
+            },
+            "analysis": {"runs": {"archs": ["mamba"], "recipes": ["muon"], "seeds": [0]}},
+        }
+    )
     runs = params.trained_runs()
-    assert runs[:7] == ["mamba-muon-s0", "neox-muon-s0", "neox-muon-s1", "neox-muon-s2", "neox-hilbert-s0",
-                        "neox-hilbert-s1", "neox-hilbert-s2"]  # fmt: skip
+    assert runs[:7] == [
+        "mamba-muon-s0",
+        "neox-muon-s0",
+        "neox-muon-s1",
+        "neox-muon-s2",
+        "neox-hilbert-s0",
+        "neox-hilbert-s1",
+        "neox-hilbert-s2",
+    ]
     sweep = [parse_run_id(r) for r in runs[7:]]
     assert runs[7:9] == ["neox-muon-s1-cap0.1", "neox-muon-s1-cap0.2"]
     # every recipe x sweep seed x budget, each once, at the study's horizon (its own run is the reference)
     assert len(set(runs[7:])) == len(runs[7:]) == 2 * 2 * len(taus)
     assert {(s.recipe, s.seed, s.cap) for s in sweep} == {
-        (r, seed, c) for r in ("muon", "hilbert") for seed in (1, 2) for c in taus}
+        (r, seed, c) for r in ("muon", "hilbert") for seed in (1, 2) for c in taus
+    }
     assert all(s.matched and params.train.for_run(s).steps == 50 for s in sweep)
     for spec in sweep:
         assert parse_run_id(spec.run_id) == spec
@@ -265,12 +290,20 @@ def test_the_sweep_trains_rownorm_once_as_hilbert_and_only_on_the_studys_seeds()
     """Under a matched budget `rownorm`'s training is `hilbert`'s (SPEC §3.2): with both in the grid the sweep
     trains `hilbert` only; alone, `rownorm` is swept. Sweep seeds outside the study's are refused (the study's
     run of the seed is the sweep's reference)."""
-    both = parse_params({"train": {"recipes": ["muon", "rownorm", "hilbert"], "seeds": [0],
-                                   "matched_budget": {"taus": [0.4], "seeds": [0]}}})  # fmt: skip
+    both = parse_params(
+        {
+            "train": {
+                "recipes": ["muon", "rownorm", "hilbert"],
+                "seeds": [0],
+                "matched_budget": {"taus": [0.4], "seeds": [0]},
+            }
+        }
+    )
     assert both.train.swept_recipes() == ["muon", "hilbert"]
     assert not any("rownorm" in r and "-cap" in r for r in both.trained_runs())
-    alone = parse_params({"train": {"recipes": ["muon", "rownorm"], "seeds": [0],
-                                    "matched_budget": {"taus": [0.4], "seeds": [0]}}})  # fmt: skip
+    alone = parse_params(
+        {"train": {"recipes": ["muon", "rownorm"], "seeds": [0], "matched_budget": {"taus": [0.4], "seeds": [0]}}}
+    )
     assert alone.train.swept_recipes() == ["muon", "rownorm"]
     with pytest.raises(ParamsError, match=r"matched_budget.seeds \[3\] are not among train.seeds"):
         parse_params({"train": {"seeds": [0], "matched_budget": {"taus": [0.4], "seeds": [0, 3]}}})
@@ -278,7 +311,7 @@ def test_the_sweep_trains_rownorm_once_as_hilbert_and_only_on_the_studys_seeds()
 
 @pytest.mark.parametrize("tau", [0.1, 1.6, 2.0, 1e-05, 3e-7, 12.5])
 def test_a_budget_reads_back_from_its_run_id_without_an_exponent(tau: float) -> None:
-    from pipeline.core.contracts import parse_run_id, run_id
+    from lmgeo.core.contracts import parse_run_id, run_id
 
     run = run_id("neox", "hilbert_equi", 3, matched=True, cap=tau)
     assert "e" not in run.split("-cap")[1] and parse_run_id(run).cap == tau
@@ -289,7 +322,7 @@ def test_a_budget_reads_back_from_its_run_id_without_an_exponent(tau: float) -> 
 
 
 def test_an_override_inside_a_null_section_creates_it():
-    from pipeline.params import Params, apply_overrides
+    from lmgeo.params import Params, apply_overrides
 
     params = apply_overrides(Params(), {"train.matched_budget.taus": "[0.4]", "train.matched_budget.seeds": "[0]"})
     assert params.train.matched_budget.taus == [0.4] and params.train.matched_budget.seeds == [0]
@@ -297,7 +330,7 @@ def test_an_override_inside_a_null_section_creates_it():
 
 def test_analysis_runs_null_analyses_no_trained_run_and_leaves_trainings_grid_alone():
     """`lmgeo analyse` sets `analysis.runs: null`: Study A then holds only the external models."""
-    from pipeline.params import apply_overrides
+    from lmgeo.params import apply_overrides
 
     default = load_params()
     none = apply_overrides(default, {"analysis.runs": "null"})
@@ -308,9 +341,9 @@ def test_analysis_runs_null_analyses_no_trained_run_and_leaves_trainings_grid_al
 def test_the_packaged_default_study_is_params_yaml():
     """`lmgeo analyse` (from any folder) and `lmgeo findings` read the default study shipped with the package;
     the repository's params.yaml, which `dvc repro` runs, must be that same study."""
-    from pipeline.params import DEFAULT_STUDY, default_study
+    from lmgeo.params import DEFAULT_STUDY, default_study
 
     assert default_study() == load_params(REPO / "params.yaml"), (
         f"params.yaml and {DEFAULT_STUDY.relative_to(REPO)} differ: change both together"
     )
-    assert DEFAULT_STUDY.is_relative_to(REPO / "pipeline")  # package data (pyproject's package-data lists it)
+    assert DEFAULT_STUDY.is_relative_to(REPO / "lmgeo")  # package data (pyproject's package-data lists it)

@@ -9,12 +9,12 @@ from conftest import SEQ_LEN, VOCAB, tiny_size
 from scipy.special import log_softmax
 from transformers import DynamicCache
 
-from pipeline.core.contracts import vectors_to_arrow
-from pipeline.models.hooks import block_output
-from pipeline.models.registry import blocks_of, build_model, head_of
-from pipeline.study_a import patching
-from pipeline.study_a.extract import capture_states
-from pipeline.study_a.patching import patch_kl_anchors, suffix_path
+from lmgeo.core.contracts import vectors_to_arrow
+from lmgeo.models.hooks import block_output
+from lmgeo.models.registry import blocks_of, build_model, head_of
+from lmgeo.study_a import patching
+from lmgeo.study_a.extract import capture_states
+from lmgeo.study_a.patching import patch_kl_anchors, suffix_path
 
 TINY = tiny_size()
 N_SEQ = 3
@@ -95,8 +95,9 @@ def test_a_copy_that_stops_at_its_anchor_has_the_direct_kl(model, tokens, states
     rows, positions = _anchors(rng, 10)
     vectors = states[layer + 1][rows, positions] + rng.normal(0, 1.0, (10, TINY.d_model)).astype(np.float32)
     to_end = np.arange(10) % 3 == 0
-    kl, kl_seq = patch_kl_anchors(model, tokens, rows, positions, layer, vectors, batch_size=4, mode=mode,
-                                  to_end=to_end)  # fmt: skip
+    kl, kl_seq = patch_kl_anchors(
+        model, tokens, rows, positions, layer, vectors, batch_size=4, mode=mode, to_end=to_end
+    )
     assert np.isnan(kl_seq[~to_end]).all() and np.isfinite(kl_seq[to_end]).all()
     for i in range(10):
         expected_kl, expected_seq = _direct_kl(model, tokens[rows[i]], layer, positions[i], vectors[i])
@@ -219,8 +220,8 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     an anchor without a patch has null KLs."""
     import pyarrow as pa
 
-    from pipeline.study_a.nulls import null_patches
-    from pipeline.study_a.perturb import perturb_layer
+    from lmgeo.study_a.nulls import null_patches
+    from lmgeo.study_a.perturb import perturb_layer
 
     layer, d = 1, TINY.d_model
     seq = np.repeat(np.arange(N_SEQ, dtype=np.int32), SEQ_LEN)
@@ -230,11 +231,18 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     rng = np.random.default_rng(4)
     patched = (h_next[anchors] + rng.normal(0, 1.0, (3, d))).astype(np.float32)
     fits = {
-        "diag_psd": pa.table({"sample": ["real"] * 3, "seq_id": seq[anchors], "pos": pos[anchors],
-                              "patched": vectors_to_arrow(patched)}),
-        "lowrank": pa.table({"sample": ["real"] * 2, "seq_id": seq[anchors[:2]], "pos": pos[anchors[:2]],
-                             "patched": vectors_to_arrow(patched[:2], null=np.array([False, True]))}),
-    }  # fmt: skip
+        "diag_psd": pa.table(
+            {"sample": ["real"] * 3, "seq_id": seq[anchors], "pos": pos[anchors], "patched": vectors_to_arrow(patched)}
+        ),
+        "lowrank": pa.table(
+            {
+                "sample": ["real"] * 2,
+                "seq_id": seq[anchors[:2]],
+                "pos": pos[anchors[:2]],
+                "patched": vectors_to_arrow(patched[:2], null=np.array([False, True])),
+            }
+        ),
+    }
     tokens_rows = pa.table({"seq_id": seq, "token_id": tokens.ravel().astype(np.int32)})
     outputs = pa.table({"seq_id": seq, "pos": pos, "h": vectors_to_arrow(h_next)})
     tables = perturb_layer(model, tokens_rows, outputs, fits, layer, seed=7, batch_size=5, directions=8)
@@ -242,8 +250,9 @@ def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, mode
     assert full["n_random"] == [8, 8, 8] and all(v is not None for v in full["kl_other"])
     expected = null_patches(fits["diag_psd"]["patched"], h_next[anchors], np.random.default_rng([7, layer, 0]), 8)
     rows, positions = np.repeat(seq[anchors], 8), np.repeat(pos[anchors], 8)
-    one_by_one, _ = patch_kl_anchors(model, tokens, rows, positions, layer, expected.random.reshape(-1, d),
-                                     batch_size=1, mode="full")  # fmt: skip
+    one_by_one, _ = patch_kl_anchors(
+        model, tokens, rows, positions, layer, expected.random.reshape(-1, d), batch_size=1, mode="full"
+    )
     np.testing.assert_allclose(np.array(full["kl_directions"]), one_by_one.reshape(3, 8), rtol=1e-4, atol=1e-8)
     np.testing.assert_allclose(full["kl_random"], one_by_one.reshape(3, 8).mean(axis=1), rtol=1e-4, atol=1e-8)
     single = tables["lowrank"].to_pydict()  # one patched anchor: no other anchor to borrow a residual from
@@ -270,5 +279,6 @@ def test_a_recurrent_copy_that_stops_at_its_anchor_takes_one_step(arch, model, t
     assert suffix_path(model, 0)[0] == "stepped"
     assert seen == [(2, 1)] * 10 + [(1, 1), (4, 1)]  # 2 sequences for positions 0..9; position 0; the rest
     for i in range(5):
-        np.testing.assert_allclose(kl[i], _direct_kl(model, tokens[rows[i]], 0, positions[i], vectors[i])[0],
-                                   rtol=1e-4, atol=1e-7)  # fmt: skip
+        np.testing.assert_allclose(
+            kl[i], _direct_kl(model, tokens[rows[i]], 0, positions[i], vectors[i])[0], rtol=1e-4, atol=1e-7
+        )

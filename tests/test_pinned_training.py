@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.core.determinism import pinned_environment
+from lmgeo.core.determinism import pinned_environment
 
 TESTS = Path(__file__).resolve().parent
 RECORDED = json.loads((TESTS / "pinned_training.json").read_text())
@@ -46,8 +46,14 @@ def cpu_vendor() -> str:
 @pytest.fixture(scope="module")
 def trained() -> dict:
     env = os.environ | pinned_environment(1)
-    done = subprocess.run([sys.executable, str(TESTS / "pinned_training.py")], env=env, capture_output=True,
-                          text=True, timeout=600, check=False)
+    done = subprocess.run(
+        [sys.executable, str(TESTS / "pinned_training.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout)
 

@@ -1,4 +1,4 @@
-"""The series of DVC's data plots (`pipeline/results/plots.py`): the loss curves and the budget sweep, checked
+"""The series of DVC's data plots (`lmgeo/results/plots.py`): the loss curves and the budget sweep, checked
 against the result tables by an independent computation (DuckDB), and byte-identical CSVs on a rerun."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import duckdb
 import pytest
 from test_aggregate import CFG, KEY, sources, write_study_a, write_study_b
 
-from pipeline.core.contracts import read_result_tables
-from pipeline.results.aggregate import aggregate
-from pipeline.results.plots import SERIES, plot_series
-from stages.aggregate import write_plots
-from stages.layout import Layout
+from lmgeo.core.contracts import read_result_tables
+from lmgeo.driver.layout import Layout
+from lmgeo.results.aggregate import aggregate
+from lmgeo.results.plots import SERIES, plot_series
+from lmgeo.stages.aggregate import write_plots
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_the_csvs_are_written_the_same_bytes_twice_and_without_study_b_are_empty
 
 def write_plots_from(tables: dict, layout: Layout) -> None:
     """`write_plots` reads the tables from `layout.tables`: write them there as aggregate would."""
-    from pipeline.core.store import ShardWriter
+    from lmgeo.core.store import ShardWriter
 
     with ShardWriter(layout.tables, "tables", KEY) as writer:
         for name, table in tables.items():

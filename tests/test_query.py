@@ -1,4 +1,4 @@
-"""Read-only, versioned SQL over the result tables and per-token datasets (pipeline/query.py)."""
+"""Read-only, versioned SQL over the result tables and per-token datasets (lmgeo/query.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import pytest
 import yaml
 from test_aggregate import CFG, KEY, sources, write_tiny_study
 
-from pipeline.core.contracts import vectors_to_arrow
-from pipeline.core.store import ManifestKey, ShardWriter
-from pipeline.results.aggregate import aggregate
-from pipeline.results.config import ReportConfig
-from pipeline.results.query import QueryError, check_read_only
-from pipeline.results.query import query_table as query_in
-from pipeline.results.query import run_query as run_in
-from stages.layout import Layout
+from lmgeo.core.contracts import vectors_to_arrow
+from lmgeo.core.store import ManifestKey, ShardWriter
+from lmgeo.driver.layout import Layout
+from lmgeo.results.aggregate import aggregate
+from lmgeo.results.config import ReportConfig
+from lmgeo.results.query import QueryError, check_read_only
+from lmgeo.results.query import query_table as query_in
+from lmgeo.results.query import run_query as run_in
 
 SOURCES = Layout(Path.cwd()).query_sources()
 
@@ -57,7 +57,8 @@ def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
         "SELECT model, count(*) AS n FROM fits WHERE fn = 'lowrank' GROUP BY model ORDER BY model", [], workspace
     )
     assert fits.to_pylist() == [
-        {"model": "gpt2-muon-s0@final", "n": 11}, {"model": "gpt2-muon-s0@init", "n": 11},
+        {"model": "gpt2-muon-s0@final", "n": 11},
+        {"model": "gpt2-muon-s0@init", "n": 11},
         {"model": "org/tiny-mamba", "n": 11},
     ]  # labels as in the tables; the file no manifest lists is not read
     joined = query_table(
@@ -119,9 +120,17 @@ def test_file_access_is_disabled_inside_duckdb(sql: str, workspace: Path) -> Non
 
 
 def test_read_only_statements_pass_the_check() -> None:
-    for sql in ("SELECT 1", "WITH a AS (SELECT 1) SELECT * FROM a", "FROM runs", "DESCRIBE runs", "SHOW TABLES",
-                "SUMMARIZE runs", "EXPLAIN SELECT 1", "EXPLAIN ANALYZE SELECT 1",
-                "PRAGMA table_info('runs')"):  # fmt: skip
+    for sql in (
+        "SELECT 1",
+        "WITH a AS (SELECT 1) SELECT * FROM a",
+        "FROM runs",
+        "DESCRIBE runs",
+        "SHOW TABLES",
+        "SUMMARIZE runs",
+        "EXPLAIN SELECT 1",
+        "EXPLAIN ANALYZE SELECT 1",
+        "PRAGMA table_info('runs')",
+    ):
         assert check_read_only(sql)
 
 
@@ -136,8 +145,9 @@ def test_bad_sql_is_a_query_error(workspace: Path) -> None:
 
 # ------------------------------------------------------------------------------------- revisions
 def git(repo: Path, *args: str) -> None:
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=repo, check=True,
-                   capture_output=True)  # fmt: skip
+    subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=repo, check=True, capture_output=True
+    )
 
 
 def write_runs(repo: Path, runs: pa.Table) -> None:
@@ -154,8 +164,10 @@ def commit_version(repo: Path, version: int, tables_by_dvc: bool = False) -> Non
     write_runs(repo, pa.table({"run": [f"v{version}"], "final_val_loss": [float(version)]}))
     n = version + 1
     with ShardWriter(repo / "data" / "fits", "fits", ManifestKey({}, "p", "c")) as writer:
-        writer.write({"model": "gpt2-muon-s0.final", "layer": 0, "fn": "lowrank"},
-                     pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}))
+        writer.write(
+            {"model": "gpt2-muon-s0.final", "layer": 0, "fn": "lowrank"},
+            pa.table({"seq_id": pa.array(range(n), pa.int32()), "rel_err": [0.5] * n}),
+        )
     with Repo(str(repo)) as dvc_repo:
         dvc_repo.add([str(repo / "data" / "fits"), *([str(repo / "reports" / "tables")] if tables_by_dvc else [])])
     git(repo, "add", "-A")
@@ -187,7 +199,8 @@ def test_several_revisions_are_united_with_a_rev_column(versioned_repo: Path) ->
         "SELECT rev, model, count(*) AS n FROM fits GROUP BY ALL ORDER BY n", ["HEAD~1", "HEAD"], versioned_repo
     )
     assert fits.to_pylist() == [
-        {"rev": "HEAD~1", "model": "gpt2-muon-s0@final", "n": 2}, {"rev": "HEAD", "model": "gpt2-muon-s0@final", "n": 3}
+        {"rev": "HEAD~1", "model": "gpt2-muon-s0@final", "n": 2},
+        {"rev": "HEAD", "model": "gpt2-muon-s0@final", "n": 3},
     ]
     single = query_table("SELECT * FROM runs", ["HEAD~1"], versioned_repo)
     assert single.column_names == ["run", "final_val_loss"] and single["run"].to_pylist() == ["v1"]
@@ -252,20 +265,23 @@ def test_a_study_stopped_half_way_is_queried_with_its_missing_shards_named(tmp_p
     """A stage records its plan before the fan-out: the shards of a plan in progress hold different keys (each
     run's own params), and a query reads the complete ones and names the others, instead of refusing a
     dataset "written with N different params hashes"."""
-    from pipeline.core.store import write_plan
+    from lmgeo.core.store import write_plan
 
     keys = {f"gpt2-muon-s{seed}": ManifestKey({}, f"params-of-s{seed}", "c") for seed in range(4)}
     write_plan(tmp_path / "data" / "train", keys, complete=False)
     for run in ("gpt2-muon-s0", "gpt2-muon-s2"):
         with ShardWriter(tmp_path / "data" / "train", run, keys[run]) as writer:
-            writer.write({"run": run}, pa.table({"step": pa.array([0, 1], pa.int64()), "train_loss": [4.0, 3.5]}),
-                         name="steps.parquet")  # fmt: skip
-    with caplog.at_level("WARNING", logger="pipeline.results.query"):
+            writer.write(
+                {"run": run},
+                pa.table({"step": pa.array([0, 1], pa.int64()), "train_loss": [4.0, 3.5]}),
+                name="steps.parquet",
+            )
+    with caplog.at_level("WARNING", logger="lmgeo.results.query"):
         rows = query_table("SELECT run, count(*) AS n FROM steps GROUP BY run ORDER BY run", None, tmp_path)
     assert rows.to_pylist() == [{"run": "gpt2-muon-s0", "n": 2}, {"run": "gpt2-muon-s2", "n": 2}]
     (note,) = [r.getMessage() for r in caplog.records]
     assert "data/train is partial" in note and "2 planned shards still to write (gpt2-muon-s1, gpt2-muon-s3)" in note
-    from pipeline.core.store import manifest_path
+    from lmgeo.core.store import manifest_path
 
     done = {run: keys[run] for run in ("gpt2-muon-s0", "gpt2-muon-s2")}
     write_plan(tmp_path / "data" / "train", done)  # the stage says it finished: a missing shard is an error again
@@ -277,7 +293,7 @@ def test_a_study_stopped_half_way_is_queried_with_its_missing_shards_named(tmp_p
 def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_temporary_copy(tmp_path: Path) -> None:
     """The revision's files are read from a temporary copy that is gone when the message is read: the
     refused file and its manifest are named by their workspace paths."""
-    from pipeline.core.store import manifest_path, shard_slug
+    from lmgeo.core.store import manifest_path, shard_slug
 
     repo = tmp_path / "repo"
     repo.mkdir()
@@ -307,11 +323,15 @@ def test_a_corrupt_file_at_a_revision_is_named_as_in_the_workspace_not_in_the_te
 def test_params_and_stored_vectors_are_queryable(workspace: Path) -> None:
     (workspace / "params.yaml").write_text("analysis:\n  k: 8\n  classes: [lowrank, identity]\n")
     rows = query_table("SELECT key, json_extract(value, '$') AS v FROM params ORDER BY key", None, workspace)
-    assert rows.to_pylist() == [{"key": "analysis.classes", "v": '["lowrank","identity"]'},
-                                {"key": "analysis.k", "v": "8"}]  # fmt: skip
+    assert rows.to_pylist() == [
+        {"key": "analysis.classes", "v": '["lowrank","identity"]'},
+        {"key": "analysis.k", "v": "8"},
+    ]
     vectors = query_table(
         "SELECT model, len(patched) AS d, list_cosine_similarity(patched, patched) AS cos FROM fit_vectors "
-        "WHERE fn = 'lowrank' LIMIT 1", None, workspace,
+        "WHERE fn = 'lowrank' LIMIT 1",
+        None,
+        workspace,
     )
     assert vectors.to_pylist() == [{"model": "gpt2-muon-s0@final", "d": 3, "cos": pytest.approx(1.0)}]
     assert "patched" not in query_table("DESCRIBE fits", None, workspace)["column_name"].to_pylist()
@@ -322,10 +342,17 @@ def test_the_vector_views_decode_the_stored_bytes_and_keep_null_rows(tmp_path: P
     vectors = np.random.default_rng(3).standard_normal((4, 5)).astype(np.float32)
     stored = vectors.astype(np.float16).astype(np.float32) if half else vectors
     with ShardWriter(tmp_path / "data" / "activations", "m/seq=0", KEY) as writer:
-        writer.write({"model": "m", "layer": 0}, pa.table({
-            "seq_id": pa.array([0, 0, 1, 1], pa.int32()), "pos": pa.array([0, 1, 0, 1], pa.int32()),
-            "token_id": pa.array([5, 6, 7, 8], pa.int32()),
-            "h": vectors_to_arrow(vectors, half=half, null=np.array([False, False, True, False]))}))  # fmt: skip
+        writer.write(
+            {"model": "m", "layer": 0},
+            pa.table(
+                {
+                    "seq_id": pa.array([0, 0, 1, 1], pa.int32()),
+                    "pos": pa.array([0, 1, 0, 1], pa.int32()),
+                    "token_id": pa.array([5, 6, 7, 8], pa.int32()),
+                    "h": vectors_to_arrow(vectors, half=half, null=np.array([False, False, True, False])),
+                }
+            ),
+        )
     rows = query_table("SELECT seq_id, pos, h FROM activation_vectors ORDER BY seq_id, pos", None, tmp_path)
     assert rows["h"].to_pylist() == [*stored[:2].tolist(), None, stored[3].tolist()]
     assert query_table("SELECT count(*) AS n FROM activations", None, tmp_path)["n"].to_pylist() == [4]
@@ -334,8 +361,10 @@ def test_the_vector_views_decode_the_stored_bytes_and_keep_null_rows(tmp_path: P
 def test_vectors_in_the_old_format_are_named_with_the_command_that_rewrites_them(tmp_path: Path) -> None:
     old = pa.FixedSizeListArray.from_arrays(pa.array(np.ones(6, np.float32)), 3)
     with ShardWriter(tmp_path / "data" / "activations", "m/seq=0", KEY) as writer:
-        writer.write({"model": "m", "layer": 0}, pa.table({"seq_id": pa.array([0, 1], pa.int32()),
-                                                           "pos": pa.array([0, 0], pa.int32()), "h": old}))
+        writer.write(
+            {"model": "m", "layer": 0},
+            pa.table({"seq_id": pa.array([0, 1], pa.int32()), "pos": pa.array([0, 0], pa.int32()), "h": old}),
+        )
     with pytest.raises(QueryError, match=r"vectors stored as fixed_size_list.*`lmgeo extract`") as refused:
         query_table("SELECT h FROM activation_vectors", None, tmp_path)
     assert "\n" not in str(refused.value)
@@ -352,19 +381,25 @@ def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: P
     import threading
     import time
 
-    from pipeline.results import query
+    from lmgeo.results import query
 
     assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN, (
         "SIGINT is ignored in this process, as it is for a suite started with `&` in a shell without job control "
-        "or under nohup: run the suite in the foreground")
+        "or under nohup: run the suite in the foreground"
+    )
     monkeypatch.setattr(query, "_LOCKDOWN", ("SELECT count(*) FROM range(100000) a, range(100000) b", *query._LOCKDOWN))
     ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     started = time.monotonic()
     ctrl_c.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            query_in("SELECT count(*) FROM range(100000000) a, range(100000000) b", None, tmp_path,
-                     {"tables": "tables", "params": "params.yaml"}, query.Limits(timeout_s=60))  # fmt: skip
+            query_in(
+                "SELECT count(*) FROM range(100000000) a, range(100000000) b",
+                None,
+                tmp_path,
+                {"tables": "tables", "params": "params.yaml"},
+                query.Limits(timeout_s=60),
+            )
     finally:
         ctrl_c.cancel()
     assert time.monotonic() - started < 30
@@ -381,13 +416,15 @@ def test_the_readmes_best_recipe_query_ranks_as_the_report_does(workspace: Path,
     import pyarrow.compute as pc
     from test_e2e import readme_commands
 
-    from pipeline.results.study_b.tables import recipes_table
+    from lmgeo.results.study_b.tables import recipes_table
 
     runs = query_table("SELECT * FROM runs", None, workspace)
     other = runs
-    for name, column in {"arch": pa.array(["neox"] * runs.num_rows, runs.schema.field("arch").type),
-                         "run": pc.replace_substring(runs["run"], "gpt2-", "neox-"),
-                         "final_test_loss": pc.subtract(10.0, runs["final_test_loss"])}.items():  # fmt: skip
+    for name, column in {
+        "arch": pa.array(["neox"] * runs.num_rows, runs.schema.field("arch").type),
+        "run": pc.replace_substring(runs["run"], "gpt2-", "neox-"),
+        "final_test_loss": pc.subtract(10.0, runs["final_test_loss"]),
+    }.items():
         other = other.set_column(runs.schema.get_field_index(name), runs.schema.field(name), column)
     both = pa.concat_tables([runs, other])
     with ShardWriter(tmp_path / "reports" / "tables", "tables", KEY) as writer:
@@ -481,8 +518,8 @@ def test_a_stage_records_a_new_plan_as_in_progress_and_keeps_the_record_of_the_p
     """Before its fan-out a stage records a plan it has not completed (a query then names what is missing), but a
     rerun of the completed plan that redoes a shard found corrupt leaves the record as it was (a failed rerun
     changes nothing)."""
-    from pipeline.core.store import PLAN_FILE, write_plan
-    from stages.sharded import _record_in_progress
+    from lmgeo.core.store import PLAN_FILE, write_plan
+    from lmgeo.driver.sharded import _record_in_progress
 
     old = {"a": ManifestKey({}, "p1", "c")}
     new = {"a": ManifestKey({}, "p2", "c"), "b": ManifestKey({}, "p2", "c")}
@@ -511,8 +548,11 @@ def commit_aggregated_study(repo: Path, cfg: ReportConfig, message: str) -> None
     aggregate(sources(repo / "data"), repo / "reports", cfg, KEY)
     params = yaml.safe_load((Path(__file__).parents[1] / "params.yaml").read_text())
     (repo / "params.yaml").write_text(yaml.safe_dump({**params, "report": cfg.model_dump(mode="json")}))
-    stage = {"cmd": "lmgeo aggregate", "params": ["report"],
-             "outs": ["data/train", "data/fits", "data/perturb", {"reports/tables": {"cache": False}}]}  # fmt: skip
+    stage = {
+        "cmd": "lmgeo aggregate",
+        "params": ["report"],
+        "outs": ["data/train", "data/fits", "data/perturb", {"reports/tables": {"cache": False}}],
+    }
     (repo / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"aggregate": stage}}))
     with contextlib.chdir(repo), Repo(str(repo)) as dvc_repo:
         dvc_repo.commit(force=True)  # dvc.lock: what `dvc repro` would record
@@ -529,14 +569,15 @@ def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
     from test_e2e import readme_commands
     from typer.testing import CliRunner
 
-    from stages.cli import app
+    from lmgeo.cli import app
 
     origin = dvc_git_repo(tmp_path / "origin")
     commit_aggregated_study(origin, CFG, "a study")
     commit_aggregated_study(origin, CFG.model_copy(update={"seed": CFG.seed + 1}), "the study again, another seed")
-    assert "reports/tables/runs.parquet" in subprocess.run(
-        ["git", "ls-files"], cwd=origin, capture_output=True, text=True, check=True
-    ).stdout
+    assert (
+        "reports/tables/runs.parquet"
+        in subprocess.run(["git", "ls-files"], cwd=origin, capture_output=True, text=True, check=True).stdout
+    )
     clone = tmp_path / "clone"
     subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
     assert not (clone / "data" / "fits").exists() and not (clone / ".dvc" / "cache").exists()
@@ -553,21 +594,26 @@ def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
         else:
             assert done.exit_code == 2 and "not in this checkout" in done.output, (line, done.output)
             assert "`dvc pull data/" in done.output, done.output
-    both = CliRunner().invoke(app, ["query", "SELECT DISTINCT rev FROM runs ORDER BY rev", "--rev", "HEAD~1",
-                                    "--rev", "HEAD", "--format", "csv"])  # fmt: skip
+    both = CliRunner().invoke(
+        app,
+        ["query", "SELECT DISTINCT rev FROM runs ORDER BY rev", "--rev", "HEAD~1", "--rev", "HEAD", "--format", "csv"],
+    )
     assert both.stdout.split() == ["rev", "HEAD", "HEAD~1"], both.output
 
 
 def test_a_partial_dataset_is_queried_alone_and_joined_with_nothing(tmp_path: Path) -> None:
     """A stage stopped half-way leaves shards of a new run beside another dataset's of the old one: the partial
     dataset answers alone (with its note), and a query joining it with another is refused, naming it."""
-    from pipeline.core.store import write_plan
+    from lmgeo.core.store import write_plan
 
     keys = {f"gpt2-muon-s{seed}": ManifestKey({}, "p", "c") for seed in range(2)}
     write_plan(tmp_path / "data" / "train", keys, complete=False)
     with ShardWriter(tmp_path / "data" / "train", "gpt2-muon-s0", keys["gpt2-muon-s0"]) as writer:
-        writer.write({"run": "gpt2-muon-s0"}, pa.table({"step": pa.array([0], pa.int64()), "train_loss": [4.0]}),
-                     name="steps.parquet")  # fmt: skip
+        writer.write(
+            {"run": "gpt2-muon-s0"},
+            pa.table({"step": pa.array([0], pa.int64()), "train_loss": [4.0]}),
+            name="steps.parquet",
+        )
     assert query_table("SELECT count(*) AS n FROM steps", None, tmp_path).to_pylist() == [{"n": 1}]
     from test_attacks import write_fits
 

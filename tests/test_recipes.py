@@ -18,14 +18,14 @@ from transformers import (
     MambaForCausalLM,
 )
 
-from pipeline.models.config import ModelSize
-from pipeline.models.family import GroupRule
-from pipeline.models.registry import FAMILIES, family_of
-from pipeline.study_b import hilbert, optim
-from pipeline.study_b.config import RecipeConfig, Schedule, TrainConfig
-from pipeline.study_b.muon import Muon, newton_schulz
-from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import HeadStepDefault, LMOKnobs
+from lmgeo.models.config import ModelSize
+from lmgeo.models.family import GroupRule
+from lmgeo.models.registry import FAMILIES, family_of
+from lmgeo.study_b import hilbert, optim
+from lmgeo.study_b.config import RecipeConfig, Schedule, TrainConfig
+from lmgeo.study_b.muon import Muon, newton_schulz
+from lmgeo.study_b.recipes import RECIPES
+from lmgeo.study_b.recipes.base import HeadStepDefault, LMOKnobs
 
 VOCAB, WIDTH, SEQ, BATCH = 256, 32, 16, 8
 FLAT = Schedule(warmup_steps=0, decay="constant")
@@ -34,16 +34,27 @@ FLAT = Schedule(warmup_steps=0, decay="constant")
 def neox(seed: int = 0) -> GPTNeoXForCausalLM:
     torch.manual_seed(seed)
     config = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     return GPTNeoXForCausalLM(config)
 
 
 def gpt2() -> GPT2LMHeadModel:
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=WIDTH, n_layer=1, n_head=4, n_positions=64,
-        tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+        vocab_size=VOCAB,
+        n_embd=WIDTH,
+        n_layer=1,
+        n_head=4,
+        n_positions=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config)
 
@@ -112,8 +123,12 @@ def test_a_bad_rule_set_names_every_offender() -> None:
 
 def test_a_tied_head_is_refused() -> None:
     config = GPTNeoXConfig(
-        vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=1, num_attention_heads=4,
-        intermediate_size=64, tie_word_embeddings=True,
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        tie_word_embeddings=True,
     )
     model = GPTNeoXForCausalLM(config)
     with pytest.raises(optim.ParamGroupError, match="head and embed"):
@@ -244,14 +259,21 @@ def diameter_lmo_optimum(grad: np.ndarray, eta: float = 1.0, restarts: int = 4) 
         return jac.reshape(len(pairs), -1)
 
     translation = np.kron(np.ones((1, n_rows)), np.eye(width))
-    constraints = [{"type": "ineq", "fun": gaps, "jac": gaps_jacobian},
-                   {"type": "eq", "fun": lambda f: translation @ f, "jac": lambda f: translation}]  # fmt: skip
+    constraints = [
+        {"type": "ineq", "fun": gaps, "jac": gaps_jacobian},
+        {"type": "eq", "fun": lambda f: translation @ f, "jac": lambda f: translation},
+    ]
     rng = np.random.default_rng(0)
     best = math.inf
     for _ in range(restarts):
-        found = minimize(lambda f: float(grad.ravel() @ f), 0.01 * rng.standard_normal(grad.size),
-                         jac=lambda f: grad.ravel(), constraints=constraints, method="SLSQP",
-                         options={"maxiter": 2000, "ftol": 1e-12})  # fmt: skip
+        found = minimize(
+            lambda f: float(grad.ravel() @ f),
+            0.01 * rng.standard_normal(grad.size),
+            jac=lambda f: grad.ravel(),
+            constraints=constraints,
+            method="SLSQP",
+            options={"maxiter": 2000, "ftol": 1e-12},
+        )
         if found.success and gaps(found.x).min() >= -1e-7:
             best = min(best, found.fun)
     return best
@@ -296,7 +318,7 @@ def test_hilbert_and_equidistance_steps_against_the_exact_optimum(n_rows: int, w
 def test_head_alignment_is_one_for_the_hilbert_step_and_bounded_by_jung() -> None:
     """`head_alignment_hilbert` (descent per unit diameter, relative to `hilbert`'s) is η/diam(ΔW) for the
     `hilbert` step of G itself and at most 1/Jung for any step, reached by the optimum on a simplex."""
-    from pipeline.study_b.train import head_alignment
+    from lmgeo.study_b.train import head_alignment
 
     grad = torch.from_numpy(nearly_parallel().numpy().astype(np.float64))
     delta, _ = lmo_step("hilbert", grad, eta=0.5)
@@ -489,7 +511,7 @@ def test_gpt2_conv1d_matrices_step_like_the_same_matrices_stored_out_in() -> Non
     i.e. the step NeoX's equivalent matrix would take. Newton–Schulz commutes with transposition: exactly
     for a non-square matrix (torch transposes it to the same orientation), to its bfloat16 rounding (a few
     percent) for a square one (XXᵀ and XᵀX are rounded differently)."""
-    from pipeline.models.registry import build_model
+    from lmgeo.models.registry import build_model
 
     assert FAMILIES["gpt2"].hidden_stored_transposed and not FAMILIES["neox"].hidden_stored_transposed
     model = build_model("gpt2", ModelSize(d_model=32, n_layers=1, n_heads=4), VOCAB, SEQ, seed=0)
@@ -533,7 +555,9 @@ def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> 
     assert (sign.lr, sign.trust_region, sign.schedule) == (0.11, False, FLAT)
     equi = optim.resolve_head_step("hilbert_equi", cfg)
     assert (equi.lr, equi.knobs, equi.schedule) == (
-        RECIPES["hilbert_equi"].default_step.tau, LMOKnobs(2, 0.7), cfg.schedule
+        RECIPES["hilbert_equi"].default_step.tau,
+        LMOKnobs(2, 0.7),
+        cfg.schedule,
     )
     assert equi.describe() == f"tau={RECIPES['hilbert_equi'].default_step.tau:g} equi_alignment=0.7"
     default_c = optim.resolve_head_step("hilbert_equi", TrainConfig()).knobs.equi_alignment

@@ -8,9 +8,9 @@ from dataclasses import replace
 import pytest
 from transformers import GPT2Config
 
-from pipeline.study_a.classes import FIT_CLASSES
-from tools import rehearsal
-from tools.rehearsal import GpuCosts, Measured, Slice, Study, extrapolate, render_markdown
+from lmgeo.commands.rehearse import rehearsal
+from lmgeo.commands.rehearse.rehearsal import GpuCosts, Measured, Slice, Study, extrapolate, render_markdown
+from lmgeo.study_a.classes import FIT_CLASSES
 
 
 @pytest.mark.slow  # extract, fit and perturb on a slice
@@ -34,15 +34,37 @@ def test_the_slice_runs_extract_fit_and_perturb_on_a_tiny_configuration(monkeypa
 
 def _measured(**changes) -> Measured:
     base = Measured(
-        "gpt2", 124_439_808, 768, 12, 50257, 0.46, 1.0, 1.0, extract_s_per_token=0.01, extract_peak_gib=1.0,
-        knn_s_per_anchor=0.0, fit_s_per_anchor={"diag_psd": 1.0}, fit_s_per_layer={"global_linear": 0.0},
-        fit_local_s_per_anchor=1.0, fit_anchors=4, pool=1536, k=768, perturb_s_per_copy=0.0, perturb_copies=9,
-    )  # fmt: skip
+        "gpt2",
+        124_439_808,
+        768,
+        12,
+        50257,
+        0.46,
+        1.0,
+        1.0,
+        extract_s_per_token=0.01,
+        extract_peak_gib=1.0,
+        knn_s_per_anchor=0.0,
+        fit_s_per_anchor={"diag_psd": 1.0},
+        fit_s_per_layer={"global_linear": 0.0},
+        fit_local_s_per_anchor=1.0,
+        fit_anchors=4,
+        pool=1536,
+        k=768,
+        perturb_s_per_copy=0.0,
+        perturb_copies=9,
+    )
     return replace(base, **changes)
 
 
 STUDY = Study(
-    ("distilbert/distilgpt2", "someone/unknown"), eval_sequences=8, seq_len=64, anchors=10, k=768, samples=3, classes=6,
+    ("distilbert/distilgpt2", "someone/unknown"),
+    eval_sequences=8,
+    seq_len=64,
+    anchors=10,
+    k=768,
+    samples=3,
+    classes=6,
     copies=10,
 )
 
@@ -57,9 +79,22 @@ def test_extraction_scales_by_forward_flops_and_tokens():
 
 
 # GPU costs planted equal to `_measured()`'s CPU costs at the same configuration (GPT-2 small, k = d = 768).
-GPU = GpuCosts("a GPU", "2026-12-04T00:00:00+00:00", "abc1234", extract_s_per_token=0.01, fit_s_per_anchor=1.0,
-               fit_k=768, fit_width=768, fit_s_per_layer=0.0, fit_pool=1536, knn_s_per_anchor=0.0, knn_pool=1536,
-               perturb_s_per_copy=0.0, perturb_seq_len=64, train_tokens_per_s={"muon": 1000.0})
+GPU = GpuCosts(
+    "a GPU",
+    "2026-12-04T00:00:00+00:00",
+    "abc1234",
+    extract_s_per_token=0.01,
+    fit_s_per_anchor=1.0,
+    fit_k=768,
+    fit_width=768,
+    fit_s_per_layer=0.0,
+    fit_pool=1536,
+    knn_s_per_anchor=0.0,
+    knn_pool=1536,
+    perturb_s_per_copy=0.0,
+    perturb_seq_len=64,
+    train_tokens_per_s={"muon": 1000.0},
+)
 
 
 def test_local_fits_scale_per_anchor_layer_and_sample():
@@ -80,21 +115,46 @@ def test_without_a_gpu_check_the_gpu_column_says_it_is_not_measured():
 
 
 def test_the_gpu_costs_come_from_a_cuda_checks_measurements_only():
-    fits = {"run": {"d": 768, "k": 832, "n_seq": 32, "seq_len": 64, "anchors": 64},
-            "tables": {"fit_layer per class": {"rows": [["diag_psd", 0.5, 9.0, 18.0, "yes"],
-                                                        ["mlp", 30.0, 60.0, 2.0, "no"],
-                                                        ["global_linear", 0.1, 1.0, 10.0, "no"]]}}}  # fmt: skip
+    fits = {
+        "run": {"d": 768, "k": 832, "n_seq": 32, "seq_len": 64, "anchors": 64},
+        "tables": {
+            "fit_layer per class": {
+                "rows": [
+                    ["diag_psd", 0.5, 9.0, 18.0, "yes"],
+                    ["mlp", 30.0, 60.0, 2.0, "no"],
+                    ["global_linear", 0.1, 1.0, 10.0, "no"],
+                ]
+            }
+        },
+    }
     results = [
-        {"section": "measurements on cuda", "name": "extraction vs bare forward", "status": "pass",
-         "detail": {"tokens_per_s": {"extract_path": 50_000.0}}},
+        {
+            "section": "measurements on cuda",
+            "name": "extraction vs bare forward",
+            "status": "pass",
+            "detail": {"tokens_per_s": {"extract_path": 50_000.0}},
+        },
         {"section": "measurements on cuda", "name": "fits, device vs cpu", "status": "FAIL", "detail": fits},
-        {"section": "measurements on cuda", "name": "patching", "status": "measured",
-         "detail": {"seconds": 2.0, "copies": 100, "run": {"seq_len": 256}}},
-        {"section": "measurements on cuda", "name": "kNN, device vs cpu", "status": "measured",
-         "detail": {"timings": {"device": {"median_s": 0.5}}, "run": {"anchors": 2048, "pool": 65536}}},
-    ]  # fmt: skip
-    document = {"mode": "CUDA", "device": "NVIDIA H200", "started_utc": "2026-12-05T10:00:00+00:00",
-                "commit": "abc1234", "results": results}
+        {
+            "section": "measurements on cuda",
+            "name": "patching",
+            "status": "measured",
+            "detail": {"seconds": 2.0, "copies": 100, "run": {"seq_len": 256}},
+        },
+        {
+            "section": "measurements on cuda",
+            "name": "kNN, device vs cpu",
+            "status": "measured",
+            "detail": {"timings": {"device": {"median_s": 0.5}}, "run": {"anchors": 2048, "pool": 65536}},
+        },
+    ]
+    document = {
+        "mode": "CUDA",
+        "device": "NVIDIA H200",
+        "started_utc": "2026-12-05T10:00:00+00:00",
+        "commit": "abc1234",
+        "results": results,
+    }
     costs = GpuCosts.from_check(document)
     assert costs.extract_s_per_token == pytest.approx(2e-5) and costs.perturb_s_per_copy == pytest.approx(0.02)
     assert costs.fit_s_per_anchor == pytest.approx(0.5e-3)  # the closed-form local classes only: not mlp
@@ -122,8 +182,14 @@ def test_the_report_states_the_command_the_slice_and_the_total():
 
 def test_stage_shares_sum_to_one_and_the_report_names_the_dominant_stage():
     """Planted rows where perturb is most of the core-hours and fit most of the node-hours."""
-    row = {"extract core-h": 1.0, "fit core-h": 3.0, "perturb core-h": 6.0,
-           "extract node-h": 0.1, "fit node-h": 0.6, "perturb node-h": 0.3}  # fmt: skip
+    row = {
+        "extract core-h": 1.0,
+        "fit core-h": 3.0,
+        "perturb core-h": 6.0,
+        "extract node-h": 0.1,
+        "fit node-h": 0.6,
+        "perturb node-h": 0.3,
+    }
     shares = rehearsal.stage_shares([row, row])
     assert shares["core-h"] == pytest.approx({"extract": 0.1, "fit": 0.3, "perturb": 0.6})
     assert shares["node-h"] == pytest.approx({"extract": 0.1, "fit": 0.6, "perturb": 0.3})

@@ -53,8 +53,8 @@ from reliability_helpers import (
     write_raw_params,
 )
 
-from pipeline.core.contracts import arrow_to_vectors, vectors_to_arrow
-from pipeline.core.store import manifest_path, verify_shard
+from lmgeo.core.contracts import arrow_to_vectors, vectors_to_arrow
+from lmgeo.core.store import manifest_path, verify_shard
 
 pytestmark = pytest.mark.slow
 
@@ -268,8 +268,14 @@ def save_tiny_model(path: Path, config_extra: dict | None = None, pickle_only: b
     from safetensors.torch import load_file
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    config = GPTNeoXConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, tie_word_embeddings=False)
+    config = GPTNeoXConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        tie_word_embeddings=False,
+    )
     GPTNeoXForCausalLM(config).save_pretrained(path)
     if config_extra:
         raw = json.loads((path / "config.json").read_text())
@@ -285,8 +291,14 @@ def save_tiny_llama(path: Path, tokenizer: Path) -> None:
     Llama does not apply: its readout cannot be reproduced, so verification must refuse it."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer).save_pretrained(path)
     raw = json.loads((path / "config.json").read_text())
@@ -331,24 +343,33 @@ def test_malformed_params_exit_2_naming_the_key(inputs):
     (inputs / "syntax.yaml").write_text("prepare: {seq_len: [\n")
     syntax = lmgeo(inputs, "fit", "--params", "syntax.yaml", check=False)
     assert_one_error(syntax, "syntax.yaml", "not valid YAML")
-    refused_everywhere(inputs, {
-        "unknown_key": ("train", setting("analysis", neighbours=8), ("unknown key 'analysis.neighbours'",)),
-        "wrong_type": ("fit", setting("analysis", k="eight"), ("analysis.k", "'eight'")),
-        "k_too_large": ("fit", setting("analysis", k=10**6), ("analysis.k (1000000)", "pool")),
-        "unknown_recipe": ("train", setting("train", recipes=["adamw", "lion"]), ("train.recipes", "'lion'")),
-        "unknown_class": ("fit", setting("analysis", classes=["kernel"]), ("analysis.classes", "'kernel'")),
-        # Beyond float32's range torch refuses the step with an overflow error, failing every run of the stage.
-        "huge_step": ("train", setting("train", recipe_overrides={"hilbert": {"head_lr": 1e300}}),
-                      ("train.recipe_overrides.hilbert.head_lr", "less than or equal")),
-    })
+    refused_everywhere(
+        inputs,
+        {
+            "unknown_key": ("train", setting("analysis", neighbours=8), ("unknown key 'analysis.neighbours'",)),
+            "wrong_type": ("fit", setting("analysis", k="eight"), ("analysis.k", "'eight'")),
+            "k_too_large": ("fit", setting("analysis", k=10**6), ("analysis.k (1000000)", "pool")),
+            "unknown_recipe": ("train", setting("train", recipes=["adamw", "lion"]), ("train.recipes", "'lion'")),
+            "unknown_class": ("fit", setting("analysis", classes=["kernel"]), ("analysis.classes", "'kernel'")),
+            # Beyond float32's range torch refuses the step with an overflow error, failing every run of the stage.
+            "huge_step": (
+                "train",
+                setting("train", recipe_overrides={"hilbert": {"head_lr": 1e300}}),
+                ("train.recipe_overrides.hilbert.head_lr", "less than or equal"),
+            ),
+        },
+    )
 
 
 def test_missing_or_unsupported_model_and_empty_corpus_exit_2(inputs):
-    refused_everywhere(inputs, {
-        "missing_model": ("extract", external("./no/such/model"), ("./no/such/model", "does not exist")),
-        "unverified_model": ("extract", external("./models/llama"), ("verification failed: readout",)),
-        "empty_corpus": ("prepare", corpus("empty/*.txt"), ("empty/*.txt", "empty")),
-    })
+    refused_everywhere(
+        inputs,
+        {
+            "missing_model": ("extract", external("./no/such/model"), ("./no/such/model", "does not exist")),
+            "unverified_model": ("extract", external("./models/llama"), ("verification failed: readout",)),
+            "empty_corpus": ("prepare", corpus("empty/*.txt"), ("empty/*.txt", "empty")),
+        },
+    )
 
 
 # ------------------------------------------------------------------------------- 5. NaN/Inf activations
@@ -412,8 +433,11 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
     assert a == b
     headline = json.loads(a)  # one flat object of short names; the detail is in the tables below
     assert headline and all(isinstance(v, float) for v in headline.values()), headline
-    for dataset, order in (("activations", ["model", "layer", "seq_id", "pos"]), ("fits", FIT_ORDER),
-                           ("perturb", FIT_ORDER)):
+    for dataset, order in (
+        ("activations", ["model", "layer", "seq_id", "pos"]),
+        ("fits", FIT_ORDER),
+        ("perturb", FIT_ORDER),
+    ):
         rows_a, rows_b = (dataset_rows(w / "data" / dataset, order) for w in (reference, second_run))
         assert rows_a.num_rows and rows_a.equals(rows_b), dataset
 
@@ -421,9 +445,17 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
     git = subprocess.run(["git", "rev-parse", "HEAD"], cwd=second_run, capture_output=True, text=True, check=True)
     revision = git.stdout.strip()
     for needed in (
-        f"revision `{revision}`", "**params_hash**: `", "**seeds**", "train `0`",
-        "**packages**", "torch `", "transformers `", "lmgeo `",
-        "**data_checksums**", "params.yaml: `sha256:", "data/tokens/meta.json: `sha256:",
+        f"revision `{revision}`",
+        "**params_hash**: `",
+        "**seeds**",
+        "train `0`",
+        "**packages**",
+        "torch `",
+        "transformers `",
+        "lmgeo `",
+        "**data_checksums**",
+        "params.yaml: `sha256:",
+        "data/tokens/meta.json: `sha256:",
     ):
         assert needed in report, f"{needed!r} missing from the report's provenance"
     params_hash = re.search(r"\*\*params_hash\*\*: `(\w+)`", report).group(1)
@@ -432,27 +464,36 @@ def test_two_runs_give_the_same_results_and_the_report_says_how(reference, secon
 
 # ------------------------------------------------------------------------------------- 8. security
 def test_remote_code_and_pickle_weights_are_refused(inputs):
-    from pipeline.models.loading import check_model
+    from lmgeo.models.loading import check_model
 
-    refused_everywhere(inputs, {
-        "remote_code": ("extract", external("./models/remote"), ("auto_map", "security.trust_remote_code")),
-        "pickle_only": ("extract", external("./models/pickle"), ("pickle", "safetensors")),
-    })
+    refused_everywhere(
+        inputs,
+        {
+            "remote_code": ("extract", external("./models/remote"), ("auto_map", "security.trust_remote_code")),
+            "pickle_only": ("extract", external("./models/pickle"), ("pickle", "safetensors")),
+        },
+    )
     # The refusal is the flag's doing: with trust_remote_code the same folder passes the checks.
     assert check_model("./models/remote", trust_remote_code=True, workspace=inputs).endswith("models/remote")
 
 
 def test_paths_cannot_leave_the_workspace(inputs):
-    from pipeline.models.loading import check_model
+    from lmgeo.models.loading import check_model
 
     outside = inputs.parent / "outside_model"
-    refused_everywhere(inputs, {
-        "relative_model": ("extract", external("../outside_model"), ("../outside_model", "outside the workspace",
-                                                                     "security.allow_outside_paths")),
-        "absolute_model": ("extract", external(str(outside)), (str(outside), "outside the workspace")),
-        "symlinked_model": ("extract", external("./escape"), ("./escape", "outside the workspace")),
-        "corpus_glob": ("prepare", corpus("../*.txt"), ("outside the workspace", "security.allow_outside_paths")),
-    })
+    refused_everywhere(
+        inputs,
+        {
+            "relative_model": (
+                "extract",
+                external("../outside_model"),
+                ("../outside_model", "outside the workspace", "security.allow_outside_paths"),
+            ),
+            "absolute_model": ("extract", external(str(outside)), (str(outside), "outside the workspace")),
+            "symlinked_model": ("extract", external("./escape"), ("./escape", "outside the workspace")),
+            "corpus_glob": ("prepare", corpus("../*.txt"), ("outside the workspace", "security.allow_outside_paths")),
+        },
+    )
     assert check_model(str(outside), workspace=inputs, allow_outside_paths=True) == str(outside)
 
 

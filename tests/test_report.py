@@ -1,4 +1,4 @@
-"""The report (pipeline/results/report.py), its figures and its HTML page, and the DVC-sized metrics."""
+"""The report (lmgeo/results/report.py), its figures and its HTML page, and the DVC-sized metrics."""
 
 from __future__ import annotations
 
@@ -30,15 +30,16 @@ from test_aggregate import (
     write_tiny_study,
 )
 
-from pipeline.params import Params
-from pipeline.results.aggregate import aggregate
-from pipeline.results.common import NARROW, axis_labels, markdown_table, num
-from pipeline.results.headline import HEADLINE
-from pipeline.results.html import to_html
-from pipeline.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
-from pipeline.results.study_a import figures as fig_a
-from pipeline.results.study_a import report as study_a_report
-from pipeline.results.study_a.claims import (
+from lmgeo.driver.layout import Layout
+from lmgeo.params import Params
+from lmgeo.results.aggregate import aggregate
+from lmgeo.results.common import NARROW, axis_labels, markdown_table, num
+from lmgeo.results.headline import HEADLINE
+from lmgeo.results.html import to_html
+from lmgeo.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
+from lmgeo.results.study_a import figures as fig_a
+from lmgeo.results.study_a import report as study_a_report
+from lmgeo.results.study_a.claims import (
     CLAIM_NAMES,
     CLAIMS,
     CONTRADICTED,
@@ -50,13 +51,14 @@ from pipeline.results.study_a.claims import (
     summarise,
     votes,
 )
-from pipeline.results.study_b import figures as fig_b
-from pipeline.results.study_b import report as study_b_report
-from stages.layout import Layout
-from stages.report import collect_provenance
+from lmgeo.results.study_b import figures as fig_b
+from lmgeo.results.study_b import report as study_b_report
+from lmgeo.stages.report import collect_provenance
 
 PROVENANCE = {
-    "git": {"revision": "0123abc", "uncommitted_changes": False}, "params_hash": "feedbeef", "seeds": {"train": [0, 1]}
+    "git": {"revision": "0123abc", "uncommitted_changes": False},
+    "params_hash": "feedbeef",
+    "seeds": {"train": [0, 1]},
 }
 MAX_LINES = 300  # issue 14: the default study's report reads in a minute
 MAX_METRICS = 30  # issue 26: `dvc metrics show` and `dvc exp show` fit a 200-column terminal
@@ -66,13 +68,20 @@ MAX_METRICS = 30  # issue 26: `dvc metrics show` and `dvc exp show` fit a 200-co
 # 0.03 (the study ran 0.02).
 TUNING = {
     "protocol": {"arch": "gpt2", "steps": 20, "seeds": [1000, 1001], "grid": "the grid", "transfer": None},
-    "chosen": {"hilbert": {"tau": {"knob": "tau", "value": 0.8, "mean_val_loss": 3.0}},
-               "muon": {"head_lr": {"knob": "head_lr", "value": 0.03, "mean_val_loss": 3.1}}},
-    "curves": [{"recipe": "hilbert", "knob": "tau", "chosen": 0.8, "margin": 0.001, "seed_noise": 0.01},
-               {"recipe": "muon", "knob": "head_lr", "chosen": 0.03, "margin": 0.05, "seed_noise": 0.01}],
-    "trials": [{"arch": "gpt2", "recipe": r, "knob": k, "value": v, "seed": 1000}
-               for r, k in (("hilbert", "tau"), ("muon", "head_lr")) for v in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)],
-}  # fmt: skip
+    "chosen": {
+        "hilbert": {"tau": {"knob": "tau", "value": 0.8, "mean_val_loss": 3.0}},
+        "muon": {"head_lr": {"knob": "head_lr", "value": 0.03, "mean_val_loss": 3.1}},
+    },
+    "curves": [
+        {"recipe": "hilbert", "knob": "tau", "chosen": 0.8, "margin": 0.001, "seed_noise": 0.01},
+        {"recipe": "muon", "knob": "head_lr", "chosen": 0.03, "margin": 0.05, "seed_noise": 0.01},
+    ],
+    "trials": [
+        {"arch": "gpt2", "recipe": r, "knob": k, "value": v, "seed": 1000}
+        for r, k in (("hilbert", "tau"), ("muon", "head_lr"))
+        for v in (0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4)
+    ],
+}
 
 
 def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:
@@ -106,8 +115,14 @@ def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, 
 
 def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
     text, _, rendered = default_study
-    assert headings(text) == ["## Summary", "## Study B: LM-head update geometry", "## Study A: layer-update geometry",
-                              "## Appendix: per run", "## The headline as DVC shows it", "## Provenance"]  # fmt: skip
+    assert headings(text) == [
+        "## Summary",
+        "## Study B: LM-head update geometry",
+        "## Study A: layer-update geometry",
+        "## Appendix: per run",
+        "## The headline as DVC shows it",
+        "## Provenance",
+    ]
     assert rendered.lines == text.count("\n") < MAX_LINES
     provenance = section(text, "## Provenance")
     assert "revision `0123abc`" in provenance and "`feedbeef`" in provenance
@@ -134,8 +149,9 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
         assert [re.match(r"\| \w+ \| `(\w+)`", r)[1] for r in recipe_rows] == [
             r for r in DEFAULT_RECIPES if r != "muon"
         ]
-        assert all(re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r)
-                   for r in recipe_rows)
+        assert all(
+            re.search(r"\| -?[\d.e-]+ \[-?[\d.e-]+, -?[\d.e-]+\] \| [\d.e-]+ \| [\d.e-]+ \| ", r) for r in recipe_rows
+        )
 
 
 def test_the_summary_reads_words_then_the_heat_map_then_the_numbers(default_study) -> None:
@@ -147,8 +163,12 @@ def test_the_summary_reads_words_then_the_heat_map_then_the_numbers(default_stud
     for claim in paper:  # a sentence per claim of the paper, naming every architecture with its verdict
         sentence = next(line for line in summary.splitlines() if line.startswith(f"- {claim.plain} ("))
         assert all(re.search(rf"\b{arch}\b[^;]*: \*\*", sentence) for arch in DEFAULT_ARCHS), sentence
-    assert not any(line.startswith(f"- {claim.plain} (") for claim in CLAIMS if claim.source != "paper"
-                   for line in summary.splitlines())  # fmt: skip
+    assert not any(
+        line.startswith(f"- {claim.plain} (")
+        for claim in CLAIMS
+        if claim.source != "paper"
+        for line in summary.splitlines()
+    )
     last_sentence = summary.index(f"- {paper[-1].plain}")
     assert last_sentence < summary.index("figures/study_a_claims_by_layer.png") < summary.index("| claim |")
     assert "figures/study_b_vs_muon.png" in summary  # Study B's forest plot in the summary, shown once
@@ -164,9 +184,14 @@ def test_a_summary_cell_shows_the_test_that_decides_the_verdict(default_study) -
     strength = {"contradicted": 0, "not supported": 1, "inconclusive": 2, "supported": 3}
     for arch_i, arch in enumerate(sorted(DEFAULT_ARCHS)):
         for claim in CLAIM_NAMES:
-            rows = [t for t in tests  # the baselines (global_linear, <class>.layer) decide no cell
-                    if t["scope"] == "stratified" and t["subject"] == f"{arch}@final" and t["claim"] == claim
-                    and votes(t["fn"])]  # fmt: skip
+            rows = [
+                t
+                for t in tests  # the baselines (global_linear, <class>.layer) decide no cell
+                if t["scope"] == "stratified"
+                and t["subject"] == f"{arch}@final"
+                and t["claim"] == claim
+                and votes(t["fn"])
+            ]
             assert rows
             worst = min(strength[t["verdict"]] for t in rows)
             decisive = min((t for t in rows if strength[t["verdict"]] == worst), key=lambda t: t["ci_low"])
@@ -193,9 +218,13 @@ def test_metrics_of_the_default_study_fit_a_screen(default_study) -> None:
     recipes = [r for r in pq.read_table(out.parent / "tables" / "recipes.parquet").to_pylist() if not r["matched"]]
     compared = {r["arch"] for r in recipes if r["recipe"] != "muon"}
     assert compared == set(DEFAULT_TRAIN_ARCHS) and len(compared) == 1  # one: the means over archs are its values
-    expected = {"muon_loss" if r["recipe"] == "muon" else f"d_{r['recipe']}":
-                r["test_loss_mean"] if r["recipe"] == "muon" else r["diff_vs_muon"]
-                for r in recipes if r["arch"] in DEFAULT_TRAIN_ARCHS}  # fmt: skip
+    expected = {
+        "muon_loss" if r["recipe"] == "muon" else f"d_{r['recipe']}": r["test_loss_mean"]
+        if r["recipe"] == "muon"
+        else r["diff_vs_muon"]
+        for r in recipes
+        if r["arch"] in DEFAULT_TRAIN_ARCHS
+    }
     expected["ci"] = max((r["diff_ci_high"] - r["diff_ci_low"]) / 2 for r in recipes if r["diff_ci_low"] is not None)
     assert set(expected) == {"muon_loss", *(f"d_{r}" for r in DEFAULT_RECIPES if r != "muon"), "ci"}
     assert {k: m[k] for k in expected} == pytest.approx(expected, abs=5e-5)
@@ -234,8 +263,12 @@ def test_dvc_shows_the_metrics_in_a_200_column_terminal(default_study, tmp_path:
     (tmp_path / "headline.py").write_text(
         HEADLINE_SCRIPT.format(study_a=sorted(HEADLINE.values()), k=DEFAULT.analysis.k, out=path)
     )
-    stage = {"cmd": "python headline.py", "deps": ["headline.py", "base.json"], "params": ["analysis.k"],
-             "metrics": declared}  # fmt: skip
+    stage = {
+        "cmd": "python headline.py",
+        "deps": ["headline.py", "base.json"],
+        "params": ["analysis.k"],
+        "metrics": declared,
+    }
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump({"stages": {"aggregate": stage}}))
     (tmp_path / path).parent.mkdir(parents=True)
     sh("git", "init", "-q", cwd=tmp_path)
@@ -294,13 +327,26 @@ def test_every_figure_has_the_labels_of_what_it_draws_inside_the_figure(default_
 
 
 def test_the_claims_heat_map_has_a_row_per_architecture_and_one_for_an_external_model() -> None:
-    tests = [{"scope": "layer", "subject": subject, "layer": layer, "claim": claim, "fn": "lowrank", "null": "shuffled",
-              "verdict": "supported" if layer else "not supported"}
-             for subject in ("neox@final", "neox@init", "org/tiny") for layer in range(3)
-             for claim in ("angle_res_tok_near_90", "spearman_rel_err_kl")]  # fmt: skip
+    tests = [
+        {
+            "scope": "layer",
+            "subject": subject,
+            "layer": layer,
+            "claim": claim,
+            "fn": "lowrank",
+            "null": "shuffled",
+            "verdict": "supported" if layer else "not supported",
+        }
+        for subject in ("neox@final", "neox@init", "org/tiny")
+        for layer in range(3)
+        for claim in ("angle_res_tok_near_90", "spearman_rel_err_kl")
+    ]
     panels = axis_labels(fig_a.claims_by_layer(tests))
     assert [(p["title"], p["x"], p["y"]) for p in panels] == [
-        ("neox@final", "layer", "claim"), ("neox@init", "layer", ""), ("org/tiny", "layer", "claim")]  # fmt: skip
+        ("neox@final", "layer", "claim"),
+        ("neox@init", "layer", ""),
+        ("org/tiny", "layer", "claim"),
+    ]
 
 
 def test_the_claims_heat_map_colours_each_reading_its_own_and_hatches_layers_not_well_posed() -> None:
@@ -310,8 +356,15 @@ def test_the_claims_heat_map_colours_each_reading_its_own_and_hatches_layers_not
     from matplotlib.colors import to_rgba
 
     def row(layer: int, claim: str, fn: str, verdict: str) -> dict:
-        return {"scope": "layer", "subject": "neox@final", "layer": layer, "claim": claim, "fn": fn,
-                "null": "shuffled", "verdict": verdict}  # fmt: skip
+        return {
+            "scope": "layer",
+            "subject": "neox@final",
+            "layer": layer,
+            "claim": claim,
+            "fn": fn,
+            "null": "shuffled",
+            "verdict": verdict,
+        }
 
     angle, spearman = "angle_res_tok_near_90", "spearman_rel_err_kl"
     tests = [row(1, angle, fn, CONTRADICTED) for fn in ("lowrank", "mlp")]
@@ -402,9 +455,23 @@ MIN_TEXT_PX = 9
 
 
 def chromium(page: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([CHROMIUM, "--headless", "--disable-gpu", "--no-sandbox", "--virtual-time-budget=10000",
-                           "--enable-logging=stderr", "--v=0", *args, page.as_uri()],
-                          capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+    return subprocess.run(
+        [
+            CHROMIUM,
+            "--headless",
+            "--disable-gpu",
+            "--no-sandbox",
+            "--virtual-time-budget=10000",
+            "--enable-logging=stderr",
+            "--v=0",
+            *args,
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
 
 
 def browse(page: Path, width: int = 1400) -> tuple[list[str], dict]:
@@ -431,8 +498,9 @@ def need_chromium() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("width", [PHONE, LAPTOP])
-def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(default_study, tmp_path: Path,
-                                                                          width: int) -> None:
+def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(
+    default_study, tmp_path: Path, width: int
+) -> None:
     need_chromium()
     _, out, rendered = default_study
     page = tmp_path / "report.html"
@@ -447,8 +515,10 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
     shown = {name: NARROW if width == PHONE and name in rendered.narrow else "" for name in rendered.figures}
     variants = {name: out.parent / "figures" / f"{name}{variant}.png" for name, variant in shown.items()}
     assert probe["widths"] == [mpimg.imread(path).shape[1] for path in variants.values()], probe
-    drawn = {name: rendered.text_px[name] * shown / natural
-             for name, shown, natural in zip(variants, probe["rendered"], probe["widths"], strict=True)}  # fmt: skip
+    drawn = {
+        name: rendered.text_px[name] * shown / natural
+        for name, shown, natural in zip(variants, probe["rendered"], probe["widths"], strict=True)
+    }
     assert min(drawn.values()) >= MIN_TEXT_PX, drawn
     shot = tmp_path / f"report-{width}.png"
     chromium(page, f"--screenshot={shot}", f"--window-size={width},{3 * SCREEN_HEIGHT}", "--hide-scrollbars")
@@ -464,8 +534,11 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(defaul
     # The same checks catch a broken page: a console error, an image that does not decode, a table too wide.
     broken = tmp_path / "broken.html"
     wide_table = markdown_table([f"column {i}" for i in range(18)], [["0.43 · 0.91 ≥ 0.9"] * 18])
-    broken.write_text(to_html(wide_table, tmp_path, "broken").replace(
-        "<body>", '<body><img src="missing.png"><script>console.error("broken")</script>'))  # fmt: skip
+    broken.write_text(
+        to_html(wide_table, tmp_path, "broken").replace(
+            "<body>", '<body><img src="missing.png"><script>console.error("broken")</script>'
+        )
+    )
     console, probe = browse(broken)
     assert len(console) == 1 and "broken" in console[0] and probe["widths"] == [0]
     assert probe["scrolling_tables"] == [0], probe
@@ -492,7 +565,8 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
         "Study B in plain words (gpt2): `hilbert` trains a better model than `muon`'s head does. "
         "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head recipes reach a "
         "lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) cannot be told "
-        "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI).")
+        "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI)."
+    )
     protocol = section(text, "### Protocol")
     assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol
     assert "the matched-budget sweep at the end" in protocol
@@ -517,8 +591,18 @@ def test_the_summary_and_the_protocol_state_one_power_figure() -> None:
     from scipy import stats as sps
 
     def row(recipe: str, sd: float, n: int) -> dict:
-        return {"arch": "neox", "recipe": recipe, "diff_vs_muon": 0.001, "p_vs_muon_holm": 0.9, "n_runs": n,
-                "n_diverged": 0, "n_paired": n, "diff_sd": sd, "test_loss_sd": 0.01, "detectable_diff": 1.0}
+        return {
+            "arch": "neox",
+            "recipe": recipe,
+            "diff_vs_muon": 0.001,
+            "p_vs_muon_holm": 0.9,
+            "n_runs": n,
+            "n_diverged": 0,
+            "n_paired": n,
+            "diff_sd": sd,
+            "test_loss_sd": 0.01,
+            "detectable_diff": 1.0,
+        }
 
     def power(delta: float, sd: float, n: int) -> float:  # two-sided paired t-test at α = 0.05
         critical, shift = sps.t.ppf(0.975, n - 1), delta * math.sqrt(n) / sd
@@ -546,10 +630,15 @@ def test_the_fits_table_takes_cos_and_its_bound_over_layers_then_seeds_alike() -
     """Planted per-layer medians of two seeds: the cell is the median over seeds of each seed's median over layers,
     for the bound as for cos (so that cos ≥ bound, true per layer, holds in the cell)."""
     bounds = {"gpt2-muon-s0@final": [0.5, 0.6, 0.9], "gpt2-muon-s1@final": [0.7, 0.8, 0.95]}
-    real = [{"model": m, "fn": "lowrank", "layer": i, "median_cos_bound": b}
-            for m, bs in bounds.items() for i, b in enumerate(bs)]  # fmt: skip
-    pooled = [{"model": m, "fn": "lowrank", "layer_median_rel_err": r, "layer_median_cos_full_tok": c}
-              for m, r, c in (("gpt2-muon-s0@final", 0.3, 0.62), ("gpt2-muon-s1@final", 0.5, 0.84))]  # fmt: skip
+    real = [
+        {"model": m, "fn": "lowrank", "layer": i, "median_cos_bound": b}
+        for m, bs in bounds.items()
+        for i, b in enumerate(bs)
+    ]
+    pooled = [
+        {"model": m, "fn": "lowrank", "layer_median_rel_err": r, "layer_median_cos_full_tok": c}
+        for m, r, c in (("gpt2-muon-s0@final", 0.3, 0.62), ("gpt2-muon-s1@final", 0.5, 0.84))
+    ]
     bound = np.median([np.median(bs) for bs in bounds.values()])  # 0.7, not 0.75 (the median over all six layers)
     table = study_a_report._fits_table(pooled, real)
     assert f"| `lowrank` | 0.4 · 0.73 ≥ {bound:.2g} |" in table and bound == 0.7
@@ -577,12 +666,13 @@ def test_the_protocol_states_the_tuning_budget_and_where_runs_left_it(tmp_path: 
 def test_a_record_of_one_knob_per_recipe_names_the_knobs_it_never_tuned() -> None:
     """The committed record of an earlier protocol (one knob per recipe, no seed noise): the statement reads its
     choices, says it has no seed noise, and names each knob the runs used that it never tuned."""
-    from pipeline.results.study_b.report import _tuning_statement
+    from lmgeo.results.study_b.report import _tuning_statement
 
     record = {**TUNING, "chosen": {"adamw": {"knob": "head_lr", "value": 0.2, "mean_val_loss": 3.0}}}
     del record["curves"]
-    runs = [{"arch": "gpt2", "recipe": "adamw", "head_step": "head_lr=0.2 hidden_lr=0.003", "steps": 20,
-             "n_params": None}]  # fmt: skip
+    runs = [
+        {"arch": "gpt2", "recipe": "adamw", "head_step": "head_lr=0.2 hidden_lr=0.003", "steps": 20, "n_params": None}
+    ]
     text = _tuning_statement(record, runs)
     assert "Every recipe ran at its tuned knobs." in text and "keeps no seed noise" in text
     assert "**Never tuned: `adamw` hidden_lr (at 0.003);" in text
@@ -594,40 +684,73 @@ def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned
     each with its mean val loss (an untried one with the values tried either side), the lead against the seed
     noise, and a call-out when the runs are off the best by more than that noise; a knob no record tuned is
     still named as never tuned."""
-    from pipeline.results.study_b.report import _tuning_statement
+    from lmgeo.results.study_b.report import _tuning_statement
 
     record = {**TUNING, "chosen": {"adamw": {"knob": "head_lr", "value": 0.2, "mean_val_loss": 3.0}}}
     del record["curves"]
-    alone = {"protocol": {"arch": "gpt2", "steps": 20, "batch_size": 4},
-             "chosen": {"adamw": {"hidden_lr": {"knob": "hidden_lr", "value": 0.002, "mean_val_loss": 2.9}}},
-             "curves": [{"recipe": "adamw", "knob": "hidden_lr", "chosen": 0.002, "margin": 0.004, "seed_noise": 0.005,
-                         "points": [{"value": 0.002, "mean": 2.9}, {"value": 0.003, "mean": 2.904}]}]}  # fmt: skip
-    runs = [{"arch": "gpt2", "recipe": "adamw", "head_step": "head_lr=0.2 hidden_lr=0.003 beta=0.9", "steps": 20,
-             "n_params": None}]  # fmt: skip
+    alone = {
+        "protocol": {"arch": "gpt2", "steps": 20, "batch_size": 4},
+        "chosen": {"adamw": {"hidden_lr": {"knob": "hidden_lr", "value": 0.002, "mean_val_loss": 2.9}}},
+        "curves": [
+            {
+                "recipe": "adamw",
+                "knob": "hidden_lr",
+                "chosen": 0.002,
+                "margin": 0.004,
+                "seed_noise": 0.005,
+                "points": [{"value": 0.002, "mean": 2.9}, {"value": 0.003, "mean": 2.904}],
+            }
+        ],
+    }
+    runs = [
+        {
+            "arch": "gpt2",
+            "recipe": "adamw",
+            "head_step": "head_lr=0.2 hidden_lr=0.003 beta=0.9",
+            "steps": 20,
+            "n_params": None,
+        }
+    ]
     text = _tuning_statement(record, runs, [("docs/alone", alone)])
-    assert ("Tuned alone after the record: `adamw` hidden_lr on `gpt2`, 20 steps of 4 (`docs/alone`): best 0.002 "
-            "(2.9000), 0.003 as run here 2.9040 mean val loss; the best leads its runner-up by 0.0040, below the "
-            "trials' seed noise 0.0050.") in text  # fmt: skip
+    assert (
+        "Tuned alone after the record: `adamw` hidden_lr on `gpt2`, 20 steps of 4 (`docs/alone`): best 0.002 "
+        "(2.9000), 0.003 as run here 2.9040 mean val loss; the best leads its runner-up by 0.0040, below the "
+        "trials' seed noise 0.0050."
+    ) in text
     assert "**Never tuned: `adamw` beta (at 0.9);" in text and "hidden_lr (at" not in text
     runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.001"
     assert "0.001 as run here not tried;" in _tuning_statement(record, runs, [("docs/alone", alone)])
     runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.0025"
-    assert ("0.0025 as run here not tried (tried either side: 0.002: 2.9000, 0.003: 2.9040);"
-            in _tuning_statement(record, runs, [("docs/alone", alone)]))  # fmt: skip
+    assert "0.0025 as run here not tried (tried either side: 0.002: 2.9000, 0.003: 2.9040);" in _tuning_statement(
+        record, runs, [("docs/alone", alone)]
+    )
     runs[0]["head_step"] = "head_lr=0.2 hidden_lr=0.003"
-    retuned = {**alone, "chosen": {"adamw": {"head_lr": {"value": 0.3}}}, "curves": [
-        {"recipe": "adamw", "knob": "head_lr", "chosen": 0.3, "margin": 0.02, "seed_noise": 0.005,
-         "points": [{"value": 0.2, "mean": 2.95}, {"value": 0.3, "mean": 2.93}]}]}  # the main record's knob, again
+    retuned = {
+        **alone,
+        "chosen": {"adamw": {"head_lr": {"value": 0.3}}},
+        "curves": [
+            {
+                "recipe": "adamw",
+                "knob": "head_lr",
+                "chosen": 0.3,
+                "margin": 0.02,
+                "seed_noise": 0.005,
+                "points": [{"value": 0.2, "mean": 2.95}, {"value": 0.3, "mean": 2.93}],
+            }
+        ],
+    }  # the main record's knob, again
     text = _tuning_statement(record, runs, [("docs/alone", alone), ("docs/retuned", retuned)])
-    assert ("`adamw` head_lr on `gpt2`, 20 steps of 4 (`docs/retuned`): best 0.3 (2.9300), 0.2 as run here 2.9500 "
-            "mean val loss; the best leads its runner-up by 0.0200, above the trials' seed noise 0.0050 (**the runs "
-            "here are 0.0200 nats of val loss off the best, above that noise: not at their tuned step**)") in text
+    assert (
+        "`adamw` head_lr on `gpt2`, 20 steps of 4 (`docs/retuned`): best 0.3 (2.9300), 0.2 as run here 2.9500 "
+        "mean val loss; the best leads its runner-up by 0.0200, above the trials' seed noise 0.0050 (**the runs "
+        "here are 0.0200 nats of val loss off the best, above that noise: not at their tuned step**)"
+    ) in text
     assert text.count("not at their tuned step") == 1  # hidden_lr's 0.003 is 0.004 off, within its noise 0.005
 
 
 def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_budgets(tmp_path: Path) -> None:
     text, out, rendered = render(tmp_path, lambda data: write_study_b(data, matched=True))
-    section = text[text.index("### Step size vs direction: the matched-budget sweep"):text.index("## Study A")]
+    section = text[text.index("### Step size vs direction: the matched-budget sweep") : text.index("## Study A")]
     assert "tau ∈ {0.2, 0.4, 0.8} nats, at the comparison's horizon (20 steps, 5,120 tokens)" in section
     assert "on 3 paired seeds" in section
     assert "Holm over the sweep's 3 comparisons with `muon`" in section
@@ -640,7 +763,7 @@ def test_the_matched_budget_sweep_has_its_own_section_figure_and_summary_naming_
     assert rendered.figures["study_b_loss_vs_budget"][0]["x"] == "head budget tau (worst-case nats per step)"
     summary = text[: text.index("## Study B")]
     assert "-cap" not in summary and summary.count("| gpt2 | `hilbert`") == 1  # the default runs' table only
-    at_equal_budget = summary[summary.index("**At equal worst-case nats per step**"):]
+    at_equal_budget = summary[summary.index("**At equal worst-case nats per step**") :]
     assert "at budget 0.2 (gpt2), `hilbert` beats `muon` by 0.2 [" in at_equal_budget
     assert "at budget 0.8 (gpt2), `hilbert` loses to `muon` by 0.1 [" in at_equal_budget
     assert "Envelope (gpt2, each recipe at its best budget on val; `muon` at 0.4" in at_equal_budget
@@ -654,8 +777,15 @@ def test_the_budget_figure_stops_above_the_bigram_and_labels_what_it_cuts() -> N
     loss axis stops ABOVE_BIGRAM of the span above the bigram's line, and the cut mean is a labelled triangle."""
 
     def row(recipe, tau, loss):
-        return {"arch": "neox", "recipe": recipe, "matched": tau is not None, "head_budget_tau": tau,
-                "test_loss_mean": loss, "test_loss_ci_low": loss - 0.01, "test_loss_ci_high": loss + 0.01}  # fmt: skip
+        return {
+            "arch": "neox",
+            "recipe": recipe,
+            "matched": tau is not None,
+            "head_budget_tau": tau,
+            "test_loss_mean": loss,
+            "test_loss_ci_low": loss - 0.01,
+            "test_loss_ci_high": loss + 0.01,
+        }
 
     swept = [row("muon", 0.4, 4.02), row("muon", 0.8, 4.0), row("hilbert", 0.4, 4.05), row("hilbert", 0.8, 5.56)]
     # rownorm's own step is not in the sweep (trained as hilbert's): not drawn, so no triangle either
@@ -669,8 +799,9 @@ def test_the_budget_figure_stops_above_the_bigram_and_labels_what_it_cuts() -> N
     (unclipped,) = fig_b.loss_vs_budget(swept, own).axes[:1]
     assert unclipped.get_ylim()[1] > 5.56 and not unclipped.texts
     # Every model above the bigram (an untrained study): nothing to zoom on, the axis shows them all
-    (untrained,) = fig_b.loss_vs_budget([row(r["recipe"], r["head_budget_tau"], r["test_loss_mean"] + 1.0)
-                                         for r in swept], [], bigram=4.47).axes[:1]  # fmt: skip
+    (untrained,) = fig_b.loss_vs_budget(
+        [row(r["recipe"], r["head_budget_tau"], r["test_loss_mean"] + 1.0) for r in swept], [], bigram=4.47
+    ).axes[:1]
     assert untrained.get_ylim()[0] < 5.0 < 6.56 < untrained.get_ylim()[1]
     assert [t.get_text() for t in untrained.texts] == ["smoothed bigram"]
 
@@ -678,9 +809,9 @@ def test_the_budget_figure_stops_above_the_bigram_and_labels_what_it_cuts() -> N
 def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     """A study without the sweep states the committed record's numbers, naming the preset and revision; a
     record whose table was changed after it was written is refused."""
-    from pipeline.core.contracts import read_result_tables
-    from pipeline.core.errors import InputError
-    from pipeline.results.study_b.record import read_record, write_record
+    from lmgeo.core.contracts import read_result_tables
+    from lmgeo.core.errors import InputError
+    from lmgeo.results.study_b.record import read_record, write_record
 
     swept = tmp_path / "swept"
     render(swept, lambda data: write_study_b(data, matched=True))
@@ -691,13 +822,19 @@ def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     write_record(read_result_tables(swept / "reports" / "tables"), PROVENANCE, "the preset's command", record)
     assert (record / "README.md").read_text() == "how the record is made\n"  # the folder's own files stay
     assert sorted(p.name for p in record.iterdir()) == [
-        "README.md", "baselines.parquet", "envelope.parquet", "provenance.json", "recipes.parquet"]
+        "README.md",
+        "baselines.parquet",
+        "envelope.parquet",
+        "provenance.json",
+        "recipes.parquet",
+    ]
     plain = tmp_path / "plain"
     write_study_b(plain / "data")
     aggregate(sources(plain / "data"), plain / "reports", CFG, KEY, DEFAULT.analysis)
     out = plain / "reports" / "report.md"
-    render_report(plain / "reports" / "tables", out, plain / "reports" / "figures", PROVENANCE, None, None,
-                  read_record(record))  # fmt: skip
+    render_report(
+        plain / "reports" / "tables", out, plain / "reports" / "figures", PROVENANCE, None, None, read_record(record)
+    )
     text = out.read_text()
     assert "From `the preset's command` at revision 0123abc (params hash feedbeef)" in text
     assert "at budget 0.2 (gpt2), `hilbert` beats `muon` by 0.2 [" in text
@@ -711,8 +848,10 @@ def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
         row["head_step"] = "tau=3.2"
     render_report(plain / "reports" / "tables", out, plain / "reports" / "figures", PROVENANCE, None, None, adopted)
     text = out.read_text()
-    named = ("**Not this study's head step**: the record trained `hilbert` (gpt2) at tau=3.2 (here: tau=0.8), so "
-             "its rows of that recipe")
+    named = (
+        "**Not this study's head step**: the record trained `hilbert` (gpt2) at tau=3.2 (here: tau=0.8), so "
+        "its rows of that recipe"
+    )
     assert text.count(named) == 2, text.count(named)  # in the summary and in the sweep's section
     assert "Every recipe there ran the head step run here." not in text
     with pytest.raises(InputError, match="the preset first"):
@@ -740,34 +879,53 @@ def test_every_claim_has_a_seed_value_a_plain_sentence_and_a_short_label_for_the
 
 
 def test_study_a_finding_counts_the_papers_claims_on_every_some_and_no_architecture() -> None:
-    planted = {CLAIMS[0].name: (SUPPORTED, SUPPORTED), CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
-               CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED)}  # fmt: skip
+    planted = {
+        CLAIMS[0].name: (SUPPORTED, SUPPORTED),
+        CLAIMS[1].name: (SUPPORTED, NOT_SUPPORTED),
+        CLAIMS[2].name: (INCONCLUSIVE, CONTRADICTED),
+    }
     # The deciding test's effect over the null, planted by verdict (a supported one clears the margin).
     effects = {SUPPORTED: {"effect": 6.0, "ci_low": 5.5, "ci_high": 6.5}}
     other = {"effect": 0.01, "ci_low": -0.05, "ci_high": 0.07}
-    claims = [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, effects.get(verdict, other), {})
-              for claim, verdicts in planted.items() for arch, verdict in zip("ab", verdicts, strict=True)
-              for checkpoint in ("final", "init")]  # fmt: skip
+    claims = [
+        ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, effects.get(verdict, other), {})
+        for claim, verdicts in planted.items()
+        for arch, verdict in zip("ab", verdicts, strict=True)
+        for checkpoint in ("final", "init")
+    ]
     # Each claim that holds somewhere with its effect on every architecture, beside its margin.
-    effect = (" Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
-              f"“{CLAIMS[0].label}” a 6 [5.5, 6.5], b 6 [5.5, 6.5] (margin {CLAIMS[0].margin:g}); "
-              f"“{CLAIMS[1].label}” a 6 [5.5, 6.5], b 0.01 [-0.05, 0.07] (margin {CLAIMS[1].margin:g}).")  # fmt: skip
+    effect = (
+        " Effect over the null where a claim holds (the deciding test, the weakest class's; 95% CI): "
+        f"“{CLAIMS[0].label}” a 6 [5.5, 6.5], b 6 [5.5, 6.5] (margin {CLAIMS[0].margin:g}); "
+        f"“{CLAIMS[1].label}” a 6 [5.5, 6.5], b 0.01 [-0.05, 0.07] (margin {CLAIMS[1].margin:g})."
+    )
     assert study_a_report.finding(claims) == (
         f"Study A, on the small models trained here (a, b), the paper's 3 claims: 1 (“{CLAIMS[0].label}”) "
-        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.{effect}")  # fmt: skip
+        f"supported on every architecture, 1 on some, 1 (“{CLAIMS[2].label}”) on none.{effect}"
+    )
     # A claim that one fit class supports on one architecture is still supported on none, and counted apart.
-    partly = [ClaimSummary(f"{arch}@final", CLAIMS[3].name, {"lowrank": SUPPORTED if arch == "a" else INCONCLUSIVE,
-                                                              "similarity": INCONCLUSIVE}, {}, {}) for arch in "ab"]
+    partly = [
+        ClaimSummary(
+            f"{arch}@final",
+            CLAIMS[3].name,
+            {"lowrank": SUPPORTED if arch == "a" else INCONCLUSIVE, "similarity": INCONCLUSIVE},
+            {},
+            {},
+        )
+        for arch in "ab"
+    ]
     assert study_a_report.finding(claims + partly) == (
         f"Study A, on the small models trained here (a, b), the paper's 4 claims: 1 (“{CLAIMS[0].label}”) "
         f"supported on every architecture, 1 on some, 2 (“{CLAIMS[2].label}”, “{CLAIMS[3].label}”) on none, 1 of "
-        f"them by some of the fit classes.{effect}")  # fmt: skip
+        f"them by some of the fit classes.{effect}"
+    )
     # The project's own checks are named apart, outside the paper's count.
     own = next(c for c in CLAIMS if c.source == "project")
     extra = [ClaimSummary(f"{arch}@final", own.name, {"lowrank": SUPPORTED}, {}, {}) for arch in "ab"]
     assert study_a_report.finding(claims + extra).endswith(
         f"on none.{effect} The project's own checks, not the paper's claims: “{own.label}” supported on every "
-        "architecture.")
+        "architecture."
+    )
     assert study_a_report.finding([c for c in claims if c.subject.endswith("@init")]) is None
 
 
@@ -776,25 +934,31 @@ def test_study_a_meaning_says_in_plain_words_whether_the_update_is_tokenwise_and
     assert tokenwise.name == study_a_report.TOKENWISE
 
     def claims(planted: dict[str, tuple[str, str]], checkpoint: str = "final") -> list[ClaimSummary]:
-        return [ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
-                for claim, verdicts in planted.items()
-                for arch, verdict in zip("ab", verdicts, strict=True)]  # fmt: skip
+        return [
+            ClaimSummary(f"{arch}@{checkpoint}", claim, {"lowrank": verdict}, {}, {})
+            for claim, verdicts in planted.items()
+            for arch, verdict in zip("ab", verdicts, strict=True)
+        ]
 
     follows = "a layer's update follows what a tokenwise map fitted on nearby tokens predicts"
     nowhere = "none of the paper's 2 claims about what that map misses is supported"
     residual_fails = {first.name: (NOT_SUPPORTED, INCONCLUSIVE), second.name: (CONTRADICTED, NOT_SUPPORTED)}
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, NOT_SUPPORTED)} | residual_fails)) == (
-        f"Study A in plain words: on these small models {follows} (a), but {nowhere} on any architecture.")
+        f"Study A in plain words: on these small models {follows} (a), but {nowhere} on any architecture."
+    )
     assert study_a_report.meaning(claims({tokenwise.name: (NOT_SUPPORTED, INCONCLUSIVE)} | residual_fails)) == (
         "Study A in plain words: on these small models no layer update is shown to follow what a tokenwise map "
-        f"fitted on nearby tokens predicts, and {nowhere} on any architecture.")
+        f"fitted on nearby tokens predicts, and {nowhere} on any architecture."
+    )
     one_holds = residual_fails | {second.name: (NOT_SUPPORTED, SUPPORTED)}
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)} | one_holds)) == (
         f"Study A in plain words: on these small models {follows} (a, b), and 1 of the paper's 2 claims about what "
-        f"that map misses holds somewhere (“{second.label}”).")
+        f"that map misses holds somewhere (“{second.label}”)."
+    )
     # Without the first claim tested, nothing is said about it.
     assert study_a_report.meaning(claims(residual_fails)) == (
-        f"Study A in plain words: on these small models {nowhere} on any architecture.")
+        f"Study A in plain words: on these small models {nowhere} on any architecture."
+    )
     assert study_a_report.meaning(claims({tokenwise.name: (SUPPORTED, SUPPORTED)}, "init")) is None
 
 
@@ -806,10 +970,12 @@ def test_study_b_meaning_reads_the_hilbert_geometry_recipes_against_the_referenc
     assert study_b_report.meaning([row("hilbert", -0.01, 0.4), worse_equi, other]) == (
         "Study B in plain words (neox): stepping the LM head in the Hilbert geometry (`hilbert`, `hilbert_equi`) "
         "is not shown to train a better model than `muon`'s head with these seeds, and `hilbert_equi` trains a worse "
-        "one.")
+        "one."
+    )
     assert study_b_report.meaning([row("hilbert", -0.05, 0.01), worse_equi]) == (
         "Study B in plain words (neox): `hilbert` trains a better model than `muon`'s head does, and `hilbert_equi` "
-        "trains a worse one.")
+        "trains a worse one."
+    )
     assert study_b_report.meaning([other]) is None
 
 
@@ -824,8 +990,13 @@ def test_the_readme_findings_block_is_replaced_and_read_back() -> None:
 # ------------------------------------------------------------------------------------- provenance
 def test_provenance_in_a_git_checkout(tmp_path: Path) -> None:
     def git(*args: str) -> str:
-        done = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=tmp_path,
-                              check=True, capture_output=True, text=True)  # fmt: skip
+        done = subprocess.run(
+            ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+            cwd=tmp_path,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
         return done.stdout.strip()
 
     git("init", "-q")
@@ -860,10 +1031,18 @@ def test_provenance_has_the_checksums_of_the_files_as_read_not_of_a_previous_rep
     (tables / "_manifests" / "tables-1.json").write_text("{}")
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "tuning.json").write_text("{}")
-    (tmp_path / "dvc.lock").write_text(yaml.safe_dump({"schema": "2.0", "stages": {
-        "prepare": {"outs": [{"path": "data/tokens", "md5": "abc.dir"}]},
-        "aggregate": {"outs": [{"path": "reports/tables", "md5": "stale.dir"}]},
-        "report": {"outs": [{"path": "reports/report.md", "md5": "previous"}]}}}))  # fmt: skip
+    (tmp_path / "dvc.lock").write_text(
+        yaml.safe_dump(
+            {
+                "schema": "2.0",
+                "stages": {
+                    "prepare": {"outs": [{"path": "data/tokens", "md5": "abc.dir"}]},
+                    "aggregate": {"outs": [{"path": "reports/tables", "md5": "stale.dir"}]},
+                    "report": {"outs": [{"path": "reports/report.md", "md5": "previous"}]},
+                },
+            }
+        )
+    )
 
     def sha256(path: Path) -> str:
         return "sha256:" + hashlib.sha256(path.read_bytes()).hexdigest()
@@ -878,17 +1057,22 @@ def test_provenance_has_the_checksums_of_the_files_as_read_not_of_a_previous_rep
     assert "dvc.lock" not in checksums
     (tables / "runs.parquet").write_bytes(b"tables aggregated again")
     again = collect_provenance(Layout(tmp_path), Params())["data_checksums"]["report inputs (as read)"]
-    assert again["reports/tables/runs.parquet"] == sha256(tables / "runs.parquet") != checksums[
-        "report inputs (as read)"]["reports/tables/runs.parquet"]  # fmt: skip
+    assert (
+        again["reports/tables/runs.parquet"]
+        == sha256(tables / "runs.parquet")
+        != checksums["report inputs (as read)"]["reports/tables/runs.parquet"]
+    )
 
 
 def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:
     write_study_b(tmp_path / "data")
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
     out = tmp_path / "reports" / "report.md"
-    provenance = {"git": {"revision": "abc", "uncommitted_changes": True}, "seeds": {"train": [0, 1]},
-                  "data_checksums": {"params.yaml": "sha256:1",
-                                     "stage outputs (dvc.lock)": {"data/tokens": "md5:2"}}}  # fmt: skip
+    provenance = {
+        "git": {"revision": "abc", "uncommitted_changes": True},
+        "seeds": {"train": [0, 1]},
+        "data_checksums": {"params.yaml": "sha256:1", "stage outputs (dvc.lock)": {"data/tokens": "md5:2"}},
+    }
     render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", provenance)
     assert section(out.read_text(), "## Provenance").strip().splitlines() == [
         "- **git**: revision `abc`, uncommitted_changes `True`",
@@ -915,47 +1099,73 @@ def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
 
 
 def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size() -> None:
-    from pipeline.results.study_b.report import _tuning_statement
+    from lmgeo.results.study_b.report import _tuning_statement
 
     tuning = json.loads((Path(__file__).resolve().parents[1] / "docs" / "tuning.json").read_text())
     tuned = tuning["protocol"]["n_params"]
-    runs = [{"arch": tuning["protocol"]["arch"], "recipe": "muon", "head_step": None,
-             "steps": tuning["protocol"]["steps"], "n_params": n} for n in (tuned, 2 * tuned)]  # fmt: skip
+    runs = [
+        {
+            "arch": tuning["protocol"]["arch"],
+            "recipe": "muon",
+            "head_step": None,
+            "steps": tuning["protocol"]["steps"],
+            "n_params": n,
+        }
+        for n in (tuned, 2 * tuned)
+    ]
     assert "not re-tuned" in _tuning_statement(tuning, runs[1:])
     assert "not re-tuned" not in _tuning_statement(tuning, runs[:1])
 
 
 def test_the_summary_sets_each_paper_statistic_beside_its_raw_value_and_its_effect(default_study) -> None:
-    """"Reproduces at toy scale" and "specific against a null" read apart: a row per statistic as the paper states
+    """ "Reproduces at toy scale" and "specific against a null" read apart: a row per statistic as the paper states
     it, per architecture its raw value (from `paper_values`) and its verdict with the deciding effect; the
     summary says the models are small ones trained here."""
     text, out, _ = default_study
     summary = section(text, "## Summary")
     header = next(line for line in summary.splitlines() if line.startswith("| the paper states |"))
     assert header.count("here (raw)") == header.count("vs fair null") == len(DEFAULT_ARCHS)
-    rows = [line for line in summary.splitlines()
-            if line.startswith("| ") and " | median absolute cos(Δ_full, Δ_tok) " in line
-            or line.startswith("| Spearman(RelErr, KL) strong")]  # fmt: skip
+    rows = [
+        line
+        for line in summary.splitlines()
+        if line.startswith("| ")
+        and " | median absolute cos(Δ_full, Δ_tok) " in line
+        or line.startswith("| Spearman(RelErr, KL) strong")
+    ]
     assert len(rows) == 2
     values = pq.read_table(out.parent / "tables" / "paper_values.parquet").to_pylist()
-    cos = [v["value"] for v in values if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final"
-           and v["statistic"] == "cos_full_tok" and votes(v["fn"])]  # fmt: skip
+    cos = [
+        v["value"]
+        for v in values
+        if v["subject"] == f"{sorted(DEFAULT_ARCHS)[0]}@final" and v["statistic"] == "cos_full_tok" and votes(v["fn"])
+    ]
     assert len(cos) == 4 and f"median absolute cos(Δ_full, Δ_tok) {min(cos):.2g}–{max(cos):.2g}" in rows[0]
-    assert all(re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
-               for r in rows)  # fmt: skip
+    assert all(
+        re.search(r"\*\*(supported|not supported|contradicted|inconclusive|mixed: [^*]+)\*\* · -?[\d.]", r)
+        for r in rows
+    )
     assert "small models trained here" in summary
 
 
 LOCALITY_HEADER = "k,subject,fn,claim,null,scope,n_layers,effect,ci_low,ci_high,verdict"
 # cos_full_tok_near_1 loses its support at k = 384; proj_res_below_full keeps it; a per-layer row is no summary's.
-LOCALITY_ROWS = "\n".join(
-    [LOCALITY_HEADER]
-    + [f"{k},gpt2@final,{fn},cos_full_tok_near_1,shuffled,stratified,4,0.1,0.06,0.14,{cos}"
-       for k, cos in ((96, "supported"), (192, "supported"), (384, "inconclusive")) for fn in ("diag_psd", "lowrank")]
-    + [f"{k},gpt2@final,{fn},proj_res_below_full,shuffled,stratified,4,0.1,0.06,0.14,supported"
-       for k in (96, 192, 384) for fn in ("diag_psd", "lowrank")]
-    + ["96,gpt2@final,lowrank,cos_full_tok_near_1,shuffled,layer,1,0.1,0.0,0.2,contradicted"]
-) + "\n"  # fmt: skip
+LOCALITY_ROWS = (
+    "\n".join(
+        [LOCALITY_HEADER]
+        + [
+            f"{k},gpt2@final,{fn},cos_full_tok_near_1,shuffled,stratified,4,0.1,0.06,0.14,{cos}"
+            for k, cos in ((96, "supported"), (192, "supported"), (384, "inconclusive"))
+            for fn in ("diag_psd", "lowrank")
+        ]
+        + [
+            f"{k},gpt2@final,{fn},proj_res_below_full,shuffled,stratified,4,0.1,0.06,0.14,supported"
+            for k in (96, 192, 384)
+            for fn in ("diag_psd", "lowrank")
+        ]
+        + ["96,gpt2@final,lowrank,cos_full_tok_near_1,shuffled,layer,1,0.1,0.0,0.2,contradicted"]
+    )
+    + "\n"
+)
 
 
 def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verdicts_move(tmp_path: Path) -> None:
@@ -969,12 +1179,19 @@ def test_the_locality_sweep_is_read_from_its_committed_table_and_says_which_verd
     text = study_a_report._locality_sweep(rows)
     assert "| claim | gpt2: 96 / 192 / 384 |" in text
     assert "| supported / supported / inconclusive |" in text and "| supported / supported / supported |" in text
-    assert (f"Whether a claim is supported changes with k in 1 cell: {CLAIMS[0].label} (gpt2: supported at k = 96, "
-            "192, not at k = 384).") in text and "more, the verdict changes" not in text
+    assert (
+        f"Whether a claim is supported changes with k in 1 cell: {CLAIMS[0].label} (gpt2: supported at k = 96, "
+        "192, not at k = 384)."
+    ) in text and "more, the verdict changes" not in text
     # A reading that moves between negative ones is a shift of the classes' votes, counted apart.
-    shifted = study_a_report._locality_sweep(study_a_report.read_locality_sweep(path) + [
-        {**r, "verdict": "not supported" if r["k"] == 96 else "contradicted", "claim": "angle_res_tok_near_90"}
-        for r in rows if r["claim"] == "proj_res_below_full"])  # fmt: skip
+    shifted = study_a_report._locality_sweep(
+        study_a_report.read_locality_sweep(path)
+        + [
+            {**r, "verdict": "not supported" if r["k"] == 96 else "contradicted", "claim": "angle_res_tok_near_90"}
+            for r in rows
+            if r["claim"] == "proj_res_below_full"
+        ]
+    )
     assert "In 1 more, the verdict changes with k but is supported at no k." in shifted
     path.write_text(LOCALITY_ROWS.replace(",verdict\n", ",reading\n", 1))
     with pytest.raises(ValueError, match="no column verdict"):

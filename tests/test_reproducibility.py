@@ -13,7 +13,7 @@ import pytest
 import yaml
 from study_helpers import REPO, new_study, sh, write_params
 
-from pipeline.core.config import flatten_overrides, load_yaml
+from lmgeo.core.config import flatten_overrides, load_yaml
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +60,14 @@ def test_two_runs_on_different_workers_load_and_environment_give_identical_diges
         load.kill()
 
     first, second = locked_digests(quiet), locked_digests(loaded)
-    assert {"data/models", "data/train", "data/activations", "data/fits", "data/perturb",
-            "reports/metrics.json"} <= first.keys()  # fmt: skip
+    assert {
+        "data/models",
+        "data/train",
+        "data/activations",
+        "data/fits",
+        "data/perturb",
+        "reports/metrics.json",
+    } <= first.keys()
     assert first == second, {path: (first[path], second.get(path)) for path in first if first[path] != second.get(path)}
     # The times are telemetry: measured, but outside what the digests cover.
     assert sorted(p.name for p in (loaded / "telemetry" / "train").iterdir()) == sorted(

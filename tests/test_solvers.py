@@ -1,4 +1,4 @@
-"""The fits' two ways to factorise (`pipeline/study_a/solvers.py`): LAPACK (the CPU's) and the batched products
+"""The fits' two ways to factorise (`lmgeo/study_a/solvers.py`): LAPACK (the CPU's) and the batched products
 (CUDA's), the latter forced onto the CPU here. Each product-path result is checked against NumPy's own SVD or
 eigendecomposition computed in the test, and whole fits against the LAPACK path on identified, untied anchors
 within the GPU check's tolerances."""
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer
-from pipeline.study_a.solvers import LAPACK, PRODUCTS, U32, forced, solver_for
-from tools.bench.synthetic import synthetic_states
-from tools.gpucheck.compare import compare_fit_tables
+from lmgeo.commands.bench.synthetic import synthetic_states
+from lmgeo.study_a.config import AnalysisConfig
+from lmgeo.study_a.fits import choose_anchors, fit_layer
+from lmgeo.study_a.solvers import LAPACK, PRODUCTS, U32, forced, solver_for
+from scripts.gpucheck.compare import compare_fit_tables
 
 F64 = torch.float64
 
@@ -112,14 +112,15 @@ def test_fits_on_the_product_path_match_the_lapack_path_on_identified_untied_anc
     found = compare_fit_tables(products, lapack)
     assert not found.mismatched, found.mismatched
     assert all(agreement.passed for agreement in found.values.values()), {
-        name: agreement.describe() for name, agreement in found.values.items() if not agreement.passed}
+        name: agreement.describe() for name, agreement in found.values.items() if not agreement.passed
+    }
 
 
 def test_a_tie_running_past_the_leading_vectors_found_is_cut_as_the_whole_spectrum_cuts_it():
     """A scaled rotation by the same angle in every plane: all singular values of `sQ − I` tie, so the gap cut
     keeps every direction. The product path finds only `p + 1` leading vectors; it must read the whole spectrum
     then, and keep the same subspace as LAPACK (all d directions)."""
-    from pipeline.study_a.classes.orthogonal import OrthogonalFit
+    from lmgeo.study_a.classes.orthogonal import OrthogonalFit
 
     d, p, angle = 6, 2, 0.3
     plane = torch.tensor([[np.cos(angle), -np.sin(angle)], [np.sin(angle), np.cos(angle)]], dtype=F64)

@@ -7,7 +7,7 @@ import pyarrow as pa
 import pytest
 from scipy.stats import rankdata, spearmanr
 
-from pipeline.results.stats import (
+from lmgeo.results.stats import (
     ranks_of_draws,
     spearman,
     spearman_bootstrap,
@@ -47,7 +47,6 @@ def brute_force_bootstrap(x, y, n_boot, ci, seed):
     return spearmanr(x, y).statistic, lo, hi, len(reps)
 
 
-
 @pytest.mark.parametrize("n", [3, 11, 400])
 def test_ranks_and_spearman_of_draws_match_scipy_on_each_draw(n):
     """Counting ranks per draw gives scipy's average ranks exactly (ties in the values and repeated draws);
@@ -62,6 +61,7 @@ def test_ranks_and_spearman_of_draws_match_scipy_on_each_draw(n):
     want = np.array([spearmanr(x[d], y[d]).statistic for d in draws])
     assert np.array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_allclose(got[~np.isnan(got)], want[~np.isnan(want)], rtol=0, atol=1e-12)
+
 
 def test_bootstrap_matches_a_brute_force_loop():
     rng = np.random.default_rng(2)
@@ -107,13 +107,11 @@ def test_by_layer_and_stratified():
     assert (result["stratified"].low, result["stratified"].high) == pytest.approx((low, high))
 
 
-
-
 # ------------------------------------------------------------------------- comparisons over seeds (Study B)
 def test_mean_interval_is_the_student_t_interval():
     from scipy import stats as sps
 
-    from pipeline.results.stats import mean_interval
+    from lmgeo.results.stats import mean_interval
 
     x = np.random.default_rng(1).normal(4.8, 0.015, size=7)
     got = mean_interval(list(x) + [np.nan], ci=0.9)
@@ -128,7 +126,7 @@ def test_paired_difference_matches_scipy_and_recovers_a_planted_difference():
     with a CI that covers it, while an unpaired comparison of the same runs could not tell."""
     from scipy import stats as sps
 
-    from pipeline.results.stats import paired_difference
+    from lmgeo.results.stats import paired_difference
 
     rng = np.random.default_rng(2)
     seed_effect = rng.normal(0, 0.02, size=10)
@@ -145,7 +143,7 @@ def test_paired_difference_matches_scipy_and_recovers_a_planted_difference():
 def test_seeds_needed_gives_the_power_a_simulation_measures():
     from scipy import stats as sps
 
-    from pipeline.results.stats import detectable_difference, paired_t_power, seeds_needed
+    from lmgeo.results.stats import detectable_difference, paired_t_power, seeds_needed
 
     rng = np.random.default_rng(3)
     effect, sd = 0.02, 0.03
@@ -163,7 +161,7 @@ def test_seeds_needed_gives_the_power_a_simulation_measures():
 
 
 def test_holm_adjusts_step_down_and_keeps_missing_values():
-    from pipeline.results.stats import holm
+    from lmgeo.results.stats import holm
 
     got = holm([0.01, 0.04, np.nan, 0.03, 0.5])
     # sorted 0.01, 0.03, 0.04, 0.5 → ×4, ×3, ×2, ×1, then made monotone
@@ -185,7 +183,7 @@ def test_spearman_rows_is_scipys_spearman_row_by_row():
 
 
 def test_average_ranks_are_scipys_rankdata_with_ties():
-    from pipeline.results.stats import average_ranks
+    from lmgeo.results.stats import average_ranks
 
     rng = np.random.default_rng(4)
     values = rng.integers(0, 5, size=(3, 4, 20)).astype(float)
@@ -196,7 +194,7 @@ def test_average_ranks_are_scipys_rankdata_with_ties():
 
 
 def test_finite_keeps_only_measured_values_in_order():
-    from pipeline.results.common import finite
+    from lmgeo.results.common import finite
 
     kept = finite([1.5, None, float("nan"), float("inf"), -2.0, -float("inf"), 0.0])
     assert kept.dtype == np.float64 and kept.tolist() == [1.5, -2.0, 0.0]

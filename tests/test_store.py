@@ -23,8 +23,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from pipeline.core import store
-from pipeline.core.contracts import (
+from lmgeo.core import store
+from lmgeo.core.contracts import (
     VECTOR,
     Dataset,
     OldVectorFormat,
@@ -37,8 +37,8 @@ from pipeline.core.contracts import (
     vectors_as_lists,
     vectors_to_arrow,
 )
-from pipeline.core.errors import InputError
-from pipeline.core.store import (
+from lmgeo.core.errors import InputError
+from lmgeo.core.store import (
     PLAN_FILE,
     CorruptShardError,
     ManifestKey,
@@ -57,26 +57,37 @@ from pipeline.core.store import (
 )
 
 KEY = ManifestKey(inputs={"activations": "abc123"}, params_hash="p1", code_version="c1")
-ROWS = Dataset("rows", fields=(pa.field("seq_id", pa.int32()), pa.field("pos", pa.int32()), pa.field("h", VECTOR)),
-               partitions=(pa.field("model", pa.string()), pa.field("layer", pa.int32())), written_by="extract",
-               order=("seq_id", "pos"))
+ROWS = Dataset(
+    "rows",
+    fields=(pa.field("seq_id", pa.int32()), pa.field("pos", pa.int32()), pa.field("h", VECTOR)),
+    partitions=(pa.field("model", pa.string()), pa.field("layer", pa.int32())),
+    written_by="extract",
+    order=("seq_id", "pos"),
+)
 
 
 def read_all(root: Path) -> pa.Table:
     """Every row of the verified shards, with the partition columns, in (layer, seq_id, pos) order."""
     files = verified_files(root)
-    parts = [pq.read_table(f).append_column("layer", pa.array([ROWS.partition_values(f.relative_to(root))["layer"]]
-             * pq.read_metadata(f).num_rows, pa.int32())) for f in files]  # fmt: skip
+    parts = [
+        pq.read_table(f).append_column(
+            "layer",
+            pa.array([ROWS.partition_values(f.relative_to(root))["layer"]] * pq.read_metadata(f).num_rows, pa.int32()),
+        )
+        for f in files
+    ]
     return pa.concat_tables(parts).sort_by([("layer", "ascending"), ("seq_id", "ascending"), ("pos", "ascending")])
 
 
 def rows(seq: int, n: int = 4, d: int = 3) -> pa.Table:
     rng = np.random.default_rng(seq)
-    return pa.table({
-        "seq_id": pa.array([seq] * n, pa.int32()),
-        "pos": pa.array(range(n), pa.int32()),
-        "h": vectors_to_arrow(rng.standard_normal((n, d))),
-    })
+    return pa.table(
+        {
+            "seq_id": pa.array([seq] * n, pa.int32()),
+            "pos": pa.array(range(n), pa.int32()),
+            "h": vectors_to_arrow(rng.standard_normal((n, d))),
+        }
+    )
 
 
 def write_shard(root: Path, shard: str, key: ManifestKey = KEY, seq: int = 0, layers: tuple = (0, 1)) -> None:
@@ -158,8 +169,9 @@ def test_arrow_to_vectors_refuses_ragged_lists_and_non_vectors() -> None:
 def test_vectors_survive_pickling_as_through_rays_object_store() -> None:
     table = pa.table({"h": vectors_to_arrow(np.eye(3), half=True)})
     back = pickle.loads(pickle.dumps(table))
-    assert back.schema.field("h").type == vector_type(3, half=True) and np.array_equal(arrow_to_vectors(back["h"]),
-                                                                                         np.eye(3))
+    assert back.schema.field("h").type == vector_type(3, half=True) and np.array_equal(
+        arrow_to_vectors(back["h"]), np.eye(3)
+    )
 
 
 def test_vectors_in_the_old_list_format_are_refused_naming_the_command_that_rewrites_them(tmp_path: Path) -> None:
@@ -167,8 +179,10 @@ def test_vectors_in_the_old_list_format_are_refused_naming_the_command_that_rewr
     with pytest.raises(OldVectorFormat, match=r"before vector format 2.*`lmgeo extract`"):
         arrow_to_vectors(old)
     with ShardWriter(tmp_path, "s", KEY) as writer:
-        writer.write({"model": "m", "layer": 0}, pa.table({"seq_id": pa.array([0, 1], pa.int32()),
-                                                           "pos": pa.array([0, 0], pa.int32()), "h": old}))
+        writer.write(
+            {"model": "m", "layer": 0},
+            pa.table({"seq_id": pa.array([0, 1], pa.int32()), "pos": pa.array([0, 0], pa.int32()), "h": old}),
+        )
     files = verified_files(tmp_path)
     with pytest.raises(OldVectorFormat, match=r"part-.*\.parquet: vectors stored as fixed_size_list.*`lmgeo extract`"):
         read(tmp_path, ROWS, files, {"layer": 0})
@@ -185,8 +199,14 @@ def test_file_sha256_matches_hashlib(tmp_path: Path) -> None:
 
 
 def test_shard_slugs_are_safe_and_distinct() -> None:
-    keys = ["gpt2-adamw-s0.final/layer=1/fn=diag_psd", "gpt2-adamw-s0.final_layer_1_fn_diag_psd",
-            "gpt2-adamw-s0@final", "EleutherAI--pythia-70m/seq=16", "../../etc", "a b"]
+    keys = [
+        "gpt2-adamw-s0.final/layer=1/fn=diag_psd",
+        "gpt2-adamw-s0.final_layer_1_fn_diag_psd",
+        "gpt2-adamw-s0@final",
+        "EleutherAI--pythia-70m/seq=16",
+        "../../etc",
+        "a b",
+    ]
     slugs = [shard_slug(k) for k in keys]
     assert len(set(slugs)) == len(keys)
     assert all(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", s) for s in slugs), slugs
@@ -225,9 +245,14 @@ def test_a_shard_is_written_atomically_with_its_manifest_last(tmp_path: Path) ->
     assert shard_complete(root, "m/seq=0", KEY)
 
 
-@pytest.mark.parametrize("changed", [
-    {"inputs": {"activations": "other"}}, {"params_hash": "p2"}, {"code_version": "c2"},
-])
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"inputs": {"activations": "other"}},
+        {"params_hash": "p2"},
+        {"code_version": "c2"},
+    ],
+)
 def test_a_shard_is_complete_only_for_the_same_key(tmp_path: Path, changed: dict) -> None:
     write_shard(tmp_path, "s")
     assert shard_complete(tmp_path, "s", KEY)
@@ -305,8 +330,8 @@ def test_rewriting_a_shard_replaces_all_of_its_old_files(tmp_path: Path) -> None
 WRITER = textwrap.dedent("""
     import os, signal, sys
     import numpy as np, pyarrow as pa
-    from pipeline.core import store
-    from pipeline.core.contracts import vectors_to_arrow
+    from lmgeo.core import store
+    from lmgeo.core.contracts import vectors_to_arrow
     root, shard, moment = sys.argv[1], sys.argv[2], sys.argv[3]
     key = store.ManifestKey({"activations": "abc123"}, "p1", "c1")
     if moment == "before-manifest":  # die after the renames, before the manifest
@@ -386,8 +411,11 @@ def test_a_corrupted_shard_is_named_with_how_to_rebuild_it(tmp_path: Path, how: 
     victim = tmp_path / f"model=m/layer=1/part-{shard_slug('bad')}.parquet"
     corrupt(victim, how)
 
-    for reader in (lambda: verify_shard(tmp_path, "bad"), lambda: verified_files(tmp_path),
-                   lambda: verified_files(tmp_path, {"bad": KEY})):
+    for reader in (
+        lambda: verify_shard(tmp_path, "bad"),
+        lambda: verified_files(tmp_path),
+        lambda: verified_files(tmp_path, {"bad": KEY}),
+    ):
         with pytest.raises(CorruptShardError) as err:
             reader()
         message = str(err.value)
@@ -426,8 +454,12 @@ def test_a_manifest_without_its_fields_is_named_not_a_key_error(tmp_path: Path, 
     else:
         record["files"] = "model=m"
     manifest.write_text(json.dumps(record))
-    for reader in (lambda: verified_files(tmp_path), lambda: verified_files(tmp_path, {"s": KEY}),
-                   lambda: verify_shard(tmp_path, "s"), lambda: dataset_digest(tmp_path)):
+    for reader in (
+        lambda: verified_files(tmp_path),
+        lambda: verified_files(tmp_path, {"s": KEY}),
+        lambda: verify_shard(tmp_path, "s"),
+        lambda: dataset_digest(tmp_path),
+    ):
         with pytest.raises(CorruptShardError, match=re.escape(f"{manifest}: corrupt shard: a manifest without")):
             reader()
     assert resume(tmp_path, {"s": 0, "other": 1}) == ["s"]

@@ -1,4 +1,4 @@
-"""The dominant subspace's cut (SPEC §4.2, `pipeline.study_a.geometry.dominant`): at least `p` singular values,
+"""The dominant subspace's cut (SPEC §4.2, `lmgeo.study_a.geometry.dominant`): at least `p` singular values,
 cut at a gap so that a tie is kept whole; the subspace is then unique, and the projections written from it do
 not move when the inputs move by float64 rounding."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.study_a.classes.orthogonal import OrthogonalFit
-from pipeline.study_a.config import AnalysisConfig
-from pipeline.study_a.fits import choose_anchors, fit_layer
-from pipeline.study_a.geometry import TIE, dominant, tied
+from lmgeo.study_a.classes.orthogonal import OrthogonalFit
+from lmgeo.study_a.config import AnalysisConfig
+from lmgeo.study_a.fits import choose_anchors, fit_layer
+from lmgeo.study_a.geometry import TIE, dominant, tied
 
 
 def kept(values: list[float], p: int) -> list[bool]:
@@ -80,8 +80,10 @@ def random_pairs(seed: int, n: int = 600, d: int = 8) -> tuple[np.ndarray, ...]:
 def projections(x: np.ndarray, y: np.ndarray, seq: np.ndarray, pos: np.ndarray, fn: str) -> dict[str, np.ndarray]:
     cfg = AnalysisConfig(k=24, anchors=60, p=4, rank=2, classes=[fn])
     tables, _ = fit_layer(x, y, seq, pos, seq, choose_anchors(len(x), cfg.anchors, 0), [fn], cfg)
-    return {c: np.asarray(tables[fn].column(c).to_pylist(), dtype=float)
-            for c in ("proj_full", "proj_res", "subspace_tied", "subspace_dim")}  # fmt: skip
+    return {
+        c: np.asarray(tables[fn].column(c).to_pylist(), dtype=float)
+        for c in ("proj_full", "proj_res", "subspace_tied", "subspace_dim")
+    }
 
 
 def rounded(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -104,7 +106,7 @@ def test_projections_do_not_move_with_float64_rounding(fn, monkeypatch):
     np.testing.assert_array_equal(after["subspace_dim"], before["subspace_dim"])
     if fn in ("orthogonal", "similarity"):
         assert 0.2 < np.nanmean(before["subspace_tied"]) < 0.8
-        from pipeline.study_a.classes import orthogonal
+        from lmgeo.study_a.classes import orthogonal
 
         monkeypatch.setattr(orthogonal, "dominant", strict_top_p)
         strict = [projections(*pair, seq, pos, fn) for pair in ((x, y), (rounded(x, rng), rounded(y, rng)))]

@@ -8,12 +8,12 @@ import math
 import numpy as np
 import pytest
 
-from pipeline.core.contracts import STEPS, RunSpec
-from pipeline.models.config import ModelSize
-from pipeline.study_b import hilbert
-from pipeline.study_b.config import MatchedBudget, RecipeConfig, Schedule, TrainConfig
-from pipeline.study_b.optim import schedule_factor
-from pipeline.study_b.train import train_run
+from lmgeo.core.contracts import STEPS, RunSpec
+from lmgeo.models.config import ModelSize
+from lmgeo.study_b import hilbert
+from lmgeo.study_b.config import MatchedBudget, RecipeConfig, Schedule, TrainConfig
+from lmgeo.study_b.optim import schedule_factor
+from lmgeo.study_b.train import train_run
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
 VOCAB, SEQ = 64, 16
@@ -30,10 +30,26 @@ def run(tokens, recipe: str, with_test: bool = True, cap: float | None = None, *
     """A tiny run; with `cap`, a capped run of a matched-budget sweep at that budget."""
     if cap is not None:
         overrides["matched_budget"] = MatchedBudget(taus=[cap], seeds=[0])
-    cfg = TrainConfig(model=TINY, steps=6, batch_size=4, eval_batches=1, test_batches=2, probe_sequences=2,
-                      geometry_interval=2, equi_sample_rows=32, device="cpu", **overrides)  # fmt: skip
+    cfg = TrainConfig(
+        model=TINY,
+        steps=6,
+        batch_size=4,
+        eval_batches=1,
+        test_batches=2,
+        probe_sequences=2,
+        geometry_interval=2,
+        equi_sample_rows=32,
+        device="cpu",
+        **overrides,
+    )
     record, steps = train_run(
-        RunSpec("neox", recipe, 0, cap is not None, cap), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x",
+        RunSpec("neox", recipe, 0, cap is not None, cap),
+        cfg,
+        tokens["train"],
+        tokens["val"],
+        VOCAB,
+        SEQ,
+        "x",
         lambda *_: None,
         test_tokens=tokens["test"] if with_test else None,
     )
@@ -102,8 +118,9 @@ def test_under_a_matched_budget_rownorm_trains_the_model_hilbert_does(tokens) ->
     # the two weights (which differ by the shift) several-fold a step, so the same model is read more loosely.
     for budget, rounding in ((0.02, 1e-5), (5.0, 1e-3)):
         _, rownorm, rownorm_steps = run(tokens, "rownorm", cap=budget)
-        _, hilbert_run, hilbert_steps = run(tokens, "hilbert", cap=budget,
-                                            recipe_overrides={"hilbert": RecipeConfig(tau=1.0)})  # fmt: skip
+        _, hilbert_run, hilbert_steps = run(
+            tokens, "hilbert", cap=budget, recipe_overrides={"hilbert": RecipeConfig(tau=1.0)}
+        )
         gaps = [abs(a["train_loss"] - b["train_loss"]) for a, b in zip(rownorm_steps, hilbert_steps, strict=True)]
         assert max(gaps) < rounding
         assert rownorm.final_test_loss == pytest.approx(hilbert_run.final_test_loss, abs=rounding)

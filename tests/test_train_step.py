@@ -12,16 +12,16 @@ import pytest
 import torch
 from transformers.loss.loss_utils import ForCausalLMLoss
 
-import pipeline.study_b.train as train_module
-from pipeline.core.contracts import RunSpec
-from pipeline.models.config import ModelSize
-from pipeline.models.registry import build_model, head_of
-from pipeline.study_b.config import RecipeConfig, TrainConfig
-from pipeline.study_b.loss import fused_next_token_loss, next_token_loss, use_fused_loss
-from pipeline.study_b.optim import HeadLMO, build_optimizers, host_scalar
-from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import LMOKnobs
-from pipeline.study_b.train import LossReadback, rows_on_host, train_run
+import lmgeo.study_b.train as train_module
+from lmgeo.core.contracts import RunSpec
+from lmgeo.models.config import ModelSize
+from lmgeo.models.registry import build_model, head_of
+from lmgeo.study_b.config import RecipeConfig, TrainConfig
+from lmgeo.study_b.loss import fused_next_token_loss, next_token_loss, use_fused_loss
+from lmgeo.study_b.optim import HeadLMO, build_optimizers, host_scalar
+from lmgeo.study_b.recipes import RECIPES
+from lmgeo.study_b.recipes.base import LMOKnobs
+from lmgeo.study_b.train import LossReadback, rows_on_host, train_run
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
 VOCAB, SEQ = 64, 16
@@ -131,8 +131,10 @@ def test_a_readback_returns_every_loss_once_in_order() -> None:
 
 def test_rows_on_host_reads_every_device_scalar_and_leaves_the_rest() -> None:
     rows = [{"step": 1, "lr": torch.tensor(0.25), "train_loss": 3.0}, {"step": 2, "lr": 0.5, "head_step_scale": None}]
-    assert rows_on_host(rows) == [{"step": 1, "lr": 0.25, "train_loss": 3.0},
-                                  {"step": 2, "lr": 0.5, "head_step_scale": None}]  # fmt: skip
+    assert rows_on_host(rows) == [
+        {"step": 1, "lr": 0.25, "train_loss": 3.0},
+        {"step": 2, "lr": 0.5, "head_step_scale": None},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -164,17 +166,35 @@ def train(tokens, monkeypatch, recipe: str = "hilbert", diverge_at: int | None =
             return model
 
         monkeypatch.setattr(train_module, "build_model", build_with_a_fault)
-    cfg = TrainConfig(model=TINY, steps=8, batch_size=4, eval_interval=4, eval_batches=1, probe_sequences=2,
-                      geometry_interval=3, equi_sample_rows=32, device="cpu",
-                      recipe_overrides={"hilbert": RecipeConfig(tau=0.4)})  # fmt: skip
+    cfg = TrainConfig(
+        model=TINY,
+        steps=8,
+        batch_size=4,
+        eval_interval=4,
+        eval_batches=1,
+        probe_sequences=2,
+        geometry_interval=3,
+        equi_sample_rows=32,
+        device="cpu",
+        recipe_overrides={"hilbert": RecipeConfig(tau=0.4)},
+    )
     seen, finals = [], []
 
     def keep_final(model, name, info) -> None:
         if name == "final":
             finals.append({k: v.clone() for k, v in model.state_dict().items()})
 
-    record, steps = train_run(RunSpec("neox", recipe, 0), cfg, tokens["train"], tokens["val"], VOCAB, SEQ, "x",
-                              keep_final, on_step=lambda step, loss: seen.append((step, loss)))
+    record, steps = train_run(
+        RunSpec("neox", recipe, 0),
+        cfg,
+        tokens["train"],
+        tokens["val"],
+        VOCAB,
+        SEQ,
+        "x",
+        keep_final,
+        on_step=lambda step, loss: seen.append((step, loss)),
+    )
     return record, steps.to_pylist(), seen, finals[0]
 
 

@@ -9,16 +9,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.core.contracts import RunSpec
-from pipeline.models.config import ModelSize
-from pipeline.models.registry import build_model, head_of
-from pipeline.study_b.config import RecipeConfig, TrainConfig
-from pipeline.study_b.optim import build_optimizers
-from pipeline.study_b.recipes import RECIPES
-from pipeline.study_b.recipes.base import HeadStepDefault
-from pipeline.study_b.train import train_run
-from tools import tuning
-from tools.tuning import render, transfer_summary, tuning_config
+from lmgeo.commands.tune import tuning
+from lmgeo.commands.tune.tuning import render, transfer_summary, tuning_config
+from lmgeo.core.contracts import RunSpec
+from lmgeo.models.config import ModelSize
+from lmgeo.models.registry import build_model, head_of
+from lmgeo.study_b.config import RecipeConfig, TrainConfig
+from lmgeo.study_b.optim import build_optimizers
+from lmgeo.study_b.recipes import RECIPES
+from lmgeo.study_b.recipes.base import HeadStepDefault
+from lmgeo.study_b.train import train_run
 
 TINY = ModelSize(d_model=16, n_layers=1, n_heads=2)
 VOCAB, SEQ = 64, 16
@@ -27,8 +27,17 @@ VOCAB, SEQ = 64, 16
 def rows(recipe: str, entries: list[tuple[str, float, int, float | None]]) -> list[dict]:
     """Hand-made trial rows; a loss of None is a diverged run."""
     return [
-        {"recipe": recipe, "arch": "neox", "knob": knob, "value": value, "seed": seed,
-         "final_val_loss": loss, "diverged": loss is None, "steps_done": 10, "wall_time_s": 1.0}
+        {
+            "recipe": recipe,
+            "arch": "neox",
+            "knob": knob,
+            "value": value,
+            "seed": seed,
+            "final_val_loss": loss,
+            "diverged": loss is None,
+            "steps_done": 10,
+            "wall_time_s": 1.0,
+        }
         for knob, value, seed, loss in entries
     ]
 
@@ -50,10 +59,15 @@ def test_best_step_is_the_lowest_mean_over_seeds() -> None:
 
 def test_a_step_that_diverges_on_any_seed_never_wins() -> None:
     # 0.4 has the best single run but diverged on seed 1: it counts as +inf, not as its finite mean.
-    t = table("hilbert", [
-        ("head_lr", 0.1, 0, 3.6), ("head_lr", 0.1, 1, 3.7),
-        ("head_lr", 0.4, 0, 3.0), ("head_lr", 0.4, 1, None),
-    ])
+    t = table(
+        "hilbert",
+        [
+            ("head_lr", 0.1, 0, 3.6),
+            ("head_lr", 0.1, 1, 3.7),
+            ("head_lr", 0.4, 0, 3.0),
+            ("head_lr", 0.4, 1, None),
+        ],
+    )
     assert tuning.best_step(t) == tuning.Choice("head_lr", 0.1, pytest.approx(3.65))
     scores = {s.value: s for s in tuning.step_scores(t)}
     assert math.isinf(scores[0.4].mean_val_loss) and scores[0.4].diverged == 1
@@ -108,8 +122,17 @@ def test_the_descent_share_is_refined_inside_its_interval() -> None:
 def test_the_seed_noise_and_the_lead_of_a_tuning_curve() -> None:
     """Seed noise: the SD of a trial about its value's mean, pooled over values whose seeds all finished; the
     lead: the runner-up's mean minus the winner's."""
-    t = table("sign", [("head_lr", 0.1, 0, 3.0), ("head_lr", 0.1, 1, 3.2), ("head_lr", 0.2, 0, 2.9),
-                       ("head_lr", 0.2, 1, 3.0), ("head_lr", 0.4, 0, 3.5), ("head_lr", 0.4, 1, None)])  # fmt: skip
+    t = table(
+        "sign",
+        [
+            ("head_lr", 0.1, 0, 3.0),
+            ("head_lr", 0.1, 1, 3.2),
+            ("head_lr", 0.2, 0, 2.9),
+            ("head_lr", 0.2, 1, 3.0),
+            ("head_lr", 0.4, 0, 3.5),
+            ("head_lr", 0.4, 1, None),
+        ],
+    )
     deviations = [0.1, 0.1, 0.05, 0.05]  # about 3.1 and 2.95; 0.4 diverged on a seed: left out
     assert tuning.seed_noise(t) == pytest.approx(math.sqrt(sum(d * d for d in deviations) / 2))
     assert tuning.margin(t) == pytest.approx(3.1 - 2.95)
@@ -180,8 +203,16 @@ def tokens() -> tuple[np.ndarray, np.ndarray]:
 
 
 def tiny_cfg(**overrides) -> TrainConfig:
-    return TrainConfig(model=TINY, steps=4, batch_size=4, eval_batches=1, probe_sequences=2,
-                       equi_sample_rows=32, device="cpu", **overrides)
+    return TrainConfig(
+        model=TINY,
+        steps=4,
+        batch_size=4,
+        eval_batches=1,
+        probe_sequences=2,
+        equi_sample_rows=32,
+        device="cpu",
+        **overrides,
+    )
 
 
 @pytest.mark.slow  # five training runs
@@ -193,14 +224,23 @@ def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
     assert t.schema == tuning.TRIAL_SCHEMA and t.num_rows == 4
     got = t.to_pylist()
     assert [(r["knob"], r["value"], r["seed"]) for r in got] == [
-        ("tau", 0.05, 0), ("tau", 0.05, 1), ("tau", 1.5, 0), ("tau", 1.5, 1)
+        ("tau", 0.05, 0),
+        ("tau", 0.05, 1),
+        ("tau", 1.5, 0),
+        ("tau", 1.5, 1),
     ]
     assert all(r["recipe"] == "hilbert" and r["arch"] == "neox" and not r["diverged"] for r in got)
     assert all(r["steps_done"] == 4 for r in got)
     assert got[0]["final_val_loss"] != got[2]["final_val_loss"]  # the head step took effect
     direct, _ = train_run(
-        RunSpec("neox", "hilbert", 1), tiny_cfg(recipe_overrides={"hilbert": RecipeConfig(tau=1.5)}),
-        train, val, VOCAB, SEQ, "x", lambda *_: None,
+        RunSpec("neox", "hilbert", 1),
+        tiny_cfg(recipe_overrides={"hilbert": RecipeConfig(tau=1.5)}),
+        train,
+        val,
+        VOCAB,
+        SEQ,
+        "x",
+        lambda *_: None,
     )
     assert got[3]["final_val_loss"] == direct.final_val_loss
 
@@ -231,13 +271,30 @@ def test_a_trial_never_reads_the_test_split(tokens, monkeypatch) -> None:
 
 # --------------------------------------------------------------------------------------- report
 PROTOCOL = {
-    "arch": "neox", "transfer_archs": [], "transfer": None, "model": TINY.model_dump(), "n_params": 1234,
-    "vocab_size": VOCAB, "seq_len": SEQ, "steps": 4, "batch_size": 4, "tokens_per_run": 256, "seeds": [1000],
-    "hidden_lr": 0.02, "adamw_lr": 3e-3, "weight_decay": 0.0, "grad_clip": 1.0,
-    "schedule": TrainConfig().schedule.model_dump(), "eval_batches": 1, "grid": "a grid", "values_per_knob": 3,
-    "defaults_at_sweep": {"sign": {"head_lr": 0.2}}, "wall_time_s": 1.0, "threads_per_run": 1,
+    "arch": "neox",
+    "transfer_archs": [],
+    "transfer": None,
+    "model": TINY.model_dump(),
+    "n_params": 1234,
+    "vocab_size": VOCAB,
+    "seq_len": SEQ,
+    "steps": 4,
+    "batch_size": 4,
+    "tokens_per_run": 256,
+    "seeds": [1000],
+    "hidden_lr": 0.02,
+    "adamw_lr": 3e-3,
+    "weight_decay": 0.0,
+    "grad_clip": 1.0,
+    "schedule": TrainConfig().schedule.model_dump(),
+    "eval_batches": 1,
+    "grid": "a grid",
+    "values_per_knob": 3,
+    "defaults_at_sweep": {"sign": {"head_lr": 0.2}},
+    "wall_time_s": 1.0,
+    "threads_per_run": 1,
     "machine": "test",
-}  # fmt: skip
+}
 
 
 def test_the_document_marks_the_choice_diverged_runs_and_bracketing() -> None:
@@ -264,9 +321,9 @@ def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
 
 # ---------------------------------------------------------------------------------------- command
 def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
-    from pipeline.core.errors import InputError
-    from pipeline.params import Params
-    from tools import tune
+    from lmgeo.commands.tune import command as tune
+    from lmgeo.core.errors import InputError
+    from lmgeo.params import Params
 
     monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens
     with pytest.raises(InputError, match="unknown arch 'llama'"):
@@ -280,8 +337,8 @@ def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) ->
 def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeypatch) -> None:
     """The trial cache keeps a finished trial's row under a key of what decides it (its config, the tokens and
     its code version): read back by a new sweep, and not for another config."""
-    from stages.layout import Layout
-    from tools.tune import TrialCache
+    from lmgeo.commands.tune.command import TrialCache
+    from lmgeo.driver.layout import Layout
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     layout = Layout.here()
@@ -302,7 +359,11 @@ def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeyp
 @pytest.mark.parametrize(("knobs", "size"), [(1, (3.2, 2.6)), (2, (6.4, 2.6)), (6, (12.8, 5.2))])
 def test_the_tuning_figure_is_as_wide_as_its_panels(knobs, size):
     """A tune of one knob (`lmgeo tune --recipe adamw`) is one panel, not one panel beside three empty ones."""
-    curve = {"recipe": "adamw", "knob": "hidden_lr", "chosen": 0.003,
-             "points": [{"value": v, "mean": 4.2, "seeds": {"1000": 4.2}} for v in (0.0015, 0.003, 0.006)]}  # fmt: skip
+    curve = {
+        "recipe": "adamw",
+        "knob": "hidden_lr",
+        "chosen": 0.003,
+        "points": [{"value": v, "mean": 4.2, "seeds": {"1000": 4.2}} for v in (0.0015, 0.003, 0.006)],
+    }
     fig = tuning.figure([curve] * knobs)
     assert tuple(fig.get_size_inches()) == pytest.approx(size) and len(fig.axes) == knobs

@@ -1,0 +1,176 @@
+"""The report: ``report.md``, its figures, and ``report.html`` (the same content, self-contained), from the
+result tables of ``lmgeo.results.aggregate`` (SPEC §2, §3.3, §4.4).
+
+``render_report(tables_dir, out_md, figures_dir, provenance, tuning)`` leads with the answer: a summary (the
+findings in a few sentences; the paper's claims in words per architecture, the claims × layers heat map under them
+and the table of tests; the head-optimizer comparison with `muon` in words, its forest plot beside the budget
+sweep and its table), then
+Study B (protocol, step geometry, figures), Study A (one row per distinct model, claims per layer), an
+appendix (the per-run table; where a table is too long it names the `lmgeo query` that selects it) and the
+provenance last. A study whose tables are empty is reported as not run. The provenance and the record of the
+head step-size tuning (`docs/tuning.json`) are gathered by the caller (`lmgeo.stages.report`). Each study's parts
+are in `lmgeo.results.study_a.report` and `lmgeo.results.study_b.report`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lmgeo.core.contracts import RESULT_TABLES, read_result_tables
+from lmgeo.core.store import atomic_write
+from lmgeo.results.common import Figures, Tables, markdown_table
+from lmgeo.results.headline import metric_meaning, metrics
+from lmgeo.results.html import heading_anchor, to_html
+from lmgeo.results.study_a import report as study_a
+from lmgeo.results.study_a.claims import ClaimSummary, summarise
+from lmgeo.results.study_b import report as study_b
+from lmgeo.results.study_b.record import SweepRecord
+from lmgeo.study_b.baseline import baseline
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """What was written: the report's line count, and per figure the labels of its panels as drawn
+    (`common.axis_labels`), for the caller to print and the tests to check; `narrow`: the same for the
+    one-column variants of multi-column figures; `findings`: what the study finds in a few sentences;
+    `text_px`: per figure, its smallest text's height in the saved image's pixels (a browser scales it)."""
+
+    lines: int
+    figures: dict[str, list[dict[str, Any]]]
+    narrow: dict[str, list[dict[str, Any]]]
+    findings: str  # the summary's first paragraph, for README's findings block
+    text_px: dict[str, float]
+
+
+def render_report(
+    tables_dir: Path,
+    out_md: Path,
+    figures_dir: Path,
+    provenance: dict[str, Any],
+    tuning: dict[str, Any] | None = None,
+    step_times: dict[str, float] | None = None,
+    sweep: SweepRecord | None = None,
+    locality: Sequence[dict[str, Any]] = (),
+    knob_records: Sequence[study_b.KnobRecord] = (),
+) -> Rendered:
+    """Write ``out_md``, ``out_md`` with suffix ``.html`` and the figures (module docstring); `step_times`
+    (run → median seconds per step) is telemetry, shown where given; `sweep`, the committed record of the
+    matched-budget sweep, is what Study B cites when the study does not run the sweep itself; `locality`, the
+    committed claim tests of the locality sweep (`study_a.report.read_locality_sweep`), is cited where given;
+    `knob_records`, knobs tuned alone beside `tuning` (path, record), are stated where `tuning` lacks them."""
+    found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
+    tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
+    figures_dir.mkdir(parents=True, exist_ok=True)
+    for stale in figures_dir.glob("*.png"):
+        stale.unlink()
+    figures = Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
+    claims = summarise(tables["claim_tests"])
+    sweep_tables = study_b.sweep_source(tables, sweep)
+    sections = [
+        _summary(tables, claims, figures, sweep_tables),
+        study_b.section(tables, figures, tuning, sweep_tables, knob_records),
+        study_a.section(tables, claims, figures, locality),
+        study_b.appendix(tables, step_times or {}),
+        _headline_metrics(tables),
+        _provenance(provenance),
+    ]
+    title = "# lmgeo report\n"
+    text = "\n".join([title, _contents(title, sections), *sections])
+    atomic_write(out_md, text)
+    atomic_write(out_md.with_suffix(".html"), to_html(text, out_md.parent, title="lmgeo report"))
+    return Rendered(text.count("\n"), figures.labels, figures.narrow_labels, findings(tables, claims), figures.text_px)
+
+
+def _contents(title: str, sections: list[str]) -> str:
+    """One line of links to the sections' headings (`##`), by the anchors GitHub and `html.to_html` give
+    them (counted over every heading, as both count repeats)."""
+    taken: set[str] = set()
+    links = []
+    for line in "\n".join([title, *sections]).splitlines():
+        level, _, heading = line.partition(" ")
+        if heading and set(level) == {"#"}:
+            anchor = heading_anchor(heading, taken)
+            if level == "##":
+                links.append(f"[{heading.strip()}](#{anchor})")
+    return "**Contents:** " + " · ".join(links) + "\n"
+
+
+# ----------------------------------------------------------------------------------------- summary
+def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep: study_b.SweepTables) -> str:
+    """The answer first: the findings in a few sentences, then per study its statements in words, its
+    figure, and the numbers."""
+    out = ["## Summary\n"]
+    if found := findings(tables, claims):
+        out.append(f"**In short.** {found}\n")
+    out.append("### The paper's claims, per architecture (Study A)\n")
+    out.append(
+        study_a.claims_summary(claims, tables["geometry"], tables["claim_tests"], figures, tables["paper_values"])
+    )
+    out.append(f"### Head optimizers against `{baseline().name}` (Study B)\n")
+    out.append(study_b.summary(tables, figures, sweep))
+    return "\n".join(out)
+
+
+def findings(tables: Tables, claims: list[ClaimSummary]) -> str:
+    """What the study finds: first what each study means in plain words, then a sentence per study (and per
+    architecture compared in Study B) with the numbers: the summary's first paragraph and README's findings
+    block (`with_findings`)."""
+    recipes = study_b.runs_of_kind(tables["recipes"])
+    sentences = [study_a.meaning(claims), study_b.meaning(recipes), study_a.finding(claims), study_b.finding(recipes)]
+    return " ".join(s for s in sentences if s)
+
+
+FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
+
+
+def with_findings(readme: str, found: str) -> str:
+    """`readme` with the text between its findings markers replaced by `found` (unchanged without markers)."""
+    pattern = re.compile(f"{re.escape(FINDINGS_START)}.*?{re.escape(FINDINGS_END)}", re.DOTALL)
+    return pattern.sub(lambda _: f"{FINDINGS_START}\n{found}\n{FINDINGS_END}", readme, count=1)
+
+
+def findings_in(readme: str) -> str | None:
+    """The text of `readme`'s findings block, None without one."""
+    found = re.search(f"{re.escape(FINDINGS_START)}\n(.*?)\n{re.escape(FINDINGS_END)}", readme, re.DOTALL)
+    return found[1] if found else None
+
+
+def _headline_metrics(tables: Tables) -> str:
+    """`reports/metrics.json`, the names `dvc metrics show` and `dvc exp show` print, each with what it is."""
+    rows = [(f"`{name}`", f"{value:g}", metric_meaning(name)) for name, value in metrics(tables).items()]
+    return (
+        "## The headline as DVC shows it\n\n`dvc metrics show` and `dvc exp show` print these short names "
+        "(`reports/metrics.json`; short, so that a row fits a 200-column terminal); the tables above hold "
+        "the intervals and the detail. A verdict score is +1 supported, 0 inconclusive, −½ not supported, −1 "
+        "contradicted, averaged over the paper's classes, then over the trained architectures (`@final`) and "
+        "the external models.\n\n" + markdown_table(["name", "value", "what it is"], rows) + "\n"
+    )
+
+
+# -------------------------------------------------------------------------------------- provenance
+def _provenance(provenance: dict[str, Any]) -> str:
+    """Git revision, params hash, seeds, packages, hardware and checksums: one line per entry."""
+    if not provenance:
+        return "## Provenance\n\nNo provenance was recorded.\n"
+    lines = []
+    for key, value in provenance.items():
+        if isinstance(value, dict) and any(isinstance(v, dict) for v in value.values()):
+            lines.append(f"- **{key}**:")
+            lines += [f"  - {k}: {_flat(v)}" for k, v in value.items()]
+        else:
+            lines.append(f"- **{key}**: {_flat(value)}")
+    return "## Provenance\n\n" + "\n".join(lines) + "\n"
+
+
+def _flat(value: Any) -> str:
+    """A mapping on one line (`key` `value`, ...), a list joined by commas, a scalar in code quotes."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_flat(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, list):
+        return f"`{', '.join(map(str, value))}`" if value else "none"
+    return f"`{value}`"
