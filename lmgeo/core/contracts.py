@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -525,12 +526,51 @@ def read_result_tables(
     tables = {}
     for path in files:
         try:
-            tables[path.stem] = pq.read_table(path)
-        except (OSError, pa.ArrowException) as err:
+            tables[path.stem] = read_bounded_table(path)
+        except (OSError, pa.ArrowException, InputError) as err:
             if bad is None:
                 raise InputError(f"{path}: unreadable result table ({err}); run `lmgeo aggregate`") from None
             bad[path] = err
     return tables
+
+
+# The most a result table may take once decoded. The real tables take kilobytes to a few megabytes (a row
+# per run, layer or claim); one past this is a dictionary or decompression bomb (a few KB of Parquet that
+# decode to gigabytes, committed, so it arrives with a pull), refused before it is decoded.
+MAX_TABLE_BYTES = 256 * 2**20
+
+
+def read_bounded_table(path: Path) -> pa.Table:
+    """The Parquet table at `path`; `InputError` where it would take more than `MAX_TABLE_BYTES` decoded."""
+    parquet = pq.ParquetFile(path)
+    meta = parquet.metadata
+    chunks = [meta.row_group(i).column(j) for i in range(meta.num_row_groups) for j in range(meta.num_columns)]
+    # Pages as stored, and a floor for the decoded values (8 bytes a cell: a value or an offset), which
+    # counts cells that a page encodes in a few bytes (nulls, runs of one value).
+    _check_size(path, sum(c.total_uncompressed_size for c in chunks), "its pages")
+    _check_size(path, 8 * meta.num_rows * meta.num_columns, f"its {meta.num_rows} rows")
+    text = [f.name for f in parquet.schema_arrow if _is_text(f.type)]
+    # Text is read as indices into its dictionary, so that repeating one long entry decodes nothing.
+    table = pq.read_table(path, read_dictionary=text)
+    for name in text:
+        column = table[name]
+        entries = sum(pc.sum(pc.take(pc.binary_length(c.dictionary), c.indices)).as_py() or 0 for c in column.chunks)
+        _check_size(path, entries, f"the text of column {name!r}")
+        table = table.set_column(table.schema.get_field_index(name), name, column.cast(column.type.value_type))
+    return table
+
+
+def _is_text(kind: pa.DataType) -> bool:
+    kind = kind.value_type if pa.types.is_dictionary(kind) else kind
+    return pa.types.is_string(kind) or pa.types.is_binary(kind)
+
+
+def _check_size(path: Path, size: int, what: str) -> None:
+    if size > MAX_TABLE_BYTES:
+        raise InputError(
+            f"{path}: {what} take {size} bytes decoded, more than a result table may ({MAX_TABLE_BYTES}): "
+            "not a table `lmgeo aggregate` wrote; run `lmgeo aggregate` (or `dvc checkout`) to rewrite it"
+        )
 
 
 def scan(

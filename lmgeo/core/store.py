@@ -29,6 +29,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 import time
 from collections import deque
@@ -248,7 +249,7 @@ def read_plan(root: Path) -> PlanRecord:
     """The record ``write_plan`` wrote (one written before it recorded files and lineage has none of either)."""
     path = Path(root) / PLAN_FILE
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_record(path))
         keys = {shard: ManifestKey(**key) for shard, key in record["shards"].items()}
         files = record.get("files", {})
         lineage = record.get("lineage", {})
@@ -305,7 +306,8 @@ def check_one_run(roots: Sequence[Path]) -> None:
 
 
 def _finished_plan(root: Path) -> PlanRecord | None:
-    record = read_plan(root) if (root / PLAN_FILE).is_file() else None
+    # Any plan there is read (a FIFO or device in its place is refused), never taken for no plan.
+    record = read_plan(root) if os.path.lexists(root / PLAN_FILE) else None
     return None if record is None or record.in_progress else record
 
 
@@ -547,9 +549,36 @@ def _read_manifest(root: Path, shard: str) -> dict[str, Any]:
     return manifest
 
 
+# The most a manifest or a plan may hold: the real ones take kilobytes (a plan lists every shard's files).
+# One past this, or one that is not a regular file (a FIFO, a device), arrived with a pull: it is refused
+# before it is read, so that it cannot make a reader block or exhaust memory.
+MAX_RECORD_BYTES = 64 * 2**20
+
+
+def read_record(path: Path) -> str:
+    """The text of the manifest or plan at `path`, a regular file of at most `MAX_RECORD_BYTES`; else `OSError`."""
+    if not _is_record(os.stat(path)):  # before opening: opening a FIFO blocks, opening a device may act
+        raise _not_a_record(path)
+    with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+        if not _is_record(os.fstat(file.fileno())):  # what was opened, should the path have been swapped since
+            raise _not_a_record(path)
+        data = file.read(MAX_RECORD_BYTES + 1)
+    if len(data) > MAX_RECORD_BYTES:  # grown since
+        raise _not_a_record(path)
+    return data.decode()
+
+
+def _is_record(info: os.stat_result) -> bool:
+    return stat.S_ISREG(info.st_mode) and info.st_size <= MAX_RECORD_BYTES
+
+
+def _not_a_record(path: Path) -> OSError:
+    return OSError(f"{path}: not a regular file of at most {MAX_RECORD_BYTES} bytes")
+
+
 def _load_manifest(path: Path) -> dict[str, Any]:
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(read_record(path))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise _corrupt(path, path, f"unreadable manifest ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
