@@ -378,8 +378,8 @@ def test_5_analyse_refuses_to_write_into_a_study_or_a_folder_it_did_not_make(tmp
 
 # ========================================== 6. queries never join datasets from two runs of the pipeline
 def readme_join() -> str:
-    """The README's join of the fits with their KLs, as written."""
-    lines = [line for line in (REPO / "README.md").read_text().splitlines() if "kl_vs_random" in line]
+    """docs/query.md's join of the fits with their KLs, as written."""
+    lines = [line for line in (REPO / "docs" / "query.md").read_text().splitlines() if "kl_vs_random" in line]
     assert len(lines) == 1, lines
     return re.match(r'^lmgeo query "(.*)"$', lines[0].strip())[1]
 

@@ -1,4 +1,4 @@
-"""A Ray cluster without a shared filesystem (SPEC §1), set up with the README's commands as written.
+"""A Ray cluster without a shared filesystem (SPEC §1), set up with docs/cluster.md's commands as written.
 
 The head (`ray start --head --num-cpus=0`: it runs no task) and the driver run on this machine, in the
 workspace; the only node with CPUs is a worker started in its own mount namespace (`unshare -m`) where
@@ -25,7 +25,7 @@ from reliability_helpers import copy_workspace, lmgeo, preset_overrides, write_p
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+README = REPO / "docs" / "cluster.md"
 STAGES = ("train", "extract", "fit", "perturb")
 STUDY = {
     **preset_overrides("tiny"),
@@ -45,9 +45,9 @@ def unshare_refused() -> str | None:
 
 
 def readme_cluster_commands() -> dict[str, list[str]]:
-    """The README's cluster commands by role (`token`, `head`, `worker`, `driver`), each as argv."""
+    """docs/cluster.md's cluster commands by role (`token`, `head`, `worker`, `driver`), each as argv."""
     text = README.read_text()
-    section = text[text.index("- **A Ray cluster, no shared filesystem.**") :]
+    section = text[text.index("## A Ray cluster, no shared filesystem") :]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
     lines = [line.split("#")[0].strip() for line in block.strip().splitlines()]
     assert len(lines) == 4, block

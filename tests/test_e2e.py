@@ -102,12 +102,13 @@ def test_repro_query_and_metrics_diff(study: Path):
 
 
 def test_dvc_shows_the_experiments_metrics_and_params_and_draws_the_data_plots_as_the_readme_says(study: Path):
-    """The README's `dvc exp show` line in a 200-column terminal after an experiment (`--temp`: the working tree
-    is left as it is): the params and metrics that differ, no column of a path's hash; `dvc plots show`: the
-    loss curves and the budget sweep as data series (a line per recipe), every figure of the report once."""
+    """docs/experiments.md's `dvc exp show` line in a 200-column terminal after an experiment (`--temp`: the
+    working tree is left as it is): the params and metrics that differ, no column of a path's hash;
+    `dvc plots show`: the loss curves and the budget sweep as data series (a line per recipe), every figure of
+    the report once."""
     k = load_params(study / "params.yaml").analysis.k
     sh("dvc", "exp", "run", "--temp", "-n", "smaller-k", "-S", f"analysis.k={k - 4}", cwd=study)
-    (line,) = [c for c in readme_commands("dvc exp show") if "--only-changed" in c]
+    (line,) = [c for c in readme_commands("dvc exp show", "docs/experiments.md") if "--only-changed" in c]
     shown = sh("sh", "-c", f"{line} --no-pager", cwd=study, env={"COLUMNS": "200"}).stdout.splitlines()
     header = next(row for row in shown if "Experiment" in row).split()
     # Exactly the params and the metrics that differ between the commit and the experiment (as DVC compares
@@ -148,17 +149,18 @@ def test_editing_a_stages_code_recomputes_its_shards_and_only_its(study: Path):
     assert re.findall(r"Running stage '(\w+)'", last.stdout) == ["report"], last.stdout
 
 
-def readme_commands(prefix: str) -> list[str]:
-    """The README's shell lines starting with `prefix`, as written (a trailing `# comment` dropped)."""
-    text = (REPO / "README.md").read_text()
+def readme_commands(prefix: str, *pages: str) -> list[str]:
+    """The shell lines starting with `prefix` of the README and of the docs `pages` named, as written (a trailing
+    `# comment` dropped)."""
+    text = "\n".join((REPO / page).read_text() for page in ("README.md", *pages))
     blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
     lines = [line.split("  #")[0].strip() for block in blocks for line in block.splitlines()]
     return [line for line in lines if line.startswith(prefix)]
 
 
 def test_the_readmes_query_examples_run_as_written(study: Path):
-    """Every `lmgeo query` line of the README on the tiny study's two commits (HEAD~1, HEAD)."""
-    examples = readme_commands("lmgeo query")
+    """Every `lmgeo query` line of the README and docs/query.md on the tiny study's two commits (HEAD~1, HEAD)."""
+    examples = readme_commands("lmgeo query", "docs/query.md")
     assert len(examples) >= 4, examples
     for line in examples:
         done = sh("sh", "-c", line, cwd=study)

@@ -105,7 +105,7 @@ def test_the_readme_opens_with_its_purpose_and_puts_your_own_model_right_after_t
     on their own model (issue #40)."""
     text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     sections = re.findall(r"^## (.+)$", text, re.MULTILINE)
-    assert sections[:2] == ["The two commands", "Your own model"]
+    assert sections[:3] == ["Quick start", "The two commands", "Your own model"]
     opening = text[: text.index("## The two commands")].split("\n\n")[1]
     assert "tests whether the claims of two papers" in opening and "researchers" in opening
-    assert "lmgeo analyse" in text[text.index("## Your own model") : text.index(f"## {sections[2]}")]
+    assert "lmgeo analyse" in text[text.index("## Your own model") : text.index(f"## {sections[3]}")]

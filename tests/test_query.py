@@ -563,9 +563,9 @@ def commit_aggregated_study(repo: Path, cfg: ReportConfig, message: str) -> None
 def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The README's `lmgeo query` lines as written, run by `lmgeo` in a fresh `git clone` (no `dvc repro`, no DVC
-    cache or remote) of a repository whose two commits hold committed tables: the lines over the tables, the
-    params and two revisions answer; those naming per-token data say how to get it."""
+    """The `lmgeo query` lines of the README and docs/query.md as written, run by `lmgeo` in a fresh `git clone`
+    (no `dvc repro`, no DVC cache or remote) of a repository whose two commits hold committed tables: the lines
+    over the tables, the params and two revisions answer; those naming per-token data say how to get it."""
     from test_e2e import readme_commands
     from typer.testing import CliRunner
 
@@ -582,7 +582,7 @@ def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
     subprocess.run(["git", "clone", "-q", str(origin), str(clone)], check=True)
     assert not (clone / "data" / "fits").exists() and not (clone / ".dvc" / "cache").exists()
     monkeypatch.chdir(clone)
-    lines = readme_commands("lmgeo query")
+    lines = readme_commands("lmgeo query", "docs/query.md")
     over_tables = [line for line in lines if not PER_TOKEN.search(line)]
     assert len(over_tables) >= 5 and any("--rev HEAD~1 --rev HEAD" in line for line in over_tables), lines
     for line in lines:
