@@ -367,17 +367,26 @@ def rehearse(
         fail(about(preset, err))
 
 
-def _preset_overrides(path: Path, params_path: Path) -> list[str]:
+# Trusting a model's code or reading outside the workspace is the user's decision, never a preset's alone.
+AllowSecurityOpt = Annotated[
+    bool,
+    typer.Option("--allow-security-changes", help="apply a preset that changes a `security` setting (printed)"),
+]
+
+
+def _preset_overrides(path: Path, params_path: Path, allow_security: bool) -> list[str]:
     """A preset as DVC `-S` options, after checking that the merged params validate."""
-    from lmgeo.core.config import flatten_overrides
-    from lmgeo.params import apply_overrides
+    from lmgeo.core.config import flatten_overrides, preset_overrides
+    from lmgeo.params import apply_overrides, security_changes
 
     try:
-        overrides = flatten_overrides(load_yaml(path))
-        apply_overrides(_load(params_path), overrides)  # the merged params must validate
+        overrides = preset_overrides(load_yaml(path))
+        current = _load(params_path)
+        changes = security_changes(current, apply_overrides(current, overrides))  # the merged params must validate
         present = flatten_overrides(load_yaml(params_path) or {})
     except ParamsError as err:
         fail(about(path, err))
+    _consent_to_security(path, changes, allow_security)
     # DVC (Hydra) overrides a key params.yaml has (a value or a whole section) with `key=value` and adds one
     # it lacks with `+key=value`.
     sections = {key.rsplit(".", n)[0] for key in present for n in range(1, key.count(".") + 1)}
@@ -385,13 +394,22 @@ def _preset_overrides(path: Path, params_path: Path) -> list[str]:
     return [arg for key, value in overrides.items() for arg in ("-S", f"{'' if key in known else '+'}{key}={value}")]
 
 
+def _consent_to_security(path: Path, changes: list[str], allowed: bool) -> None:
+    """Refuse a preset's security changes unless allowed; print the ones allowed (stderr: stdout is `-S` options)."""
+    if changes and not allowed:
+        fail(f"{path}: changes {'; '.join(changes)}: pass --allow-security-changes to apply it")
+    for change in changes:
+        typer.echo(f"lmgeo: warning: {escape(str(path))} changes {change}", err=True)
+
+
 @app.command()
 def preset(
     path: Annotated[Path, typer.Argument(help="a preset file of params overrides, e.g. presets/gpu.yaml")],
     params: ParamsOpt = Path("params.yaml"),
+    allow_security_changes: AllowSecurityOpt = False,
 ) -> None:
     """Print a preset as DVC `-S` options (`lmgeo exp run PRESET` runs it)."""
-    typer.echo(" ".join(_preset_overrides(path, params)))
+    typer.echo(" ".join(_preset_overrides(path, params, allow_security_changes)))
 
 
 exp_app = typer.Typer(help="DVC experiments of lmgeo's presets.", no_args_is_help=True)
@@ -403,12 +421,14 @@ def exp_run(
     ctx: typer.Context,
     preset_path: Annotated[Path, typer.Argument(metavar="PRESET", help="a preset file, e.g. presets/gpu.yaml")],
     params: ParamsOpt = Path("params.yaml"),
+    allow_security_changes: AllowSecurityOpt = False,
 ) -> None:
     """`dvc exp run` with the preset's overrides (`-S`), after checking the preset: a missing or invalid one is
     an error, never a bare `dvc exp run` of the default study. DVC's own options follow the preset, e.g.
     `lmgeo exp run presets/gpu.yaml --queue`, `--temp` (the working tree and its report left as they are),
     `-n NAME`."""
-    command = [sys.executable, "-m", "dvc", "exp", "run", *ctx.args, *_preset_overrides(preset_path, params)]
+    overrides = _preset_overrides(preset_path, params, allow_security_changes)
+    command = [sys.executable, "-m", "dvc", "exp", "run", *ctx.args, *overrides]
     sys.stdout.flush()
     os.execv(sys.executable, command)  # DVC's own exit code and Ctrl-C, as if typed
 

@@ -248,12 +248,29 @@ def apply_overrides(params: Params, overrides: dict[str, str]) -> Params:
     for dotted, value in overrides.items():
         *parents, leaf = dotted.split(".")
         node = raw
-        for part in parents:
-            if node.get(part) is None:  # a section that is null (off) gets its first key
-                node[part] = {}
-            node = node[part]
+        for depth, part in enumerate(parents, 1):
+            node = _section(node, part, dotted, ".".join(parents[:depth]))
         node[leaf] = parse_override_value(dotted, value)
     return parse_params(raw, "overrides")
+
+
+def _section(node: dict[str, Any], part: str, dotted: str, within: str) -> dict[str, Any]:
+    """The mapping under `part` that the override `dotted` goes into; a null one (a section that is off) gets
+    its first key. A list or a value there is an error: an override replaces a whole list or value."""
+    if node.get(part) is None:
+        node[part] = {}
+    child = node[part]
+    if isinstance(child, list):
+        raise ParamsError(f"overrides: {dotted}: {within} is a list: give the whole list, not one item by index")
+    if not isinstance(child, dict):
+        raise ParamsError(f"overrides: {dotted}: {within} is a value ({_shown(child)}), not a section with keys")
+    return child
+
+
+def security_changes(before: Params, after: Params) -> list[str]:
+    """`security.KEY: OLD -> NEW` for each security setting that `after` changes."""
+    old, new = before.security.model_dump(), after.security.model_dump()
+    return [f"security.{key}: {old[key]!r} -> {new[key]!r}" for key in old if old[key] != new[key]]
 
 
 def _shown(value: Any, limit: int = 80) -> str:

@@ -131,12 +131,26 @@ class ParamsError(InputError):
 
 # PyYAML follows YAML 1.1, where `1e-3` is a string; researchers write learning rates that way.
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+# DVC reads params and presets as YAML 1.2 (ruamel), PyYAML as YAML 1.1. Where the two read a plain scalar
+# differently (`0100`: 64 or 100; `yes`, `on`: true or text; `1:30`: 90 or text; `0o17`: text or 15), lmgeo
+# refuses it rather than pick a reading: the value it validates must be the one `dvc.lock` records.
+_READ_TWO_WAYS = re.compile(
+    r"[-+]?0[0-9_]+|[-+]?0o[0-7_]+|[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?"
+    r"|yes|Yes|YES|no|No|NO|on|On|ON|off|Off|OFF"
+)
+# Params nest a few levels; far deeper YAML would exhaust Python's recursion while it is composed.
+MAX_YAML_DEPTH = 32
 
 
 class _Loader(yaml.SafeLoader):
     """YAML as params are written: no anchors or aliases (`&a`, `*a`, `<<: *a`: a few lines of them expand to
     billions of values, and a value named twice is easy to miss), and no key twice in one mapping (YAML keeps
-    the last silently)."""
+    the last silently), no scalar that YAML 1.1 and 1.2 read differently, no nesting deeper than
+    `MAX_YAML_DEPTH`."""
+
+    def __init__(self, stream: Any) -> None:
+        super().__init__(stream)
+        self._depth = 0
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         event = self.peek_event()
@@ -144,7 +158,26 @@ class _Loader(yaml.SafeLoader):
             raise yaml.composer.ComposerError(
                 None, None, "anchors and aliases (&name, *name) are not allowed: write each value out", event.start_mark
             )
-        return super().compose_node(parent, index)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise yaml.composer.ComposerError(
+                None, None, f"nested deeper than {MAX_YAML_DEPTH} levels", event.start_mark
+            )
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_scalar(self, node: Any) -> Any:
+        if node.style is None and _READ_TWO_WAYS.fullmatch(node.value):
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"{node.value!r} reads differently in YAML 1.1 and YAML 1.2 (as DVC reads it): quote it for text, "
+                "or write the number (in decimal) or true/false it means",
+                node.start_mark,
+            )
+        return super().construct_scalar(node)
 
     def construct_mapping(self, node: Any, deep: bool = False) -> Any:
         seen = set()
@@ -173,8 +206,47 @@ def load_yaml(path: str | Path) -> Any:
         raise ParamsError(f"{path}: file not found") from None
     except (OSError, UnicodeDecodeError) as err:
         raise ParamsError(f"{path}: unreadable ({err})") from None
+    except yaml.MarkedYAMLError as err:
+        raise ParamsError(f"{path}: not valid YAML: {_one_line(err)}") from None
     except yaml.YAMLError as err:
         raise ParamsError(f"{path}: not valid YAML: {err}") from None
+
+
+def _one_line(err: yaml.MarkedYAMLError) -> str:
+    """The error where it is found, on one line (PyYAML's own message quotes the line under it)."""
+    mark = err.problem_mark or err.context_mark
+    text = ", ".join(part for part in (err.context, err.problem) if part)
+    return f"line {mark.line + 1}, column {mark.column + 1}: {text}" if mark else text
+
+
+# A preset's key as DVC's `-S key=value` takes it: a name (never an index, a number or a dotted key).
+_PRESET_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+def preset_overrides(raw: Any) -> dict[str, str]:
+    """A preset as DVC `-S` pairs, after refusing what DVC would apply otherwise than lmgeo validates it."""
+    if not isinstance(raw, dict):
+        raise ParamsError("a preset must be a mapping of params sections")
+    _refuse_unapplicable(raw, "")
+    return flatten_overrides(raw)
+
+
+def _refuse_unapplicable(raw: Any, where: str) -> None:
+    """An interpolation (`${...}`) anywhere, key or value: DVC resolves it when it applies the preset (an
+    environment variable's value would land in params.yaml), lmgeo would validate it as text. A key that is
+    not a name: `-S` cannot address it."""
+    if isinstance(raw, str) and "${" in raw:
+        raise ParamsError(f"{where}: {raw!r} is an interpolation, which DVC would resolve: write the value itself")
+    if isinstance(raw, list):
+        for index, item in enumerate(raw):
+            _refuse_unapplicable(item, f"{where}[{index}]")
+    if isinstance(raw, dict):
+        for key, value in raw.items():
+            inner = f"{where}.{key}" if where else str(key)
+            _refuse_unapplicable(key, inner)
+            if not isinstance(key, str) or not _PRESET_KEY.fullmatch(key):
+                raise ParamsError(f"{inner}: the key {key!r} is not a name (letters, digits, _ and -)")
+            _refuse_unapplicable(value, inner)
 
 
 def flatten_overrides(raw: Any, prefix: str = "") -> dict[str, str]:
