@@ -381,8 +381,6 @@ FIT_METRICS = (
     "norm_full",
     "norm_res",
 )
-# Which pool a fit row comes from (SPEC §4.5): the model's own pairs, or a null pool built from them.
-SAMPLES = ("real", "shuffled", "gaussian")
 # Per-anchor facts about the fit itself (SPEC §4.5): the numerical rank of the neighbours' inputs (null for
 # a layer-wide fit), whether the map's value at the anchor is determined by the data (else the value metrics,
 # `patched` and the KLs are null) and whether the map itself is (else `proj_full`, `proj_res` and

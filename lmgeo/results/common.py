@@ -49,10 +49,6 @@ def num(x: Any, digits: int = 3) -> str:
     return f"{x:.0f}" if "e+" in short and abs(x) < 1e6 else short
 
 
-def percent(fraction: float | None) -> str:
-    return "–" if fraction is None else f"{100 * fraction:.0f}%"
-
-
 def interval(mean: Any, low: Any, high: Any, digits: int = 3) -> str:
     """`mean [low, high]`; the mean alone where there is no interval (one seed)."""
     if low is None and high is None:

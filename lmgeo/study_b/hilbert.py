@@ -57,11 +57,6 @@ def center_rows(m: Tensor) -> Tensor:
     return m - m.mean(dim=0, keepdim=True)
 
 
-def center_rows_(m: Tensor) -> Tensor:
-    """`center_rows` in place (a step's own temporary: no second V × d tensor). Returns `m`."""
-    return m.sub_(m.mean(dim=0, keepdim=True))
-
-
 def _centred_exact(w: Tensor) -> Tensor:
     """Rows in float64, centred: distances are unchanged, and afterwards every row norm is at most the
     diameter (the mean lies in the rows' convex hull), so the Gram form cannot cancel

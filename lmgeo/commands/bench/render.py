@@ -62,8 +62,8 @@ KNOWN_LEVERS = {
     "recipes: hilbert /": (
         "`hilbert_direction` is element-wise (two centrings and a row normalisation, ≈ 15·V·d FLOPs "
         "against AdamW's ≈ 11·V·d); a miss here points at memory traffic (each centring and "
-        "`unit_rows` materialises a V × d temporary: `hilbert_equi` works in place, `unit_rows_` and "
-        "`center_rows_`) or at load on the machine."
+        "`unit_rows` materialises a V × d temporary: `hilbert_equi` works in place with "
+        "`unit_rows_`) or at load on the machine."
     ),
     "kNN vs FAISS": (
         "Both sides run FAISS's own float32 search; ours asks for `k + slack` candidates and adds the rounding "

@@ -392,16 +392,6 @@ CLAIMS_SCHEMA = pa.schema(
     ]
 )
 
-# Study B's claims (Study A's are tests against nulls: `lmgeo.results.study_a.claims`, the `claim_tests` table).
-CLAIM_TEXT = {
-    "bound_holds": "hilbert_realized ≤ hilbert_bound on every exact-diameter step (max ratio ≤ 1)",
-    "beats_muon": f"final test loss below muon's on the same seeds: paired t-test, Holm-adjusted over the arch's "
-    f"recipes, p < {SIGNIFICANCE} (needs ≥ {MIN_SEEDS_FOR_TEST} paired seeds)",
-    "equi_spreads_rows": "hilbert_equi spreads head-update rows more evenly than random unit rows on the same "
-    "row sample: equi_ratio minus a fresh random draw's, averaged over a run's logged steps, t-interval over "
-    "seeds above 0",
-}
-
 
 def _claim(
     study: str,
