@@ -42,8 +42,15 @@ def main_options(
     version: Annotated[
         bool, typer.Option("--version", callback=_version, is_eager=True, help="print the version and exit")
     ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", help="also show Ray's own start-up notices (token authentication and the like)")
+    ] = False,
 ) -> None:
     """Geometry of updates in language models: DVC stages dispatching Ray tasks."""
+    if verbose:
+        from lmgeo.driver.runtime import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"  # read where Ray starts (`lmgeo.driver.runtime.show_notices`)
 
 
 ParamsOpt = Annotated[Path, typer.Option("--params", help="params file to read")]

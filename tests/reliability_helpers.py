@@ -174,6 +174,20 @@ def busy_worker(driver_pid: int, task_title: str, for_s: float) -> Callable[[], 
     return probe
 
 
+def watching(pid: int, condition: Callable[[], object]) -> tuple[dict[psutil.Process, str], Callable[[], object]]:
+    """`condition` as a probe for `wait_for` that also records, on every poll, each descendant of `pid` with its
+    last readable title: the family the process had while it ran, not only at one instant (a Ray process that
+    ended or was being replaced at that instant would be missed)."""
+    seen: dict[psutil.Process, str] = {}
+
+    def probe() -> object:
+        for child in descendants(pid):
+            seen[child] = title(child) or seen.get(child, "")
+        return condition()
+
+    return seen, probe
+
+
 def stop(proc: subprocess.Popen) -> None:
     """Make sure a stage started by `start_stage` and everything under it is gone (test clean-up)."""
     kill_all(alive(descendants(proc.pid)))

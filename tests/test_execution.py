@@ -26,8 +26,8 @@ from ray_nodes import free_port, start_node, stop_process_group
 from lmgeo.core.config import RayConfig, TaskResources
 from lmgeo.core.errors import InputError
 from lmgeo.core.execution import Load, Shard, ShardFailed, run_shards
-from lmgeo.core.progress import Progress
-from lmgeo.driver.runtime import resolve_address, start_ray
+from lmgeo.core.progress import Progress, format_duration, time_left_s
+from lmgeo.driver.runtime import NOTICE_LOGGERS, VERBOSE_ENV, quiet_ray, resolve_address, show_notices, start_ray
 
 REPO = Path(__file__).resolve().parent.parent
 ONE_CPU = TaskResources(num_cpus=1)
@@ -122,7 +122,7 @@ def test_progress_prints_plain_lines_when_not_a_tty() -> None:
     progress.close()
     lines = out.getvalue().splitlines()
     assert len(lines) == 3
-    assert re.fullmatch(r"fit: 1/3 shards done \(gpt2-adamw-s0\.final/layer=1\) \[\d+\.\ds\]", lines[0])
+    assert re.fullmatch(r"fit: 1/3 shards done \(gpt2-adamw-s0\.final/layer=1\) \[\d+\.\ds, \d+s left\]", lines[0])
     assert re.fullmatch(r"fit: 3/3 shards done \[\d+\.\ds\]", lines[2])
 
 
@@ -146,6 +146,51 @@ def test_progress_draws_a_live_bar_on_a_tty() -> None:
     text = out.getvalue()
     assert "extract" in text and "2/2" in text and "m/seq=16" in text
     assert "shards done" not in text  # not the plain-line format
+
+
+def test_time_left_is_the_finished_items_pace_counted_down_between_them() -> None:
+    assert time_left_s(0, 4, 0.0, 30.0) is None  # nothing finished: nothing to go by
+    assert time_left_s(1, 4, 10.0, 10.0) == 30.0  # one item in 10 s: three more take 30 s
+    assert time_left_s(2, 4, 10.0, 14.0) == 6.0  # two in 10 s (they ran at once), 4 s since
+    assert time_left_s(1, 2, 10.0, 60.0) == 0.0  # late: never below zero
+    assert time_left_s(4, 4, 40.0, 40.0) == 0.0
+
+
+def test_durations_read_as_a_person_reads_them() -> None:
+    assert [format_duration(s) for s in (4.4, 59.6, 185, 7620)] == ["4s", "1m00s", "3m05s", "2h07m"]
+
+
+def test_a_live_bar_counts_runs_and_shows_the_time_left() -> None:
+    out = _Terminal()
+    with Progress(3, "train", unit="runs", stream=out) as progress:
+        progress.advance(detail="neox-adamw-s0")
+        text = out.getvalue()
+    assert "1/3" in text and "runs" in text and re.search(r"\d+s left", text), text
+
+
+def test_ray_start_up_notices_and_log_dedup_are_off_unless_asked_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    monkeypatch.delenv("RAY_DEDUP_LOGS", raising=False)
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "1")  # the user's own setting wins
+    monkeypatch.delenv(VERBOSE_ENV, raising=False)
+    quiet_ray()
+    assert os.environ["RAY_DEDUP_LOGS"] == "0" and os.environ["RAY_USAGE_STATS_ENABLED"] == "1"
+    show_notices()
+    assert NOTICE_LOGGERS and all(logging.getLogger(n).level == logging.ERROR for n in NOTICE_LOGGERS)
+    monkeypatch.setenv(VERBOSE_ENV, "1")
+    show_notices()
+    assert all(logging.getLogger(n).level == logging.NOTSET for n in NOTICE_LOGGERS)
+
+
+def test_verbose_option_asks_for_rays_notices(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from lmgeo.cli import app
+
+    monkeypatch.setenv(VERBOSE_ENV, "0")  # and unset again after the test
+    assert CliRunner().invoke(app, ["--verbose", "families", "--help"]).exit_code == 0
+    assert os.environ.get(VERBOSE_ENV) == "1"
 
 
 # ---------------------------------------------------------------------------------- run_shards

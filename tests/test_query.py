@@ -383,10 +383,11 @@ def test_ctrl_c_while_duckdb_runs_in_the_main_thread_stops_the_query(tmp_path: P
 
     from lmgeo.results import query
 
-    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN, (
-        "SIGINT is ignored in this process, as it is for a suite started with `&` in a shell without job control "
-        "or under nohup: run the suite in the foreground"
-    )
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        pytest.skip(
+            "SIGINT is ignored in this process, as it is for a suite started with `&` in a shell without job "
+            "control or under nohup: no Ctrl-C can reach it; run the suite in the foreground to test Ctrl-C"
+        )
     monkeypatch.setattr(query, "_LOCKDOWN", ("SELECT count(*) FROM range(100000) a, range(100000) b", *query._LOCKDOWN))
     ctrl_c = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
     started = time.monotonic()

@@ -49,6 +49,7 @@ from reliability_helpers import (
     stop,
     title,
     wait_for,
+    watching,
     write_params,
     write_raw_params,
 )
@@ -142,9 +143,10 @@ def test_killed_driver_leaves_no_ray_processes_and_the_rerun_resumes(extracted, 
         workspace = copy_workspace(extracted, tmp_path / f"ws{attempt}")
         fits = workspace / "data" / "fits"
         driver = start_stage(workspace, "fit", tmp_path / f"fit{attempt}.log")
+        seen, first_shard = watching(driver.pid, lambda: manifest_times(fits))
         try:
-            wait_for(lambda: manifest_times(fits), 120, "a first complete fit shard")
-            family = kill_group(driver)
+            wait_for(first_shard, 120, "a first complete fit shard")
+            family = seen | kill_group(driver)
         finally:
             stop(driver)
         done_before = manifest_times(fits)

@@ -180,12 +180,14 @@ def run_shards(
     max_retries: int,
     label: str,
     shards_per_task: int = 1,
+    unit: str = "shards",
 ) -> dict[str, Any]:
     """Run every shard in Ray tasks of up to ``shards_per_task`` consecutive shards (one for a GPU task,
     whose worker is replaced after each task to free the device's memory, and for a shard expected to run
     long), submitted longest first (``Shard.expected_s``), write each shard's result as it arrives
     (``Shard.write``) and return ``{shard.key: result}``. On the first failure the remaining tasks are
-    cancelled and ``ShardFailed`` names the shard."""
+    cancelled and ``ShardFailed`` names the shard. The progress bar counts ``unit`` (what a shard is to a person:
+    ``runs`` for training)."""
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     _check_unique_keys(shards)
@@ -201,7 +203,7 @@ def run_shards(
     inputs = _Inputs(shards)
     in_flight: dict[ObjectRefGenerator, list[Shard]] = {}  # a task → its shards not yet collected
     results: dict[str, Any] = {}
-    with Progress(len(shards), label) as progress:
+    with Progress(len(shards), label, unit=unit) as progress:
         try:
             while True:
                 _fill(in_flight, pending, max_in_flight, remote_fn, resources.threads, inputs)

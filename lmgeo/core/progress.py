@@ -1,7 +1,7 @@
 """Progress of a long loop: a live bar on an interactive terminal, plain log lines otherwise.
 
 DVC and CI capture output, where carriage-return redraws turn into noise; there each advance becomes
-one self-contained line such as ``fit: 3/12 shards done (gpt2-adamw-s0.final/layer=1) [12.3s]``.
+one self-contained line such as ``fit: 3/12 shards done (gpt2-adamw-s0.final/layer=1) [12.3s, 37s left]``.
 A training loop uses the same class for steps (``unit="steps"``, with ``min_interval_s`` so a
 10 000-step run does not print 10 000 lines).
 """
@@ -36,6 +36,7 @@ class Progress:
         self._min_interval_s = min_interval_s
         self._start = time.monotonic()
         self._last_line = -float("inf")
+        self._last_done_s = 0.0  # elapsed time at the last advance: the estimate of the time left is taken then
         self._live = _LiveBar(self._stream, total, label, unit) if _is_tty(self._stream) else None
 
     @property
@@ -45,8 +46,9 @@ class Progress:
     def advance(self, n: int = 1, detail: str = "") -> None:
         """Record ``n`` more units done; ``detail`` (e.g. the shard key or the loss) is shown with it."""
         self.done += n
+        self._last_done_s = self.elapsed_s
         if self._live is not None:
-            self._live.update(completed=self.done, detail=detail)
+            self._live.update(completed=self.done, detail=detail, left=self._left())
             return
         now = time.monotonic()
         if self.done >= self.total or now - self._last_line >= self._min_interval_s:
@@ -57,11 +59,17 @@ class Progress:
     def refresh(self) -> None:
         """Redraw the live bar (its clock moves while nothing completes); a no-op for plain lines."""
         if self._live is not None:
-            self._live.refresh()
+            self._live.update(left=self._left())
+
+    def _left(self) -> str:
+        left = time_left_s(self.done, self.total, self._last_done_s, self.elapsed_s)
+        return "" if left is None else f"{format_duration(left)} left"
 
     def line(self, detail: str = "") -> str:
         shown = f" ({detail})" if detail else ""
-        return f"{self.label}: {self.done}/{self.total} {self.unit} done{shown} [{self.elapsed_s:.1f}s]"
+        left = self._left()
+        clock = f"{self.elapsed_s:.1f}s" + (f", {left}" if left and self.done < self.total else "")
+        return f"{self.label}: {self.done}/{self.total} {self.unit} done{shown} [{clock}]"
 
     def close(self) -> None:
         if self._live is not None:
@@ -75,6 +83,25 @@ class Progress:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def time_left_s(done: int, total: int, done_at_s: float, now_s: float) -> float | None:
+    """Seconds left, from the items finished so far: they took ``done_at_s`` (the elapsed time when the last of
+    them finished) for ``done`` items, so the other ``total - done`` take as long each, less what has passed since
+    (the estimate counts down between completions). None before the first item finishes: nothing to go by."""
+    if done <= 0:
+        return None
+    return max(0.0, done_at_s / done * (total - done) - (now_s - done_at_s))
+
+
+def format_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h07m``: a time left as a person reads it."""
+    whole = round(seconds)
+    if whole < 60:
+        return f"{whole}s"
+    if whole < 3600:
+        return f"{whole // 60}m{whole % 60:02d}s"
+    return f"{whole // 3600}h{whole % 3600 // 60:02d}m"
 
 
 def _is_tty(stream: TextIO) -> bool:
@@ -101,11 +128,12 @@ class _LiveBar:
             MofNCompleteColumn(),
             TextColumn(unit),
             TimeElapsedColumn(),
+            TextColumn("{task.fields[left]}"),
             TextColumn("{task.fields[detail]}"),
             console=Console(file=stream, force_terminal=True),
             auto_refresh=False,
         )
-        self._task = self._bar.add_task(label, total=total, detail="")
+        self._task = self._bar.add_task(label, total=total, detail="", left="")
         self._bar.start()
 
     def update(self, **fields: Any) -> None:

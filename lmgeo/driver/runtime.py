@@ -22,6 +22,31 @@ from lmgeo.core.errors import InputError
 WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
+# Set in the driver before Ray is imported (Ray reads them then). Usage reports would go over the network, which
+# the target machines lack. Log deduplication folds worker lines that differ only in their numbers into one
+# "[repeated 2x across cluster]": two runs training at once (`train neox-adamw-s0`, `-s1`) would show as one.
+DRIVER_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_DEDUP_LOGS": "0"}
+# Ray's notes to whoever runs a shared cluster, not to a user of lmgeo's embedded one: that token authentication
+# is on by default (Ray >= 2.59), a WARNING on every start. Shown with `lmgeo --verbose` (LMGEO_VERBOSE=1).
+NOTICE_LOGGERS = ("ray._private.authentication",)
+VERBOSE_ENV = "LMGEO_VERBOSE"
+
+
+def quiet_ray() -> None:
+    """Before ``import ray``: set `DRIVER_ENV` (unless the user set them); afterwards `show_notices` says whether
+    Ray's start-up notices reach the screen."""
+    for name, value in DRIVER_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def show_notices() -> None:
+    """After ``import ray`` (its logging set-up would reset a level set before): Ray's start-up notices only
+    for a user who asked for them (`VERBOSE_ENV`)."""
+    level = logging.NOTSET if os.environ.get(VERBOSE_ENV) == "1" else logging.ERROR
+    for name in NOTICE_LOGGERS:
+        logging.getLogger(name).setLevel(level)
+
+
 def worker_runtime_env() -> dict:
     """What every worker of lmgeo's Ray job gets: the project's package as the driver imports it (the
     code version check in each task compares what they hash to with the plan) and `WORKER_ENV`."""
@@ -59,12 +84,12 @@ def check_reachable(cfg: RayConfig, address: str | None = None) -> None:
 
 def start_ray(cfg: RayConfig, address: str | None = None) -> None:
     """Join the cluster named by ``resolve_address``, or start an embedded local Ray. Idempotent."""
+    quiet_ray()
     import ray
 
     if ray.is_initialized():
         return
-    # Ray would otherwise try to report usage over the network, which the target machines lack.
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    show_notices()
     target = resolve_address(cfg, address)
     if target is not None:
         join_cluster(target)

@@ -125,13 +125,14 @@ def run_sharded_stage(
     plan: Plan,
     writes: Sequence[Path],
     reads: Sequence[Path] = (),
+    unit: str = "shards",
 ) -> dict[str, Any]:
     """Run the planned shards that are not complete in every one of `writes` (the datasets the stage
     writes; a shard is complete when its manifest has the planned key, its files are intact and it is what
     the workspace's dvc.lock records of it, `lmgeo.core.committed`); first remove shards that are no
     longer in the plan; record the plan as in progress when there is work to do; last, record the plan as
     complete in each dataset (`write_plan`), with the lineage of the datasets it `reads` and of those it
-    writes beside it. Returns each run task's result."""
+    writes beside it; the progress bar counts `unit`. Returns each run task's result."""
     from lmgeo.core.committed import committed
     from lmgeo.driver.runtime import check_reachable, start_ray
 
@@ -160,6 +161,7 @@ def run_sharded_stage(
             max_retries=params.ray.max_retries,
             label=stage,
             shards_per_task=params.ray.shards_per_task,
+            unit=unit,
         )
     for root in writes:  # every planned shard is complete: what a reader without a plan checks against
         beside = {other.name: dataset_digest(other) for other in writes if other != root}

@@ -147,7 +147,9 @@ def plan(params: Params, layout: Layout) -> Plan:
 def run(params: Params, ray_address: str | None = None) -> None:
     layout = Layout.here()
     planned = plan(params, layout)
-    results = run_sharded_stage("train", params, ray_address, layout, planned, [layout.train, layout.models])
+    results = run_sharded_stage(
+        "train", params, ray_address, layout, planned, [layout.train, layout.models], unit="runs"
+    )
     telemetry = {run: out["telemetry"] for run, out in results.items()}
     write_telemetry(layout, {shard.key for shard, _ in planned}, telemetry)
     diverged = sorted(run for run, out in results.items() if out["diverged"])
