@@ -192,6 +192,13 @@ def versioned_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+def test_several_revisions_without_the_rev_column_are_refused(versioned_repo: Path) -> None:
+    """Rows of two revisions that do not say which is which cannot be read apart: refused, naming the fix."""
+    with pytest.raises(QueryError, match=r"^2 revisions: select the `rev` column so that every row names"):
+        query_table("SELECT run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], versioned_repo)
+    assert query_table("SELECT run FROM runs", ["HEAD"], versioned_repo).num_rows == 1  # one revision: no need
+
+
 def test_several_revisions_are_united_with_a_rev_column(versioned_repo: Path) -> None:
     runs = query_table("SELECT rev, run FROM runs ORDER BY run", ["HEAD~1", "HEAD"], versioned_repo)
     assert runs.to_pylist() == [{"rev": "HEAD~1", "run": "v1"}, {"rev": "HEAD", "run": "v2"}]

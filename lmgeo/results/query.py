@@ -165,12 +165,19 @@ def query_table(
         ctrl_c.check()
         try:
             no_results = not any(s.has_results for s in snapshots)
-            return _run_interruptibly(con, statement, limits, ctrl_c, no_results)
+            result = _run_interruptibly(con, statement, limits, ctrl_c, no_results)
         finally:
             # After an interrupt DuckDB can still count the stopped call as running and refuse to close;
             # the in-memory database goes with the process either way.
             with contextlib.suppress(duckdb.Error):
                 con.close()
+    if revs and len(revs) > 1 and "rev" not in result.column_names:
+        # Rows of several revisions side by side are only readable when each says which one it comes from.
+        raise QueryError(
+            f"{len(revs)} revisions: select the `rev` column so that every row names its revision "
+            "(e.g. SELECT rev, ... ; GROUP BY rev for aggregates)"
+        )
+    return result
 
 
 def default_limits(temp: Path) -> tuple[str, str]:
