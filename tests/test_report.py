@@ -1090,12 +1090,16 @@ def test_provenance_outside_git(tmp_path: Path) -> None:
 
 def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
     render(tmp_path, write_tiny_study)
-    stale = tmp_path / "reports" / "figures" / "old_figure.png"
+    stale, mine = tmp_path / "reports" / "figures" / "old_figure.png", tmp_path / "reports" / "figures" / "mine.png"
     stale.write_bytes(b"x")
+    mine.write_bytes(b"a file the report never wrote")
+    with (tmp_path / "reports" / "report.md").open("a") as report:  # as if the last report showed it
+        report.write("![old](figures/old_figure.png)\n")
     render_report(
         tmp_path / "reports" / "tables", tmp_path / "reports" / "report.md", tmp_path / "reports" / "figures", {}
     )
     assert not stale.exists() and (tmp_path / "reports" / "figures" / "study_b_vs_muon.png").is_file()
+    assert mine.read_bytes() == b"a file the report never wrote"  # deleted only what a report listed
 
 
 def test_the_protocol_says_when_the_step_sizes_were_tuned_on_another_model_size() -> None:

@@ -46,7 +46,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from lmgeo.core.errors import InputError
-from lmgeo.core.paths import OutsidePath, contained, unsafe_name
+from lmgeo.core.paths import OutsidePath, contained, unsafe_name, writable
 
 MANIFEST_DIR = "_manifests"
 MANIFEST_FORMAT = 2
@@ -461,7 +461,7 @@ def prune_shards(root: Path, keep: set[str]) -> int:
     and stray files are swept. Only files inside ``root`` are ever removed: a manifest naming a path that
     leads out is corrupt, and goes without its files. Returns the number of shards removed.
     """
-    root = Path(root)
+    root = writable(Path(root))
     removed = 0
     listed: set[Path] = set()
     for path in _manifest_files(root):
@@ -800,6 +800,7 @@ class ShardWriter:
         self._entered = False
 
     def __enter__(self) -> ShardWriter:
+        writable(self.root)
         remove_shard(self.root, self.shard)
         self._entered = True
         return self
@@ -814,6 +815,7 @@ class ShardWriter:
         table = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
         final = self.root / partition_dir(partition) / (name or f"part-{self._slug}.parquet")
         if final not in self._open:
+            writable(final, self.root)  # a symlinked partition folder would lead into another dataset
             final.parent.mkdir(parents=True, exist_ok=True)
             schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self._metadata})
             self._open[final] = _PartFile(_temporary(final), schema)
@@ -824,7 +826,7 @@ class ShardWriter:
         """A temporary folder to fill; it becomes ``root/relative`` when the shard commits."""
         if not self._entered:
             raise RuntimeError("ShardWriter.directory outside its `with` block")
-        final = self.root / relative
+        final = writable(self.root / relative, self.root)
         temp = _temporary(final)
         _remove(temp)
         temp.mkdir(parents=True)
@@ -967,6 +969,7 @@ def atomic_path(path: Path) -> Iterator[Path]:
     ``.parquet``, so globs over a dataset never see it.
     """
     path = Path(path)
+    writable(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = _temporary(path)
     _remove(temp)

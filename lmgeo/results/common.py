@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from lmgeo.core.store import atomic_path
+
 if TYPE_CHECKING:  # matplotlib loads only where a figure is drawn (not in `aggregate`)
     from matplotlib.artist import Artist
     from matplotlib.axes import Axes
@@ -194,11 +196,16 @@ class Figures:
             return False
         self.labels[name] = axis_labels(figure)
         self.text_px[name] = smallest_text_pt(figure) * DPI / 72
-        figure.savefig(self.directory / f"{name}.png", dpi=DPI, metadata={"Software": None})
+        self._write(figure, f"{name}.png")
         if stack_panels(figure):
             self.narrow_labels[name] = axis_labels(figure)
-            figure.savefig(self.directory / f"{name}{NARROW}.png", dpi=DPI, metadata={"Software": None})
+            self._write(figure, f"{name}{NARROW}.png")
         return True
+
+    def _write(self, figure: Figure, file: str) -> None:
+        # Replaced, never written through: the old file may be a link into the DVC cache.
+        with atomic_path(self.directory / file) as temp:
+            figure.savefig(temp, format="png", dpi=DPI, metadata={"Software": None})
 
 
 DPI = 100  # the saved images' pixels per inch: a label's height on screen is its points · DPI/72 · the image's scale

@@ -18,12 +18,13 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from lmgeo.core.contracts import RESULT_TABLES, read_result_tables
+from lmgeo.core.paths import contained, writable
 from lmgeo.core.store import atomic_write
-from lmgeo.results.common import Figures, Tables, markdown_table
+from lmgeo.results.common import NARROW, Figures, Tables, markdown_table
 from lmgeo.results.headline import metric_meaning, metrics
 from lmgeo.results.html import heading_anchor, to_html
 from lmgeo.results.study_a import report as study_a
@@ -65,10 +66,12 @@ def render_report(
     `knob_records`, knobs tuned alone beside `tuning` (path, record), are stated where `tuning` lacks them."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
+    link_prefix = Path(os.path.relpath(writable(figures_dir), out_md.parent))
+    stale = previous_figures(writable(out_md), figures_dir, link_prefix)
     figures_dir.mkdir(parents=True, exist_ok=True)
-    for stale in figures_dir.glob("*.png"):
-        stale.unlink()
-    figures = Figures(figures_dir, Path(os.path.relpath(figures_dir, out_md.parent)))
+    for path in stale:
+        path.unlink(missing_ok=True)
+    figures = Figures(figures_dir, link_prefix)
     claims = summarise(tables["claim_tests"])
     sweep_tables = study_b.sweep_source(tables, sweep)
     sections = [
@@ -84,6 +87,19 @@ def render_report(
     atomic_write(out_md, text)
     atomic_write(out_md.with_suffix(".html"), to_html(text, out_md.parent, title="lmgeo report"))
     return Rendered(text.count("\n"), figures.labels, figures.narrow_labels, findings(tables, claims), figures.text_px)
+
+
+_IMAGE_LINK = re.compile(r"\]\(([^()\s]+)\.png\)")
+
+
+def previous_figures(out_md: Path, figures_dir: Path, link_prefix: Path) -> list[Path]:
+    """The figures the report at `out_md` shows (its image links under `link_prefix`): the only files of
+    `figures_dir` a new report may delete, since the last one wrote them; each inside `figures_dir`."""
+    text = out_md.read_text(errors="replace") if out_md.is_file() else ""
+    shown = [PurePosixPath(link) for link in _IMAGE_LINK.findall(text)]
+    stems = {link.name for link in shown if link.parent == PurePosixPath(link_prefix.as_posix())}
+    names = sorted(f"{stem}{variant}.png" for stem in stems for variant in ("", NARROW))  # narrow: the HTML's
+    return [contained(figures_dir, name) for name in names]
 
 
 def _contents(title: str, sections: list[str]) -> str:

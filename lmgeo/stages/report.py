@@ -58,7 +58,9 @@ def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
 def report_inputs(layout: Layout) -> list[str]:
     """Workspace-relative paths of the files the report is built from, as they are now: the result tables (with
     their manifest) and the committed records it cites."""
-    found = [path for path in sorted(layout.tables.rglob("*")) if path.is_file()]
+    from lmgeo.core.paths import writable
+
+    found = [path for path in sorted(writable(layout.tables).rglob("*")) if path.is_file()]
     found += [layout.root / name for name in (TUNING_RECORD, *KNOB_RECORDS, LOCALITY_SWEEP)]
     found += sorted(path for path in (layout.root / SWEEP_RECORD).glob("*") if path.is_file() and path.suffix != ".md")
     return [path.relative_to(layout.root).as_posix() for path in found]
