@@ -1,5 +1,6 @@
 # The two set-up commands of the README: `make study` and `make test` (lint, then the whole suite: what CI runs).
-# `make check` is the fast loop while editing: lint, then the tests not marked `slow` (under 3 minutes).
+# `make check` is the fast loop while editing: lint (ruff format --check, ruff check, mypy), then the tests
+# not marked `slow` (under 3 minutes).
 # Both create .venv (once) from constraints.txt, so installs are pinned and reproducible.
 # Torch comes first, alone: constraints.txt pins its CPU build on Linux x86-64 (torch==2.13.0+cpu: PyPI's
 # plain 2.13.0 there bundles CUDA, several GB) and plain 2.13.0 elsewhere (CPU-only already). pip looks for it
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: install study lint check test bench gpu-wheels gpu-check mamba-sdists mamba-wheels
+.PHONY: install study lint typecheck check test bench gpu-wheels gpu-check mamba-sdists mamba-wheels
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -26,8 +27,14 @@ install: $(VENV)/.installed
 study: install
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" dvc repro
 
+# Formatting, lint rules, then types (mypy, configured in pyproject.toml's [tool.mypy]).
 lint: install
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+typecheck: install
+	$(VENV)/bin/mypy
 
 check: lint
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" $(PY) -m pytest -m "not slow"

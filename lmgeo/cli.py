@@ -11,7 +11,7 @@ import importlib
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Optional, cast
 
 import typer
 
@@ -199,12 +199,12 @@ def query(
         fail(f"--timeout must be a positive number of seconds (got {timeout})")
     warnings_to_stderr()
     from lmgeo.driver.layout import Layout
-    from lmgeo.results.query import Limits, QueryError, run_query
+    from lmgeo.results.query import Format, Limits, QueryError, run_query
 
     layout = Layout.enclosing()
     try:
         limits = Limits(memory_limit, temp_limit, timeout)
-        typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), fmt, limits))
+        typer.echo(run_query(sql, rev or [], layout.root, layout.query_sources(), cast(Format, fmt), limits))
     except QueryError as err:
         fail(str(err))
     except KeyboardInterrupt:
@@ -467,4 +467,4 @@ def main() -> None:  # pragma: no cover - console entry point alias
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

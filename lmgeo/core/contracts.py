@@ -144,7 +144,7 @@ def table_id_sql(column: str) -> str:
 # slower (`lmgeo bench --only extraction`, docs/benchmarks.md). `vectors_to_arrow` is the one encoder;
 # `arrow_to_vectors` (NumPy) and `vectors_as_lists` (the DuckDB views of `lmgeo query`) the decoders.
 VECTOR_FORMAT = 2  # 1: `fixed_size_list<float32>[d]` (until this format; refused with how to rewrite the data)
-VECTOR_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+VECTOR_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 VECTOR_VENDOR = "lmgeo.vector"
 
 
@@ -326,7 +326,9 @@ class Dataset:
         """The schema a shard file is written with; vectors of dimension `d` (float16 with `half`)."""
         if self.vectors and d is None:
             raise ValueError(f"{self.name}: the vector dimension d is needed for its file schema")
-        return pa.schema([pa.field(f.name, vector_type(d, half)) if f.type == VECTOR else f for f in self.fields])
+        return pa.schema(
+            [pa.field(f.name, vector_type(d, half)) if f.type == VECTOR and d is not None else f for f in self.fields]
+        )
 
     def partition_values(self, relative: Path) -> dict[str, Any]:
         """`{"model": "m", "layer": 3}` from a file path `model=m/layer=3/part-….parquet`, typed."""
@@ -477,7 +479,8 @@ class RunRecord:
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> RunRecord:
-        return cls(**{f.name: record.get(f.name) for f in dataclasses.fields(cls)})
+        values: dict[str, Any] = {f.name: record.get(f.name) for f in dataclasses.fields(cls)}
+        return cls(**values)
 
 
 def _base_type(hint: Any) -> type:

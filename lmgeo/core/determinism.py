@@ -54,4 +54,4 @@ def pin_torch(threads: int) -> None:
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True, warn_only=True)
     # Deterministic mode also fills every new empty tensor with NaN; correct code never reads those values.
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.utils.deterministic.fill_uninitialized_memory = False  # type: ignore[attr-defined]  # a module property, absent from the stubs

@@ -316,7 +316,7 @@ def _as_remote(resources: TaskResources, max_retries: int) -> RemoteFunction:
     if resources.num_gpus > 0:
         # A fresh worker per GPU task: CUDA memory (allocator caches, contexts) is freed between shards.
         options["max_calls"] = 1
-    return ray.remote(**options)(run_batch)
+    return ray.remote(**options)(run_batch)  # type: ignore[return-value]  # ray types it RemoteFunction2[...]
 
 
 def _collect_next(in_flight: dict[ObjectRefGenerator, list[Shard]], task: ObjectRefGenerator) -> tuple[str, Any] | None:

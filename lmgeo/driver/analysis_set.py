@@ -75,7 +75,7 @@ def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
     ]
     external = [external_model(params, layout, m.id, m.revision, m.name) for m in params.analysis.external_models]
     models = trained + external
-    first = {}
+    first: dict[str, AnalysedModel] = {}
     for model in models:
         first.setdefault(model.digest, model)
     return list(first.values())

@@ -166,7 +166,12 @@ def reap(token: str, poll_s: float = REAPER_POLL_S) -> None:
 
     driver = int(token.split("-")[0])
     gone = threading.Event()
-    threading.Thread(target=lambda: (sys.stdin.buffer.read(), gone.set()), daemon=True).start()
+
+    def wait_for_eof() -> None:
+        sys.stdin.buffer.read()
+        gone.set()
+
+    threading.Thread(target=wait_for_eof, daemon=True).start()
     seen: dict[int, float] = {}
     while not gone.wait(poll_s):
         with contextlib.suppress(psutil.Error):

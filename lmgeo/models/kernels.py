@@ -50,7 +50,7 @@ def kernel_packages() -> dict[str, bool]:
 def by_device(chosen: Callable[..., Any]) -> Callable[..., Any]:
     """`chosen` (transformers' function, calling a kernel or its reference) for CUDA tensors, the reference
     it wraps (`__wrapped__`) for any other first argument, or for CUDA too inside `use_mamba_kernels(False)`."""
-    reference = chosen.__wrapped__
+    reference = chosen.__wrapped__  # type: ignore[attr-defined]  # set by functools.wraps in transformers
 
     @functools.wraps(reference)
     def routed(*args: Any, **kwargs: Any) -> Any:

@@ -159,8 +159,10 @@ def load_model(
         max_parameters=max_parameters,
         dtype=dtype,
     )
+    model: PreTrainedModel
+    loading: dict[str, Any]
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(
+        model, loading = AutoModelForCausalLM.from_pretrained(  # type: ignore[misc]  # a pair with output_loading_info
             source,
             revision=revision,
             trust_remote_code=trust_remote_code,

@@ -72,7 +72,7 @@ def assert_untied(model: PreTrainedModel) -> None:
     """The head must be its own parameter: Study B updates it independently of the input embedding."""
     head = head_of(model).weight
     embedding = model.get_input_embeddings().weight
-    if head is embedding or head.data_ptr() == embedding.data_ptr():
+    if head is embedding or head.data_ptr() == embedding.data_ptr():  # type: ignore[operator]
         raise AssertionError(f"{family_of(model).name}: the LM head shares its weight with the input embedding")
 
 

@@ -67,8 +67,9 @@ _SOFTCAPS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_ca
 
 
 def _number(value: object) -> float | None:
-    usable = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    return float(value) if usable else None
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return float(value)
+    return None
 
 
 def logit_map_of(config: PretrainedConfig) -> LogitMap:

@@ -156,7 +156,8 @@ def stack_panels(figure: Figure) -> bool:
     from matplotlib.gridspec import GridSpec
 
     panels = [ax for ax in figure.axes if ax.get_subplotspec() is not None]
-    rows, cols = panels[0].get_subplotspec().get_gridspec().get_geometry() if panels else (1, 1)
+    spec = panels[0].get_subplotspec() if panels else None
+    rows, cols = spec.get_gridspec().get_geometry() if spec is not None else (1, 1)
     if cols == 1:
         return False
     width, height = figure.get_size_inches()

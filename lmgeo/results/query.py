@@ -160,7 +160,7 @@ def query_table(
             snapshots = [_snapshot(workspace, None, sources, sql, anchored=True)]
         ctrl_c.check()
         con = _locked_connection(
-            snapshots, with_rev=bool(revs) and len(revs) > 1, temp=Path(tmp) / "duckdb", limits=limits
+            snapshots, with_rev=revs is not None and len(revs) > 1, temp=Path(tmp) / "duckdb", limits=limits
         )
         ctrl_c.check()
         try:
@@ -424,7 +424,9 @@ def _tables_read(sql: str) -> set[str] | None:
     """The names of the tables and views ``sql`` reads, lower case (DuckDB's parse tree); None when DuckDB cannot
     serialise the statement."""
     with duckdb.connect(":memory:") as con:
-        tree = json.loads(con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()[0])
+        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+        assert row is not None  # a SELECT of one value: one row
+        tree = json.loads(row[0])
     if tree.get("error"):
         return None
     found: set[str] = set()
@@ -612,8 +614,8 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
     except (CorruptShardError, StaleShardError, OSError) as err:
         unusable(RESULT_TABLES, sources["tables"], err)
         found = {}
-    for path, err in bad.items():
-        unusable([path.stem], path.relative_to(root).as_posix(), err)
+    for path, problem in bad.items():
+        unusable([path.stem], path.relative_to(root).as_posix(), problem)
     tables = {name: table for name, table in found.items() if _IDENTIFIER.match(name) and name not in DATASETS}
     if any(_mentions(sql, name) for name in tables):
         used.append(folder)
@@ -711,7 +713,7 @@ def _locked_connection(
     (their registered sources `_<name>_<i>` remain visible to SHOW TABLES). The memory and temp-disk limits
     are set before the configuration is locked."""
     memory, disk = default_limits(temp)
-    config = {
+    config: dict[str, str | bool | int | float | list[str]] = {
         "temp_directory": str(temp),
         "memory_limit": limits.memory or memory,
         "max_temp_directory_size": limits.temp_disk or disk,
@@ -721,7 +723,7 @@ def _locked_connection(
     except duckdb.Error as err:
         raise QueryError(f"--memory-limit / --temp-limit: {err}") from None
     for dtype in VECTOR_DTYPES:  # the decoders of the vector views: pure functions of the bytes they are given
-        con.create_function(
+        con.create_function(  # type: ignore[call-overload]  # duckdb's overloads miss type="arrow" with a list
             f"{_VECTOR_DECODER}{dtype}",
             _decoder(dtype),
             [duckdb.sqltypes.BLOB],
@@ -729,7 +731,9 @@ def _locked_connection(
             type="arrow",
         )
     for name in sorted({n for s in snapshots for n in s.tables}):
-        sources = [(i, s.rev, s.tables[name], []) for i, s in enumerate(snapshots) if name in s.tables]
+        sources: list[tuple[int, str | None, Any, list[str]]] = [
+            (i, s.rev, s.tables[name], []) for i, s in enumerate(snapshots) if name in s.tables
+        ]
         con.execute(f'CREATE TABLE "{name}" AS {_union(con, name, sources, with_rev)}')
         for i, *_ in sources:
             con.unregister(f"_{name}_{i}")

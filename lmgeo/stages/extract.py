@@ -31,7 +31,13 @@ def eval_sequences(params: Params, layout: Layout, model: AnalysedModel) -> np.n
         return eval_windows(tokens, n, seq_len)
     ours = AutoTokenizer.from_pretrained(layout.tokenizer)
     theirs = model_tokenizer(layout, params, model)
-    return retokenize(tokens, ours.decode, lambda text: theirs(text)["input_ids"], n, seq_len)
+    return retokenize(
+        tokens,
+        ours.decode,  # type: ignore[arg-type]  # decode of a list is a str
+        lambda text: theirs(text)["input_ids"],
+        n,
+        seq_len,
+    )
 
 
 def extract_task(

@@ -51,7 +51,7 @@ def train_task(
 
     def save_checkpoint(model: torch.nn.Module, name: str, info: dict) -> None:
         with checkpoints.directory(f"{run_id}/{name}") as folder:
-            model.save_pretrained(folder, safe_serialization=True)
+            model.save_pretrained(folder, safe_serialization=True)  # type: ignore[operator]
             write_folder(folder, tokenizer_files)
             (folder / RUN_JSON).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
 

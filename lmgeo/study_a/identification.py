@@ -67,6 +67,7 @@ class NeighbourhoodGram:
         found = self.spectrum().values
         if found is None:
             found = LAPACK.eigenvalues(self.matrix)
+            assert self._spectrum is not None  # set by self.spectrum() above
             self._spectrum = self._spectrum._replace(values=found)
         return found
 

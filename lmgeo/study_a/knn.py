@@ -231,6 +231,7 @@ class _Search:
         without copying the pool into an index): enough rows that, the anchor and its own sequence
         dropped, `keep` eligible ones remain."""
         searched = min(self.pool.shape[0], self.keep + self.skipped)
+        assert self.faiss is not None  # called only when FAISS imported
         self.faiss.omp_set_num_threads(torch.get_num_threads())  # the task's share of the cores
         dist, index = self.faiss.knn(self.approx[anchors].numpy(), self.approx.numpy(), searched)
         dist, index = torch.from_numpy(dist), torch.from_numpy(index)

@@ -130,7 +130,7 @@ class _CleanCache:
         block 0 (the model reads the number of cached positions from it, for positions and masks)."""
         if cache is None:
             return []
-        return [(c.keys, c.values) if i == 0 or i > self.layer else None for i, c in enumerate(cache.layers)]
+        return [(c.keys, c.values) if i == 0 or i > self.layer else None for i, c in enumerate(cache.layers)]  # type: ignore[misc, union-attr]  # attention caches
 
     def select(self, rows: np.ndarray, start: int) -> _Clean:
         log_probs, hidden, per_block = zip(*(self.rows[int(r)] for r in rows), strict=True)
@@ -143,7 +143,7 @@ def _cut(
 ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Each block's (keys, values) of positions before `start`, stacked over the rows (None where not kept)."""
     return [
-        None if kept is None else tuple(torch.stack([row[block][j][..., :start, :] for row in per_row]) for j in (0, 1))
+        None if kept is None else tuple(torch.stack([row[block][j][..., :start, :] for row in per_row]) for j in (0, 1))  # type: ignore[misc, index]
         for block, kept in enumerate(per_row[0])
     ]
 
@@ -407,12 +407,12 @@ def _cache_of(model: PreTrainedModel, per_copy: list[list[_BlockState]]) -> Dyna
             for i in states:
                 getattr(block, kind)[i] = torch.stack([copy[offset][which][i] for copy in per_copy])
         for i in conv:
-            block.conv_kernel_size[i] = conv[i].shape[-1]
-            block.is_conv_states_initialized[i] = True
+            block.conv_kernel_size[i] = conv[i].shape[-1]  # type: ignore[union-attr]  # a linear-attention layer
+            block.is_conv_states_initialized[i] = True  # type: ignore[union-attr]  # a linear-attention layer
         for i in recurrent:
-            block.is_recurrent_states_initialized[i] = True
+            block.is_recurrent_states_initialized[i] = True  # type: ignore[union-attr]  # a linear-attention layer
         for i in {*conv, *recurrent}:
-            block.has_previous_state[i] = True
+            block.has_previous_state[i] = True  # type: ignore[union-attr]  # a linear-attention layer
     return cache
 
 

@@ -97,7 +97,7 @@ def energy(v: np.ndarray, basis: np.ndarray | None) -> float | None:
     return float(np.sum((basis.T @ v) ** 2) / np.sum(v**2))
 
 
-def ratio(num: float, den: float) -> float | None:
+def ratio(num: float | np.floating, den: float | np.floating) -> float | np.floating | None:
     return None if den == 0 else num / den
 
 

@@ -62,9 +62,9 @@ class Verified:
 
 def probe_ids(model: PreTrainedModel) -> torch.Tensor:
     """A seeded batch of token ids valid for both the embedding and the head."""
-    vocab = min(model.get_input_embeddings().num_embeddings, head_of(model).out_features)
+    vocab = min(model.get_input_embeddings().num_embeddings, head_of(model).out_features)  # type: ignore[type-var]
     generator = torch.Generator().manual_seed(PROBE_SEED)
-    ids = torch.randint(0, vocab, (PROBE_SEQUENCES, PROBE_LENGTH), generator=generator)
+    ids = torch.randint(0, vocab, (PROBE_SEQUENCES, PROBE_LENGTH), generator=generator)  # type: ignore[arg-type]
     return ids.to(model_device(model))
 
 

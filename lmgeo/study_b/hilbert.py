@@ -130,7 +130,8 @@ _MAX_CANDIDATES = 16384
 def _near_maximum(d2: Tensor, floor: float) -> tuple[Tensor, Tensor]:
     near = d2 >= floor
     if int(near.sum()) <= _MAX_CANDIDATES:
-        return torch.nonzero(near, as_tuple=True)
+        rows, cols = torch.nonzero(near, as_tuple=True)  # d2 is a matrix: two index tensors
+        return rows, cols
     flat = d2.flatten().topk(_MAX_CANDIDATES).indices
     return flat // d2.shape[1], flat % d2.shape[1]
 

@@ -345,7 +345,7 @@ def build_optimizers(
     parameter groups come from the model's family; `head_budget_tau` (a matched-budget run) rescales the
     head's realised steps to that many nats."""
     spec = RECIPES[recipe]
-    family = family_of(model)
+    family = family_of(model)  # type: ignore[arg-type]  # a PreTrainedModel, annotated as its nn.Module base
     groups = partition_parameters(model, head, family.param_groups)
     head_step = resolve_head_step(recipe, cfg)
     wd = cfg.weight_decay
@@ -430,5 +430,7 @@ def _non_empty(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig, head_step: HeadStep) -> LambdaLR:
     """The run's schedule on every group; the head follows its recipe's schedule when one is set."""
     schedules = [head_step.schedule if g["name"] == "head" else cfg.schedule for g in optimizer.param_groups]
-    factors = [partial(schedule_factor, total_steps=cfg.steps, schedule=s) for s in schedules]
+    factors: list[Callable[[int], float]] = [
+        partial(schedule_factor, total_steps=cfg.steps, schedule=s) for s in schedules
+    ]
     return LambdaLR(optimizer, factors)

@@ -179,7 +179,7 @@ def head_step_geometry(
     if sampled:
         diam = hilbert.diam_sampled(delta, cfg.diam_exact_max_rows, seed=0)
     else:
-        diam = hilbert.diam(delta)[0]
+        diam = hilbert.diam(delta)[0]  # type: ignore[assignment]
     h = probe_h.float().flatten(0, -2)
     realized = float(hilbert.osc(h @ delta.T).max())
     bound = float(h.norm(dim=-1).max()) * float(diam)
@@ -245,10 +245,10 @@ def train_run(
     cuda = device.type == "cuda"
     autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if cuda else contextlib.nullcontext
 
-    model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)
+    model = build_model(spec.arch, cfg.model, vocab_size, seq_len, spec.seed).to(device)  # type: ignore[arg-type]
     head = head_of(model)
     head_budget_tau = head_budget(cfg, spec)
-    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, head_budget_tau=head_budget_tau)
+    optimizer = build_optimizers(model, head.weight, spec.recipe, cfg, head_budget_tau=head_budget_tau)  # type: ignore[arg-type]
     head_inputs = HeadInputs(head)
     forward = training_forward(model, device, cfg.compile)
 
@@ -298,6 +298,7 @@ def train_run(
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         radius = head_inputs.radius(radius_quantile)  # of this batch, for the `tau` trust region
         if geometry_step:
+            assert head.weight.grad is not None and head_inputs.last is not None  # after a forward and backward
             w_before, grad, train_h = head.weight.detach().clone(), head.weight.grad.detach().clone(), head_inputs.last
             with torch.no_grad(), autocast():
                 model(input_ids=probe)  # the probe's final hidden states, before this step

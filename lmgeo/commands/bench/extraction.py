@@ -81,7 +81,7 @@ def extraction_throughput(size: ExtractionSize, batch_size: int, threads: int) -
     model = _extraction_model(size)
     tokens = token_ids(size.n_seq, size.seq_len, size.vocab, seed=1)
     with tempfile.TemporaryDirectory() as tmp:
-        cases = {
+        cases: dict[str, Callable[..., Any]] = {
             "extract_path": lambda roots=fresh_roots(Path(tmp)): extract_to_parquet(model, tokens, batch_size, roots()),
             "bare_forward": lambda: bare_forward(model, tokens, batch_size),
         }
@@ -207,7 +207,9 @@ def vector_encodings(rows: int, d: int, repeats: int, threads: int) -> dict[str,
     ways = {name: (ipc_write, ipc_read) if name == "arrow ipc" else (parquet_write, parquet_read) for name in columns}
     with tempfile.TemporaryDirectory() as tmp:
         paths = {name: Path(tmp) / f"{i}.bin" for i, name in enumerate(columns)}
-        cases = {f"write {n}": (lambda n=n: ways[n][0](paths[n], columns[n])) for n in columns}
+        cases: dict[str, Callable[..., Any]] = {
+            f"write {n}": (lambda n=n: ways[n][0](paths[n], columns[n])) for n in columns
+        }
         cases |= {f"read {n}": (lambda n=n: ways[n][1](paths[n])) for n in columns}
         timings = interleaved(cases, repeats)
         same = all(np.array_equal(timings.results[f"read {n}"][-1], x) for n in columns)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -82,7 +83,7 @@ def fits_vs_reference(scale: FitScale, cfg: AnalysisConfig, threads: int) -> dic
         "matmul_flop_s": matmul_rate,
     }
     for fn in fit_bench_classes():
-        cases = {
+        cases: dict[str, Callable[..., Any]] = {
             "fit_layer": lambda fn=fn: fit_layer(x32, y32, seq, pos, seq, anchors, [fn], cfg)[0][fn],
             "reference": lambda fn=fn: reference_rows(x64, y64, seq, anchors, FIT_CLASSES[fn], cfg),
         }

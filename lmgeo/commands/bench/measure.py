@@ -13,7 +13,7 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +69,7 @@ class Timings:
         return {c: {"median_s": self.median(c), "min_s": min(t), "repeats": len(t)} for c, t in self.times.items()}
 
 
-def interleaved(cases: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1) -> Timings:
+def interleaved(cases: Mapping[str, Callable[..., Any]], repeats: int, warmup: int = 1) -> Timings:
     """Run every case `warmup` times untimed, then `repeats` rounds timing each call, the order
     reversed every other round (`A B`, `B A`, `A B` …) so that neither side always runs first."""
     for _ in range(warmup):

@@ -40,10 +40,10 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
         optimizer_s[recipe].append(time.perf_counter() - start)
         optimizer.zero_grad()
 
-    cases = {}
+    cases: dict[str, Callable[..., Any]] = {}
     for recipe in names:
         model = build_model(size.arch, model_size, size.vocab, size.seq_len, seed=0)
-        optimizer = build_optimizers(model, head_of(model).weight, recipe, train)
+        optimizer = build_optimizers(model, head_of(model).weight, recipe, train)  # type: ignore[arg-type]
         cases[recipe] = lambda r=recipe, m=model, o=optimizer: training_step(r, m, o)
     timings = interleaved(cases, size.repeats, warmup=2)
     equi_iters = {r.name: resolve_head_step(r.name, train).knobs.equi_iters for r in RECIPES}
@@ -51,9 +51,10 @@ def recipe_step_times(size: RecipeSize, train: TrainConfig, threads: int) -> dic
     # Each bar from its own pair, interleaved A B B A: adjacent steps share the machine's load.
     bars, profile = [], {}
     for name in names:
-        if COSTS[name].step_time_bar is None:
+        step_time_bar = COSTS[name].step_time_bar
+        if step_time_bar is None:
             continue
-        base, threshold = COSTS[name].step_time_bar
+        base, threshold = step_time_bar
         pair = interleaved({name: cases[name], base: cases[base]}, 3 * size.repeats, warmup=0)
         bars.append(bar(f"recipes: {name} / {base} (training-step time)", pair.ratio(name, base), "<=", threshold))
         if not bars[-1].passed:
@@ -117,11 +118,13 @@ def head_step_times(size: RecipeSize, train: TrainConfig) -> dict[str, Any]:
 
     shape = (size.head_vocab, size.head_width)
     stepper = head_stepper(shape, 7, lambda recipe, head: head_only_optimizer(recipe, head, train))
-    pairs, bars = {}, []
+    pairs: dict[str, dict[str, Any]] = {}
+    bars = []
     for name in RECIPES.names():
-        if COSTS[name].head_step_bar is None:
+        head_step_bar = COSTS[name].head_step_bar
+        if head_step_bar is None:
             continue
-        base, threshold = COSTS[name].head_step_bar
+        base, threshold = head_step_bar
         timings = interleaved({name: stepper(name), base: stepper(base)}, size.head_repeats, warmup=1)
         pairs[f"{name} / {base}"] = {"ratio": timings.ratio(name, base), "timings": timings.summary()}
         bars.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -150,7 +151,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     )
     missed = [b for b in report["ratios"] if not b["passed"]]
     lines += ["", f"{len(report['ratios']) - len(missed)} of {len(report['ratios'])} bars met.", ""]
-    sections = {
+    sections: dict[str, Callable[[Any], list[str]]] = {
         "extraction": _extraction_md,
         "fits": _fits_md,
         "knn_memory": _knn_md,

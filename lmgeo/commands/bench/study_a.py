@@ -112,7 +112,9 @@ def suffix_vs_full(size: PatchingSize, threads: int) -> dict[str, Any]:
             errors = [float(np.max(np.abs(g - w) / np.maximum(w, 1e-6))) for g, w in zip(got, want, strict=True)]
             worst = max([worst] + errors)
     speedup, over_recompute = timings.ratio("full", "suffix"), timings.ratio("recompute", "suffix")
-    paths = sorted({suffix_path(model, layer)[0] for layer in range(size.n_layers)})
+    suffix_paths = [suffix_path(model, layer) for layer in range(size.n_layers)]
+    assert all(p is not None for p in suffix_paths)  # the suffix case ran at every layer
+    paths = sorted({p[0] for p in suffix_paths if p is not None})
     n_blocks = size.n_layers
     suffix_work = sum(
         suffix_flops(model, n_blocks, np.zeros(size.n_seq, dtype=int), size.seq_len)  # each sequence's clean pass

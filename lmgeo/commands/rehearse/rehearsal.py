@@ -34,7 +34,7 @@ def _pythia_1_4b():
 
     # EleutherAI/pythia-1.4b: 24 layers, d 2048, 16 heads, MLP 8192, rotary on 25% of each head, parallel
     # residual, untied head over a padded vocabulary of 50,304.
-    return GPTNeoXConfig(
+    return GPTNeoXConfig(  # type: ignore[call-arg]  # its legacy kwargs are read from **kwargs
         vocab_size=50304,
         hidden_size=2048,
         num_hidden_layers=24,
@@ -225,7 +225,7 @@ def _fit(measured: Measured, x, y, shape: tuple[int, int], size: Slice, device: 
         measured.fit_peak_gib = max(measured.fit_peak_gib, peak)
         return result[0], seconds
 
-    tables = {}
+    tables: dict[str, Any] = {}
     for fn in FIT_CLASSES.names():
         table, seconds = fit([fn])
         tables |= table
@@ -299,7 +299,7 @@ def from_json(document: dict[str, Any]) -> tuple[list[Measured], Slice]:
 def _neox(d: int, layers: int, heads: int):
     from transformers import GPTNeoXConfig
 
-    return GPTNeoXConfig(
+    return GPTNeoXConfig(  # type: ignore[call-arg]  # its legacy kwargs are read from **kwargs
         vocab_size=50304,
         hidden_size=d,
         num_hidden_layers=layers,

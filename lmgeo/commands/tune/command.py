@@ -113,9 +113,9 @@ def run(
             bases,
         )
         for r, k in knob.items():
-            choices[r][k] = tuning.choose(tuning.table_of(rows, r, arch, k))
-            if choices[r][k] is not None:
-                bases[r] = tuning.with_choice(bases[r], r, choices[r][k])
+            choice = choices[r][k] = tuning.choose(tuning.table_of(rows, r, arch, k))
+            if choice is not None:
+                bases[r] = tuning.with_choice(bases[r], r, choice)
     others = [a for a in params.train.archs if a != arch]
     first = {r: choices[r][tuning.knobs_of(r)[0]] for r in recipes}
     transfer = execute(

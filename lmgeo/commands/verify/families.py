@@ -313,7 +313,12 @@ def patch_and_check(model, states: list[np.ndarray]) -> str:
         for got, want in zip((kl, kl_seq), full, strict=True):
             if not np.allclose(got, want, rtol=1e-3, atol=1e-6):
                 raise AssertionError(f"layer {layer}: suffix patching gave KLs {got}, the full forward {want}")
-    return "/".join(sorted({suffix_path(model, layer)[0] for layer in range(len(states) - 1)}))
+    paths = set()
+    for layer in range(len(states) - 1):
+        path = suffix_path(model, layer)
+        assert path is not None  # suffix patched every layer above
+        paths.add(path[0])
+    return "/".join(sorted(paths))
 
 
 def coverage(model_types: list[str]) -> list[Coverage]:

@@ -453,7 +453,8 @@ def claim_tests(strata: Sequence[Stratum], ci: float) -> pa.Table:
 def _rows(effects: Effects, claim: Claim, null: str, ci: float) -> list[dict[str, object]]:
     """Per (subject, class): a row per layer over its models, and one over its layers and models."""
     rows = []
-    margin = claim.tests[null].margin if claim.tests[null].margin is not None else claim.margin
+    test_margin = claim.tests[null].margin
+    margin = test_margin if test_margin is not None else claim.margin
     for (subject, fn), by_model in sorted(effects.items()):
         cell = (subject, fn, claim.name, null, margin)
         for layer in sorted({layer for layers in by_model.values() for layer in layers}):
@@ -571,16 +572,19 @@ def _row(
 def _read(rows: list[dict[str, object]], alpha: float) -> list[dict[str, object]]:
     """Holm-adjust each one-sided p-value over the rows of one summary cell (subject, claim, scope, layer: its
     voting classes and nulls; the other rows over themselves alone), then read each row's verdict at `alpha`."""
-    cells: dict[tuple[object, ...], list[dict[str, object]]] = {}
+    cells: dict[tuple[object, ...] | int, list[dict[str, object]]] = {}
     for r in rows:
-        key = (r["subject"], r["claim"], r["scope"], r["layer"]) if votes(str(r["fn"])) else id(r)
+        key: tuple[object, ...] | int = (
+            (r["subject"], r["claim"], r["scope"], r["layer"]) if votes(str(r["fn"])) else id(r)
+        )
         cells.setdefault(key, []).append(r)
     for members in cells.values():
         for column in P_COLUMNS:
             for r, adjusted in zip(members, holm([float(m[column]) for m in members]), strict=True):  # type: ignore[arg-type]
                 r[column] = adjusted
     for r in rows:
-        r["verdict"] = verdict(*(float(r[c]) for c in P_COLUMNS[1:]), alpha)  # type: ignore[arg-type]
+        below, above_margin, below_margin = (float(r[c]) for c in P_COLUMNS[1:])  # type: ignore[arg-type]
+        r["verdict"] = verdict(below, above_margin, below_margin, alpha)
     return rows
 
 

@@ -262,7 +262,7 @@ def _claim_cell(c: ClaimSummary | None, layers: int, diagnostic: ClaimSummary | 
         return "not measured"
     t = c.weakest
     effect = _effect(t)
-    null = NULL_TEXT.get(t["null"], t["null"])
+    null = NULL_TEXT.get(str(t["null"]), t["null"])
     versus = f"{num(t['statistic'], 2)} vs {num(t['null_statistic'], 2)}"
     units = f"one model, {t['n_units']} anchor blocks" if t.get("unit") == ANCHOR_GROUP else f"{t['n_models']} seeds"
     rests = f"{t['n_layers']} layers, {units}, {t['n']} anchors"

@@ -349,12 +349,12 @@ def paper_values_table(strata: list[Stratum]) -> pa.Table:
                 ("spearman_over_0.7", float(np.mean(np.array(layers) > 0.7))),
             ]
         }
-        for statistic, value in summary.get(name, [(name, float(np.mean([np.mean(v) for v in per_model.values()])))]):
+        for label, value in summary.get(name, [(name, float(np.mean([np.mean(v) for v in per_model.values()])))]):
             rows.append(
                 {
                     "subject": subject,
                     "fn": fn,
-                    "statistic": statistic,
+                    "statistic": label,
                     "value": none_if_nan(value),
                     "n_models": len(per_model),
                     "n_layers": max(len(v) for v in per_model.values()),
