@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from lmgeo import cli
 from lmgeo.params import default_study
 from lmgeo.results.report import FINDINGS_END, FINDINGS_START, findings_in
-from lmgeo import cli
 from lmgeo.stages.report import RESULT_SECTIONS
 
 REPO = Path(__file__).resolve().parents[1]
