@@ -25,7 +25,12 @@ d ≤ 4 (`tests/test_equidistance.py` measures both).
   from `KAPPA` to `KAPPA_END` over a cold solve), soft-max of the far ones; each row takes a step of fixed
   angle along the tangent part of its (momentum-averaged) ascent direction, is renormalised, and all rows
   are projected on the descent condition (`lift`: the Euclidean projection on the product of spheres,
-  `u_i ∝ y_i + λ·g_i` with one λ ≥ 0 found by bisection).
+  `u_i ∝ y_i + λ·g_i` with one λ ≥ 0 found by bisection). Up to `BUCKET_ROWS` rows the iterations hold
+  c·(1 + `MARGIN`) (their diameter is the candidates', a lower bound), and every candidate search checks the
+  rows against c with their exact diameter: the best feasible iterate is kept.
+- The end: the last rows lifted with their exact diameter until A ≥ c (`FEASIBILITY_ROUNDS`), or the best
+  feasible iterate if it spreads its rows more. A lift at the sphere's bound 2 (which sends the rows back
+  towards hilbert's) only when neither is feasible.
 - A cold solve (no previous rows) takes `iters` iterations with a decaying angle and, where V·d ≤
   `MULTISTART_SIZE`, `STARTS` starts (the best is kept: it costs less than one start at the study's size);
   a warm solve (the previous step's rows, as the optimizer passes them) takes `iters` iterations at the final
@@ -75,6 +80,10 @@ STARTS, MULTISTART_SIZE = 8, 4096  # cold starts where V·d is at most MULTISTAR
 START_SPREADS = (1.0, 0.3)  # noise of the starts around hilbert's rows (relative to a unit row)
 LIFT_BISECTIONS = 32  # μ to 2^-32: the descent condition to ~1e-9, below its 1e-6 margin
 FEASIBILITY_ROUNDS = 3
+# Up to BUCKET_ROWS rows the iterations hold the descent condition at c·(1 + MARGIN) with the candidates'
+# diameter, a lower bound of the exact one: held at c itself, they ended just short of it (A/c ≈ 0.9998), each
+# exact lift widened the diameter, and the rounds did not settle.
+MARGIN = 1e-3
 _SEED = 0  # the starts' noise and the tree's directions: fixed, so the step is a function of its inputs
 
 
@@ -250,13 +259,18 @@ def _diameter(u: Tensor, found: Candidates) -> Tensor:
 
 def _iterate(
     u: Tensor, grad: Gradient, alignment: float, iters: int, cold: bool, projection: Tensor | None, found: Candidates
-) -> Tensor:
-    """`iters` iterations from `u`, which they update in place (the caller's own rows)."""
+) -> tuple[Tensor, tuple[Tensor, Solution] | None]:
+    """`iters` iterations from `u`, which they update in place (the caller's own rows), and the best feasible
+    iterate seen at their candidate searches, with its spread (exact search only: its Gram matrix gives the
+    certified diameter, so the check is free; a copy of the rows), or None."""
     velocity = torch.zeros_like(u)
     tiny = torch.finfo(u.dtype).tiny
+    held = alignment * (1 + MARGIN) if found.far is not None else alignment
+    best: tuple[Tensor, Solution] | None = None
     for it in range(iters):
         if it and it % REFRESH == 0:
-            found = search(u, projection)[0]
+            found, diameter = search(u, projection)
+            best = _better(best, u, grad, alignment, found, diameter)
         progress = it / iters
         kappa = KAPPA * (KAPPA_END / KAPPA) ** progress if cold else KAPPA_END
         angle = ANGLE * (1 - progress) + ANGLE_END * progress if cold else WARM_ANGLE
@@ -269,8 +283,8 @@ def _iterate(
         step = torch.maximum(push, STEP_FLOOR * push.max()).clamp_min(tiny)
         for rows, scratch in _chunks(u):
             u[rows].add_(torch.mul(velocity[rows], angle, out=scratch).div_(step[rows]))
-        lift_(unit_rows_(u), grad, descent_target(grad, alignment, _diameter(u, found)))
-    return u
+        lift_(unit_rows_(u), grad, descent_target(grad, held, _diameter(u, found)))
+    return u, best
 
 
 def _starts(g: Tensor) -> list[Tensor]:
@@ -291,17 +305,36 @@ def spread(u: Tensor) -> Tensor:
     return distances.min() / distances.max()
 
 
-def feasible(u: Tensor, grad: Gradient, alignment: float, projection: Tensor | None) -> Solution:
-    """`u` (the caller's own rows) lifted until A ≥ c holds with its certified diameter (the iterations used
-    the candidates'): each lift moves the diameter, so the rows are searched again (usually once or twice);
-    should the diameter keep growing, a last lift with the sphere's bound 2 settles it."""
+def _better(best: tuple[Tensor, Solution] | None, u: Tensor, grad: Gradient, alignment: float,
+            found: Candidates, diameter: Tensor) -> tuple[Tensor, Solution] | None:  # fmt: skip
+    """`best` (its spread and solution), or `u` copied when it meets A ≥ c with its certified `diameter` and
+    spreads its rows more (the nearest candidates' smallest distance over the diameter; exact search only)."""
+    if found.far is None or bool((grad.rows * u).sum() < descent_target(grad, alignment, diameter)):
+        return best
+    rho = _pair_lengths(u, found.near[:, :1]).min() / diameter
+    if best is not None and not bool(rho > best[0]):
+        return best
+    return rho, Solution(u.clone(), diameter, found)
+
+
+def feasible(u: Tensor, grad: Gradient, alignment: float, projection: Tensor | None,
+             kept: tuple[Tensor, Solution] | None = None) -> Solution:  # fmt: skip
+    """The better of `kept` (the best feasible iterate, from `_iterate`) and `u` (the caller's own rows) lifted
+    until A ≥ c holds with its certified diameter (the iterations used the candidates'): each lift moves the
+    diameter, so the rows are searched again; the lifts hold c·(1 + MARGIN), so one usually settles it. Only when
+    neither `u` nor an iterate meets the condition does a last lift with the sphere's bound 2 settle it (it
+    sends the rows back towards hilbert's). Above BUCKET_ROWS the diameter is the sphere's 2 throughout."""
     found, diameter = search(u, projection)
     for _ in range(FEASIBILITY_ROUNDS):
-        target = descent_target(grad, alignment, diameter)
-        if bool((grad.rows * u).sum() >= target):
-            return Solution(u, diameter, found)
-        lift_(u, grad, target)
+        if bool((grad.rows * u).sum() >= descent_target(grad, alignment, diameter)):
+            if found.far is None:  # the sphere's bound: no iterate is kept, and no exact spread to compare
+                return Solution(u, diameter, found)
+            break
+        lift_(u, grad, descent_target(grad, alignment * (1 + MARGIN), diameter))
         found, diameter = search(u, projection)
+    kept = _better(kept, u, grad, alignment, found, diameter)
+    if kept is not None:
+        return kept[1]
     lift_(u, grad, descent_target(grad, alignment, u.new_tensor(2.0)))
     found, diameter = search(u, projection)
     return Solution(u, diameter, found)
@@ -317,14 +350,14 @@ def solve(m: Tensor, alignment: float, iters: int, start: Solution | None = None
     projection = sketch_projection(m.shape[1], m) if m.shape[0] > BUCKET_ROWS else None
     if start is not None and start.rows.shape == m.shape:
         u = lift_(start.rows.clone(), grad, descent_target(grad, alignment, start.diameter))
-        return feasible(
-            _iterate(u, grad, alignment, iters, False, projection, start.found), grad, alignment, projection
-        )
+        rows, seen = _iterate(u, grad, alignment, iters, False, projection, start.found)
+        return feasible(rows, grad, alignment, projection, seen)
     best: Solution | None = None
     for u in _starts(grad.rows):
         found, diameter = search(u, projection)
         lift_(u, grad, descent_target(grad, alignment, diameter))
-        solution = feasible(_iterate(u, grad, alignment, iters, True, projection, found), grad, alignment, projection)
+        rows, seen = _iterate(u, grad, alignment, iters, True, projection, found)
+        solution = feasible(rows, grad, alignment, projection, seen)
         if best is None or bool(spread(solution.rows) > spread(best.rows)):  # several starts: small problems only
             best = solution
     assert best is not None
