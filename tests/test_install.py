@@ -5,10 +5,13 @@ after pip's own sources fail, and the full install keeps the build it found."""
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
+import zipfile
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,3 +48,31 @@ def test_the_installed_torch_is_the_build_the_constraints_pin() -> None:
     here = {"sys_platform": sys.platform, "platform_machine": platform.machine()}
     (pin,) = torch_pins(here)
     assert metadata.version("torch") == pin.removeprefix("==")
+
+
+@pytest.mark.slow  # builds the wheel in a subprocess
+def test_the_wheel_installs_one_top_level_package_lmgeo(tmp_path: Path) -> None:
+    """The wheel holds `lmgeo` and its metadata only: no generic top-level names (`tools`, `scripts`, ...)
+    that would collide with a user's other packages, and the packaged default study is inside it."""
+    built = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    (wheel,) = tmp_path.glob("lmgeo-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"lmgeo", "lmgeo-0.1.0.dist-info"}
+    assert "lmgeo/default_study.yaml" in names and "lmgeo/cli.py" in names
