@@ -156,7 +156,7 @@ def write_findings(layout: Layout, readme: Path) -> bool:
     from lmgeo.core.errors import InputError
     from lmgeo.core.store import atomic_write
     from lmgeo.params import default_study
-    from lmgeo.results.report import findings_in, with_findings
+    from lmgeo.results.report import FINDINGS_END, FINDINGS_START, findings_block, with_findings
 
     recorded = layout.reports / PROVENANCE
     params_hash = json.loads(recorded.read_text()).get("params_hash") if recorded.is_file() else None
@@ -167,9 +167,17 @@ def write_findings(layout: Layout, readme: Path) -> bool:
             f"default study's ({expected}); README's findings state what the default study finds: restore "
             "params.yaml (`git checkout params.yaml`) and `dvc repro` first"
         )
+    if readme.is_symlink():  # a write would replace the link by a file, and the file it leads to keeps the old block
+        raise InputError(
+            f"{readme}: a symlink (to {readme.resolve()}), not the README file; replace the link with the file itself "
+            f"and re-run `lmgeo findings --write {readme}`"
+        )
     text = readme.read_text() if readme.is_file() else ""
-    if findings_in(text) is None:
-        raise InputError(f"{readme}: no findings block (<!-- findings:start --> … <!-- findings:end -->) to write")
+    if findings_block(text) is None:
+        raise InputError(
+            f"{readme}: not exactly one findings block (a line `{FINDINGS_START}`, then a line `{FINDINGS_END}`, "
+            f"each marker alone on its line); fix it by hand and re-run `lmgeo findings --write {readme}`"
+        )
     updated = with_findings(text, findings(layout))
     if updated != text:
         atomic_write(readme, updated)
