@@ -8,16 +8,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lmgeo.driver.layout import KNOB_RECORDS, LOCALITY_SWEEP, SWEEP_RECORD, TUNING_RECORD, Layout
-from lmgeo.params import Params
+from lmgeo.driver.layout import KNOB_RECORDS, LOCALITY_SWEEP, PROVENANCE, SWEEP_RECORD, TUNING_RECORD, Layout
+from lmgeo.params import RESULT_SECTIONS, Params
 
 # Small files whose content identifies the inputs (dvc.lock's own checksum would be the one of the lock before
 # this report: its report stage still records the previous report's outputs).
 CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
-# The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
-PROVENANCE = "provenance.json"
-# The params sections whose hash the provenance records: what decides the results.
-RESULT_SECTIONS = ("prepare", "train", "analysis", "report")
 # The first paragraph of the report's summary, which `lmgeo findings` copies into README's findings block.
 IN_SHORT = re.compile(r"^\*\*In short\.\*\* (.+)$", re.MULTILINE)
 
