@@ -36,6 +36,10 @@ if TYPE_CHECKING:
 KeyPath = tuple[str | int, ...]
 
 
+# The params sections that decide the results: the report's provenance records their hash (`Params.section_hash`).
+RESULT_SECTIONS = ("prepare", "train", "analysis", "report")
+
+
 class Params(Section):
     prepare: PrepareConfig = Field(default_factory=PrepareConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)

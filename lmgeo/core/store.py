@@ -202,6 +202,8 @@ def verified_files(
         chosen = list(manifests.values())
     else:
         chosen = [_planned(root, manifests.get(shard), shard, key, rebuild) for shard, key in expected.items()]
+    if committed is not None:
+        _check_committed_plan(root, committed)
     for manifest in chosen:
         _check_planned_files(root, manifest, record)
         if committed is not None:
@@ -369,6 +371,21 @@ def _check_committed(root: Path, manifest: dict[str, Any], committed: Committed)
     )
 
 
+def _check_committed_plan(root: Path, committed: Committed) -> None:
+    """The dataset's plan (or its absence) is the one ``committed`` records: the plan picks the keys its shards
+    are checked against, and ``_check_committed`` takes a shard of another key for one redone since, so a plan
+    rewritten with the shards it names would vouch for them."""
+    plan = root / PLAN_FILE
+    # read_record: a FIFO or device in the plan's place is refused, never opened to hash it
+    current = hashlib.md5(read_record(plan).encode()).hexdigest() if os.path.lexists(plan) else None  # noqa: S324 - DVC's hash
+    if current != committed.listing.get(PLAN_FILE):
+        raise StaleShardError(
+            f"{plan}: {'differs from' if current else 'missing, unlike'} the plan {committed.source} records for "
+            f"the dataset (its shards were computed with other keys than those committed); run `dvc checkout {root}` "
+            "to get the committed one back, or `dvc repro` to recompute it and commit the result"
+        )
+
+
 def file_md5(path: Path) -> str:
     """The md5 DVC lists a file with."""
     with open(path, "rb") as f:
@@ -386,6 +403,8 @@ def files_so_far(
     record = read_plan(root) if (root / PLAN_FILE).is_file() else None
     if record is None or not record.in_progress:
         return verified_files(root, rebuild=rebuild, committed=committed), []
+    if committed is not None:
+        _check_committed_plan(root, committed)
     manifests = {m["shard"]: m for m in map(_load_manifest, _manifest_files(root))}
     done, missing = [], []
     for shard, key in record.keys.items():

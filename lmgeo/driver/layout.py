@@ -26,6 +26,9 @@ SWEEP_RECORD = "docs/sweep"
 # The committed records above as the paths whose change makes committed results stale (`lmgeo.driver.deps`);
 # each is a dep of the report stage in dvc.yaml.
 RECORDS = (TUNING_RECORD, *KNOB_RECORDS, str(Path(LOCALITY_SWEEP).parent), f"{SWEEP_RECORD}/provenance.json")
+# The report's provenance, in reports/, as data: `tests/test_committed_results.py` checks the committed one
+# against HEAD, and `lmgeo query`'s params view states the params hash it records.
+PROVENANCE = "provenance.json"
 
 
 @dataclass(frozen=True)
@@ -98,10 +101,11 @@ class Layout:
         return self.models / run_id / checkpoint
 
     def query_sources(self) -> dict[str, str]:
-        """Workspace-relative paths `lmgeo query` reads: the params, the result tables, the prepared
-        tokenizer (the `tokens` table) and each sharded dataset (by its contract's name)."""
+        """Workspace-relative paths `lmgeo query` reads: the params, the report's provenance, the result tables,
+        the prepared tokenizer (the `tokens` table) and each sharded dataset (by its contract's name)."""
         relative = {
             "params": self.root / "params.yaml",
+            "provenance": self.reports / PROVENANCE,
             "tables": self.tables,
             "tokenizer": self.tokenizer,
             "steps": self.train,

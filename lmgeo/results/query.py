@@ -69,7 +69,7 @@ from lmgeo.core.contracts import (
     vectors_as_lists,
 )
 from lmgeo.core.errors import InputError, escape
-from lmgeo.core.store import Committed, CorruptShardError, StaleShardError, check_one_run, files_so_far
+from lmgeo.core.store import Committed, CorruptShardError, StaleShardError, check_one_run, files_so_far, read_record
 
 Format = Literal["table", "csv", "json"]
 MAX_REV_CHARS = 255
@@ -400,11 +400,13 @@ def _revision(sql: str, workspace: Path, rev: str, dest: Path, sources: dict[str
         _check_checked_out(sql, workspace, sources)
         return _snapshot(workspace, rev, sources, sql, anchored=True)
     outputs = _named_outputs(sql)
-    in_git = _git_copy(workspace, rev, dest, [sources["tables"], sources["params"]])
+    recorded = [sources[w] for w in ("tables", "params", "provenance") if w in sources]
+    in_git = _git_copy(workspace, rev, dest, recorded)
     from_dvc = [sources[w] for w in outputs] + ([] if sources["tables"] in in_git else [sources["tables"]])
     if from_dvc:
         _checkout(workspace, rev, dest, from_dvc)
-    return _snapshot(dest, rev, {w: sources[w] for w in ("tables", "params", *outputs)}, sql, anchored=False)
+    kept = ("tables", "params", "provenance", *outputs)
+    return _snapshot(dest, rev, {w: sources[w] for w in kept if w in sources}, sql, anchored=False)
 
 
 def _named_outputs(sql: str, *, surely: bool = False) -> list[str]:
@@ -627,7 +629,10 @@ def _snapshot(root: Path, rev: str | None, sources: dict[str, str], sql: str, an
             unusable(["tokens"], vocabulary.relative_to(root).as_posix(), err)
     if (root / sources["params"]).is_file():
         try:
-            tables["params"] = _params_table(root / sources["params"])
+            provenance = root / sources["provenance"] if "provenance" in sources else None
+            tables["params"] = _params_table(root / sources["params"], provenance)
+            if _mentions(sql, "params"):
+                _note_other_params(where, tables["params"], sources["params"])
         except InputError as err:
             unusable(["params"], sources["params"], err)
     datasets, decoded, partial = {}, {}, []
@@ -679,15 +684,61 @@ def _partial_note(where: str, folder: str, missing: list[str], rebuild: str) -> 
     )
 
 
-def _params_table(path: Path) -> pa.Table:
-    """`params.yaml` as rows (key, value): dotted keys, values as JSON text (`json_extract` reads them)."""
+def _params_table(path: Path, provenance: Path | None) -> pa.Table:
+    """`params.yaml` as rows (key, value): dotted keys, values as JSON text (`json_extract` reads them). Every row
+    also has `params_hash`, the hash of these params' result sections (NULL where this code cannot load them),
+    and `computed_with`, the one the report's provenance records (NULL without it): where the two differ, the
+    result tables beside these params were computed with others."""
     from lmgeo.core.config import ParamsError, flatten_overrides, load_yaml
 
     raw = load_yaml(path) or {}
     if not isinstance(raw, dict):  # flatten_overrides would call it "a preset"
         raise ParamsError(f"{path}: expected a mapping of sections at the top level")
     flat = flatten_overrides(raw)
-    return pa.table({"key": list(flat), "value": list(flat.values())})
+    rows = len(flat)
+    return pa.table(
+        {
+            "key": list(flat),
+            "value": list(flat.values()),
+            "params_hash": pa.array([_params_hash(path)] * rows, pa.string()),
+            "computed_with": pa.array([_recorded_params_hash(provenance)] * rows, pa.string()),
+        }
+    )
+
+
+def _params_hash(path: Path) -> str | None:
+    """The hash of the result sections of the params at `path`, as the report records it; None for params this
+    code cannot load (those of an old revision)."""
+    from lmgeo.params import RESULT_SECTIONS, load_params
+
+    try:
+        return load_params(path).section_hash(*RESULT_SECTIONS)
+    except InputError:
+        return None
+
+
+def _recorded_params_hash(provenance: Path | None) -> str | None:
+    """The params hash the report's provenance records; None without a readable one."""
+    try:
+        recorded = json.loads(read_record(provenance)) if provenance is not None and provenance.is_file() else {}
+    except (OSError, ValueError):
+        return None
+    found = recorded.get("params_hash") if isinstance(recorded, dict) else None
+    return found if isinstance(found, str) else None
+
+
+def _note_other_params(where: str, params: pa.Table, path: str) -> None:
+    """Warn where the params view joins params with tables computed with other params."""
+    current, recorded = (params[c][0].as_py() if params.num_rows else None for c in ("params_hash", "computed_with"))
+    if current is not None and recorded is not None and current != recorded:
+        log.warning(
+            "%s: %s has params hash %s, but the result tables were computed with %s (its `computed_with` column): "
+            "`dvc repro` recomputes them with these params",
+            where,
+            path,
+            current,
+            recorded,
+        )
 
 
 def _tokens_table(path: Path) -> pa.Table:

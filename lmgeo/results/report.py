@@ -144,16 +144,43 @@ def findings(tables: Tables, claims: list[ClaimSummary]) -> str:
 FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
 
 
+def findings_block(readme: str) -> tuple[int, int] | None:
+    """The line numbers of `readme`'s findings markers: one start marker, then one end marker, each alone on its
+    line; None for no such block or several (which one to write would be a guess). Prose that quotes a marker
+    within a line is no marker."""
+    lines = readme.split("\n")
+    starts = [i for i, line in enumerate(lines) if line == FINDINGS_START]
+    ends = [i for i, line in enumerate(lines) if line == FINDINGS_END]
+    return (starts[0], ends[0]) if len(starts) == len(ends) == 1 and starts[0] < ends[0] else None
+
+
 def with_findings(readme: str, found: str) -> str:
-    """`readme` with the text between its findings markers replaced by `found` (unchanged without markers)."""
-    pattern = re.compile(f"{re.escape(FINDINGS_START)}.*?{re.escape(FINDINGS_END)}", re.DOTALL)
-    return pattern.sub(lambda _: f"{FINDINGS_START}\n{found}\n{FINDINGS_END}", readme, count=1)
+    """`readme` with the text of its findings block replaced by `found`, escaped (`escape_findings`); unchanged
+    without exactly one block (`findings_block`)."""
+    block = findings_block(readme)
+    if block is None:
+        return readme
+    lines = readme.split("\n")
+    return "\n".join([*lines[: block[0] + 1], escape_findings(found), *lines[block[1] :]])
 
 
 def findings_in(readme: str) -> str | None:
-    """The text of `readme`'s findings block, None without one."""
-    found = re.search(f"{re.escape(FINDINGS_START)}\n(.*?)\n{re.escape(FINDINGS_END)}", readme, re.DOTALL)
-    return found[1] if found else None
+    """The text of `readme`'s findings block as it was given to `with_findings`; None without exactly one block."""
+    block = findings_block(readme)
+    if block is None:
+        return None
+    return unescape_findings("\n".join(readme.split("\n")[block[0] + 1 : block[1]]))
+
+
+def escape_findings(text: str) -> str:
+    """`text` as README's Markdown shows it and no more: its `&`, `<` and `>` as entities, so that no HTML in it
+    renders or runs, and no marker in it (each starts with `<`) opens or closes a block."""
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def unescape_findings(text: str) -> str:
+    """The inverse of `escape_findings` (`&amp;` last, so that an escaped entity comes back as written)."""
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
 
 
 def _headline_metrics(tables: Tables) -> str:

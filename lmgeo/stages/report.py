@@ -8,16 +8,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from lmgeo.driver.layout import KNOB_RECORDS, LOCALITY_SWEEP, SWEEP_RECORD, TUNING_RECORD, Layout
-from lmgeo.params import Params
+from lmgeo.driver.layout import KNOB_RECORDS, LOCALITY_SWEEP, PROVENANCE, SWEEP_RECORD, TUNING_RECORD, Layout
+from lmgeo.params import RESULT_SECTIONS, Params
 
 # Small files whose content identifies the inputs (dvc.lock's own checksum would be the one of the lock before
 # this report: its report stage still records the previous report's outputs).
 CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
-# The provenance as data: `tests/test_committed_results.py` checks the committed one against HEAD.
-PROVENANCE = "provenance.json"
-# The params sections whose hash the provenance records: what decides the results.
-RESULT_SECTIONS = ("prepare", "train", "analysis", "report")
 # The first paragraph of the report's summary, which `lmgeo findings` copies into README's findings block.
 IN_SHORT = re.compile(r"^\*\*In short\.\*\* (.+)$", re.MULTILINE)
 
@@ -156,7 +152,7 @@ def write_findings(layout: Layout, readme: Path) -> bool:
     from lmgeo.core.errors import InputError
     from lmgeo.core.store import atomic_write
     from lmgeo.params import default_study
-    from lmgeo.results.report import findings_in, with_findings
+    from lmgeo.results.report import FINDINGS_END, FINDINGS_START, findings_block, with_findings
 
     recorded = layout.reports / PROVENANCE
     params_hash = json.loads(recorded.read_text()).get("params_hash") if recorded.is_file() else None
@@ -167,9 +163,17 @@ def write_findings(layout: Layout, readme: Path) -> bool:
             f"default study's ({expected}); README's findings state what the default study finds: restore "
             "params.yaml (`git checkout params.yaml`) and `dvc repro` first"
         )
+    if readme.is_symlink():  # a write would replace the link by a file, and the file it leads to keeps the old block
+        raise InputError(
+            f"{readme}: a symlink (to {readme.resolve()}), not the README file; replace the link with the file itself "
+            f"and re-run `lmgeo findings --write {readme}`"
+        )
     text = readme.read_text() if readme.is_file() else ""
-    if findings_in(text) is None:
-        raise InputError(f"{readme}: no findings block (<!-- findings:start --> … <!-- findings:end -->) to write")
+    if findings_block(text) is None:
+        raise InputError(
+            f"{readme}: not exactly one findings block (a line `{FINDINGS_START}`, then a line `{FINDINGS_END}`, "
+            f"each marker alone on its line); fix it by hand and re-run `lmgeo findings --write {readme}`"
+        )
     updated = with_findings(text, findings(layout))
     if updated != text:
         atomic_write(readme, updated)
