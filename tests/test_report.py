@@ -33,7 +33,7 @@ from test_aggregate import (
 from lmgeo.driver.layout import Layout
 from lmgeo.params import Params
 from lmgeo.results.aggregate import aggregate
-from lmgeo.results.common import NARROW, axis_labels, markdown_table, num
+from lmgeo.results.common import FOLD_ROWS, NARROW, axis_labels, markdown_table, num
 from lmgeo.results.headline import HEADLINE
 from lmgeo.results.html import to_html
 from lmgeo.results.report import FINDINGS_END, FINDINGS_START, Rendered, findings_in, render_report, with_findings
@@ -53,7 +53,7 @@ from lmgeo.results.study_a.claims import (
 )
 from lmgeo.results.study_b import figures as fig_b
 from lmgeo.results.study_b import report as study_b_report
-from lmgeo.stages.report import collect_provenance
+from lmgeo.stages.report import IN_SHORT, collect_provenance
 
 PROVENANCE = {
     "git": {"revision": "0123abc", "uncommitted_changes": False},
@@ -84,11 +84,14 @@ TUNING = {
 }
 
 
-def render(tmp_path: Path, write_data, tuning: dict | None = None) -> tuple[str, Path, Rendered]:
+def render(
+    tmp_path: Path, write_data, tuning: dict | None = None, params: Params | None = None
+) -> tuple[str, Path, Rendered]:
     write_data(tmp_path / "data")
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY, DEFAULT.analysis)
     out = tmp_path / "reports" / "report.md"
-    rendered = render_report(tmp_path / "reports" / "tables", out, tmp_path / "reports" / "figures", PROVENANCE, tuning)
+    figures = tmp_path / "reports" / "figures"
+    rendered = render_report(tmp_path / "reports" / "tables", out, figures, PROVENANCE, tuning, params=params)
     return out.read_text(), out, rendered
 
 
@@ -110,7 +113,7 @@ def section(text: str, heading: str) -> str:
 # ------------------------------------------------------------------------ the default study's shape
 @pytest.fixture(scope="module")
 def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Rendered]:
-    return render(tmp_path_factory.mktemp("default"), write_default_shape_study)
+    return render(tmp_path_factory.mktemp("default"), write_default_shape_study, params=DEFAULT)
 
 
 def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
@@ -127,6 +130,126 @@ def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -
     provenance = section(text, "## Provenance")
     assert "revision `0123abc`" in provenance and "`feedbeef`" in provenance
     assert "0123abc" not in text.split("## Provenance")[0]  # provenance last, nowhere before
+
+
+FIRST_SCREEN = 12  # lines of report.md: the title, the contents, the heading, what was run and the answer
+
+
+def test_the_first_screen_says_what_was_run_and_gives_the_answer_as_a_list(default_study) -> None:
+    """Issue 57: what was run, from the params, then the answer as a short list in plain words, before any
+    detail; `lmgeo findings` copies the line and the list (`IN_SHORT`) for README."""
+    text, _, rendered = default_study
+    first = text.splitlines()[:FIRST_SCREEN]
+    (ran,) = [line for line in first if line.startswith("**What was run.** ")]
+    train, analysis = DEFAULT.train, DEFAULT.analysis
+    archs = sorted({*DEFAULT_ARCHS, *DEFAULT_TRAIN_ARCHS})
+    assert ran.startswith(f"**What was run.** {['One', 'Two', 'Three', 'Four'][len(archs) - 1]} ")
+    assert f" {train.model.n_layers}-block models of width {train.model.d_model} (" in ran, ran
+    assert all(f"`{arch}`" in ran for arch in archs) and "Shakespeare" in ran, ran
+    assert f"{DEFAULT.prepare.tokenizer.vocab_size:,}-token BPE vocabulary" in ran, ran
+    assert f"{train.steps} steps × batch {train.batch_size}" in ran, ran
+    assert f"{train.other_archs.steps} steps × batch {train.other_archs.batch_size}" in ran, ran
+    study_b, study_a = ran.split(" Study B: ")[1].split(" Study A: ")
+    assert all(f"`{recipe}`" in study_b for recipe in DEFAULT_RECIPES), study_b
+    seeds = sorted(train.seeds)
+    assert f"seeds {seeds[0]}–{seeds[-1]}." in study_b, study_b  # the seeds every recipe ran
+    assert f"k = {analysis.k} " in study_a and all(f"`{c}`" in study_a for c in analysis.classes), study_a
+    assert len(ran) < 800  # two lines at 1,400 px, not a paragraph
+
+    start = first.index(f"**In short.** {rendered.findings.splitlines()[0]}")
+    items = rendered.findings.splitlines()[1:]
+    assert first[start + 1 : start + 1 + len(items)] == items and len(items) >= 2, first
+    assert all(item.startswith(("- Study A: ", "- Study B (")) for item in items), items
+    for item in items:  # plain words, few numbers
+        assert len(item) < 240 and len(re.findall(r"\d+(?:\.\d+)?", item)) <= 2, item
+    assert any("Study A" in item for item in items) and any("Study B" in item for item in items)
+    # what `lmgeo findings` copies for README: the line and its list, as the report shows them
+    assert IN_SHORT.search(text)[1] == rendered.findings
+    assert f"**In short.** {findings_in(with_findings(README_BLOCK, rendered.findings))}\n" in text
+
+
+README_BLOCK = f"# x\n\n{FINDINGS_START}\nold\n{FINDINGS_END}\n"
+
+
+def test_what_was_run_is_read_from_the_params(default_study) -> None:
+    """Another width, vocabulary and k say so: the line is built from the params, not written in."""
+    from lmgeo.results.report import what_was_run
+
+    _, out, _ = default_study
+    tables = {
+        name: pq.read_table(out.parent / "tables" / f"{name}.parquet").to_pylist() for name in ("runs", "recipes")
+    }
+    claims = summarise(pq.read_table(out.parent / "tables" / "claim_tests.parquet").to_pylist())
+    model = DEFAULT.train.model.model_copy(update={"d_model": 96, "n_layers": 6})
+    prepare = DEFAULT.prepare.model_copy(
+        update={"tokenizer": DEFAULT.prepare.tokenizer.model_copy(update={"vocab_size": 512})}
+    )
+    other = DEFAULT.model_copy(
+        update={
+            "train": DEFAULT.train.model_copy(update={"model": model}),
+            "analysis": DEFAULT.analysis.model_copy(update={"k": 40}),
+            "prepare": prepare,
+        }
+    )
+    ran = what_was_run(tables, claims, other)
+    assert "6-block models of width 96" in ran and "a 512-token BPE vocabulary" in ran and "k = 40 " in ran, ran
+    assert what_was_run({"runs": [], "recipes": []}, [], DEFAULT) == ""
+
+
+def markdown_tables(text: str) -> list[tuple[int, int]]:
+    """(first line, body rows) of each Markdown table in `text`."""
+    found, lines = [], text.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("|") and i + 1 < len(lines) and lines[i + 1].startswith("|---"):
+            j = i + 2
+            while j < len(lines) and lines[j].startswith("|"):
+                j += 1
+            found.append((i, j - i - 2))
+            i = j
+        else:
+            i += 1
+    return found
+
+
+def test_long_tables_are_folded_with_a_line_saying_what_they_are(default_study) -> None:
+    """Issue 57: a table of more than `FOLD_ROWS` rows is closed (`<details>`, with a summary line), in
+    report.md as GitHub renders it and in report.html; shorter ones are shown."""
+    text, out, _ = default_study
+    lines = text.splitlines()
+    tables = markdown_tables(text)
+    folded = [(start, rows) for start, rows in tables if rows > FOLD_ROWS]
+    assert len(folded) >= 2 and len(folded) < len(tables), tables  # the per-run and the per-model tables at least
+    for start, rows in tables:
+        opening = lines[start - 3 : start]
+        if rows > FOLD_ROWS:
+            assert opening[0] == "<details>" and opening[2] == "", opening
+            summary = re.fullmatch(rf"<summary>([^<>]{{10,}}) \({rows} rows\)</summary>", opening[1])
+            assert summary and not summary[1].startswith("The table of"), opening  # says what the table is
+            assert lines[start + rows + 2 : start + rows + 4] == ["", "</details>"], lines[start + rows + 2]
+        else:
+            assert "<details>" not in opening, opening
+    page = out.with_suffix(".html").read_text()
+    assert page.count("<details>\n<summary>") == page.count("</details>") == len(folded)
+    assert "&lt;details&gt;" not in page and "&lt;summary&gt;" not in page
+
+
+def test_the_page_passes_only_the_folds_as_html_and_keeps_names_whole(tmp_path: Path) -> None:
+    """Raw HTML other than a fold is shown as text; a short code span never wraps inside a name (issue 57: at
+    1,400 px `hilbert_equi` broke after `hilbert_equ`), a long one wraps at its spaces and after `/`."""
+    long = markdown_table(["n"], [[i] for i in range(FOLD_ROWS + 1)], "Numbers")
+    short = markdown_table(["n"], [[i] for i in range(FOLD_ROWS)], "Numbers")
+    assert long.startswith("<details>\n<summary>Numbers (13 rows)</summary>\n\n| n |") and short.startswith("| n |")
+    code = "`hilbert_equi` and `a/very/long/path/to/a/file/that/goes/on.parquet`"
+    md = f"<b>bold</b> and <i>x</i>\n\n<script>alert(1)</script>\n\n{long}\n{code}\n"
+    page = to_html(md, tmp_path, "t")
+    assert "<b>" not in page and "&lt;b&gt;bold&lt;/b&gt;" in page and "<script>" not in page
+    assert "<details>\n<summary>Numbers (13 rows)</summary>" in page and "</details>" in page
+    assert "<code>hilbert_equi</code>" in page
+    assert '<code class="long">a/<wbr>very/<wbr>long/' in page
+    style = page.split("<style>")[1].split("</style>")[0]
+    assert "overflow-wrap: anywhere" not in style
+    assert re.search(r"(?m)^code \{[^}]*white-space: nowrap", style), style
 
 
 CLAIM_ROW = r"\| [^|`]+ \(`(\w+)`; paper: "  # a detail table's row: the claim's label, then its name
@@ -157,8 +280,9 @@ def test_the_summary_states_each_claim_per_architecture_and_each_recipe_against_
 def test_the_summary_reads_words_then_the_heat_map_then_the_numbers(default_study) -> None:
     text, _, rendered = default_study
     summary = section(text, "## Summary")
-    assert summary.startswith(f"\n**In short.** {rendered.findings}\n")
-    assert "Study A, on the small models trained here (" in rendered.findings
+    assert f"\n**In short.** {rendered.findings}\n\n**The numbers.** Study A, on the small models trained here (" in (
+        summary
+    )
     paper = [claim for claim in CLAIMS if claim.source == "paper"]
     for claim in paper:  # a sentence per claim of the paper, naming every architecture with its verdict
         sentence = next(line for line in summary.splitlines() if line.startswith(f"- {claim.plain} ("))
@@ -562,11 +686,14 @@ def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     assert "Study A (the paper's claims)**: not measured: no claim could be tested (no null samples" in summary
     # Each with its effect: hilbert's paired Δ as in the table; one seed: adamw 3.45 − 3.05, hilbert_equi 2.60 − 3.05
     assert rendered.findings == (
-        "Study B in plain words (gpt2): `hilbert` trains a better model than `muon`'s head does. "
-        "Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head recipes reach a "
-        "lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) cannot be told "
-        "apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI)."
+        "What the two studies find:\n- Study B (gpt2): `hilbert` trains a better model than `muon`'s head does."
     )
+    assert (
+        "**The numbers.** Study B (gpt2): at their own tuned step sizes, 1 (`hilbert` Δ -0.55 [-0.7, -0.4]) of 3 head "
+        "recipes reach a lower test loss than `muon`, none a higher one, and 2 (`adamw` Δ 0.4, `hilbert_equi` Δ -0.45) "
+        "cannot be told apart from it with these seeds (Δ: test loss − `muon`'s on the same seeds, nats, 95% CI).\n"
+    ) in summary
+    assert "**What was run.**" not in summary  # no params given: nothing to say what was run from
     protocol = section(text, "### Protocol")
     assert "gpt2: seeds 0 for 4 recipes, seeds 0, 1, 2 for `hilbert` and `muon`." in protocol
     assert "the matched-budget sweep at the end" in protocol

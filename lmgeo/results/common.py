@@ -58,10 +58,27 @@ def interval(mean: Any, low: Any, high: Any, digits: int = 3) -> str:
     return f"{num(mean, digits)} [{num(low, digits)}, {num(high, digits)}]"
 
 
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+FOLD_ROWS = 12  # a table of more rows than this is folded (`<details>`): the report reads in a minute
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]], what: str | None = None) -> str:
+    """The rows as a Markdown table; one of more than `FOLD_ROWS` rows folded into a `<details>` block (GitHub
+    and `html.to_html` render it closed) whose summary line says what it is: `what` (plain text), or its
+    columns."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(v if isinstance(v, str) else num(v) for v in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n"
+    if len(rows) <= FOLD_ROWS:
+        return table
+    shown = what or "The table of " + ", ".join(h.replace("`", "") for h in header)
+    return f"{fold_summary(shown, len(rows))}\n\n{table}\n</details>\n"
+
+
+def fold_summary(what: str, rows: int) -> str:
+    """The opening of a folded table: `<details>` and its summary line, `what` escaped as HTML."""
+    import html
+
+    return f"<details>\n<summary>{html.escape(what, quote=False)} ({rows} rows)</summary>"
 
 
 def median(values: Sequence[float | None]) -> float | None:

@@ -28,7 +28,10 @@ table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.85em; display: 
 th, td { border: 1px solid #ccc; padding: 0.25em 0.5em; vertical-align: top; }
 th { background: #f3f3f3; }
 img { max-width: 100%; height: auto; }
-code { background: #f5f5f5; padding: 0 0.2em; overflow-wrap: anywhere; }
+code { background: #f5f5f5; padding: 0 0.2em; white-space: nowrap; }
+code.long { white-space: normal; overflow-wrap: break-word; }
+details { margin: 0.8em 0; }
+summary { cursor: pointer; color: #333; }
 @media (max-width: 700px) { body { margin: 0.5em auto; padding: 0 0.5em; } }
 """
 MIME = {".png": "image/png", ".svg": "image/svg+xml", ".jpg": "image/jpeg", ".jpeg": "image/jpeg"}
@@ -49,8 +52,11 @@ def heading_anchor(text: str, taken: set[str]) -> str:
 def to_html(markdown: str, base: Path, title: str) -> str:
     """`markdown` as a complete page; image paths are read relative to `base` and embedded (a missing image
     is an error: the page would show a broken figure)."""
-    md = MarkdownIt("commonmark", {"html": False}).enable("table")
+    md = MarkdownIt("commonmark", {"html": True}).enable("table")
     md.add_render_rule("image", _picture)
+    md.add_render_rule("html_block", _only_folds)
+    md.add_render_rule("html_inline", _only_folds)
+    md.add_render_rule("code_inline", _code)
     tokens = md.parse(markdown)
     taken: set[str] = set()
     for i, token in enumerate(tokens):
@@ -62,6 +68,32 @@ def to_html(markdown: str, base: Path, title: str) -> str:
     body = md.renderer.render(tokens, md.options, {})
     head = f'<meta charset="utf-8">\n{VIEWPORT}\n<title>{html.escape(title)}</title>\n<style>{STYLE}</style>'
     return f'<!DOCTYPE html>\n<html lang="en">\n<head>\n{head}\n</head>\n<body>\n{body}</body>\n</html>\n'
+
+
+# The only raw HTML the report passes through: a folded table's `<details>`, its `<summary>` line, and its end
+# (`common.markdown_table`); any other is shown as text, as with raw HTML off.
+_FOLD = re.compile(r"\A(?:<details>\n<summary>[^<>]*</summary>|</details>)\n?\Z")
+
+
+def _only_folds(renderer: RendererHTML, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+    content = tokens[idx].content
+    if _FOLD.match(content):
+        return content
+    escaped = html.escape(content, quote=False)
+    return f"<p>{escaped}</p>\n" if tokens[idx].type == "html_block" else escaped
+
+
+SHORT_CODE = 32  # characters: a code span up to this long never wraps (about a third of a phone's width)
+
+
+def _code(renderer: RendererHTML, tokens: list[Token], idx: int, options: Any, env: Any) -> str:
+    """A code span: a short one on one line (a name is never broken inside); a long one (a command, a query, a
+    path) wraps, at its spaces, and in a path after `/`, `,` or `=`."""
+    content = tokens[idx].content
+    if len(content) <= SHORT_CODE:
+        return f"<code>{html.escape(content)}</code>"
+    broken = "<wbr>".join(html.escape(part) for part in re.split(r"(?<=[/,=])", content))
+    return f'<code class="long">{broken}</code>'
 
 
 def _embed(image: Token, path: Path) -> None:

@@ -19,7 +19,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lmgeo.core.contracts import RESULT_TABLES, read_result_tables
 from lmgeo.core.paths import contained, writable
@@ -32,6 +32,9 @@ from lmgeo.results.study_a.claims import ClaimSummary, summarise
 from lmgeo.results.study_b import report as study_b
 from lmgeo.results.study_b.record import SweepRecord
 from lmgeo.study_b.baseline import baseline
+
+if TYPE_CHECKING:
+    from lmgeo.params import Params
 
 
 @dataclass(frozen=True)
@@ -58,12 +61,14 @@ def render_report(
     sweep: SweepRecord | None = None,
     locality: Sequence[dict[str, Any]] = (),
     knob_records: Sequence[study_b.KnobRecord] = (),
+    params: Params | None = None,
 ) -> Rendered:
     """Write ``out_md``, ``out_md`` with suffix ``.html`` and the figures (module docstring); `step_times`
     (run → median seconds per step) is telemetry, shown where given; `sweep`, the committed record of the
     matched-budget sweep, is what Study B cites when the study does not run the sweep itself; `locality`, the
     committed claim tests of the locality sweep (`study_a.report.read_locality_sweep`), is cited where given;
-    `knob_records`, knobs tuned alone beside `tuning` (path, record), are stated where `tuning` lacks them."""
+    `knob_records`, knobs tuned alone beside `tuning` (path, record), are stated where `tuning` lacks them;
+    `params`, the study's, say what was run (the summary's first line; left out without them)."""
     found = read_result_tables(tables_dir) if tables_dir.is_dir() else {}
     tables = {name: found[name].to_pylist() if name in found else [] for name in RESULT_TABLES}
     link_prefix = Path(os.path.relpath(writable(figures_dir), out_md.parent))
@@ -75,7 +80,7 @@ def render_report(
     claims = summarise(tables["claim_tests"])
     sweep_tables = study_b.sweep_source(tables, sweep)
     sections = [
-        _summary(tables, claims, figures, sweep_tables),
+        _summary(tables, claims, figures, sweep_tables, params),
         study_b.section(tables, figures, tuning, sweep_tables, knob_records),
         study_a.section(tables, claims, figures, locality),
         study_b.appendix(tables, step_times or {}),
@@ -117,12 +122,18 @@ def _contents(title: str, sections: list[str]) -> str:
 
 
 # ----------------------------------------------------------------------------------------- summary
-def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep: study_b.SweepTables) -> str:
-    """The answer first: the findings in a few sentences, then per study its statements in words, its
-    figure, and the numbers."""
+def _summary(
+    tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep: study_b.SweepTables, params: Params | None
+) -> str:
+    """The answer first: what was run in a line or two, the findings as a short list in plain words, then the
+    findings' numbers, then per study its statements in words, its figure, and the numbers."""
     out = ["## Summary\n"]
+    if params is not None and (ran := what_was_run(tables, claims, params)):
+        out.append(f"**What was run.** {ran}\n")
     if found := findings(tables, claims):
         out.append(f"**In short.** {found}\n")
+    if numbers := " ".join(s for s in (study_a.finding(claims), study_b.finding(_compared(tables))) if s):
+        out.append(f"**The numbers.** {numbers}\n")
     out.append("### The paper's claims, per architecture (Study A)\n")
     out.append(
         study_a.claims_summary(claims, tables["geometry"], tables["claim_tests"], figures, tables["paper_values"])
@@ -133,12 +144,83 @@ def _summary(tables: Tables, claims: list[ClaimSummary], figures: Figures, sweep
 
 
 def findings(tables: Tables, claims: list[ClaimSummary]) -> str:
-    """What the study finds: first what each study means in plain words, then a sentence per study (and per
-    architecture compared in Study B) with the numbers: the summary's first paragraph and README's findings
-    block (`with_findings`)."""
-    recipes = study_b.runs_of_kind(tables["recipes"])
-    sentences = [study_a.meaning(claims), study_b.meaning(recipes), study_a.finding(claims), study_b.finding(recipes)]
-    return " ".join(s for s in sentences if s)
+    """What the study finds, in plain words and few numbers: a line, then a list item per finding (Study A's,
+    then Study B's per architecture compared); the summary's "In short" and README's findings block
+    (`with_findings`; `lmgeo.stages.report.IN_SHORT` reads the line and the list). Empty when nothing was
+    measured."""
+    items = [f"Study A: {clause}." for clause in study_a.meanings(claims)]
+    items += [f"Study B ({arch}): {clause}." for arch, clause in study_b.meanings(_compared(tables))]
+    return "\n".join(["What the two studies find:", *(f"- {item}" for item in items)]) if items else ""
+
+
+def _compared(tables: Tables) -> list[dict[str, Any]]:
+    return study_b.runs_of_kind(tables["recipes"])
+
+
+NUMBER_WORDS = ("no", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten")
+
+
+def what_was_run(tables: Tables, claims: list[ClaimSummary], params: Params) -> str:
+    """What was run, in a line or two: the models (families, blocks, width, vocabulary, corpus), then per study
+    what it varied: Study B's head recipes and seeds (as its tables have them), Study A's architectures, their
+    training (steps × batch), seeds, fit classes and k. From `params` and the tables; empty when neither study
+    has results."""
+    train, analysis, prepare = params.train, params.analysis, params.prepare
+    muon = baseline().name
+    compared = sorted({r["arch"] for r in _compared(tables) if r["recipe"] != muon})
+    runs = study_b.runs_of_kind(tables["runs"])
+    studied = sorted({c.subject.removesuffix("@final") for c in claims if c.subject.endswith("@final")})
+    families = sorted({*compared, *studied})
+    if not families and not claims:
+        return ""
+    tokenizer = prepare.tokenizer
+    vocabulary = f"a {tokenizer.vocab_size:,}-token BPE" if tokenizer.kind == "bpe" else f"the `{tokenizer.kind}`"
+    corpus = prepare.corpus.source.capitalize() if prepare.corpus.source == "shakespeare" else "its corpus"
+    count = NUMBER_WORDS[len(families)] if len(families) < len(NUMBER_WORDS) else str(len(families))
+    model = train.model
+    out = []
+    if families:
+        out.append(
+            f"{count.capitalize()} {model.n_layers}-block model{'s' if len(families) != 1 else ''} of width "
+            f"{model.d_model} ({', '.join(f'`{f}`' for f in families)}), {vocabulary} vocabulary, trained on "
+            f"{corpus} ({prepare.seq_len}-token sequences)."
+        )
+
+    def length(arch: str) -> str:
+        other = train.other_archs if train.other_archs and arch not in train.archs else None
+        return f"{(other or train).steps} steps × batch {(other or train).batch_size}"
+
+    for arch in compared:
+        recipes = [r["recipe"] for r in _compared(tables) if r["arch"] == arch]
+        per_recipe = [{r["seed"] for r in runs if r["arch"] == arch and r["recipe"] == name} for name in recipes]
+        seeds = sorted(set.intersection(*per_recipe)) if per_recipe else []  # the seeds every recipe ran
+        out.append(
+            f"Study B: `{arch}` for {length(arch)} with each of {len(recipes)} head optimizers "
+            f"({', '.join(f'`{r}`' for r in recipes)}), seeds {_seeds(seeds)}."
+        )
+    if studied:
+        chosen = analysis.runs
+        recipes = (chosen.recipes if chosen else None) or train.recipes
+        seeds = (chosen.seeds if chosen else None) or train.seeds
+        by_length: dict[str, list[str]] = {}
+        for arch in studied:
+            by_length.setdefault(length(arch), []).append(f"`{arch}`")
+        trained = " and ".join(f"{', '.join(archs)} ({steps})" for steps, archs in by_length.items())
+        out.append(
+            f"Study A: {' and '.join(f'`{r}`' for r in recipes)}-trained {trained}, seeds {_seeds(seeds)}; each "
+            f"layer's update at {' and '.join(f'`{c}`' for c in analysis.checkpoints)} fitted on its "
+            f"k = {analysis.k} nearest tokens by {len(analysis.classes)} map classes "
+            f"({', '.join(f'`{c}`' for c in analysis.classes)})."
+        )
+    return " ".join(out)
+
+
+def _seeds(seeds: Sequence[int]) -> str:
+    """Seeds as a range where they are consecutive (`0–4`), else listed."""
+    seeds = sorted(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[-1] + 1)):
+        return f"{seeds[0]}–{seeds[-1]}"
+    return ", ".join(map(str, seeds))
 
 
 FINDINGS_START, FINDINGS_END = "<!-- findings:start -->", "<!-- findings:end -->"
@@ -191,7 +273,9 @@ def _headline_metrics(tables: Tables) -> str:
         "(`reports/metrics.json`; short, so that a row fits a 200-column terminal); the tables above hold "
         "the intervals and the detail. A verdict score is +1 supported, 0 inconclusive, −½ not supported, −1 "
         "contradicted, averaged over the paper's classes, then over the trained architectures (`@final`) and "
-        "the external models.\n\n" + markdown_table(["name", "value", "what it is"], rows) + "\n"
+        "the external models.\n\n"
+        + markdown_table(["name", "value", "what it is"], rows, "Each metric, its value and what it is")
+        + "\n"
     )
 
 

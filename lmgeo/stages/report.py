@@ -14,8 +14,9 @@ from lmgeo.params import RESULT_SECTIONS, Params
 # Small files whose content identifies the inputs (dvc.lock's own checksum would be the one of the lock before
 # this report: its report stage still records the previous report's outputs).
 CHECKSUMMED = ("params.yaml", "data/tokens/meta.json")
-# The first paragraph of the report's summary, which `lmgeo findings` copies into README's findings block.
-IN_SHORT = re.compile(r"^\*\*In short\.\*\* (.+)$", re.MULTILINE)
+# The report summary's "In short" (its line, then its list), which `lmgeo findings` copies into README's findings
+# block.
+IN_SHORT = re.compile(r"^\*\*In short\.\*\* (.+(?:\n- .+)*)$", re.MULTILINE)
 
 
 def collect_provenance(layout: Layout, params: Params) -> dict[str, Any]:
@@ -125,6 +126,7 @@ def run(params: Params, ray_address: str | None = None) -> None:
         read_record(layout.root / SWEEP_RECORD),
         read_locality_sweep(layout.root / LOCALITY_SWEEP),
         knob_records(layout),
+        params,
     )
     atomic_write(layout.reports / PROVENANCE, json.dumps(provenance, indent=1, sort_keys=True) + "\n")
     print(
@@ -135,7 +137,7 @@ def run(params: Params, ray_address: str | None = None) -> None:
 
 
 def findings(layout: Layout) -> str:
-    """What the study in `reports/` finds: the first paragraph of its report's summary."""
+    """What the study in `reports/` finds: its report summary's "In short" (`IN_SHORT`)."""
     from lmgeo.core.errors import InputError
 
     report = layout.reports / "report.md"

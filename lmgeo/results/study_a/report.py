@@ -156,6 +156,16 @@ def meaning(claims: list[ClaimSummary]) -> str | None:
     """Study A in plain words: does a layer's update follow a tokenwise map fitted on nearby tokens (the paper's
     first claim), and is what that map misses the residual the paper describes (its other claims)? "Supported"
     as the headline reads it: by every voting class."""
+    parts = meanings(claims)
+    if not parts:
+        return None
+    along = parts[0].startswith("a layer's update follows")
+    joined = f", {'but' if along and parts[-1].startswith('none of') else 'and'} ".join(parts)
+    return f"Study A in plain words: on these small models {joined}."
+
+
+def meanings(claims: list[ClaimSummary]) -> list[str]:
+    """`meaning`'s findings, one clause each (lower case, no full stop): the report's list."""
     trained = [c for c in claims if c.subject.endswith("@final") and CLAIMS_BY_NAME[c.claim].source == "paper"]
     along = sorted(c.subject.removesuffix("@final") for c in trained if c.claim == TOKENWISE and c.verdict == SUPPORTED)
     about_rest = list(dict.fromkeys(c.claim for c in trained if c.claim != TOKENWISE))
@@ -178,10 +188,7 @@ def meaning(claims: list[ClaimSummary]) -> str | None:
         parts.append(
             f"none of the paper's {len(about_rest)} claims about what that map misses is supported on any architecture"
         )
-    if not parts:
-        return None
-    joined = f", {'but' if along and not held else 'and'} ".join(parts)
-    return f"Study A in plain words: on these small models {joined}."
+    return parts
 
 
 def _effects(trained: list[ClaimSummary], names: list[str]) -> str:
@@ -483,7 +490,7 @@ def _models_table(pooled: list[Row], geometry: list[Row]) -> str:
     header = ["model", "layers", "distinct inputs", "k", "kept", "excluded non-finite"]
     return (
         "### Models\n\n"
-        + markdown_table(header, rows)
+        + markdown_table(header, rows, "Per model: its layers, distinct inputs, k, anchors kept, exclusions")
         + "\n"
         + note
         + _ill_posed(real)

@@ -202,6 +202,12 @@ def finding(recipes: list[Row]) -> str | None:
 def meaning(recipes: list[Row]) -> str | None:
     """Study B in plain words, per architecture compared: do the head steps built for the Hilbert geometry (the
     recipes with a trust region in nats) train a better model than the reference's head, or a worse one?"""
+    found = meanings(recipes)
+    return " ".join(f"Study B in plain words ({arch}): {text}." for arch, text in found) or None
+
+
+def meanings(recipes: list[Row]) -> list[tuple[str, str]]:
+    """`meaning`'s finding per architecture compared: (arch, the clause, lower case, no full stop)."""
     reference = baseline().name
     sentences = []
     for arch in sorted({r["arch"] for r in recipes if r["diff_vs_muon"] is not None}):
@@ -221,8 +227,8 @@ def meaning(recipes: list[Row]) -> str | None:
         ]
         if worse:
             parts.append(f"{_names(worse)} {_trains(worse)} a worse one")
-        sentences.append(f"Study B in plain words ({arch}): {', and '.join(parts)}.")
-    return " ".join(sentences) or None
+        sentences.append((arch, ", and ".join(parts)))
+    return sentences
 
 
 def _names(rows: list[Row]) -> str:
@@ -865,4 +871,4 @@ def appendix(tables: Tables, step_times: dict[str, float]) -> str:
     sweep = len(runs_of_kind(tables["runs"], True))
     query = '`lmgeo query "SELECT * FROM runs WHERE matched"`'
     more = f"\nThe matched-budget sweep's {sweep} runs: {query}.\n" if sweep else ""
-    return "## Appendix: per run\n\n" + markdown_table(header, rows) + more
+    return "## Appendix: per run\n\n" + markdown_table(header, rows, "Per run: its losses and head step sizes") + more
