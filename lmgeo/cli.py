@@ -120,8 +120,12 @@ def _run_stage(
     stage: str, params_path: Path, ray_address: str | None, module_name: str | None = None, **options: Any
 ) -> None:
     """Validate params, then hand over to `lmgeo.stages.<stage>.run` (or `module_name`'s `run`: `lmgeo tune`, a tool
-    that fans out over Ray as a stage does); bad input exits with code 2."""
-    _run_module(module_name or f"lmgeo.stages.{stage}", _load(params_path), ray_address, **options)
+    that fans out over Ray as a stage does) in the workspace here; bad input exits with code 2."""
+    from lmgeo.driver.layout import Layout
+
+    _run_module(
+        module_name or f"lmgeo.stages.{stage}", _load(params_path), ray_address, layout=Layout.here(), **options
+    )
 
 
 def _run_module(module_name: str, params: Params, ray_address: str | None, **options: Any) -> None:

@@ -31,6 +31,7 @@ from lmgeo.study_b.config import TrainConfig
 from lmgeo.text.config import PrepareConfig
 
 if TYPE_CHECKING:
+    from lmgeo.core.contracts import RunSpec
     from lmgeo.core.registry import Registry
 
 KeyPath = tuple[str | int, ...]
@@ -96,22 +97,22 @@ class Params(Section):
             )
         return self
 
-    def analysed_runs(self) -> list[str]:
+    def analysed_runs(self) -> list[RunSpec]:
         """The runs Study A analyses: the grid `analysis.runs` names (train's values where it names none; none
         when `analysis.runs` is null)."""
-        from lmgeo.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
+        from lmgeo.core.contracts import RunSpec  # pyarrow: not for `lmgeo --help`
 
         chosen, grid = self.analysis.runs, self.train
         if chosen is None:
             return []
         return [
-            run_id(arch, recipe, seed)
+            RunSpec(arch, recipe, seed)
             for arch in chosen.archs or grid.archs
             for recipe in chosen.recipes or grid.recipes
             for seed in chosen.seeds or grid.seeds
         ]
 
-    def trained_runs(self) -> list[str]:
+    def trained_runs(self) -> list[RunSpec]:
         """The runs only Study A analyses (trained with the same settings, so that Study A can cover
         architectures the optimizer comparison leaves out), then Study B's grid. Study A's runs go first
         because they include the slowest (Mamba's scan): started last, one of them would run alone at the

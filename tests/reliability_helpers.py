@@ -39,10 +39,11 @@ STAGE_TIMEOUT_S = 300
 # that Ray starts once per pipeline instead of once per stage.
 _PIPELINE = (
     "import importlib, sys\n"
+    "from lmgeo.driver.layout import Layout\n"
     "from lmgeo.params import load_params\n"
     "params = load_params('params.yaml')\n"
     "for stage in sys.argv[1:]:\n"
-    "    importlib.import_module(f'lmgeo.stages.{stage}').run(params)\n"
+    "    importlib.import_module(f'lmgeo.stages.{stage}').run(params, Layout.here())\n"
 )
 
 

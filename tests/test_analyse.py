@@ -327,3 +327,26 @@ def test_a_model_too_wide_for_k_is_refused_before_extraction_naming_the_option(t
     message = _refusal(tmp_path, save_model(tmp_path / "wide", width=64), **{"analysis.k": "20"})
     assert "analysis.k (20)" in message and "d = 64" in message and "`lmgeo analyse --k`" in message, message
     assert os.listdir(tmp_path) == ["wide"]
+
+
+def test_a_stage_works_in_the_layout_it_is_given_and_analyse_never_changes_the_cwd(tmp_path, monkeypatch):
+    """A stage's workspace is its `layout` argument, not the working directory: `prepare`, run from another folder,
+    writes its tokens and tokenizer into the layout and nothing where it runs. So `lmgeo analyse` runs the stages
+    in its `--out` folder without changing the cwd (which would also change it for the process's other threads):
+    a `chdir` fails this test, as it would in analyse's refusal before any stage."""
+    from lmgeo.driver.layout import Layout
+    from lmgeo.stages import prepare
+
+    def no_chdir(path: object) -> None:
+        raise AssertionError(f"os.chdir({path!r})")
+
+    workspace, elsewhere = tmp_path / "workspace", tmp_path / "elsewhere"
+    workspace.mkdir()
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(os, "chdir", no_chdir)  # contextlib.chdir calls it too
+    prepare.run(apply_overrides(default_study(), TINY), Layout(workspace))
+    assert (workspace / "data" / "tokens" / "meta.json").is_file() and any((workspace / "data" / "tokenizer").iterdir())
+    assert not any(elsewhere.iterdir())
+    message = _refusal(tmp_path, save_model(tmp_path / "wide", width=64), **{"analysis.k": "20"})
+    assert "analysis.k (20)" in message, message

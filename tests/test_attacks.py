@@ -244,7 +244,7 @@ def test_2_a_weights_index_naming_a_file_outside_the_model_folder_is_refused_by_
         {"analysis.external_models": '[{"id": "./models/ext"}]', "security.allow_outside_paths": str(allowed).lower()},
     )
     with pytest.raises(ModelLoadError, match=re.escape(str(index))):
-        external.run(params)
+        external.run(params, Layout(workspace))
     assert not (workspace / "data" / "external.json").exists()
 
 

@@ -320,18 +320,19 @@ def test_transfer_is_checked_against_the_neighbours_on_the_other_arch() -> None:
 
 
 # ---------------------------------------------------------------------------------------- command
-def test_the_command_rejects_bad_input_before_any_work(tmp_path, monkeypatch) -> None:
+def test_the_command_rejects_bad_input_before_any_work(tmp_path) -> None:
     from lmgeo.commands.tune import command as tune
     from lmgeo.core.errors import InputError
+    from lmgeo.driver.layout import Layout
     from lmgeo.params import Params
 
-    monkeypatch.chdir(tmp_path)  # an empty workspace: no data/tokens
+    empty = Layout(tmp_path)  # an empty workspace: no data/tokens
     with pytest.raises(InputError, match="unknown arch 'llama'"):
-        tune.run(Params(), arch="llama")
+        tune.run(Params(), empty, arch="llama")
     with pytest.raises(InputError, match="recipes must be distinct names"):
-        tune.run(Params(), recipes=["sign", "scion"])
+        tune.run(Params(), empty, recipes=["sign", "scion"])
     with pytest.raises(InputError, match="run the prepare stage"):
-        tune.run(Params(), recipes=["sign"])
+        tune.run(Params(), empty, recipes=["sign"])
 
 
 def test_an_interrupted_sweep_resumes_from_its_finished_trials(tmp_path, monkeypatch) -> None:

@@ -9,7 +9,7 @@ Its settings are the default study's (`lmgeo/default_study.yaml`, shipped with t
 with `analysis.external_models` the model and, by default, a copy of its architecture with random weights
 (`<name>-random`, seeded by `analysis.seed`, saved in `DIR/models/`: the baseline a verdict is read against),
 and `analysis.runs` null (nothing trained); then the eval text (held-out text in the model's own tokenizer),
-`extract`, `fit` and `perturb` run there, the result tables are written as `lmgeo aggregate` writes them, and
+`extract`, `fit`, `perturb` and `aggregate` (its tables, from the fits and KLs alone) run there, and
 a report of Study A's parts (`report.md`, `report.html`, `figures/`) reads the model against its copy.
 `lmgeo query` works in `DIR` as in any workspace.
 
@@ -24,7 +24,6 @@ request returns at once.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import json
@@ -221,26 +220,27 @@ def run(
     key: str | None = None,
 ) -> Path:
     """Run Study A on `source` in the workspace `out` (module docstring); returns the report's path."""
+    from lmgeo.stages import aggregate
+
     started = time.monotonic()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     _write_marker(out, source, None)
-    with contextlib.chdir(out):
-        layout = Layout.here()
-        try:  # nothing of value exists before the first stage: a refusal leaves no folder behind
-            study, eval_note = prepare_workspace(params, source, layout, baseline)
-        except BaseException:
-            if created:
-                shutil.rmtree(layout.root, ignore_errors=True)
-            raise
-        steps = len(STAGES) + 2
-        print(f"analyse: [1/{steps}] eval text: {eval_note}", flush=True)
-        for number, stage in enumerate(STAGES, start=2):
-            print(f"analyse: [{number}/{steps}] {stage}", flush=True)
-            importlib.import_module(f"lmgeo.stages.{stage}").run(study, ray_address=ray_address)
-        print(f"analyse: [{steps}/{steps}] tables and report", flush=True)
-        write_tables(study, layout)
-        report = write_report(layout, study, source, eval_note)
+    layout = Layout(out.resolve())
+    try:  # nothing of value exists before the first stage: a refusal leaves no folder behind
+        study, eval_note = prepare_workspace(params, source, layout, baseline)
+    except BaseException:
+        if created:
+            shutil.rmtree(layout.root, ignore_errors=True)
+        raise
+    steps = len(STAGES) + 2
+    print(f"analyse: [1/{steps}] eval text: {eval_note}", flush=True)
+    for number, stage in enumerate(STAGES, start=2):
+        print(f"analyse: [{number}/{steps}] {stage}", flush=True)
+        importlib.import_module(f"lmgeo.stages.{stage}").run(study, layout, ray_address)
+    print(f"analyse: [{steps}/{steps}] tables and report", flush=True)
+    aggregate.run(study, layout, ray_address, trained=False)
+    report = write_report(layout, study, source, eval_note)
     _write_marker(out, source, key)
     print(f"analyse: wrote {out / report.name} in {time.monotonic() - started:.0f} s", flush=True)
     print(f"analyse: {one_model_caveat(baseline)}", flush=True)
@@ -353,34 +353,6 @@ def save_random_copy(source: ModelSource, dest: Path, seed: int) -> Path:
         tokenizer.save_pretrained(staged)
         (staged / record.name).write_text(json.dumps({"copy_of": source.name, "seed": seed, "made_from": made_from}))
     return dest
-
-
-def write_tables(params: Params, layout: Layout) -> None:
-    """The result tables of `lmgeo aggregate`, from the fits and KLs alone (no training logs to expect)."""
-    from lmgeo.core.config import digest
-    from lmgeo.core.store import ManifestKey, dataset_digest, lineage_of
-    from lmgeo.driver.sharded import planned_keys, versioned
-    from lmgeo.results.aggregate import aggregate, load_sources
-    from lmgeo.stages import aggregate as aggregate_stage
-
-    expected = {name: planned_keys(name, params, layout) for name in ("fit", "perturb")}
-    sources = load_sources(
-        layout.train,
-        layout.fits,
-        layout.perturb,
-        layout.models,
-        {"fits": expected["fit"], "perturb": expected["perturb"]},
-    )
-    inputs = {name: dataset_digest(root) for name, root in (("fits", layout.fits), ("perturb", layout.perturb))}
-    code = versioned(aggregate_stage.code_spec(layout), layout)[1]
-    aggregate(
-        sources,
-        layout.reports,
-        params.report,
-        ManifestKey(inputs, digest(params.report), code),
-        params.analysis,
-        lineage_of([layout.fits, layout.perturb]),
-    )
 
 
 # ----------------------------------------------------------------------------------------- the report

@@ -52,7 +52,7 @@ def analysed_models(params: Params, layout: Layout) -> list[AnalysedModel]:
     from lmgeo.core.store import manifest_path
     from lmgeo.driver.sharded import planned_keys
 
-    runs = params.analysed_runs()
+    runs = [spec.run_id for spec in params.analysed_runs()]
     planned = {run: key for run, key in planned_keys("train", params, layout).items() if run in runs}
     checkpoints = verified_files(layout.models, planned, rebuild=TRAIN)
     weights = {

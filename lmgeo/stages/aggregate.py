@@ -3,6 +3,8 @@ plots into reports/plots/*.csv."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from lmgeo.core.fingerprint import CodeSpec
 from lmgeo.driver.layout import Layout
 from lmgeo.params import Params
@@ -16,37 +18,41 @@ def code_spec(layout: Layout) -> CodeSpec:
     return stage_code("aggregate", layout, all_members([layout.root]))
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
+def run(params: Params, layout: Layout, ray_address: str | None = None, *, trained: bool = True) -> None:
+    """The tables, metrics.json and the plots' series of the study in `layout`; `trained=False` (`lmgeo analyse`,
+    where nothing is trained): the tables and metrics.json from the fits and KLs alone, with no training logs,
+    checkpoints or n-gram baselines to expect, and no plots."""
     from lmgeo.core.config import digest
     from lmgeo.core.store import ManifestKey, dataset_digest, file_sha256, lineage_of
     from lmgeo.driver.sharded import planned_keys, versioned
     from lmgeo.results.aggregate import EvaluationWindows, aggregate, load_sources
 
-    layout = Layout.here()
-    trained = planned_keys("train", params, layout)
-    expected = {
-        "steps": trained,
-        "models": trained,
-        "fits": planned_keys("fit", params, layout),
-        "perturb": planned_keys("perturb", params, layout),
-    }
-    train = params.train
-    windows = EvaluationWindows(
-        layout.tokens,
-        params.prepare.seq_len,
-        train.eval_batches * train.batch_size,
-        train.test_batches * train.batch_size,
-    )
+    expected: dict[str, dict[str, ManifestKey]] = {}
+    read = {"fits": layout.fits, "perturb": layout.perturb}
+    inputs: dict[str, str] = {}
+    decided_by: Any = params.report
+    windows = None
+    if trained:
+        runs = planned_keys("train", params, layout)
+        expected = {"steps": runs, "models": runs}
+        read = {"steps": layout.train, "models": layout.models} | read
+        inputs = {"tokens": file_sha256(layout.tokens / "meta.json")}
+        train = params.train
+        windows = EvaluationWindows(
+            layout.tokens,
+            params.prepare.seq_len,
+            train.eval_batches * train.batch_size,
+            train.test_batches * train.batch_size,
+        )
+        decided_by = {"report": params.report, "windows": [windows.seq_len, windows.val_windows, windows.test_windows]}
+    expected |= {"fits": planned_keys("fit", params, layout), "perturb": planned_keys("perturb", params, layout)}
     sources = load_sources(layout.train, layout.fits, layout.perturb, layout.models, expected, windows)
-    read = {"steps": layout.train, "models": layout.models, "fits": layout.fits, "perturb": layout.perturb}
-    inputs = {name: dataset_digest(root) for name, root in read.items()} | {
-        "tokens": file_sha256(layout.tokens / "meta.json")
-    }
-    decided_by = {"report": params.report, "windows": [windows.seq_len, windows.val_windows, windows.test_windows]}
+    inputs = {name: dataset_digest(root) for name, root in read.items()} | inputs
     key = ManifestKey(inputs, digest(decided_by), versioned(code_spec(layout), layout)[1])
     aggregate(sources, layout.reports, params.report, key, params.analysis, lineage_of(list(read.values())))
-    write_plots(layout)
-    print(f"aggregate: wrote {layout.tables}, metrics.json and {layout.plots}", flush=True)
+    if trained:
+        write_plots(layout)
+        print(f"aggregate: wrote {layout.tables}, metrics.json and {layout.plots}", flush=True)
 
 
 def write_plots(layout: Layout) -> None:

@@ -17,12 +17,11 @@ from lmgeo.driver.layout import Layout
 from lmgeo.params import Params
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     from lmgeo.core.contracts import external_table_id
     from lmgeo.core.store import atomic_write
     from lmgeo.models.weights import weights_digest
 
-    layout = Layout.here()
     models = {}
     for model in params.analysis.external_models:
         local = (layout.root / model.id).resolve()

@@ -110,8 +110,7 @@ def plan(params: Params, layout: Layout) -> Plan:
     return planned
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
-    layout = Layout.here()
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     check_external_models(params, layout)
     run_sharded_stage(
         "extract", params, ray_address, layout, plan(params, layout), [layout.activations], [layout.models]

@@ -121,6 +121,5 @@ def check_identifiable(a: AnalysisConfig, model: str, width: int) -> None:
         )
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
-    layout = Layout.here()
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     run_sharded_stage("fit", params, ray_address, layout, plan(params, layout), [layout.fits], [layout.activations])

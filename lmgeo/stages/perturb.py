@@ -106,8 +106,7 @@ def plan(params: Params, layout: Layout) -> Plan:
     return planned
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
-    layout = Layout.here()
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     run_sharded_stage(
         "perturb",
         params,

@@ -4,10 +4,9 @@ from lmgeo.driver.layout import Layout
 from lmgeo.params import Params
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     from lmgeo.text.corpus import prepare
 
-    layout = Layout.here()
     summary = prepare(
         params.prepare,
         layout.tokens,

@@ -104,12 +104,11 @@ def knob_records(layout: Layout) -> list[tuple[str, dict[str, Any]]]:
     ]
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     from lmgeo.core.errors import InputError
     from lmgeo.core.store import MANIFEST_DIR, atomic_write
     from lmgeo.results.report import render_report
 
-    layout = Layout.here()
     if not (layout.tables / MANIFEST_DIR).is_dir():  # refuse before touching the committed report
         raise InputError(f"no result tables in {layout.tables}: run `lmgeo aggregate` (or `dvc repro aggregate`) first")
     provenance = collect_provenance(layout, params)

@@ -17,6 +17,7 @@ import json
 import sys
 from typing import Any
 
+from lmgeo.core.contracts import RunSpec
 from lmgeo.core.execution import Load, Shard
 from lmgeo.core.fingerprint import CodeSpec
 from lmgeo.core.store import ManifestKey, ShardParts, file_sha256, read_folder
@@ -30,7 +31,7 @@ RUN_JSON = "run.json"
 
 
 def train_task(
-    run_id: str,
+    spec: RunSpec,
     cfg: TrainConfig,
     seq_len: int,
     params_hash: str,
@@ -42,11 +43,11 @@ def train_task(
     driver to write. Consecutive runs of one recipe and family share a task (`ray.shards_per_task`)."""
     import torch
 
-    from lmgeo.core.contracts import parse_run_id
     from lmgeo.core.progress import Progress, StepClock
     from lmgeo.core.store import write_folder
     from lmgeo.study_b.train import train_run
 
+    run_id = spec.run_id
     checkpoints, log = ShardParts(), ShardParts()
 
     def save_checkpoint(model: torch.nn.Module, name: str, info: dict) -> None:
@@ -64,7 +65,7 @@ def train_task(
         steps_progress.advance(detail=f"loss {loss:.3f}")
 
     result, steps = train_run(
-        parse_run_id(run_id),
+        spec,
         cfg,
         tokens["train"],
         tokens["val"],
@@ -121,7 +122,6 @@ def code_spec(layout: Layout, recipe: str, arch: str) -> CodeSpec:
 def plan(params: Params, layout: Layout) -> Plan:
     """One shard per run, keyed by what that run reads: the tokens, its own settings (`for_run`: not the
     grid, other recipes' step sizes or other runs' budget) and the code of its recipe and family."""
-    from lmgeo.core.contracts import parse_run_id
     from lmgeo.text.corpus import load_meta
 
     load_meta(layout.tokens)  # refuses a missing or unreadable one, naming `lmgeo prepare`
@@ -132,20 +132,19 @@ def plan(params: Params, layout: Layout) -> Plan:
     tokenizer_input = Load("tokenizer", functools.partial(read_folder, layout.tokenizer))
     measured = read_telemetry(layout)  # the longest runs of the last training here are dispatched first
     planned = []
-    for run in params.trained_runs():
-        spec = parse_run_id(run)
+    for spec in params.trained_runs():
+        run = spec.run_id
         cfg = params.train.for_run(spec)
         code = versioned(code_spec(layout, spec.recipe, spec.arch), layout)
         key = ManifestKey(tokens, stage_params("train", params, seq_len, cfg), code[1])
-        args = (run, cfg, seq_len, key.params_hash, tokens_input, tokenizer_input)
+        args = (spec, cfg, seq_len, key.params_hash, tokens_input, tokenizer_input)
         write = functools.partial(write_run, layout, run, key)
         expected_s = measured[run].wall_time_s if run in measured else None
         planned.append((Shard(run, train_task, args, code=code, write=write, expected_s=expected_s), key))
     return planned
 
 
-def run(params: Params, ray_address: str | None = None) -> None:
-    layout = Layout.here()
+def run(params: Params, layout: Layout, ray_address: str | None = None) -> None:
     planned = plan(params, layout)
     results = run_sharded_stage(
         "train", params, ray_address, layout, planned, [layout.train, layout.models], unit="runs"

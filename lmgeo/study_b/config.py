@@ -129,18 +129,18 @@ class TrainConfig(Section):
             )
         return self
 
-    def runs(self) -> list[str]:
-        """Run ids of the grid, then of the matched-budget sweep (per recipe and seed, each budget), in a
+    def runs(self) -> list[RunSpec]:
+        """The runs of the grid, then of the matched-budget sweep (per recipe and seed, each budget), in a
         stable order; the sweep trains each distinct training once (`swept_recipes`)."""
-        from lmgeo.core.contracts import run_id  # pyarrow: not for `lmgeo --help`
+        from lmgeo.core.contracts import RunSpec  # pyarrow: not for `lmgeo --help`
 
         sweep = self.matched_budget
-        grid = [run_id(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds]
+        grid = [RunSpec(a, r, s) for a in self.archs for r in self.recipes for s in self.seeds]
         if sweep is None:
             return grid
         swept = self.swept_recipes()
         return grid + [
-            run_id(a, r, s, matched=True, cap=c)
+            RunSpec(a, r, s, matched=True, cap=c)
             for a in self.archs
             for r in swept
             for s in sweep.seeds

@@ -41,6 +41,7 @@ def tune_task(tokens_dir: Path, trial: Trial, base: TrainConfig, seq_len: int) -
 
 def run(
     params: Params,
+    layout: Layout,
     ray_address: str | None = None,
     *,
     arch: str | None = None,
@@ -59,7 +60,6 @@ def run(
     from lmgeo.study_b.recipes import RECIPES
     from lmgeo.text.corpus import load_meta
 
-    layout = Layout.here()
     arch = arch or params.train.archs[0]
     base = tuning.tuning_config(params.train, steps or params.train.steps)
     seeds = list(seeds or tuning.TUNING_SEEDS)
