@@ -92,3 +92,23 @@ def test_the_lock_file_alone_does_not_make_a_folder_foreign(tmp_path: Path) -> N
     with tool.exclusive(out):
         assert tool.output_folder(out, source) == out
     assert [p.name for p in out.iterdir()] == [tool.LOCK]
+
+
+def test_a_hub_id_longer_than_a_file_name_is_one_error_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's name becomes folder names (`analyse-<org>--<name>`, `<org>--<name>-random`): a hub id (or a
+    local folder's name) too long for a file name is refused in one line, exit 2, before any folder is made
+    (not an `OSError` traceback)."""
+    hub_id = "org/" + "m" * 260
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli.app, ["analyse", hub_id])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"lmgeo: error: {hub_id[:60]}…: a model name of 264 characters; the folders named after it "
+        f"(analyse-org--{'m' * 27}…) would be longer than a file name (255 bytes): give a shorter hub id "
+        "(`org/name`), or rename the model folder\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert tool.locate_model("org/" + "m" * 200).name == "org/" + "m" * 200  # long, but still fits
+    local = fake_model(tmp_path).rename(tmp_path / ("m" * 250))
+    with pytest.raises(InputError, match=r"^m{60}…: a model name of 250 characters; the folders named after it"):
+        tool.locate_model(str(local.relative_to(tmp_path)))

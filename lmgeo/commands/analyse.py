@@ -57,6 +57,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 _CAUSAL_NAME = re.compile(r"(ForCausalLM|LMHeadModel|WithLMHead|Decoder|ForConditionalGeneration)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 RANDOM_SUFFIX = "-random"
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, APFS)
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,26 @@ def locate_model(arg: str, revision: str | None = None) -> ModelSource:
         _check_folder(folder, arg)
         if revision is not None:
             raise InputError(f"--revision {revision}: a hub revision, but {arg} is a local folder")
-        return ModelSource(str(folder), folder.name)
+        return _fits(ModelSource(str(folder), folder.name), arg)
     if path.exists():
         raise InputError(f"{arg}: not a folder; give a model folder saved with `save_pretrained`, or a hub id")
     if _HUB_ID.match(arg) and not Path(arg.split("/")[0]).is_dir():
-        return ModelSource(arg, arg, revision)
+        return _fits(ModelSource(arg, arg, revision), arg)
     raise InputError(f"{arg}: no such folder (a hub id has the form `org/name`)")
+
+
+def _fits(source: ModelSource, arg: str) -> ModelSource:
+    """`source`, refused when the folders named after it (`analyse-<name>`, `<name>-random`) would be longer than
+    a file name (an `OSError` half-way otherwise)."""
+    longest = max(f"analyse-{source.folder_name}", f"{source.folder_name}{RANDOM_SUFFIX}", key=len)
+    if len(longest.encode()) > NAME_MAX:
+        shown = f"{arg[:60]}…" if len(arg) > 60 else arg
+        raise InputError(
+            f"{shown}: a model name of {len(source.name)} characters; the folders named after it ({longest[:40]}…) "
+            f"would be longer than a file name ({NAME_MAX} bytes): give a shorter hub id (`org/name`), or rename "
+            "the model folder"
+        )
+    return source
 
 
 def _check_folder(folder: Path, arg: str) -> None:
