@@ -628,3 +628,39 @@ def test_a_partial_dataset_is_queried_alone_and_joined_with_nothing(tmp_path: Pa
     write_fits(tmp_path / "data" / "fits", "m/layer=0", 0, 0.5)
     with pytest.raises(QueryError, match=r"data/train is partial .* joined with no other dataset or table"):
         query_table("SELECT count(*) FROM steps, fits", None, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT * FROM query_table('geo' || 'metry')",
+        "SELECT * FROM runs, query_table(lower('GEOMETRY'))",
+        "SELECT (SELECT count(*) FROM query('SELECT * FROM ' || 'steps'))",
+        "EXPLAIN ANALYZE SELECT * FROM query_table(['runs', 'geo' || 'metry'])",
+    ],
+)
+def test_a_computed_table_name_is_refused_in_one_line(
+    sql: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`query_table` / `query` read tables by a name they are given; the views a query reads (and the one-run
+    check over them) are found in its text, so a name computed in SQL is refused before anything is read."""
+    from typer.testing import CliRunner
+
+    from lmgeo import cli
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(cli.app, ["query", sql])
+    assert result.exit_code == 2
+    name = "query" if "query(" in sql else "query_table"
+    assert result.stderr == (
+        f"lmgeo: error: {name}(...): give the table name (or SQL) as a string literal, e.g. "
+        "query_table('geometry'), or name the table directly (FROM geometry); a computed one is refused, since "
+        "the data a query reads is checked from its text\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_literal_table_names_pass_the_check(workspace: Path) -> None:
+    for sql in ("SELECT * FROM query_table('runs')", "FROM query_table(['runs', 'runs'])", "FROM query('FROM runs')"):
+        assert check_read_only(sql) == sql
+    assert query_table("SELECT count(*) AS n FROM query_table('runs')", None, workspace)["n"].to_pylist()[0] > 0

@@ -16,14 +16,17 @@ a report of Study A's parts (`report.md`, `report.html`, `figures/`) reads the m
 Refusals come before any work and leave no folder behind: without importing torch (well under 2 s), a path
 that is no folder, a folder without `config.json`, a config whose architectures are none a causal LM's, a
 folder without tokenizer files, and an `--out` that holds anything but an earlier analysis (a study's
-`params.yaml` or `dvc.yaml`, other files); after loading the model, before any stage, a structure that fails
-verification or a width `analysis.k` cannot identify. `DIR/.lmgeo-analyse.json` marks the folder as
+`params.yaml` or `dvc.yaml`, other files, a dangling symlink) or that another analysis is writing (a lock on
+the folder); after loading the model, before any stage, a structure that fails verification or a width
+`analysis.k` cannot identify. `DIR/.lmgeo-analyse.json` marks the folder as
 analyse's and records the request it completed (settings, the model's files, the code): a rerun of the same
 request returns at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib
 import json
@@ -31,6 +34,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from lmgeo.params import DEFAULT_STUDY, Params, apply_overrides
 
 STAGES = ("extract", "fit", "perturb")
 MARKER = ".lmgeo-analyse.json"
+LOCK = ".lmgeo-analyse.lock"
 # Files one of which a saved tokenizer has (fast: tokenizer.json; sentencepiece: *.model; BPE: vocab.json;
 # WordPiece: vocab.txt).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
@@ -52,6 +57,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.j
 _CAUSAL_NAME = re.compile(r"(ForCausalLM|LMHeadModel|WithLMHead|Decoder|ForConditionalGeneration)$")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 RANDOM_SUFFIX = "-random"
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, APFS)
 
 
 @dataclass(frozen=True)
@@ -80,12 +86,26 @@ def locate_model(arg: str, revision: str | None = None) -> ModelSource:
         _check_folder(folder, arg)
         if revision is not None:
             raise InputError(f"--revision {revision}: a hub revision, but {arg} is a local folder")
-        return ModelSource(str(folder), folder.name)
+        return _fits(ModelSource(str(folder), folder.name), arg)
     if path.exists():
         raise InputError(f"{arg}: not a folder; give a model folder saved with `save_pretrained`, or a hub id")
     if _HUB_ID.match(arg) and not Path(arg.split("/")[0]).is_dir():
-        return ModelSource(arg, arg, revision)
+        return _fits(ModelSource(arg, arg, revision), arg)
     raise InputError(f"{arg}: no such folder (a hub id has the form `org/name`)")
+
+
+def _fits(source: ModelSource, arg: str) -> ModelSource:
+    """`source`, refused when the folders named after it (`analyse-<name>`, `<name>-random`) would be longer than
+    a file name (an `OSError` half-way otherwise)."""
+    longest = max(f"analyse-{source.folder_name}", f"{source.folder_name}{RANDOM_SUFFIX}", key=len)
+    if len(longest.encode()) > NAME_MAX:
+        shown = f"{arg[:60]}…" if len(arg) > 60 else arg
+        raise InputError(
+            f"{shown}: a model name of {len(source.name)} characters; the folders named after it ({longest[:40]}…) "
+            f"would be longer than a file name ({NAME_MAX} bytes): give a shorter hub id (`org/name`), or rename "
+            "the model folder"
+        )
+    return source
 
 
 def _check_folder(folder: Path, arg: str) -> None:
@@ -112,24 +132,42 @@ def _check_folder(folder: Path, arg: str) -> None:
 def output_folder(out: Path | None, source: ModelSource) -> Path:
     """`--out` (default `analyse-<name>`), refused when it holds anything but an earlier analysis of this model."""
     out = out or Path(f"analyse-{source.folder_name}")
+    if out.is_symlink() and not out.exists():
+        raise InputError(f"--out {out}: a symlink to {os.readlink(out)}, which does not exist; name a real folder")
     if not out.exists():
         return out
     if not out.is_dir():
         raise InputError(f"--out {out}: a file, not a folder")
+    # `dvc.yaml`, `.dvc` and `.git` are a study's or a repository's, never analyse's (a marker copied into one
+    # does not make it an analysis); analyse writes a `params.yaml` of its own.
+    study = [name for name in ("params.yaml", "dvc.yaml", ".dvc", ".git") if (out / name).exists()]
     marker = out / MARKER
-    if marker.is_file():
+    if marker.is_file() and not set(study) - {"params.yaml"}:
         analysed = _read_marker(out).get("model")
         if analysed != source.name:
             raise InputError(f"--out {out}: holds the analysis of {analysed}, not {source.name}; name another folder")
         return out
-    study = [name for name in ("params.yaml", "dvc.yaml") if (out / name).exists()]
     if study:
         raise InputError(
             f"--out {out}: holds a study ({', '.join(study)}) that `lmgeo analyse` did not write; name a new folder"
         )
-    if any(out.iterdir()):
+    if any(path.name != LOCK for path in out.iterdir()):
         raise InputError(f"--out {out}: not empty, and not a folder `lmgeo analyse` wrote; name a new or empty folder")
     return out
+
+
+@contextlib.contextmanager
+def exclusive(out: Path) -> Iterator[None]:
+    """`out` held by this analysis alone (an exclusive lock on `out/.lmgeo-analyse.lock`, released when the process
+    ends): a second analysis of the same folder is refused instead of writing its model into the first's."""
+    with open(out / LOCK, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InputError(
+                f"--out {out}: another `lmgeo analyse` is writing this folder; wait for it to finish, or name another"
+            ) from None
+        yield
 
 
 def overrides(
@@ -225,23 +263,25 @@ def run(
     started = time.monotonic()
     created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    _write_marker(out, source, None)
-    layout = Layout(out.resolve())
-    try:  # nothing of value exists before the first stage: a refusal leaves no folder behind
-        study, eval_note = prepare_workspace(params, source, layout, baseline)
-    except BaseException:
-        if created:
-            shutil.rmtree(layout.root, ignore_errors=True)
-        raise
-    steps = len(STAGES) + 2
-    print(f"analyse: [1/{steps}] eval text: {eval_note}", flush=True)
-    for number, stage in enumerate(STAGES, start=2):
-        print(f"analyse: [{number}/{steps}] {stage}", flush=True)
-        importlib.import_module(f"lmgeo.stages.{stage}").run(study, layout, ray_address)
-    print(f"analyse: [{steps}/{steps}] tables and report", flush=True)
-    aggregate.run(study, layout, ray_address, trained=False)
-    report = write_report(layout, study, source, eval_note)
-    _write_marker(out, source, key)
+    with exclusive(out):
+        output_folder(out, source)  # again, under the lock: another analysis may have written it since the check
+        _write_marker(out, source, None)
+        layout = Layout(out.resolve())
+        try:  # nothing of value exists before the first stage: a refusal leaves no folder behind
+            study, eval_note = prepare_workspace(params, source, layout, baseline)
+        except BaseException:
+            if created:
+                shutil.rmtree(layout.root, ignore_errors=True)
+            raise
+        steps = len(STAGES) + 2
+        print(f"analyse: [1/{steps}] eval text: {eval_note}", flush=True)
+        for number, stage in enumerate(STAGES, start=2):
+            print(f"analyse: [{number}/{steps}] {stage}", flush=True)
+            importlib.import_module(f"lmgeo.stages.{stage}").run(study, layout, ray_address)
+        print(f"analyse: [{steps}/{steps}] tables and report", flush=True)
+        aggregate.run(study, layout, ray_address, trained=False)
+        report = write_report(layout, study, source, eval_note)
+        _write_marker(out, source, key)
     print(f"analyse: wrote {out / report.name} in {time.monotonic() - started:.0f} s", flush=True)
     print(f"analyse: {one_model_caveat(baseline)}", flush=True)
     return out / report.name

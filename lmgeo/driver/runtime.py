@@ -64,22 +64,58 @@ def resolve_address(cfg: RayConfig, address: str | None = None) -> str | None:
 
 
 def check_reachable(cfg: RayConfig, address: str | None = None) -> None:
-    """Fail within `ray.connect_timeout_s`, naming the address, when the cluster to join does not answer
-    (Ray itself would retry for minutes). Called before a stage changes anything."""
+    """Fail within `ray.connect_timeout_s`, naming the address, when the cluster to join does not answer, or
+    does not answer as Ray's GCS (a gRPC server: it answers HTTP/2's preface with a SETTINGS frame); Ray itself
+    would retry for minutes, or wait with no time-out on a port that is not Ray's. Called before a stage
+    changes anything."""
     import socket
 
     target = resolve_address(cfg, address)
     if target is None or target == "auto":
         return
-    host, _, port = target.removeprefix("ray://").rpartition(":")
+    _check_not_client(target)
+    host, _, port = target.rpartition(":")
     try:
-        with socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s):
-            return
+        with socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s) as conn:
+            if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+                return  # a TLS GCS answers nothing in plain text
+            answer = _first_frame(conn)
     except (OSError, ValueError) as err:
         raise InputError(
             f"cannot reach the Ray cluster at {target!r} ({err}); start it (`ray start --head` on its head node) "
             "or fix --ray-address / RAY_ADDRESS / ray.address"
         ) from None
+    if len(answer) < 4 or answer[3] != _SETTINGS:
+        raise InputError(
+            f"{target!r} answers, but not as a Ray cluster's GCS (within {cfg.connect_timeout_s:g} s); give the "
+            "address `ray start --head` printed (`host:6379`), or fix --ray-address / RAY_ADDRESS / ray.address"
+        )
+
+
+# HTTP/2's client preface; a gRPC server (Ray's GCS) answers it with a frame whose type (byte 3) is SETTINGS.
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes.fromhex("000000040000000000")
+_SETTINGS = 0x04
+
+
+def _first_frame(conn: Any) -> bytes:
+    """The first bytes (up to a frame header) that `conn` answers HTTP/2's preface with; b"" for none before
+    its time-out or end of stream."""
+    import socket
+
+    conn.sendall(_HTTP2_PREFACE)
+    answer = b""
+    with contextlib.suppress(socket.timeout, ConnectionError):
+        while len(answer) < 9 and (chunk := conn.recv(9 - len(answer))):
+            answer += chunk
+    return answer
+
+
+def _check_not_client(target: str) -> None:
+    if target.startswith("ray://"):
+        raise InputError(
+            f"{target!r}: Ray Client addresses (ray://) are not supported; run lmgeo on a node of the cluster "
+            "and give its GCS address, `host:6379` (what `ray start --head` printed), or `auto`"
+        )
 
 
 def start_ray(cfg: RayConfig, address: str | None = None) -> None:
@@ -205,6 +241,7 @@ def join_cluster(target: str) -> None:
         from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
         _enable_token_auth()
+    _check_not_client(target)
     try:
         ray.init(address=target, logging_level=logging.WARNING, runtime_env=worker_runtime_env())
     except AuthenticationError as err:

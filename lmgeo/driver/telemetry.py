@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import NamedTuple
 
 from lmgeo.driver.layout import Layout
@@ -34,13 +35,22 @@ def read_telemetry(layout: Layout) -> dict[str, RunTimes]:
 
 def write_telemetry(layout: Layout, planned: set[str], measured: dict[str, RunTimes]) -> None:
     """Each run's wall-clock times, `telemetry/train/<run>.json`: those just measured are written, those of
-    runs no longer planned removed (a run skipped as complete keeps the times of the run that made it)."""
+    runs no longer planned removed (a run skipped as complete keeps the times of the run that made it): only
+    files this wrote, whose record names the run of their name. A symlinked folder is refused (`writable`)."""
+    from lmgeo.core.paths import writable
     from lmgeo.core.store import atomic_write
 
-    folder = layout.telemetry / "train"
+    folder = writable(layout.telemetry / "train", layout.root)
     folder.mkdir(parents=True, exist_ok=True)
     for run, times in measured.items():
         atomic_write(folder / f"{run}.json", json.dumps({"run": run, **times._asdict()}, sort_keys=True) + "\n")
     for stale in folder.glob("*.json"):
-        if stale.stem not in planned:
+        if stale.stem not in planned and _written_here(stale):
             stale.unlink()
+
+
+def _written_here(path: Path) -> bool:
+    try:
+        return json.loads(path.read_text()).get("run") == path.stem
+    except (OSError, ValueError, AttributeError):
+        return False

@@ -96,6 +96,8 @@ MODEL_PARTS = {
 _VECTOR_DECODER = "lmgeo_vector_"  # + the element type: the SQL function that decodes a stored vector
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _EXPLAIN_PREFIX = re.compile(r"^\s*explain\s+(analy[sz]e\s+)?(\([^)]*\)\s*)?", re.IGNORECASE)
+# Table functions that read a table by its name, or run SQL, given as an argument.
+_BY_NAME = {"query_table", "query"}
 _READ_ONLY_PRAGMA = re.compile(r"^\s*pragma\s+(table_info|show_tables|show_tables_expanded|show)\b", re.IGNORECASE)
 _LOCKDOWN = (
     "SET autoinstall_known_extensions = false",
@@ -363,7 +365,41 @@ def check_read_only(sql: str) -> str:
             f"{statement.type.name} statements are refused: lmgeo query is read-only "
             "(SELECT, WITH, DESCRIBE, SHOW, SUMMARIZE, EXPLAIN, PRAGMA table_info/show_tables)"
         )
+    _check_names_literal(statement.query)
     return statement.query
+
+
+def _check_names_literal(sql: str) -> None:
+    """A table function that reads tables by a name or SQL it is given (`query_table`, `query`) must be given
+    string literals: the views a query reads, and the runs their data must share, are found in its text, so a
+    computed name (`query_table('geo' || 'metry')`) would read a table that check never saw."""
+    tree = _parse_tree(_EXPLAIN_PREFIX.sub("", sql, count=1))
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            function = node.get("function") if node.get("type") == "TABLE_FUNCTION" else None
+            if isinstance(function, dict) and function.get("function_name", "").lower() in _BY_NAME:
+                if not all(_literal(a.get("expression")) for a in function.get("arguments", [])):
+                    raise QueryError(
+                        f"{function['function_name']}(...): give the table name (or SQL) as a string literal, "
+                        "e.g. query_table('geometry'), or name the table directly (FROM geometry); a computed "
+                        "one is refused, since the data a query reads is checked from its text"
+                    )
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
+
+
+def _literal(expression: Any) -> bool:
+    """A string constant, or a list of them (`query_table(['a', 'b'])`)."""
+    if not isinstance(expression, dict):
+        return False
+    if expression.get("class") == "CONSTANT":
+        return expression.get("literal", {}).get("kind") == "STRING"
+    return expression.get("function_name") == "list_value" and all(
+        _literal(a.get("expression")) for a in expression.get("arguments", [])
+    )
 
 
 def _reads_only(statement: duckdb.Statement) -> bool:
@@ -425,10 +461,7 @@ def _named_outputs(sql: str, *, surely: bool = False) -> list[str]:
 def _tables_read(sql: str) -> set[str] | None:
     """The names of the tables and views ``sql`` reads, lower case (DuckDB's parse tree); None when DuckDB cannot
     serialise the statement."""
-    with duckdb.connect(":memory:") as con:
-        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
-        assert row is not None  # a SELECT of one value: one row
-        tree = json.loads(row[0])
+    tree = _parse_tree(sql)
     if tree.get("error"):
         return None
     found: set[str] = set()
@@ -442,6 +475,15 @@ def _tables_read(sql: str) -> set[str] | None:
         elif isinstance(node, list):
             pending.extend(node)
     return found
+
+
+def _parse_tree(sql: str) -> dict[str, Any]:
+    """DuckDB's parse tree of ``sql`` as JSON (with ``error`` set where DuckDB cannot serialise it)."""
+    with duckdb.connect(":memory:") as con:
+        row = con.execute("SELECT json_serialize_sql(?)", [sql]).fetchone()
+        assert row is not None  # a SELECT of one value: one row
+        tree: dict[str, Any] = json.loads(row[0])
+    return tree
 
 
 def _git_copy(workspace: Path, rev: str, dest: Path, paths: Sequence[str]) -> set[str]:
