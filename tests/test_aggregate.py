@@ -662,6 +662,24 @@ def test_study_b_claims(tables: dict[str, pa.Table]) -> None:
     assert spread["holds"] is None  # one seed: no interval, no verdict
 
 
+def test_the_control_is_a_recipe_of_the_tables_and_hilbert_equi_is_read_against_it(tmp_path: Path) -> None:
+    """`hilbert_ctl` (issue #55) has its row in the recipes table like every recipe, and `beats_control` is
+    `hilbert_equi` minus it on the same seeds (paired t-test)."""
+    losses = {"muon": [3.0, 3.1, 3.2], "hilbert_equi": [2.9, 3.02, 3.1], "hilbert_ctl": [2.95, 3.04, 3.16]}
+    for recipe, values in losses.items():
+        for seed, loss in enumerate(values):
+            write_run(tmp_path, f"neox-{recipe}-s{seed}", loss)
+    tables = build_tables(sources(tmp_path), CFG)
+    assert {r["recipe"] for r in rows(tables["recipes"], arch="neox")} == set(losses)
+    assert rows(tables["recipes"], recipe="hilbert_ctl")[0]["n_paired"] == 3
+    claim = rows(tables["claims"], claim="beats_control")[0]
+    assert (claim["subject"], claim["fn"]) == ("neox", "hilbert_equi")
+    diff = np.subtract(losses["hilbert_equi"], losses["hilbert_ctl"])
+    assert claim["value"] == pytest.approx(diff.mean())
+    p = sps.ttest_rel(losses["hilbert_equi"], losses["hilbert_ctl"]).pvalue
+    assert claim["holds"] is bool(p < 0.05) and f"p {p:.3g}" in claim["detail"] and "hilbert_ctl" in claim["detail"]
+
+
 @pytest.mark.parametrize(("excess", "holds"), [((0.05, 0.06, 0.04), True), ((0.01, -0.012, 0.0), False)])
 def test_the_spread_claim_is_an_interval_against_random_rows(tmp_path: Path, excess: tuple, holds: bool) -> None:
     """Planted: hilbert_equi's rows spread `excess` above random unit rows per seed (the random draw varies

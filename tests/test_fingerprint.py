@@ -255,6 +255,14 @@ def test_a_member_imported_by_another_member_is_part_of_its_code(workspace: Path
     assert changed(before, versions(workspace)) == {"train:hilbert", "train:hilbert_equi", "aggregate"}
 
 
+def test_the_control_recipes_code_covers_hilbert_and_hilbert_equi() -> None:
+    """`hilbert_ctl` is `hilbert`'s step at `hilbert_equi`'s tau: a change to either retrains it."""
+    spec = train.code_spec(Layout(REPO), "hilbert_ctl", "neox")
+    names = {entry.name for entry in closure([spec.module, *spec.members, *fingerprint.ALWAYS])}
+    recipes = {f"lmgeo.study_b.recipes.{r}" for r in ("hilbert_ctl", "hilbert", "hilbert_equi")}
+    assert recipes <= names and "lmgeo.study_b.recipes.muon" not in names
+
+
 @pytest.mark.parametrize("index", INDEXES)
 def test_a_registry_index_holds_nothing_but_its_list(index: str) -> None:
     path = fingerprint.resolve(index, [REPO])

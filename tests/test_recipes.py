@@ -539,6 +539,49 @@ def test_gpt2_conv1d_matrices_step_like_the_same_matrices_stored_out_in() -> Non
     assert optim.muon_transposed_scale((128, 32)) == pytest.approx(0.5)  # mlp c_proj: 2 → 1
 
 
+# ------------------------------------------------------------------- the control of hilbert_equi (issue #55)
+def test_the_control_is_hilberts_step_at_hilbert_equis_tau() -> None:
+    """`hilbert_ctl`: on random head gradients its step is `hilbert`'s direction function called directly;
+    trained at its defaults it steps a model exactly as `hilbert` at `hilbert_equi`'s default tau."""
+    from lmgeo.study_b.recipes import hilbert as hilbert_recipe
+
+    tau = RECIPES["hilbert_equi"].default_step.tau
+    assert tau is not None and RECIPES["hilbert_ctl"].control_of == "hilbert_equi"
+    for grad in gradients(3):
+        delta, _ = lmo_step("hilbert_ctl", grad, eta=0.3)
+        expected = -0.3 * hilbert_recipe.direction(grad, KNOBS, {})  # from zero momentum: along the gradient
+        np.testing.assert_allclose(delta.numpy(), expected.numpy(), atol=1e-6)
+    assert optim.resolve_head_step("hilbert_ctl", TrainConfig()).describe() == f"tau={tau:g}"
+    models = {"hilbert_ctl": neox(), "hilbert": neox()}
+    cfg = train_cfg(recipe_overrides={"hilbert": RecipeConfig(tau=tau)})
+    optimizers = {r: optim.build_optimizers(m, head_of(m), r, cfg) for r, m in models.items()}
+    for _ in range(3):  # later steps carry momentum
+        for recipe, model in models.items():
+            loss, h = loss_and_hidden(model, fixed_batch())
+            loss.backward()
+            optimizers[recipe].step(radius=float(h.norm(dim=1).max()))
+            optimizers[recipe].zero_grad()
+            assert optimizers[recipe].lrs()["head_tau"] == tau
+    for (name, a), b in zip(models["hilbert_ctl"].named_parameters(), models["hilbert"].parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+def test_the_controls_tau_follows_hilbert_equis_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control's tau is read from `hilbert_equi`'s RECIPE, not copied: moving one moves the other."""
+    import importlib
+
+    from lmgeo.study_b.recipes import hilbert_ctl, hilbert_equi
+
+    moved = dataclasses.replace(hilbert_equi.RECIPE.default_step, tau=0.123)
+    monkeypatch.setattr(hilbert_equi, "RECIPE", dataclasses.replace(hilbert_equi.RECIPE, default_step=moved))
+    try:
+        assert importlib.reload(hilbert_ctl).RECIPE.default_step == HeadStepDefault(tau=0.123)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(hilbert_ctl)
+    assert hilbert_ctl.RECIPE.default_step == HeadStepDefault(tau=RECIPES["hilbert_equi"].default_step.tau)
+
+
 # ----------------------------------------------------------------------------- step sizes
 def test_step_sizes_resolve_override_then_default_then_adamw_lr(monkeypatch) -> None:
     cfg = TrainConfig(

@@ -805,6 +805,17 @@ def test_a_record_of_one_knob_per_recipe_names_the_knobs_it_never_tuned() -> Non
     assert "**Never tuned: `adamw` hidden_lr (at 0.003);" in text
 
 
+def test_a_control_is_named_as_a_control_not_as_never_tuned() -> None:
+    """`hilbert_ctl`'s knobs are `hilbert_equi`'s by construction: no record tunes it, and none should."""
+    from lmgeo.results.study_b.report import _tuning_statement
+
+    record = {**TUNING, "chosen": {"adamw": {"knob": "head_lr", "value": 0.2, "mean_val_loss": 3.0}}}
+    runs = [{"arch": "gpt2", "recipe": "hilbert_ctl", "head_step": "tau=0.2", "steps": 20, "n_params": None}]
+    text = _tuning_statement(record, runs)
+    assert "Never tuned" not in text
+    assert "`hilbert_ctl` is a control of `hilbert_equi`, at its default knobs (tau=0.2)" in text
+
+
 def test_a_knob_tuned_alone_is_stated_from_its_own_record_instead_of_never_tuned_or_of_an_older_record() -> None:
     """A knob that a record of its own tuned (`lmgeo tune --recipe … --out …`), whether the main record lacks it
     or tuned it before: the statement gives that record's protocol, its best value and the value the runs used,

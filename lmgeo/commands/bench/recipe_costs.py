@@ -65,4 +65,6 @@ COSTS: dict[str, RecipeCost] = {
     # bucketed search, twice a step) is as large as the forward and backward; the head step alone at GPT-2
     # scale is held to 1.5× `muon_head`'s (`lmgeo bench`; docs/benchmarks.md).
     "hilbert_equi": RecipeCost(hilbert_equi_flops, step_time_bar=("muon_head", 2.5), head_step_bar=("muon_head", 1.5)),
+    # `hilbert`'s step at another tau: `hilbert`'s cost (its bar covers it)
+    "hilbert_ctl": RecipeCost(lambda vocab, width, equi_iters: 15.0 * vocab * width),
 }

@@ -51,8 +51,8 @@ def run(
     out: Path = Path("docs/tuning.md"),
 ) -> Choices:
     """Tune every recipe's knobs on `arch` (defaults: the study's first arch and steps, the tuning seeds, all
-    recipes), each at the ones chosen before it; check the first knob's choice on the study's other archs;
-    write `out`, its JSON and its figure (`out` with `.png`)."""
+    recipes but the controls, whose knobs are their subject's), each at the ones chosen before it; check the
+    first knob's choice on the study's other archs; write `out`, its JSON and its figure (`out` with `.png`)."""
     from lmgeo.commands.tune import tuning
     from lmgeo.core.execution import Shard, run_shards
     from lmgeo.core.store import file_sha256
@@ -63,7 +63,7 @@ def run(
     arch = arch or params.train.archs[0]
     base = tuning.tuning_config(params.train, steps or params.train.steps)
     seeds = list(seeds or tuning.TUNING_SEEDS)
-    recipes = list(recipes or RECIPES.names())
+    recipes = list(recipes or [r.name for r in RECIPES if r.control_of is None])  # a control is not tuned
     _check_choices(arch, recipes)
     vocab_size = load_meta(layout.tokens)["vocab_size"]  # fails here, not in every task, before `prepare`
     start_ray(params.ray, ray_address)

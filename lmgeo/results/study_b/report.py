@@ -656,6 +656,7 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_recor
     budgets = sorted({len(v) for v in per_knob.values()})
     chosen = {recipe: _chosen_knobs(entry) for recipe, entry in tuning["chosen"].items()}
     used = {r["recipe"]: _knobs(r["head_step"]) for r in runs if r["head_step"]}
+    controls = {r: used.pop(r) for r in list(used) if r in RECIPES and RECIPES[r].control_of}
     missing = [(r, k, v) for r, knobs in sorted(used.items()) for k, v in knobs.items() if k not in chosen.get(r, {})]
     alone = {
         (r, k): (path, record)
@@ -712,6 +713,12 @@ def _tuning_statement(tuning: dict[str, Any] | None, runs: list[Row], knob_recor
     )
     if tuned_alone:
         never += f" Tuned alone after the record: {'; '.join(tuned_alone)}."
+    if controls:
+        never += " " + " ".join(
+            f"`{r}` is a control of `{RECIPES[r].control_of}`, at its default knobs ({_knob_text(knobs)}): "
+            "not tuned on its own."
+            for r, knobs in sorted(controls.items())
+        )
     return (
         f"- **Tuning** (`lmgeo tune`, `docs/tuning.md`). The recipes' knobs in the record were chosen on "
         f"`{p['arch']}` with the same budget: {' or '.join(map(str, budgets))} values per knob ({p['grid']}), seeds "

@@ -446,6 +446,7 @@ def _claims(runs: pa.Table, recipes: pa.Table, ci: float) -> list[dict[str, Any]
         spread = _spread_claim(arch, arch_runs, ci)
         if spread:
             rows.append(spread)
+        rows.extend(_control_claims(arch, arch_runs, ci))
     for r in recipes.to_pylist():
         if r["recipe"] == baseline().name or r["diff_vs_muon"] is None or r["matched"]:
             continue
@@ -494,6 +495,39 @@ def _spread_claim(arch: str, runs: list[dict[str, Any]], ci: float) -> dict[str,
         f"over {excess.n} seeds (medians {_fmt(equi)} vs {_fmt(random_rows)}; hilbert "
         f"{_fmt(plain.mean)} [{_fmt(plain.low)}, {_fmt(plain.high)}])",
     )
+
+
+def _control_claims(arch: str, runs: list[dict[str, Any]], ci: float) -> list[dict[str, Any]]:
+    """`beats_control`, per recipe with a control in the runs (`HeadRecipe.control_of`; issue #55): the
+    recipe's final test loss minus its control's on the same seeds (paired t-interval and p-value; one
+    planned comparison per recipe, outside `beats_muon`'s Holm family), holding where the recipe is lower at
+    SIGNIFICANCE; not tested below MIN_SEEDS_FOR_TEST pairs."""
+    by_recipe: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_recipe.setdefault(r["recipe"], []).append(r)
+    rows = []
+    for control in [name for name in by_recipe if name in RECIPES and RECIPES[name].control_of in by_recipe]:
+        subject = RECIPES[control].control_of
+        assert subject is not None
+        paired = paired_difference(
+            _by_seed(by_recipe[subject], "final_test_loss"), _by_seed(by_recipe[control], "final_test_loss"), ci
+        )
+        diff, p = paired.diff, _testable(paired)
+        tested = f"p {_fmt(p)}" if p is not None else f"n={diff.n}: too few seeds to test"
+        rows.append(
+            _claim(
+                "B",
+                arch,
+                subject,
+                "beats_control",
+                none_if_nan(diff.mean),
+                0.0,
+                None if p is None else bool(diff.mean < 0 and p < SIGNIFICANCE),
+                f"paired Δ test loss {subject} − its control {control} (same knobs: only the direction differs) "
+                f"{_fmt(diff.mean)} nats [{_fmt(diff.low)}, {_fmt(diff.high)}] over {diff.n} seeds, {tested}",
+            )
+        )
+    return rows
 
 
 def _median_of(runs: list[dict[str, Any]], recipe: str, column: str) -> float | None:

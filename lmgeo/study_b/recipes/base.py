@@ -56,3 +56,6 @@ class HeadRecipe:
     # Under a matched budget this recipe's training is that recipe's, step for step (SPEC §3.2): the sweep
     # trains it once, as that one.
     matched_as: str | None = None
+    # A control of that recipe (issue #55): its knobs are that recipe's defaults by construction, so it is never
+    # tuned on its own (`lmgeo tune` leaves it out), and the report reads that recipe against it (paired seeds).
+    control_of: str | None = None

@@ -1,0 +1,20 @@
+"""`hilbert_ctl`: the control of `hilbert_equi` (issue #55): `hilbert`'s step, its own direction, at
+`hilbert_equi`'s default trust region, so that between the two only the spread of the rows differs, not the
+step size. Its tau is `hilbert_equi`'s `default_step.tau` itself, not a copy: a re-tuned `hilbert_equi`
+moves its control with it, and the control is never tuned on its own (`HeadRecipe.control_of`)."""
+
+from lmgeo.study_b.recipes import hilbert, hilbert_equi
+from lmgeo.study_b.recipes.base import HeadRecipe, HeadStepDefault
+
+RECIPE = HeadRecipe(
+    name="hilbert_ctl",
+    summary=f"hilbert's step at hilbert_equi's tau (only the rows' spread differs): {hilbert.RECIPE.summary}",
+    hidden=hilbert.RECIPE.hidden,
+    head=hilbert.RECIPE.head,
+    direction=hilbert.direction,
+    trust_region=True,
+    default_step=HeadStepDefault(tau=hilbert_equi.RECIPE.default_step.tau),
+    # Under a matched budget the step size is the budget's: the control's training is `hilbert`'s.
+    matched_as="hilbert",
+    control_of="hilbert_equi",
+)
