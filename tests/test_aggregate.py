@@ -904,4 +904,5 @@ def test_the_report_shows_the_classes_in_capacity_order_the_tradeoff_pairs_and_t
     assert all(re.search(reading, line) for line in pairs), pairs
     kept = report._kept_table(tables["geometry"])
     assert "| locality |" in kept and "0.3·0.8 |" in kept  # per layer: the median over seeds 0.25/0.35, 0.75/0.85
+    assert "ranges from 0.3 to 0.8." in kept  # its range over subjects and layers, from the same table
     assert report._expressivity([], []) == ""

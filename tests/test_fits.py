@@ -397,9 +397,9 @@ def test_layer_wide_fit_matches_the_reference_on_the_whole_pool(fn):
 
 
 def test_locality_is_the_kth_neighbour_over_the_median_pair_distance():
-    """Against an independent computation: the reference's sorted distances and NumPy's median over the same
-    seeded pairs; typically below 1 for neighbourhoods much smaller than the pool."""
-    from lmgeo.study_a.fits import LOCALITY_PAIRS
+    """Against an independent computation: the k-th neighbour's distance by brute force over the exact median of
+    the distances of every pair of distinct pool rows (NumPy); typically below 1 for neighbourhoods much
+    smaller than the pool."""
     from lmgeo.study_a.reference import ref_distances
 
     rng = np.random.default_rng(13)
@@ -407,13 +407,32 @@ def test_locality_is_the_kth_neighbour_over_the_median_pair_distance():
     cfg = AnalysisConfig(**CONFIGS["euclid"])
     anchors = choose_anchors(len(x), cfg.anchors, seed=3)
     table, _ = fit_one(x, y, seq, pos, tok, anchors, "diag_psd", cfg)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    first = torch.randint(len(x), (LOCALITY_PAIRS,), generator=generator).numpy()
-    second = (first + torch.randint(1, len(x), (LOCALITY_PAIRS,), generator=generator).numpy()) % len(x)
-    typical = np.quantile(np.linalg.norm(x[first] - x[second], axis=1), 0.5)
+    i, j = np.triu_indices(len(x), 1)
+    typical = np.median(np.sqrt(((x[i] - x[j]) ** 2).sum(axis=1)))
     kth = [np.sort(ref_distances(x, a, "euclidean"))[cfg.k - 1] for a in anchors]
     np.testing.assert_allclose(table.column("locality").to_numpy(), np.array(kth) / typical, rtol=1e-12)
     assert np.median(table.column("locality").to_numpy()) < 1
+
+
+def test_locality_is_small_for_tight_clusters_and_large_for_a_uniform_pool():
+    """Planted: 20 clusters of 30 rows, each of width 1e-3 around centres spread over the unit cube, with k = 10
+    (the neighbours lie in the anchor's own cluster) give a radius near 0; a uniform pool of as many rows a
+    radius of the order of 1 (k = 10 of 600 in 4 dimensions: about 0.4 of the typical pair distance)."""
+    rng = np.random.default_rng(15)
+    n_clusters, size, d = 20, 30, 4
+    centres = rng.uniform(0, 1, (n_clusters, d))
+    clustered = np.repeat(centres, size, axis=0) + 1e-3 * rng.normal(size=(n_clusters * size, d))
+    uniform = rng.uniform(0, 1, (n_clusters * size, d))
+    ids = np.arange(n_clusters * size)
+    cfg = AnalysisConfig(**CONFIGS["euclid"])
+    anchors = choose_anchors(len(ids), cfg.anchors, seed=3)
+    radius = {}
+    for name, x in (("clustered", clustered), ("uniform", uniform)):
+        y = x @ np.diag([0.5, 1.0, 1.5, 2.0])
+        table, _ = fit_one(x, y, ids, ids, ids, anchors, "diag_psd", cfg)
+        radius[name] = table.column("locality").to_numpy()
+    assert radius["clustered"].max() < 0.01
+    assert radius["uniform"].min() > 0.15 and np.median(radius["uniform"]) > 0.3
 
 
 @pytest.mark.parametrize("fn", ["diag_psd", "lowrank", "similarity"])

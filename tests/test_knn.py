@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lmgeo.study_a import knn
-from lmgeo.study_a.knn import nearest_neighbours, neighbour_distances
+from lmgeo.study_a.knn import median_pair_distance, nearest_neighbours, neighbour_distances
 from lmgeo.study_a.reference import ref_distances
 
 
@@ -270,3 +270,31 @@ def test_rows_too_large_for_float32_are_refused():
 def test_k_may_be_any_integer_type():
     pool = torch.randn(10, 3, dtype=torch.float64)
     assert nearest_neighbours(pool, torch.tensor([0, 1]), np.int64(9)).shape == (2, 9)
+
+
+# ------------------------------------------------------------------------------- median pair distance
+@pytest.mark.parametrize("distance", ["euclidean", "cosine"])
+@pytest.mark.parametrize("n", [2, 7, 50])
+def test_median_pair_distance_is_exact_over_every_pair_of_distinct_rows(distance, n):
+    """Against NumPy: the median over the n(n − 1)/2 pairs i < j of the brute-force distances (an even count:
+    the mean of the middle two), the same for a float32 pool read in float64."""
+    rng = np.random.default_rng(n)
+    pool = rng.normal(size=(n, 5))
+    expected = np.median(np.concatenate([ref_distances(pool, i, distance)[i + 1 :] for i in range(n)]))
+    assert median_pair_distance(torch.from_numpy(pool), distance) == pytest.approx(expected, rel=1e-12)
+    assert np.isnan(median_pair_distance(torch.from_numpy(pool[:1]), distance))
+
+
+def test_median_pair_distance_samples_seeded_pairs_of_a_large_pool(monkeypatch):
+    """Above `EXACT_PAIRS`, the median of `SAMPLED_PAIRS` uniform pairs of distinct rows: deterministic for
+    a seed, close to the exact median, and never a row paired with itself (two rows 1 apart: every pair is at 1)."""
+    rng = np.random.default_rng(21)
+    pool = torch.from_numpy(rng.normal(size=(300, 4)))
+    exact = median_pair_distance(pool)
+    monkeypatch.setattr(knn, "EXACT_PAIRS", 1000)
+    monkeypatch.setattr(knn, "SAMPLED_PAIRS", 20000)
+    sampled = median_pair_distance(pool, seed=4)
+    assert sampled == median_pair_distance(pool, seed=4) != median_pair_distance(pool, seed=5)
+    assert sampled == pytest.approx(exact, rel=0.03)
+    monkeypatch.setattr(knn, "EXACT_PAIRS", 0)
+    assert median_pair_distance(torch.tensor([[0.0, 0.0], [0.6, 0.8]], dtype=torch.float64), seed=1) == 1.0

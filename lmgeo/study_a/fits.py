@@ -22,8 +22,8 @@ class's own solve is unique, `Update.unidentified`; else `proj_full`, `proj_res`
 Layer-wide fits of the local classes (partition `fn = "<class>.layer"`): the same class fitted once on every
 pair of the pool (the anchor's own pair among them) and evaluated at the same anchors, identified the same
 way on the pool's inputs: the locality claim compares a class with itself. `locality` is each anchor's
-distance to its k-th neighbour over the median distance between `LOCALITY_PAIRS` seeded random pairs of the
-pool (null for a layer-wide fit).
+distance to its k-th neighbour over the median distance between distinct rows of the pool (exact over every
+pair up to 4096 rows, else over seeded random pairs: `knn.median_pair_distance`; null for a layer-wide fit).
 
 Null samples (SPEC §4.5): besides the model's own pairs (`real`), the same fits run on `shuffled` pairs
 (`h_{l+1}` permuted across the pool: no relation between a token's input and output) and on a `gaussian`
@@ -49,7 +49,7 @@ from lmgeo.study_a.classes.base import FitContext
 from lmgeo.study_a.config import AnalysisConfig
 from lmgeo.study_a.geometry import RCOND, Update, as_float64, global_basis, update_metrics
 from lmgeo.study_a.identification import Identification, NeighbourhoodGram, identify
-from lmgeo.study_a.knn import nearest_neighbours, neighbour_distances
+from lmgeo.study_a.knn import median_pair_distance, nearest_neighbours, neighbour_distances
 
 
 @dataclass(frozen=True)
@@ -212,9 +212,6 @@ class Fitted(NamedTuple):
 # and a class's (A, d, d) operators): memory is bounded by the chunk, not by the number of anchors. At
 # k = d = 2048 that is 8 anchors a chunk; at the tests' sizes, every anchor in one.
 CHUNK_VALUES = 2**25
-# Random pairs of the pool whose median distance is `locality`'s unit (a median of 4096 is within a few
-# percent of the pool's).
-LOCALITY_PAIRS = 4096
 LAYER_SUFFIX = ".layer"  # the partition `fn` of a local class fitted once for the whole layer
 
 
@@ -238,13 +235,11 @@ def _pool(
 
 
 def _locality(x: Tensor, anchors: Tensor, neighbours: Tensor, cfg: AnalysisConfig) -> Tensor:
-    """Each anchor's distance to its k-th neighbour over the median distance of `LOCALITY_PAIRS` seeded random
-    pairs of distinct pool rows, both in `cfg.distance` (NaN where every pair is at distance 0)."""
+    """Each anchor's distance to its k-th neighbour over the pool's median distance between distinct rows
+    (`median_pair_distance`: exact up to 4096 rows, else from pairs seeded by `cfg.seed`), both in
+    `cfg.distance` (NaN where that median is 0)."""
     kth = neighbour_distances(x, anchors, neighbours, cfg.distance).amax(dim=1)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    first = torch.randint(len(x), (LOCALITY_PAIRS,), generator=generator)
-    second = (first + torch.randint(1, len(x), (LOCALITY_PAIRS,), generator=generator)) % len(x)
-    typical = neighbour_distances(x, first.to(x.device), second.to(x.device)[:, None], cfg.distance).quantile(0.5)
+    typical = median_pair_distance(x, cfg.distance, seed=cfg.seed)
     return kth / typical if typical > 0 else torch.full_like(kth, torch.nan)
 
 

@@ -561,11 +561,14 @@ def _kept_table(geometry: list[Row]) -> str:
         ]
         for subject in subjects
     ]
+    measured = [value for value in locality.values() if value is not None]
+    spread = f" Here it ranges from {num(min(measured), 2)} to {num(max(measured), 2)}." if measured else ""
     note = (
         f"Anchors kept, % per layer {layers[0]}–{layers[-1]} (seeds pooled): value identified / operator "
         "identified (`identity` has no operator). A claim rests only on the kept anchors. *locality*: per layer, "
-        "the median over anchors and seeds of the k-th neighbour's distance over the median distance of random "
-        "pairs of the layer's pool (1: a neighbourhood as wide as the pool's typical spread; near 0: local).\n"
+        "the median over anchors and seeds of the k-th neighbour's distance over the median distance between "
+        "distinct rows of the layer's pool (1: a neighbourhood as wide as the pool's typical spread; near 0: "
+        f"local).{spread}\n"
     )
     return "### Anchors kept\n\n" + markdown_table(["subject", *fns, "locality"], rows) + "\n" + note
 
