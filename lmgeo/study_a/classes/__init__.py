@@ -3,10 +3,19 @@ class. An index only: a shard's code version holds the classes it fits (SPEC §1
 but the list."""
 
 from lmgeo.core.registry import Registry
-from lmgeo.study_a.classes import diag_psd, global_linear, identity, lowrank, mlp, orthogonal, similarity
+from lmgeo.study_a.classes import affine, diag_psd, global_linear, identity, lowrank, mlp, orthogonal, similarity
 from lmgeo.study_a.classes.base import FitClass
 
 FIT_CLASSES: Registry[FitClass] = Registry(
     "function class",
-    [diag_psd.CLASS, lowrank.CLASS, orthogonal.CLASS, similarity.CLASS, mlp.CLASS, identity.CLASS, global_linear.CLASS],
+    [
+        diag_psd.CLASS,
+        lowrank.CLASS,
+        orthogonal.CLASS,
+        similarity.CLASS,
+        affine.CLASS,
+        mlp.CLASS,
+        identity.CLASS,
+        global_linear.CLASS,
+    ],
 )
