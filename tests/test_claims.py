@@ -185,6 +185,7 @@ def planted(planted_root: Path) -> dict[tuple[str, str, str, str], str]:
     return verdicts(planted_root)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["diag_psd", "lowrank"])
 @pytest.mark.parametrize("claim", ["cos_full_tok_near_1", "proj_res_below_full", "proj_res_global_below_full"])
 def test_planted_geometry_is_supported_and_shuffled_pairs_are_not(planted, fn, claim):

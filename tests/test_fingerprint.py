@@ -69,6 +69,7 @@ FIT = {f"fit:{c}" for c in CLASSES}
 EVERY = TRAIN | FIT | {"extract", "perturb", "aggregate"}
 
 
+@pytest.mark.slow
 def test_a_version_is_the_package_version_and_a_hash_of_the_sources_not_of_where_they_are(workspace: Path) -> None:
     here = versions(REPO)
     assert all(re.fullmatch(rf"{re.escape(metadata.version('lmgeo'))}\+[0-9a-f]{{16}}", v) for v in here.values())
@@ -97,6 +98,7 @@ def test_a_run_covers_its_stage_its_recipe_and_its_family_and_nothing_else() -> 
     assert not {name for name in names if name.startswith(("lmgeo.results", "lmgeo.stages.fit"))}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("relative", "old", "new", "expected"),
     [
@@ -176,6 +178,7 @@ def test_a_contract_enters_by_the_schema_it_declares() -> None:
     assert _version(dataclasses.replace(spec, schemas=(edited,)), REPO) != _version(spec, REPO)
 
 
+@pytest.mark.slow
 def test_adding_a_recipe_redoes_no_run_of_another(workspace: Path) -> None:
     before = versions(workspace)
     recipes = workspace / "lmgeo" / "study_b" / "recipes"
@@ -196,6 +199,7 @@ def run_keys(params: Params, workspace: Path) -> dict[str, tuple[str, str]]:
     return {shard.key: (key.params_hash, key.code_version) for shard, key in train.plan(params, Layout(workspace))}
 
 
+@pytest.mark.slow
 def test_a_run_is_keyed_by_the_params_it_reads(workspace: Path) -> None:
     from lmgeo.study_b.config import MatchedBudget
 
@@ -242,6 +246,7 @@ def test_infrastructure_is_unreachable_from_the_science() -> None:
     assert not reached & set(INFRASTRUCTURE), sorted(reached & set(INFRASTRUCTURE))
 
 
+@pytest.mark.slow
 def test_a_member_imported_by_another_member_is_part_of_its_code(workspace: Path) -> None:
     """A member reached by a real import (not through its index) is code like any other."""
     edit(

@@ -83,6 +83,7 @@ CONFIGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", CLASSES)
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_every_column_matches_the_per_anchor_reference(fn, config):
@@ -300,6 +301,7 @@ def test_fits_recover_the_tokenwise_map_and_leave_the_cross_token_term(fn):
 
 
 # ------------------------------------------------------------------------------ nulls, non-finite
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", CLASSES)
 def test_non_finite_rows_are_counted_and_excluded(fn):
     rng = np.random.default_rng(30)
@@ -380,6 +382,7 @@ def test_neighbours_are_searched_once_per_pool(monkeypatch):
 LOCAL = [fn for fn in CLASSES if FIT_CLASSES[fn].local]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", LOCAL)
 def test_layer_wide_fit_matches_the_reference_on_the_whole_pool(fn):
     """`<class>.layer`: the class fitted once on every pair of the pool, evaluated at the same anchors."""

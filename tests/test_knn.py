@@ -142,6 +142,7 @@ def test_fewer_eligible_rows_than_candidates(backend):
     np.testing.assert_allclose(dist, ref_dist, atol=1e-9)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distance", ["euclidean", "cosine"])
 def test_backends_agree_bit_for_bit(distance, monkeypatch):
     # 4000 anchors × d = 32 in one block: FAISS takes its BLAS path (‖a‖² + ‖p‖² − 2 a·p), not the

@@ -66,6 +66,7 @@ def _direct_kl(model, sequence, layer, pos, vector):
     return per_position[pos], per_position[pos:].mean()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
 def test_patching_the_true_output_changes_nothing(model, tokens, states, layer):
     rows, positions = np.repeat(np.arange(N_SEQ), SEQ_LEN), np.tile(np.arange(SEQ_LEN), N_SEQ)
@@ -87,6 +88,7 @@ def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
         np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["suffix", "recompute", "full"])
 def test_a_copy_that_stops_at_its_anchor_has_the_direct_kl(model, tokens, states, mode):
     """A null copy needs only its `kl`: the model is causal, so its forward may stop at its anchor. Mixed in
@@ -106,6 +108,7 @@ def test_a_copy_that_stops_at_its_anchor_has_the_direct_kl(model, tokens, states
             np.testing.assert_allclose(kl_seq[i], expected_seq, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["suffix", "recompute"])
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
 def test_suffix_patching_equals_the_full_forward(arch, model, tokens, states, layer, mode):
@@ -214,6 +217,7 @@ def test_each_clean_sequence_runs_once(model, tokens, states):
     assert sum(seen) == len(rows) + 2
 
 
+@pytest.mark.slow
 def test_perturb_layer_averages_the_stated_count_of_random_directions(arch, model, tokens, states):
     """`kl_directions` holds the KL of each of `n_random` seeded random directions, `kl_random` their mean (both
     recomputed here one direction at a time with the full forward), `kl_other` needs two patched anchors, and

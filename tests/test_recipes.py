@@ -161,6 +161,7 @@ def lmo_step(
     return w.detach() - before, optimizer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["hilbert", "hilbert_equi"])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_hilbert_steps_have_diameter_at_most_eta(recipe: str, seed: int) -> None:
@@ -202,6 +203,7 @@ def test_equidistance_step_spreads_nearly_parallel_rows_beyond_random_unit_rows(
     assert hilbert.diam(spread).value == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alignment", [0.3, 0.5, 0.9])
 def test_the_equidistance_step_keeps_its_share_of_hilberts_descent_per_unit_diameter(alignment: float) -> None:
     """⟨M, ΔW⟩ ≥ c·(η/2)·Σ‖m̃_i‖ (descent per unit diameter at least c of `hilbert`'s), diam(ΔW) = η: the
@@ -213,6 +215,7 @@ def test_the_equidistance_step_keeps_its_share_of_hilberts_descent_per_unit_diam
         assert hilbert.diam(spread).value == pytest.approx(1.0, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_equidistance_step_is_warm_started_from_the_previous_steps_rows() -> None:
     """The solver's solution is kept in the head's optimizer state; the next step starts from it (a warm
     solve of `equi_iters` iterations), and the same inputs give the same steps."""
@@ -303,6 +306,7 @@ def test_the_exact_solver_finds_the_known_optimum_of_a_simplex_gradient(width: i
     assert lmo_value("hilbert", grad) / optimum == pytest.approx(JUNG(width), rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("n_rows", "width", "seed"), [(6, 2, 0), (7, 3, 1), (8, 3, 2), (8, 4, 3)])
 def test_hilbert_and_equidistance_steps_against_the_exact_optimum(n_rows: int, width: int, seed: int) -> None:
     """On small random gradients: `hilbert` reaches at least the Jung factor of the optimal ⟨G, X⟩, and the
@@ -396,6 +400,7 @@ def max_logprob_change(h: torch.Tensor, before: torch.Tensor, after: torch.Tenso
     return float(moved.abs().max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["hilbert", "hilbert_equi"])
 @pytest.mark.parametrize(("quantile", "weight_decay"), [(1.0, 0.0), (0.5, 0.0), (1.0, 0.1)])
 def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float, weight_decay: float) -> None:
@@ -429,6 +434,7 @@ def test_tau_is_a_hard_trust_region_on_the_batch(recipe: str, quantile: float, w
         assert optimizer.lrs()["head_tau"] == tau
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES.names())
 @pytest.mark.parametrize("budget", [0.05, 50.0])
 def test_a_head_budget_sets_every_recipes_step_in_hilbert_units(recipe: str, budget: float) -> None:

@@ -116,6 +116,7 @@ def default_study(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, 
     return render(tmp_path_factory.mktemp("default"), write_default_shape_study, params=DEFAULT)
 
 
+@pytest.mark.slow
 def test_the_report_leads_with_the_answer_and_reads_in_a_minute(default_study) -> None:
     text, _, rendered = default_study
     assert headings(text) == [

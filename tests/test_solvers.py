@@ -95,6 +95,7 @@ def test_the_dispatch_is_by_device_unless_forced():
     assert solver_for(torch.device("cpu")) is LAPACK
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["diag_psd", "lowrank", "orthogonal", "similarity"])
 def test_fits_on_the_product_path_match_the_lapack_path_on_identified_untied_anchors(fn):
     """A layer of width 24 with k = d + 64 neighbours: every anchor identified; the product path forced on

@@ -60,6 +60,7 @@ def geometry_rows(steps: list[dict]) -> list[dict]:
     return [r for r in steps if r["hilbert_bound"] is not None]
 
 
+@pytest.mark.slow
 def test_a_tau_step_moves_no_training_token_by_more_than_tau(tokens) -> None:
     """With radius_quantile 1 the trust region covers every token of the batch the step came from, so the
     realised d_H on that batch (`hilbert_realized_train`) stays within tau_t, and is a real fraction of it."""
@@ -72,6 +73,7 @@ def test_a_tau_step_moves_no_training_token_by_more_than_tau(tokens) -> None:
         assert 0.2 * tau_t < r["hilbert_realized_train"] <= tau_t * (1 + 1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["adamw", "hilbert_equi"])
 def test_geometry_rows_carry_alignment_and_the_spread_references(tokens, recipe: str) -> None:
     _, record, steps = run(tokens, recipe)
@@ -90,6 +92,7 @@ def test_geometry_rows_carry_alignment_and_the_spread_references(tokens, recipe:
     assert record.final_test_loss != record.final_val_loss  # another split
 
 
+@pytest.mark.slow
 def test_runs_without_test_tokens_never_measure_test(tokens) -> None:
     _, with_test, _ = run(tokens, "muon")
     _, without, _ = run(tokens, "muon", with_test=False)
@@ -97,6 +100,7 @@ def test_runs_without_test_tokens_never_measure_test(tokens) -> None:
     assert without.final_val_loss == with_test.final_val_loss  # reading test changes nothing else
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [0.01, 100.0])
 def test_a_matched_run_takes_its_budget_exactly_every_step_and_records_the_factor(tokens, budget: float) -> None:
     """The head step is rescaled to the budget, down (a small budget) or up (a large one): on the batch it was
@@ -110,6 +114,7 @@ def test_a_matched_run_takes_its_budget_exactly_every_step_and_records_the_facto
         assert r["hilbert_bound"] > 0
 
 
+@pytest.mark.slow
 def test_under_a_matched_budget_rownorm_trains_the_model_hilbert_does(tokens) -> None:
     """Cross-entropy head gradients have rows summing to zero, so `hilbert`'s direction is `rownorm`'s halved
     minus a common row shift; the budget (on diam, blind to shifts) rescales both to the same rows, and softmax

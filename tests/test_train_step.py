@@ -198,6 +198,7 @@ def train(tokens, monkeypatch, recipe: str = "hilbert", diverge_at: int | None =
     return record, steps.to_pylist(), seen, finals[0]
 
 
+@pytest.mark.slow
 def test_losses_read_late_record_the_same_run(tokens, monkeypatch) -> None:
     """CUDA's bookkeeping (losses arriving steps after their step, rows filled in later) against the CPU's
     (each loss read at once): the same rows, the same calls of `on_step`, the same model."""

@@ -245,6 +245,7 @@ def test_a_two_point_sweep_matches_direct_training_runs(tokens) -> None:
     assert got[3]["final_val_loss"] == direct.final_val_loss
 
 
+@pytest.mark.slow
 def test_final_only_measurements_do_not_change_the_trajectory(tokens) -> None:
     """`lmgeo tune` evaluates and measures geometry only at the end; the loss must not depend on it."""
     train, val = tokens
