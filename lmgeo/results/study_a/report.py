@@ -527,7 +527,8 @@ def _fits_table(pooled: list[Row], real: list[Row]) -> str:
         'is no evidence beyond a small residual. Per model and layer: `lmgeo query "SELECT model, layer, fn, '
         "median_rel_err, median_cos_full_tok, median_cos_bound FROM geometry WHERE sample = 'real'\"`.\n"
     )
-    return markdown_table(["class: rel_err · cos ≥ bound", *subjects], rows) + "\n" + note
+    what = "Each class's relative error and cosine with the update, against the bound, per model and checkpoint"
+    return markdown_table(["class: rel_err · cos ≥ bound", *subjects], rows, what) + "\n" + note
 
 
 def _kept_table(geometry: list[Row]) -> str:
