@@ -352,6 +352,7 @@ def test_a_one_model_subjects_interval_over_anchor_blocks_covers_its_own_effect(
     assert all(c / 1000 >= 0.94 for c in covered.values()), covered
 
 
+@pytest.mark.slow
 def test_verdicts_do_not_depend_on_the_random_stream(planted_root):
     """Nothing in a verdict is drawn: another report seed and bootstrap size (which the descriptive correlation
     intervals use) give the same claim tests, row for row, on the planted study (three one-model subjects, so

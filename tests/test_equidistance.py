@@ -305,6 +305,7 @@ def test_the_step_is_a_deterministic_function_of_its_inputs() -> None:
     torch.testing.assert_close(warm[0].rows, warm[1].rows, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(300, 24), (2100, 12)])  # exact candidates; bucketed (BUCKET_ROWS 2048)
 def test_row_chunks_change_no_bit_of_the_step(monkeypatch, shape) -> None:
     """The iterations' products and candidate differences are formed a chunk of rows at a time (for the

@@ -105,6 +105,7 @@ def test_every_column_matches_the_per_anchor_reference(fn, config):
     assert info.n_nonfinite == 0 and info.n_anchors == len(anchors) and info.n_pool == len(x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", CLASSES)
 def test_anchors_fitted_in_chunks_equal_all_at_once(fn, monkeypatch):
     """Memory is bounded by the anchor chunk (`fits.CHUNK_VALUES`); the rows do not depend on it (the
@@ -281,6 +282,7 @@ def synthetic_layer(rng, fn, n_seq=300, seq_len=20, d=4):
     return x, mapped + cross, seq, mapped, cross
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["diag_psd", "lowrank", "orthogonal", "global_linear"])
 def test_fits_recover_the_tokenwise_map_and_leave_the_cross_token_term(fn):
     rng = np.random.default_rng(23)

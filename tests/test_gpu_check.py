@@ -131,6 +131,7 @@ def _raise() -> Outcome:
     raise RuntimeError("boom")
 
 
+@pytest.mark.slow
 def test_the_runner_isolates_failures_skips_cuda_only_items_and_reports_after_each():
     reported = []
     items = [

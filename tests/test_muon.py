@@ -42,6 +42,7 @@ def test_products_agree_with_torchs_bf16_kernel() -> None:
     assert close and equal > 0.99
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", [(48, 16), (16, 48), (32, 32), (300, 24)])
 def test_newton_schulz_is_torchs_iteration(shape) -> None:
     grad = torch.randn(*shape, generator=torch.Generator().manual_seed(6))

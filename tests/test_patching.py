@@ -75,6 +75,7 @@ def test_patching_the_true_output_changes_nothing(model, tokens, states, layer):
     assert np.all(kl < 1e-6) and np.all(kl_seq < 1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layer", range(TINY.n_layers))
 def test_patch_kl_matches_direct_forwards(model, tokens, states, layer):
     rng = np.random.default_rng(layer)
@@ -152,6 +153,7 @@ def test_a_cache_that_does_not_reproduce_the_full_forward_is_not_used(tokens):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forward_cost, shapes", [(0, [(3, SEQ_LEN), (3, 2)]), (10**6, [(6, SEQ_LEN)])])
 def test_a_batch_splits_where_a_forward_costs_less_than_the_positions_it_skips(
     arch, model, tokens, states, monkeypatch, forward_cost, shapes
@@ -170,6 +172,7 @@ def test_a_batch_splits_where_a_forward_costs_less_than_the_positions_it_skips(
     assert seen[1:] == ([(6, SEQ_LEN)] if arch == "mamba" else shapes)  # after the clean pass
 
 
+@pytest.mark.slow
 def test_batched_equals_one_at_a_time(model, tokens, states):
     rng = np.random.default_rng(5)
     rows, positions = _anchors(rng, 9)  # unsorted, several per sequence, mixed in batches

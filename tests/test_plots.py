@@ -25,6 +25,7 @@ def tables(tmp_path_factory) -> dict:
     return read_result_tables(root / "reports" / "tables")
 
 
+@pytest.mark.slow
 def test_the_val_loss_series_is_the_mean_over_seeds_of_the_comparisons_curves(tables) -> None:
     series = plot_series(tables)
     assert set(series) == set(SERIES)

@@ -50,6 +50,7 @@ def files_under(*roots: Path) -> set[Path]:
     return {p for root in roots for p in root.rglob("*")}
 
 
+@pytest.mark.slow
 def test_result_tables_and_datasets_are_views(workspace: Path) -> None:
     runs = query_table("SELECT run, final_val_loss FROM runs WHERE recipe = 'hilbert' ORDER BY run", None, workspace)
     assert runs.to_pylist()[0] == {"run": "gpt2-hilbert-s0", "final_val_loss": 2.5}
@@ -569,6 +570,7 @@ def commit_aggregated_study(repo: Path, cfg: ReportConfig, message: str) -> None
     git(repo, "commit", "-qm", message)
 
 
+@pytest.mark.slow
 def test_the_readmes_query_lines_answer_in_a_fresh_clone_without_dvc_repro(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

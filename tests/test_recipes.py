@@ -190,6 +190,7 @@ def nearly_parallel(n_rows: int = 600, width: int = 24, seed: int = 7) -> torch.
     return sizes * torch.randn(1, width, generator=gen) + 0.01 * torch.randn(n_rows, width, generator=gen)
 
 
+@pytest.mark.slow
 def test_equidistance_step_spreads_nearly_parallel_rows_beyond_random_unit_rows() -> None:
     """Centred unit rows of a nearly parallel gradient sit on two antipodal clusters (hilbert's
     equi_ratio ≈ 0); the equidistance step spreads them beyond random unit rows of the same shape, the

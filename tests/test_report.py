@@ -670,6 +670,7 @@ def test_the_html_page_loads_in_a_headless_browser_and_shows_every_figure(
 
 
 # ------------------------------------------------------------------------------ a hand-made study
+@pytest.mark.slow
 def test_the_comparison_with_muon_on_a_known_study(tmp_path: Path) -> None:
     text, _, rendered = render(tmp_path, write_tiny_study)
     summary = section(text, "## Summary")
@@ -945,6 +946,7 @@ def test_the_budget_figure_stops_above_the_bigram_and_labels_what_it_cuts() -> N
     assert [t.get_text() for t in untrained.texts] == ["smoothed bigram"]
 
 
+@pytest.mark.slow
 def test_a_committed_sweep_record_is_cited_and_verified(tmp_path: Path) -> None:
     """A study without the sweep states the committed record's numbers, naming the preset and revision; a
     record whose table was changed after it was written is refused."""
@@ -1203,6 +1205,7 @@ def test_provenance_has_the_checksums_of_the_files_as_read_not_of_a_previous_rep
     )
 
 
+@pytest.mark.slow
 def test_provenance_is_one_line_per_entry(tmp_path: Path) -> None:
     write_study_b(tmp_path / "data")
     aggregate(sources(tmp_path / "data"), tmp_path / "reports", CFG, KEY)
@@ -1227,6 +1230,7 @@ def test_provenance_outside_git(tmp_path: Path) -> None:
     assert prov["git"]["revision"].startswith("unknown") and prov["data_checksums"] == {}
 
 
+@pytest.mark.slow
 def test_figures_are_rewritten_not_accumulated(tmp_path: Path) -> None:
     render(tmp_path, write_tiny_study)
     stale, mine = tmp_path / "reports" / "figures" / "old_figure.png", tmp_path / "reports" / "figures" / "mine.png"

@@ -53,6 +53,7 @@ def test_a_singular_matrix_has_its_smallest_singular_value_at_rounding_and_the_o
     np.testing.assert_allclose(polar.rotation[1].numpy(), u[1] @ vt[1], atol=1e-10)
 
 
+@pytest.mark.slow
 def test_the_leading_eigenvectors_span_numpys_where_the_spectrum_has_a_gap():
     rng = np.random.default_rng(3)
     q = np.linalg.qr(rng.normal(size=(5, 40, 40)))[0]

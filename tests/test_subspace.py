@@ -91,6 +91,7 @@ def rounded(a: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return a * (1 + 2.0**-52 * rng.uniform(-1, 1, size=a.shape))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fn", ["orthogonal", "similarity", "diag_psd", "lowrank"])
 def test_projections_do_not_move_with_float64_rounding(fn, monkeypatch):
     """Inputs and outputs moved by float64 rounding: every anchor's proj_full and proj_res within 1e-9 and the

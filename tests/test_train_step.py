@@ -209,6 +209,7 @@ def test_losses_read_late_record_the_same_run(tokens, monkeypatch) -> None:
     assert [step for step, _ in at_once[2]] == list(range(1, 9))
 
 
+@pytest.mark.slow
 def test_a_divergence_is_recorded_at_its_step_read_at_once_or_late(tokens, monkeypatch) -> None:
     # `muon`: no radius to check on the host, which on CUDA stays on the device unchecked
     record, rows, seen, final = train(tokens, monkeypatch, "muon", diverge_at=5)
