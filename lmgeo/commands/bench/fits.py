@@ -203,6 +203,8 @@ def fit_flops(fn: str, k: int, d: int, cfg: AnalysisConfig) -> float:
         "orthogonal": 2 * k * d**2 + 21 * d**3 + 2 * d**3 + 9 * d**3 + 2 * d**3,
     }
     own["similarity"] = own["orthogonal"]
+    # the centred inputs' Gram and its eigh, X̃ᵀỸ, Aᵀ by two d × d × d products, the SVD of A − I (both factors)
+    own["affine"] = 2 * k * d**2 + 9 * d**3 + 2 * k * d**2 + 4 * d**3 + 21 * d**3
     return float(shared + own[fn])
 
 
